@@ -1,0 +1,17 @@
+"""sparsekit: pruning, N:M sparsity and quantization for PyTorch models."""
+
+from sparsekit.pruner import Pruner, prune_
+from sparsekit.report import SparsityReport, sparsity_report
+from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
+
+__all__ = [
+    "Cubic",
+    "Linear",
+    "OneShot",
+    "Pruner",
+    "Schedule",
+    "SparsityReport",
+    "prune_",
+    "sparsity_report",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,65 @@
+"""Layer selection by qualified module name: fnmatch globs or ``re:<regex>``."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+from torch import nn
+
+PRUNABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _as_list(patterns: str | Iterable[str] | None) -> list[str]:
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        return [patterns]
+    return list(patterns)
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """True when qualified module ``name`` matches ``pattern`` (a glob, or ``re:<regex>``
+    matched against the whole name)."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def select_modules(
+    model: nn.Module,
+    include: str | Sequence[str] | None = ("*",),
+    exclude: str | Sequence[str] | None = (),
+    types: tuple[type[nn.Module], ...] = PRUNABLE_TYPES,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> dict[str, nn.Module]:
+    """Modules of ``types`` whose qualified name matches an include pattern and no exclude
+    pattern, in model order. Raises ValueError when an include or exclude pattern matches no
+    module of those types (a typo should not silently prune nothing)."""
+    include_l = _as_list(include) or ["*"]
+    exclude_l = _as_list(exclude)
+    candidates = {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, types) and (filter_fn is None or filter_fn(m, name))
+    }
+    for kind, pats in (("include", include_l), ("exclude", exclude_l)):
+        for p in pats:
+            if p != "*" and not any(name_matches(n, p) for n in candidates):
+                names = ", ".join(list(candidates)[:8]) + (" ..." if len(candidates) > 8 else "")
+                raise ValueError(
+                    f"{kind} pattern {p!r} matches no selectable layer; layers are: {names}"
+                )
+    chosen = {
+        n: m
+        for n, m in candidates.items()
+        if any(name_matches(n, p) for p in include_l)
+        and not any(name_matches(n, p) for p in exclude_l)
+    }
+    if not chosen:
+        raise ValueError(
+            f"include={include_l} exclude={exclude_l} select no layer of types "
+            f"{[t.__name__ for t in types]}"
+        )
+    return chosen
