@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader never sees a half-written file, a killed writer leaves the old one."""
+"""Atomic file writes: readers never see a half-written file; a killed writer keeps the old."""
 
 from __future__ import annotations
 

@@ -1,0 +1,349 @@
+"""The Pruner: owns the masks of the selected layers and moves them along a schedule.
+
+Typical use inside a training loop (see DESIGN.md):
+
+    pruner = Pruner(model, sparsity=0.9, schedule=Cubic(start=0, end=2000, every=100))
+    for step, batch in enumerate(loader):
+        ...; optimizer.step()
+        pruner.step(step)
+    pruner.finalize()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsekit import masks as M
+from sparsekit.calibration import CalibrationFn
+from sparsekit.criteria import CRITERIA, collect_input_norms, magnitude, wanda
+from sparsekit.patterns import (
+    lowest_k_masks,
+    nm_group_cost,
+    nm_incompatibility,
+    nm_partial_mask,
+    parse_pattern,
+    prune_count,
+    row_mask,
+)
+from sparsekit.report import SparsityReport, build_report
+from sparsekit.schedules import OneShot, Schedule
+from sparsekit.select import name_matches, select_modules
+
+SCOPES = ("layer", "global")
+STATE_VERSION = 1
+
+
+def _check_level(what: str, level: object) -> float:
+    if isinstance(level, bool) or not isinstance(level, (int, float)):
+        raise TypeError(f"{what} must be a number in [0, 1), got {level!r}")
+    if not 0.0 <= float(level) < 1.0 or math.isnan(level):
+        raise ValueError(f"{what} must be in [0, 1) (fraction of weights set to zero), got {level}")
+    return float(level)
+
+
+class Pruner:
+    """Masks on the weights of the selected layers, updated on a schedule.
+
+    Args:
+        model: the module to prune (masks are attached at construction, all ones).
+        sparsity: unstructured target, the fraction of weights set to zero, in [0, 1); or a
+            mapping from layer name patterns (globs or ``re:``) to levels, first match wins.
+            For N:M patterns it is implied (1 - N/M) and may be left None.
+        pattern: ``"unstructured"`` or ``"N:M"`` (N kept of every M consecutive inputs).
+        criterion: ``"magnitude"``, ``"wanda"`` (needs ``calibration``) or ``"sparsegpt"``
+            (one shot; needs ``calibration``; updates the kept weights too).
+        scope: ``"layer"`` (each layer reaches its target) or ``"global"`` (one threshold over
+            all selected layers; for N:M, the ramp enforces the cheapest groups model-wide).
+        schedule: ``OneShot``, ``Linear`` or ``Cubic``; default ``OneShot(step=0)``.
+        include, exclude: globs or ``re:<regex>`` over qualified module names.
+        calibration: iterable of model inputs (re-iterable for gradual Wanda: it is run at
+            every mask update). ``calibration_fn(model, batch)`` feeds unusual batches.
+        strict: raise instead of skipping layers that cannot take the pattern.
+
+    Wanda compares scores within each output row (Sun et al. 2023): each row of a layer gets
+    ``round(level * in_features)`` zeros. N:M under a gradual schedule enforces a growing
+    fraction of M-groups, those losing the least score first, and the full pattern at ``end``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sparsity: float | Mapping[str, float] | None = None,
+        pattern: str = "unstructured",
+        criterion: str = "magnitude",
+        scope: str = "layer",
+        schedule: Schedule | None = None,
+        include: str | Sequence[str] | None = ("*",),
+        exclude: str | Sequence[str] | None = (),
+        calibration: Iterable[Any] | None = None,
+        calibration_fn: CalibrationFn | None = None,
+        strict: bool = False,
+    ):
+        self.model = model
+        self.pattern = pattern
+        self.nm = parse_pattern(pattern)
+        if criterion not in CRITERIA:
+            raise ValueError(f"unknown criterion {criterion!r}: allowed are {list(CRITERIA)}")
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
+        self.criterion, self.scope = criterion, scope
+        self.schedule = OneShot() if schedule is None else schedule
+        if not isinstance(self.schedule, Schedule):
+            raise TypeError(f"schedule must be OneShot, Linear or Cubic, got {schedule!r}")
+        if criterion == "sparsegpt" and not isinstance(self.schedule, OneShot):
+            raise ValueError("criterion 'sparsegpt' is one shot: use schedule=OneShot(...)")
+        if criterion in ("wanda", "sparsegpt") and calibration is None:
+            raise ValueError(f"criterion {criterion!r} needs calibration= (an iterable of batches)")
+        if criterion == "wanda" and self.nm is None and scope == "global":
+            raise ValueError(
+                "criterion 'wanda' compares scores within each output row; use scope='layer'"
+            )
+        self.calibration, self.calibration_fn = calibration, calibration_fn
+
+        selected = select_modules(model, include, exclude)
+        self.levels = self._resolve_levels(sparsity, selected)
+        self.skipped: dict[str, str] = {}
+        self.modules: dict[str, nn.Module] = {}
+        for name, module in selected.items():
+            reason = self._skip_reason(module)
+            if reason is None and self.levels.get(name, 0.0) is None and self.nm is None:
+                reason = "no sparsity level in the mapping matches this layer"
+            if reason is not None:
+                if strict:
+                    raise ValueError(f"layer {name!r} cannot be pruned with {pattern!r}: {reason}")
+                self.skipped[name] = reason
+            else:
+                self.modules[name] = module
+        self._selected = list(selected)
+        for module in self.modules.values():
+            M.attach_mask(module)
+        self.progress = 0.0
+        self.last_step: int | None = None
+
+    def _resolve_levels(
+        self, sparsity: float | Mapping[str, float] | None, selected: Mapping[str, nn.Module]
+    ) -> dict[str, float | None]:
+        if self.nm is not None:
+            implied = 1 - self.nm[0] / self.nm[1]
+            if sparsity is not None and (
+                not isinstance(sparsity, (int, float)) or abs(float(sparsity) - implied) > 1e-9
+            ):
+                raise ValueError(
+                    f"sparsity is implied by pattern {self.pattern!r} ({implied:g}); "
+                    "leave sparsity=None"
+                )
+            return {name: None for name in selected}
+        if sparsity is None:
+            raise ValueError("sparsity is required for pattern 'unstructured' (a level in [0, 1))")
+        if isinstance(sparsity, Mapping):
+            if self.scope == "global":
+                raise ValueError("a per-layer sparsity mapping needs scope='layer'")
+            levels = {p: _check_level(f"sparsity[{p!r}]", v) for p, v in sparsity.items()}
+            for p in levels:
+                if not any(name_matches(n, p) for n in selected):
+                    raise ValueError(f"sparsity pattern {p!r} matches no selected layer")
+            return {
+                name: next((v for p, v in levels.items() if name_matches(name, p)), None)
+                for name in selected
+            }
+        level = _check_level("sparsity", sparsity)
+        return {name: level for name in selected}
+
+    def _skip_reason(self, module: nn.Module) -> str | None:
+        weight = M.original_weight(module)
+        if not weight.is_floating_point():
+            return f"weight dtype {weight.dtype} is not floating point"
+        if self.nm is not None:
+            return nm_incompatibility(weight.shape, self.nm[1])
+        return None
+
+    @property
+    def masks(self) -> dict[str, torch.Tensor]:
+        """Current keep-masks (True = kept) by qualified layer name; live tensors, not copies."""
+        return {name: M.find_mask(m).mask for name, m in self.modules.items()}
+
+    @property
+    def sparsity(self) -> float:
+        """Target fraction of zeros over the pruned layers at the end of the schedule."""
+        if self.nm is not None:
+            return 1 - self.nm[0] / self.nm[1]
+        total = sum(m.weight.numel() for m in self.modules.values())
+        return sum(self.levels[n] * m.weight.numel() for n, m in self.modules.items()) / total
+
+    def step(self, step: int) -> bool:
+        """Move the masks to the schedule's position at ``step`` (call after optimizer.step()).
+        Returns True when the masks changed."""
+        if not self.modules:
+            return False
+        target = self.schedule.progress(step)
+        self.last_step = step
+        if target <= self.progress:
+            return False
+        self._update(target)
+        self.progress = target
+        return True
+
+    @torch.no_grad()
+    def _update(self, progress: float) -> None:
+        if self.criterion == "sparsegpt":
+            self._update_sparsegpt(progress)
+            return
+        scores = self._scores()
+        keeps = {n: M.find_mask(m).mask for n, m in self.modules.items()}
+        new = self._nm_masks(scores, keeps, progress) if self.nm else None
+        if new is None:
+            new = self._unstructured_masks(scores, keeps, progress)
+        for name, module in self.modules.items():
+            M.attach_mask(module, new[name])
+            M.zero_pruned(module)
+
+    def _scores(self) -> dict[str, torch.Tensor]:
+        if self.criterion == "magnitude":
+            return {n: magnitude(m.weight) for n, m in self.modules.items()}
+        norms = collect_input_norms(self.model, self.modules, self.calibration, self.calibration_fn)
+        return {
+            n: wanda(m.weight, norms[n], getattr(m, "groups", 1)) for n, m in self.modules.items()
+        }
+
+    def _nm_masks(self, scores, keeps, progress: float) -> dict[str, torch.Tensor]:
+        n, m = self.nm
+        names = list(self.modules)
+        costs = [nm_group_cost(scores[k], m, n, keeps[k]) for k in names]
+        done = [
+            (~keeps[k]).reshape(c.shape[0], -1, m).sum(-1) >= m - n for k, c in zip(names, costs)
+        ]
+        if self.scope == "global":
+            total = sum(c.numel() for c in costs)
+            k_all = max(round(progress * total), sum(int(d.sum()) for d in done))
+            picked = lowest_k_masks(costs, k_all, [~d for d in done])
+        else:
+            picked = [
+                lowest_k_masks([c], max(round(progress * c.numel()), int(d.sum())), [~d])[0]
+                for c, d in zip(costs, done)
+            ]
+        # lowest_k_masks returns keep-masks: False marks a selected (enforced) group
+        return {k: nm_partial_mask(scores[k], n, m, keeps[k], ~p) for k, p in zip(names, picked)}
+
+    def _unstructured_masks(self, scores, keeps, progress: float) -> dict[str, torch.Tensor]:
+        names = list(self.modules)
+        if self.criterion == "wanda":
+            return {k: row_mask(scores[k], self.levels[k] * progress, keeps[k]) for k in names}
+        if self.scope == "global":
+            total = sum(scores[k].numel() for k in names)
+            count = prune_count(total, self.sparsity * progress)
+            picked = lowest_k_masks([scores[k] for k in names], count, [keeps[k] for k in names])
+            return dict(zip(names, picked))
+        return {
+            k: lowest_k_masks(
+                [scores[k]], prune_count(scores[k].numel(), self.levels[k] * progress), [keeps[k]]
+            )[0]
+            for k in names
+        }
+
+    def _update_sparsegpt(self, progress: float) -> None:
+        from sparsekit.sparsegpt import sparsegpt_prune
+
+        for module in self.modules.values():
+            M.fold_mask(module)  # all-ones masks: plain weights for the solver to update
+        levels = {n: None if self.nm else self.levels[n] * progress for n in self.modules}
+        new = sparsegpt_prune(
+            self.model, self.modules, levels, self.nm, self.calibration, self.calibration_fn
+        )
+        for name, module in self.modules.items():
+            M.attach_mask(module, new[name])
+            M.zero_pruned(module)
+
+    def report(self) -> SparsityReport:
+        """Sparsity of every selected layer, with skip reasons and N:M validity."""
+        selected = dict(self.model.named_modules())
+        return build_report(
+            {n: selected[n] for n in self._selected},
+            None if self.nm is None else self.pattern,
+            self.skipped,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (tensors, numbers, strings), loadable with torch.load(weights_only=True)."""
+        return {
+            "version": STATE_VERSION,
+            "pattern": self.pattern,
+            "criterion": self.criterion,
+            "scope": self.scope,
+            "progress": self.progress,
+            "last_step": -1 if self.last_step is None else self.last_step,
+            "masks": {n: m.detach().cpu().clone() for n, m in self.masks.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore masks and schedule position saved by :meth:`state_dict`."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"pruner state version {state.get('version')!r} != {STATE_VERSION}")
+        if state["pattern"] != self.pattern:
+            raise ValueError(
+                f"pruner state is for pattern {state['pattern']!r}, not {self.pattern!r}"
+            )
+        saved = state["masks"]
+        if set(saved) != set(self.modules):
+            raise ValueError(
+                f"pruner state covers layers {sorted(saved)}, this pruner {sorted(self.modules)}"
+            )
+        for name, module in self.modules.items():
+            M.attach_mask(module, saved[name])
+            M.zero_pruned(module)
+        self.progress = float(state["progress"])
+        self.last_step = None if state["last_step"] < 0 else int(state["last_step"])
+
+    def finalize(self) -> nn.Module:
+        """Fold masks into the weights: a plain module with the state_dict keys it had before
+        pruning and zeros where pruned. The pruner is done afterwards. Returns the model."""
+        for module in self.modules.values():
+            M.fold_mask(module)
+        self.modules = {}
+        return self.model
+
+
+def prune_(
+    model: nn.Module,
+    sparsity: float | Mapping[str, float] | None = None,
+    pattern: str = "unstructured",
+    criterion: str = "magnitude",
+    scope: str = "layer",
+    include: str | Sequence[str] | None = ("*",),
+    exclude: str | Sequence[str] | None = (),
+    calibration: Iterable[Any] | None = None,
+    calibration_fn: CalibrationFn | None = None,
+    strict: bool = False,
+) -> SparsityReport:
+    """Prune in one shot and fold the masks (a Pruner with ``OneShot`` then ``finalize``).
+    Modifies ``model`` in place and returns its :class:`SparsityReport`.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> report = prune_(model, pattern="2:4")
+    >>> report.global_sparsity
+    0.5
+    >>> int((model[0].weight == 0).sum())
+    64
+    """
+    pruner = Pruner(
+        model,
+        sparsity,
+        pattern,
+        criterion,
+        scope,
+        OneShot(0),
+        include,
+        exclude,
+        calibration,
+        calibration_fn,
+        strict,
+    )
+    pruner.step(0)
+    report = pruner.report()
+    pruner.finalize()
+    return report

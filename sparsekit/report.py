@@ -1,0 +1,123 @@
+"""Sparsity reports: per-layer and global zero counts, pattern validity and skip reasons."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from sparsekit.patterns import is_nm, nm_incompatibility, parse_pattern
+from sparsekit.select import select_modules
+
+
+@dataclass
+class LayerSparsity:
+    """One layer's weight: ``zeros`` of ``numel`` entries; ``pattern`` the N:M pattern it was
+    pruned to (or detected), ``nm_ok`` whether every group holds it; ``skipped`` the reason it
+    was left dense, or None."""
+
+    numel: int
+    zeros: int
+    pattern: str | None = None
+    nm_ok: bool | None = None
+    skipped: str | None = None
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.numel if self.numel else 0.0
+
+
+@dataclass
+class SparsityReport:
+    """Per-layer statistics in model order. ``str(report)`` is a table; ``to_dict()`` is plain
+    data for logging (``sparsity/global`` and ``sparsity/<layer>`` style keys)."""
+
+    layers: dict[str, LayerSparsity] = field(default_factory=dict)
+
+    @property
+    def zeros(self) -> int:
+        return sum(s.zeros for s in self.layers.values())
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.layers.values())
+
+    @property
+    def global_sparsity(self) -> float:
+        """Zeros over all reported weights (skipped layers included), in [0, 1]."""
+        return self.zeros / self.numel if self.numel else 0.0
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        return {n: s.skipped for n, s in self.layers.items() if s.skipped}
+
+    def to_dict(self) -> dict:
+        return {
+            "global": {"numel": self.numel, "zeros": self.zeros, "sparsity": self.global_sparsity},
+            "layers": {n: {**asdict(s), "sparsity": s.sparsity} for n, s in self.layers.items()},
+        }
+
+    def scalars(self) -> dict[str, float]:
+        """Flat ``{"sparsity/global": x, "sparsity/<layer>": y}`` for a metrics logger."""
+        out = {"sparsity/global": self.global_sparsity}
+        out.update({f"sparsity/{n}": s.sparsity for n, s in self.layers.items()})
+        return out
+
+    def __str__(self) -> str:
+        width = max([len("layer"), *(len(n) for n in self.layers)])
+        lines = [f"{'layer':<{width}}  {'params':>10}  {'zeros':>10}  {'sparsity':>8}  pattern"]
+        for name, s in self.layers.items():
+            pat = s.pattern or "-"
+            if s.nm_ok is not None:
+                pat += " ok" if s.nm_ok else " VIOLATED"
+            if s.skipped:
+                pat = f"skipped: {s.skipped}"
+            lines.append(
+                f"{name:<{width}}  {s.numel:>10}  {s.zeros:>10}  {s.sparsity:>8.2%}  {pat}"
+            )
+        lines.append(
+            f"{'global':<{width}}  {self.numel:>10}  {self.zeros:>10}  {self.global_sparsity:>8.2%}"
+        )
+        return "\n".join(lines)
+
+
+def sparsity_report(
+    model: nn.Module,
+    include: str | Sequence[str] | None = ("*",),
+    exclude: str | Sequence[str] | None = (),
+    pattern: str | None = None,
+    skipped: Mapping[str, str] | None = None,
+) -> SparsityReport:
+    """Count zeros in the weights of the selected layers (default: every Linear and Conv).
+
+    With ``pattern="N:M"`` each layer also says whether it satisfies that pattern; ``skipped``
+    maps layer names to the reason they were left dense.
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(8, 2)
+    >>> with torch.no_grad():
+    ...     layer.weight[:, :4] = 0
+    >>> sparsity_report(torch.nn.Sequential(layer)).global_sparsity
+    0.5
+    """
+    return build_report(select_modules(model, include, exclude), pattern, skipped)
+
+
+def build_report(
+    modules: Mapping[str, nn.Module],
+    pattern: str | None = None,
+    skipped: Mapping[str, str] | None = None,
+) -> SparsityReport:
+    """The report over exactly these named modules (see :func:`sparsity_report`)."""
+    nm = parse_pattern(pattern) if pattern and pattern != "unstructured" else None
+    skipped = dict(skipped or {})
+    report = SparsityReport()
+    for name, module in modules.items():
+        w = module.weight
+        stats = LayerSparsity(numel=w.numel(), zeros=int((w == 0).sum()), skipped=skipped.get(name))
+        if nm is not None and not stats.skipped:
+            stats.pattern = pattern
+            stats.nm_ok = nm_incompatibility(w.shape, nm[1]) is None and is_nm(w, *nm)
+        report.layers[name] = stats
+    return report

@@ -1,0 +1,102 @@
+"""Pruning schedules: pure functions from a training step to progress in [0, 1].
+
+Progress is the fraction of the final target in force: the Pruner multiplies a layer's target
+sparsity by it (unstructured), or enforces that fraction of N:M groups. Progress only moves at
+update steps ``start, start + every, ...`` and is 1 from ``end`` on, so calling ``step`` on
+every batch, skipping steps, or resuming mid-run all give the same masks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"schedule {name} must be an integer step, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"schedule {name} must be >= {minimum}, got {value}")
+
+
+class Schedule:
+    """Base class: ``progress(step)`` in [0, 1], non-decreasing in ``step``."""
+
+    def progress(self, step: int) -> float:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, int | str]:
+        """Plain description, e.g. for logging: ``{"kind": "cubic", "start": 0, ...}``."""
+        return {"kind": type(self).__name__.lower(), **vars(self)}
+
+
+@dataclass(frozen=True)
+class OneShot(Schedule):
+    """The full target at ``step`` (default 0) and after.
+
+    >>> OneShot(step=10).progress(9), OneShot(step=10).progress(10)
+    (0.0, 1.0)
+    """
+
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("step", self.step, 0)
+
+    def progress(self, step: int) -> float:
+        return 1.0 if step >= self.step else 0.0
+
+
+@dataclass(frozen=True)
+class _Ramp(Schedule):
+    start: int = 0
+    end: int = 1000
+    every: int = 100
+
+    def __post_init__(self) -> None:
+        _check_int("start", self.start, 0)
+        _check_int("end", self.end, 0)
+        _check_int("every", self.every, 1)
+        if self.end < self.start:
+            raise ValueError(
+                f"schedule end ({self.end}) is before its start ({self.start}); need end >= start"
+            )
+
+    def _fraction(self, step: int) -> float:
+        """Elapsed fraction of [start, end] at the last update step at or before ``step``."""
+        if step >= self.end:
+            return 1.0
+        if step < self.start:
+            return 0.0
+        last = self.start + (step - self.start) // self.every * self.every
+        return (last - self.start) / (self.end - self.start)
+
+
+@dataclass(frozen=True)
+class Linear(_Ramp):
+    """Progress rises linearly from 0 at ``start`` to 1 at ``end``, updated every ``every`` steps.
+
+    >>> [Linear(start=0, end=100, every=25).progress(t) for t in (0, 30, 50, 100)]
+    [0.0, 0.25, 0.5, 1.0]
+    """
+
+    def progress(self, step: int) -> float:
+        return self._fraction(step)
+
+
+@dataclass(frozen=True)
+class Cubic(_Ramp):
+    """Zhu & Gupta (2017): ``s_t = s_f + (s_i - s_f) * (1 - (t - t0) / (n * dt))**3`` with
+    ``s_i = 0``, ``t0 = start``, ``n * dt = end - start``, ``dt = every``: prunes fast early,
+    slowly near the end, and reaches the target at ``end``.
+
+    >>> Cubic(start=0, end=100, every=50).progress(50)
+    0.875
+    """
+
+    def progress(self, step: int) -> float:
+        f = self._fraction(step)
+        return 1.0 - math.pow(1.0 - f, 3)
+
+
+SCHEDULES: dict[str, type[Schedule]] = {"oneshot": OneShot, "linear": Linear, "cubic": Cubic}
