@@ -1,0 +1,360 @@
+"""SparseGPT: one-shot pruning with OBS weight reconstruction (Frantar & Alistarh 2023).
+
+For each selected layer, in the order the model calls them, the solver
+
+1. collects the layer's Hessian ``H = 2 X X^T / n`` from its calibration inputs ``X``
+   (``(in, n)`` in GEMM form: a Linear's rows of features; a conv's unfolded patches), as a
+   running average over batches, through a forward pre-hook on the *partly pruned* model, so a
+   layer sees the outputs of the layers already pruned before it;
+2. dampens it (``percdamp * mean(diag H)`` added to the diagonal; inputs that are always zero
+   get ``H_jj = 1``), and takes the upper Cholesky factor ``U`` of ``H^-1``;
+3. walks the columns in blocks of ``blocksize``: at the start of a block it chooses the weights
+   to prune by the OBS saliency ``w^2 / U_jj^2`` (unstructured: the block's share of the layer's
+   exact budget; N:M: the ``M - N`` lowest of every group of ``M`` columns), then prunes column
+   by column, spreading each pruned weight's error over the not yet processed columns of the
+   same row (``W[:, j:] -= (w_j / U_jj) U[j, j:]``); updates outside the block are applied once
+   per block (the "lazy batch" update).
+
+Only one layer's Hessian is alive at a time (layers that receive the very same input tensor
+share one, and one calibration pass). Everything runs in float32; weights are written back in
+their own dtype. Conv layers of any dimension, padding mode and group count are supported: the
+inputs are unfolded into patches matching the weight flattened as ``(out, in/groups * kernel)``,
+with one Hessian per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.patterns import prune_count
+
+__all__ = ["conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
+
+
+def hessian_spec(module: nn.Module) -> tuple:
+    """What determines a layer's Hessian from its input: layers with equal specs that receive
+    the same input tensor have the same Hessian."""
+    if isinstance(module, nn.Linear):
+        return ("linear", module.in_features)
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+        return (
+            "conv",
+            module.in_channels,
+            module.kernel_size,
+            module.stride,
+            module.padding,
+            module.dilation,
+            module.groups,
+            module.padding_mode,
+        )
+    raise TypeError(
+        f"sparsegpt supports nn.Linear and nn.Conv1d/2d/3d, not {type(module).__name__}"
+    )
+
+
+def _conv_pads(conv: nn.modules.conv._ConvNd) -> list[int]:
+    """F.pad's argument (last spatial dimension first) for the conv's padding."""
+    pads: list[int] = []
+    for d in reversed(range(len(conv.kernel_size))):
+        if conv.padding == "valid":
+            lo = hi = 0
+        elif conv.padding == "same":
+            total = conv.dilation[d] * (conv.kernel_size[d] - 1)
+            lo, hi = total // 2, total - total // 2
+        else:
+            lo = hi = conv.padding[d]
+        pads += [lo, hi]
+    return pads
+
+
+def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """The conv's input as GEMM rows: ``(groups, n_positions, in/groups * prod(kernel))``,
+    ordered like ``conv.weight[g * out_g:(g + 1) * out_g].flatten(1)``, so that
+    ``conv(x)`` (without bias) equals ``rows @ weight_g.T`` for each group ``g``."""
+    nd = len(conv.kernel_size)
+    if x.dim() == nd + 1:  # unbatched input
+        x = x.unsqueeze(0)
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    x = F.pad(x, _conv_pads(conv), mode=mode)
+    for d in range(nd):
+        span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]
+    # x: (B, C, *out_positions, *kernel) -> (B * positions, C, *kernel)
+    b, c = x.shape[:2]
+    x = x.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+    x = x.reshape(-1, conv.groups, c // conv.groups * x.shape[-nd:].numel())
+    return x.transpose(0, 1)
+
+
+def _input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``(groups, n, columns)`` float32 GEMM rows of one call's input."""
+    x = x.detach().float()
+    if isinstance(module, nn.Linear):
+        return x.reshape(1, -1, x.shape[-1])
+    return conv_columns(module, x)
+
+
+class _Hessian:
+    """Running average of ``2 X X^T`` over all inputs seen: ``(groups, cols, cols)`` float32."""
+
+    def __init__(self) -> None:
+        self.h: torch.Tensor | None = None
+        self.n = 0
+
+    def add(self, rows: torch.Tensor) -> None:
+        k = rows.shape[1]
+        if k == 0:
+            return
+        if self.h is None:
+            g, _, c = rows.shape
+            self.h = torch.zeros(g, c, c, dtype=torch.float32, device=rows.device)
+        # rescale the old average before adding, so H never holds a large un-normalised sum
+        self.h *= self.n / (self.n + k)
+        self.n += k
+        rows = rows * (2.0 / self.n) ** 0.5
+        self.h += rows.transpose(1, 2) @ rows
+
+    def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook: add the call's input."""
+        self.add(_input_rows(module, args[0] if args else kwargs["input"]))
+
+
+def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1``; retries with 10x the damping (up to 4
+    times) when float32 round-off leaves the dampened H not positive definite."""
+    damp = percdamp * float(h.diagonal().mean())
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for _ in range(5):
+        chol, info = torch.linalg.cholesky_ex(h + damp * eye)
+        if int(info) == 0:
+            inv = torch.cholesky_inverse(chol)
+            upper, info = torch.linalg.cholesky_ex(inv, upper=True)
+            if int(info) == 0:
+                return upper
+        damp *= 10.0
+    raise ValueError(
+        f"sparsegpt: the Hessian of layer {name!r} is not positive definite even with damping "
+        f"{damp:.3g}; raise percdamp"
+    )
+
+
+def obs_prune(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    sparsity: float | None = None,
+    nm: tuple[int, int] | None = None,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+    budget_offset: int = 0,
+    name: str = "weight",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prune one ``(rows, cols)`` weight matrix given its ``(cols, cols)`` Hessian.
+
+    Unstructured: prunes exactly ``prune_count(rows * cols, sparsity)`` weights, split over the
+    column blocks in proportion to their size (``budget_offset`` shifts the split for matrices
+    that are parts of a larger tensor, e.g. conv groups). N:M: keeps ``N`` of every ``M``
+    consecutive columns in each row. Returns ``(new_weight, keep_mask)``: float32 weights with
+    zeros where pruned, and a bool mask (True = kept), both ``(rows, cols)``.
+    """
+    if (sparsity is None) == (nm is None):
+        raise ValueError(f"layer {name!r}: give exactly one of sparsity (unstructured) or nm")
+    w = weight.detach().float().clone()
+    h = hessian.detach().float().clone()
+    rows, cols = w.shape
+    if nm is not None:
+        n, m = nm
+        if cols % m:
+            raise ValueError(f"layer {name!r}: input dimension {cols} is not a multiple of M={m}")
+        if blocksize % m:
+            raise ValueError(f"blocksize {blocksize} must be a multiple of M={m} for N:M")
+    dead = h.diagonal() == 0
+    if bool(dead.all()):
+        raise ValueError(
+            f"sparsegpt: layer {name!r} saw only zero inputs during calibration; exclude it"
+        )
+    h[dead, dead] = 1.0
+    u = _inverse_cholesky(h, percdamp, name)
+    del h
+
+    keep = torch.ones_like(w, dtype=torch.bool)
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        w1 = w[:, i1:i2].clone()
+        u1 = u[i1:i2, i1:i2]
+        d = u1.diagonal()
+        err = torch.zeros_like(w1)
+        prune1 = torch.zeros_like(w1, dtype=torch.bool)
+        if nm is None:
+            score = w1.square() / d.square()
+            score[:, dead[i1:i2]] = 0.0  # always-zero inputs: pruning them costs nothing
+            k = prune_count(budget_offset + rows * i2, sparsity) - prune_count(
+                budget_offset + rows * i1, sparsity
+            )
+            if k:
+                idx = score.reshape(-1).topk(k, largest=False).indices
+                prune1.view(-1)[idx] = True
+        for i in range(i2 - i1):
+            if nm is not None and i % nm[1] == 0:
+                score = w1[:, i : i + nm[1]].square() / d[i : i + nm[1]].square()
+                score[:, dead[i1 + i : i1 + i + nm[1]]] = 0.0
+                idx = score.topk(nm[1] - nm[0], dim=1, largest=False).indices
+                prune1[:, i : i + nm[1]].scatter_(1, idx, True)
+            col = w1[:, i]
+            e = torch.where(prune1[:, i], col, torch.zeros_like(col)) / d[i]
+            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
+            w1[:, i] = torch.where(prune1[:, i], torch.zeros_like(col), w1[:, i])
+            err[:, i] = e
+        w[:, i1:i2] = w1
+        keep[:, i1:i2] = ~prune1
+        w[:, i2:] -= err @ u[i1:i2, i2:]
+    return w, keep
+
+
+def _weight_tensor(module: nn.Module) -> torch.Tensor:
+    """The stored weight to write: the original under a parametrization, else ``weight``."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original
+    return module.weight
+
+
+def _solve_layer(
+    name: str,
+    module: nn.Module,
+    hess: _Hessian,
+    sparsity: float | None,
+    nm: tuple[int, int] | None,
+    blocksize: int,
+    percdamp: float,
+) -> torch.Tensor:
+    """Prune ``module`` in place from its accumulated Hessian; returns its keep-mask."""
+    weight = module.weight.detach()
+    groups = hess.h.shape[0]
+    w2 = weight.reshape(weight.shape[0], -1).float()
+    rows_g = w2.shape[0] // groups
+    new, keep = torch.empty_like(w2), torch.empty_like(w2, dtype=torch.bool)
+    for g in range(groups):
+        sl = slice(g * rows_g, (g + 1) * rows_g)
+        new[sl], keep[sl] = obs_prune(
+            w2[sl],
+            hess.h[g],
+            sparsity,
+            nm,
+            blocksize,
+            percdamp,
+            budget_offset=g * rows_g * w2.shape[1],
+            name=name,
+        )
+    with torch.no_grad():
+        target = _weight_tensor(module)
+        target.copy_(new.reshape(weight.shape).to(target.dtype))
+    return keep.reshape(weight.shape)
+
+
+def _call_order(
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    batch: Any,
+    calibration_fn: CalibrationFn | None,
+) -> list[list[str]]:
+    """Groups of layer names in the order the model first calls them on ``batch``; layers that
+    receive the very same input tensor(s) with the same Hessian spec form one group (their
+    Hessians are equal, and pruning one cannot change the other's input)."""
+    calls: dict[str, list[torch.Tensor]] = {}
+
+    def hook(name: str) -> Callable:
+        def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            calls.setdefault(name, []).append(args[0] if args else kwargs["input"])
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in modules.items()]
+    try:
+        run_calibration(model, [batch], calibration_fn)
+    finally:
+        for handle in handles:
+            handle.remove()
+    never = [n for n in modules if n not in calls]
+    if never:
+        raise ValueError(
+            f"sparsegpt: layers {never} were never called by the model during calibration (for "
+            "example nn.MultiheadAttention.out_proj, whose weight is used functionally); "
+            "exclude them"
+        )
+    groups: list[list[str]] = []
+    for name in calls:  # dicts keep insertion order = first-call order
+        if groups:
+            prev = groups[-1][0]
+            same_input = len(calls[prev]) == len(calls[name]) and all(
+                a is b for a, b in zip(calls[prev], calls[name])
+            )
+            if same_input and hessian_spec(modules[prev]) == hessian_spec(modules[name]):
+                groups[-1].append(name)
+                continue
+        groups.append([name])
+    return groups
+
+
+def sparsegpt_prune(
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    sparsity: dict[str, float | None],
+    nm: tuple[int, int] | None,
+    calibration: Iterable,
+    calibration_fn: CalibrationFn | None = None,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+) -> dict[str, torch.Tensor]:
+    """Prune ``modules`` (qualified name -> Linear/Conv layer of ``model``) one shot with
+    SparseGPT, in place, in the order the model calls them.
+
+    ``sparsity[name]`` is the layer's unstructured target in [0, 1) (exactly
+    ``prune_count(numel, sparsity)`` weights are pruned); with ``nm=(N, M)`` every group of ``M``
+    consecutive inputs keeps ``N`` weights and ``sparsity`` is ignored. ``calibration`` is an
+    iterable of model inputs, fed as :func:`sparsekit.calibration.call_model` does (or through
+    ``calibration_fn(model, batch)``); it is read into a list and replayed once per layer group.
+    Each layer's weight is overwritten with the OBS-compensated weights (zeros where pruned).
+    Returns bool keep-masks (True = kept) of each weight's shape.
+
+    >>> torch.manual_seed(0) and None
+    >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> masks = sparsegpt_prune(net, {"0": net[0], "2": net[2]}, {"0": 0.5, "2": 0.5}, None,
+    ...                         [torch.randn(16, 8)])
+    >>> [int(m.sum()) for m in masks.values()], int((net[2].weight == 0).sum())
+    ([32, 16], 16)
+    """
+    if not modules:
+        return {}
+    if blocksize < 1:
+        raise ValueError(f"blocksize must be a positive number of columns, got {blocksize}")
+    if not percdamp > 0:
+        raise ValueError(f"percdamp must be > 0 (fraction of mean(diag H)), got {percdamp}")
+    for name, module in modules.items():
+        hessian_spec(module)
+        if nm is None:
+            level = sparsity.get(name)
+            if level is None or not 0 <= level < 1:
+                raise ValueError(f"layer {name!r}: sparsity must be in [0, 1), got {level!r}")
+    batches = list(calibration) if calibration is not None else []
+    if not batches:
+        raise ValueError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
+
+    masks: dict[str, torch.Tensor] = {}
+    for group in _call_order(model, modules, batches[0], calibration_fn):
+        first = modules[group[0]]
+        hess = _Hessian()
+        handle = first.register_forward_pre_hook(hess.hook, with_kwargs=True)
+        try:
+            run_calibration(model, batches, calibration_fn)
+        finally:
+            handle.remove()
+        for name in group:
+            level = None if nm is not None else sparsity[name]
+            masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp)
+    return {name: masks[name] for name in modules}
