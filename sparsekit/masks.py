@@ -60,6 +60,7 @@ def attach_mask(module: nn.Module, mask: torch.Tensor | None = None) -> WeightMa
             "mask before other parametrizations (create the Pruner before prepare_qat_)"
         )
     wm = WeightMask(mask.to(original_weight(module).device))
+    wm.param_order = list(module._parameters)  # restored by fold_mask: same state_dict order
     parametrize.register_parametrization(module, "weight", wm)
     return wm
 
@@ -78,10 +79,16 @@ def fold_mask(module: nn.Module) -> None:
     """Remove the mask for good: ``module.weight`` becomes a plain Parameter with zeros where
     pruned (same Parameter object as before the mask, same state_dict keys as an unpruned
     module). Other parametrizations on the weight are folded too."""
-    if find_mask(module) is None:
+    wm = find_mask(module)
+    if wm is None:
         return
     zero_pruned(module)
     parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+    params = module._parameters
+    order = [k for k in wm.param_order if k in params] + [
+        k for k in params if k not in wm.param_order
+    ]
+    module._parameters = {k: params[k] for k in order}
 
 
 def mask_from_zeros(weight: torch.Tensor) -> torch.Tensor:
