@@ -3,6 +3,7 @@
 from sparsekit.pruner import Pruner, prune_
 from sparsekit.report import SparsityReport, sparsity_report
 from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
+from sparsekit.sensitivity import SensitivityTable, allocate, sensitivity
 
 __all__ = [
     "Cubic",
@@ -10,8 +11,11 @@ __all__ = [
     "OneShot",
     "Pruner",
     "Schedule",
+    "SensitivityTable",
     "SparsityReport",
+    "allocate",
     "prune_",
+    "sensitivity",
     "sparsity_report",
 ]
 __version__ = "0.1.0"
