@@ -10,7 +10,9 @@ from sparsekit.patterns import is_nm, prune_count
 
 
 def mlp():
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8))
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8)
+    )
 
 
 def zeros(t):
@@ -72,8 +74,11 @@ def test_skipped_layers_reported_and_strict_raises():
     assert report.layers["2"].zeros == 0
     assert "skipped" in str(report)
     with pytest.raises(ValueError, match="layer '2'"):
-        sk.Pruner(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 6), nn.Linear(6, 3)),
-                  pattern="2:4", strict=True)
+        sk.Pruner(
+            nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 6), nn.Linear(6, 3)),
+            pattern="2:4",
+            strict=True,
+        )
 
 
 def test_wanda_matches_paper_score():
@@ -128,7 +133,7 @@ def test_nm_gradual_ramp_fraction_of_groups():
     model = mlp()
     pruner = sk.Pruner(model, pattern="2:4", schedule=sk.Linear(0, 100, 25))
     pruner.step(50)  # half the groups enforced
-    for name, mask in pruner.masks.items():
+    for mask in pruner.masks.values():
         groups = mask.reshape(mask.shape[0], -1, 4).sum(-1)
         assert ((groups == 2) | (groups == 4)).all()
         assert (groups == 2).float().mean().item() == pytest.approx(0.5, abs=0.01)
@@ -141,8 +146,11 @@ def test_masks_survive_optimizer_with_weight_decay(opt_name):
     model = mlp()
     pruner = sk.Pruner(model, sparsity=0.75, schedule=sk.OneShot(0))
     params = list(model.parameters())
-    opt = (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if opt_name == "adamw"
-           else torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1))
+    opt = (
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        if opt_name == "adamw"
+        else torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1)
+    )
     # momentum built up before pruning must not revive pruned weights either
     for _ in range(5):
         model(torch.randn(8, 32)).sum().backward()
@@ -261,8 +269,11 @@ def test_sparsity_report_table_and_dict():
     sk.prune_(model, pattern="2:4")
     report = sk.sparsity_report(model, pattern="2:4")
     d = report.to_dict()
-    assert d["global"]["zeros"] == report.zeros == sum(zeros(m.weight) for m in model if
-                                                        isinstance(m, nn.Linear))
+    assert (
+        d["global"]["zeros"]
+        == report.zeros
+        == sum(zeros(m.weight) for m in model if isinstance(m, nn.Linear))
+    )
     assert all(layer["nm_ok"] for layer in d["layers"].values())
     assert report.scalars()["sparsity/global"] == pytest.approx(0.5)
     assert "global" in str(report) and "2:4 ok" in str(report)
@@ -283,8 +294,15 @@ def test_torchvision_resnet_and_vit():
     assert report.layers["layer1.0.conv1"].nm_ok
     assert _forward_ok(resnet, torch.randn(1, 3, 32, 32)).shape == (1, 10)
 
-    vit = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
-                                      hidden_dim=32, mlp_dim=64, num_classes=5)
+    vit = tv.models.VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=5,
+    )
     report = sk.prune_(vit, sparsity=0.5, scope="global")
     assert report.global_sparsity == pytest.approx(0.5, abs=1e-6)
     assert _forward_ok(vit, torch.randn(2, 3, 32, 32)).shape == (2, 5)
@@ -292,21 +310,37 @@ def test_torchvision_resnet_and_vit():
 
 def test_hf_bert_and_llama_from_config():
     transformers = pytest.importorskip("transformers")
-    bert = transformers.BertModel(transformers.BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32))
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+    )
     ids = torch.randint(0, 100, (2, 8))
     calib = [{"input_ids": ids}]
     report = sk.prune_(bert, pattern="2:4", criterion="wanda", calibration=calib)
     assert all(s.nm_ok for s in report.layers.values() if not s.skipped)
     assert _forward_ok(bert, input_ids=ids).last_hidden_state.shape == (2, 8, 32)
 
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
     keys = list(llama.state_dict())
-    pruner = sk.Pruner(llama, pattern="2:4", exclude=["lm_head"],
-                       schedule=sk.Linear(start=0, end=4, every=2))
+    pruner = sk.Pruner(
+        llama, pattern="2:4", exclude=["lm_head"], schedule=sk.Linear(start=0, end=4, every=2)
+    )
     opt = torch.optim.AdamW(llama.parameters(), lr=1e-3)
     for step in range(5):
         out = llama(input_ids=ids, labels=ids)

@@ -9,7 +9,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_smoke_reaches_exact_count(tmp_path):
     out = tmp_path / "r.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_global_prune.py"), "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_global_prune.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
         check=True,
         capture_output=True,
     )
