@@ -1,6 +1,7 @@
 """sparsekit: pruning, N:M sparsity and quantization for PyTorch models."""
 
 from sparsekit.pruner import Pruner, prune_
+from sparsekit.quant import QuantReport, convert_, prepare_qat_, quantize_
 from sparsekit.report import SparsityReport, sparsity_report
 from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
 from sparsekit.sensitivity import SensitivityTable, allocate, sensitivity
@@ -10,11 +11,15 @@ __all__ = [
     "Linear",
     "OneShot",
     "Pruner",
+    "QuantReport",
     "Schedule",
     "SensitivityTable",
     "SparsityReport",
     "allocate",
+    "convert_",
+    "prepare_qat_",
     "prune_",
+    "quantize_",
     "sensitivity",
     "sparsity_report",
 ]

@@ -1,0 +1,25 @@
+"""Quantization: int8 weight-only, int8 W8A8 and fp8 (e4m3) W8A8 layers; post-training
+quantization (``quantize_``) and quantization-aware training (``prepare_qat_``/``convert_``),
+both composing with pruning masks; the plan a checkpoint needs to rebuild quantized layers."""
+
+from sparsekit.quant.formats import SCHEMES, Scheme, get_scheme
+from sparsekit.quant.modules import QuantConv, QuantLinear
+from sparsekit.quant.plan import apply_quant_plan, quant_plan
+from sparsekit.quant.qat import convert_, prepare_qat_
+from sparsekit.quant.quantize import quantize_
+from sparsekit.quant.report import QuantLayer, QuantReport
+
+__all__ = [
+    "SCHEMES",
+    "QuantConv",
+    "QuantLayer",
+    "QuantLinear",
+    "QuantReport",
+    "Scheme",
+    "apply_quant_plan",
+    "convert_",
+    "get_scheme",
+    "prepare_qat_",
+    "quant_plan",
+    "quantize_",
+]

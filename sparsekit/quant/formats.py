@@ -1,0 +1,60 @@
+"""The 8-bit number formats and the schemes built from them.
+
+A *format* is a storage dtype plus the largest magnitude it represents; symmetric scales map a
+tensor's absolute maximum onto that magnitude. A *scheme* says which format the weights use and
+whether (and in which format) activations are quantized on the fly.
+
+>>> get_scheme("int8")
+Scheme(name='int8', weight=Format(name='int8'), activation=Format(name='int8'))
+>>> get_scheme("int8_weight_only").activation is None
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Format:
+    """An 8-bit storage format: ``dtype`` holds the values, ``qmax`` is the largest magnitude a
+    symmetric scale maps the absolute maximum to (127 for int8, so -128 is never used and the
+    grid is symmetric; 448 for float8 e4m3fn, its largest finite value)."""
+
+    name: str
+    dtype: torch.dtype = field(repr=False)
+    qmax: float = field(repr=False)
+
+
+INT8 = Format("int8", torch.int8, 127.0)
+FP8 = Format("fp8", torch.float8_e4m3fn, 448.0)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A quantization scheme: weight format (per output channel scales) and activation format
+    (dynamic scales, one per token row or per sample; None keeps activations in float)."""
+
+    name: str
+    weight: Format
+    activation: Format | None
+
+
+SCHEMES: dict[str, Scheme] = {
+    "int8_weight_only": Scheme("int8_weight_only", INT8, None),
+    "int8": Scheme("int8", INT8, INT8),
+    "fp8": Scheme("fp8", FP8, FP8),
+}
+
+
+def get_scheme(scheme: str | Scheme) -> Scheme:
+    """The :class:`Scheme` named ``scheme``; ValueError naming the allowed names otherwise."""
+    if isinstance(scheme, Scheme):
+        return scheme
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(
+            f"unknown quantization scheme {scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}"
+        )
+    return SCHEMES[scheme]

@@ -1,0 +1,69 @@
+"""Finding and replacing the layers a quantization pass acts on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight
+from sparsekit.select import PRUNABLE_TYPES, select_modules
+
+LAYER_TYPES = (*PRUNABLE_TYPES, QuantLinear, QuantConv)
+# Set on a layer by prepare_qat_ (the scheme name) and cleared by convert_. An attribute rather
+# than the parametrization itself: folding a pruning mask folds the fake quantization too.
+QAT_ATTR = "sparsekit_qat_scheme"
+
+
+def qat_scheme(module: nn.Module) -> str | None:
+    """The scheme ``module`` was prepared for QAT with, or None."""
+    return getattr(module, QAT_ATTR, None)
+
+
+def all_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every Linear/ConvNd layer and quantized layer, in model order."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LAYER_TYPES)}
+
+
+def select_float_layers(
+    model: nn.Module, include: str | Sequence[str], exclude: str | Sequence[str], verb: str
+) -> dict[str, nn.Module]:
+    """The selected layers; ValueError when one is already quantized or prepared for QAT
+    (quantizing twice), naming the layer and what to do instead."""
+    chosen = select_modules(model, include, exclude, types=LAYER_TYPES)
+    for name, m in chosen.items():
+        if isinstance(m, _QuantWeight):
+            raise ValueError(
+                f"{verb}: layer {name!r} is already quantized ({m.scheme}); quantize a float "
+                "model once (exclude the layer to quantize the others)"
+            )
+        if qat_scheme(m) is not None:
+            raise ValueError(
+                f"{verb}: layer {name!r} is already prepared for QAT ({qat_scheme(m)}); call "
+                "convert_(model) to quantize it"
+            )
+    return chosen
+
+
+def foreign_parametrizations(module: nn.Module, own: tuple[type, ...] = ()) -> list[str]:
+    """Names of the parametrizations on ``module.weight`` that are not instances of ``own``
+    (all of them by default)."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return []
+    return [type(p).__name__ for p in module.parametrizations.weight if not isinstance(p, own)]
+
+
+def kind(module: nn.Module) -> str:
+    """The float layer type a (possibly quantized) layer stands for: Linear, Conv1d, ..."""
+    if isinstance(module, QuantLinear):
+        return "Linear"
+    if isinstance(module, QuantConv):
+        return f"Conv{module.dims}d"
+    return type(module).__name__.removeprefix("Parametrized")
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at qualified ``name``."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, module)

@@ -1,0 +1,81 @@
+"""Symmetric absmax quantization: scales, quantize/dequantize, fake quantization with a
+straight-through estimator.
+
+Every scale is ``max(|x|) / qmax`` over its group, in float32, so the largest magnitude of each
+group lands exactly on the format's largest value and nothing is clipped. A zero stays exactly
+zero (``0 / s = 0`` rounds and casts to 0), which keeps pruning masks intact.
+
+>>> w = torch.tensor([[0.5, -1.0, 0.0], [2.0, 0.25, -0.125]])
+>>> channel_scales(w, INT8) * 127
+tensor([1., 2.])
+>>> quantize(w, channel_scales(w, INT8)[:, None], INT8)
+tensor([[  64, -127,    0],
+        [ 127,   16,   -8]], dtype=torch.int8)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekit.quant.formats import INT8, Format
+
+# Smallest absmax a scale is built from: an all-zero group (a fully pruned channel, a row of
+# ReLU zeros) gets a tiny positive scale instead of 0/0, and its values quantize to 0.
+MIN_ABSMAX = 1e-12
+
+
+def absmax_scale(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``max(amax, MIN_ABSMAX) / fmt.qmax`` in float32 (same shape as ``amax``)."""
+    return amax.detach().float().clamp_min(MIN_ABSMAX) / fmt.qmax
+
+
+def channel_scales(weight: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Per-output-channel scales of a weight of shape (out, in, *kernel): shape (out,), float32,
+    ``scale[c] = max |weight[c]| / qmax``."""
+    return absmax_scale(weight.detach().abs().flatten(1).amax(dim=1), fmt)
+
+
+def row_scales(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Per-row (per-token) scales of a 2-D activation (rows, features): shape (rows, 1)."""
+    return absmax_scale(x.detach().abs().amax(dim=1, keepdim=True), fmt)
+
+
+def sample_scales(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Per-sample scales of a batched feature map (batch, channels, *spatial): one scale over each
+    sample's channels and positions, shape (batch, 1, ..., 1) to broadcast against ``x``."""
+    amax = x.detach().abs().flatten(1).amax(dim=1)
+    return absmax_scale(amax, fmt).reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``x / scale`` in ``fmt.dtype``: int8 rounds half to even and clamps to [-127, 127];
+    fp8 clamps to [-448, 448] then casts (round to nearest even). ``scale`` broadcasts."""
+    t = x.detach().float() / scale
+    if fmt is INT8:
+        return t.round_().clamp_(-fmt.qmax, fmt.qmax).to(fmt.dtype)
+    # Clamp first: how an out-of-range cast to float8 behaves (saturate or NaN) varies by torch.
+    return t.clamp_(-fmt.qmax, fmt.qmax).to(fmt.dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """``q * scale`` computed in float32, returned in ``dtype``."""
+    return (q.float() * scale).to(dtype)
+
+
+class _FakeQuantize(torch.autograd.Function):
+    """Forward: the dequantized value exactly; backward: the gradient unchanged (straight-through
+    estimator). Absmax scales never clip, so no gradient needs to be cut at the range ends."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+        return dequantize(quantize(x, scale, fmt), scale, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s dtype with a straight-through gradient to ``x``.
+    ``scale`` is treated as a constant (computed from detached values)."""
+    return _FakeQuantize.apply(x, scale.detach(), fmt)

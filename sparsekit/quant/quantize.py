@@ -1,0 +1,108 @@
+"""Post-training quantization: ``quantize_`` swaps float layers for 8-bit ones in place."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.quant.formats import Scheme, get_scheme
+from sparsekit.quant.layers import (
+    all_layers,
+    foreign_parametrizations,
+    kind,
+    select_float_layers,
+    set_module,
+)
+from sparsekit.quant.modules import quantized_module, unsupported_reason
+from sparsekit.quant.report import QuantLayer, QuantReport
+
+
+def quantize_(
+    model: nn.Module,
+    scheme: str | Scheme,
+    include: str | Sequence[str] = ("*",),
+    exclude: str | Sequence[str] = (),
+    calibration: Iterable[Any] | None = None,
+    calibration_fn: CalibrationFn | None = None,
+    strict: bool = False,
+) -> QuantReport:
+    """Replace the selected Linear/ConvNd layers of ``model`` by quantized ones, in place.
+
+    ``scheme``: "int8_weight_only", "int8" (W8A8) or "fp8" (e4m3 W8A8); see
+    :mod:`sparsekit.quant.modules` for the scales. Weights are quantized from their current
+    values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
+    cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
+    Activation scales are dynamic, so no calibration is needed; ``calibration`` batches (fed as
+    in :func:`sparsekit.calibration.call_model`) only measure each layer's output error, which
+    the report lists. Raises ValueError for an unknown scheme, a layer that is already
+    quantized or prepared for QAT, or one under a live pruning mask (finalize the pruner).
+
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> report = quantize_(model, "int8", exclude="2")
+    >>> report.quantized, type(model[0]).__name__
+    (['0'], 'QuantLinear')
+    """
+    scheme = get_scheme(scheme)
+    chosen = select_float_layers(model, include, exclude, "quantize_")
+    for name, m in chosen.items():
+        foreign = foreign_parametrizations(m)
+        if foreign:
+            raise ValueError(
+                f"quantize_: layer {name!r} has parametrizations {foreign} on its weight (a "
+                "Pruner that is not finalized?): call pruner.finalize() first, or use "
+                "prepare_qat_ to fine-tune under the pruner"
+            )
+    report = QuantReport(scheme.name)
+    todo: dict[str, nn.Module] = {}
+    for name, m in all_layers(model).items():
+        layer = QuantLayer(name, kind(m), "quantized")
+        if name not in chosen:
+            layer.status, layer.reason = "excluded", "not selected by include/exclude"
+        elif (reason := unsupported_reason(m, scheme)) is not None:
+            layer.status, layer.reason = "skipped", reason
+        else:
+            todo[name] = quantized_module(m, scheme)
+        report.layers.append(layer)
+    if strict and report.skipped:
+        raise ValueError(f"quantize_({scheme.name!r}, strict=True) cannot take: {report.skipped}")
+    if calibration is not None:
+        errors = _layer_errors(model, chosen, todo, calibration, calibration_fn)
+        for layer in report.layers:
+            layer.rel_error = errors.get(layer.name)
+    for name, q in todo.items():
+        set_module(model, name, q)
+    return report
+
+
+@torch.no_grad()
+def _layer_errors(
+    model: nn.Module,
+    floats: dict[str, nn.Module],
+    quants: dict[str, nn.Module],
+    calibration: Iterable[Any],
+    calibration_fn: CalibrationFn | None,
+) -> dict[str, float]:
+    """Relative L2 error ||q(x) - f(x)|| / ||f(x)|| of each quantized layer against its float
+    layer, on the float model's own inputs to that layer (errors do not compound)."""
+    sums = {name: [0.0, 0.0] for name in quants}
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            ref = out.float()
+            sums[name][0] += (quants[name](*args).float() - ref).pow(2).sum().item()
+            sums[name][1] += ref.pow(2).sum().item()
+
+        return record
+
+    handles = [floats[n].register_forward_hook(hook(n)) for n in quants]
+    try:
+        run_calibration(model, calibration, calibration_fn)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: math.sqrt(err / ref) if ref > 0 else 0.0 for n, (err, ref) in sums.items()}
