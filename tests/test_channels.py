@@ -1,0 +1,371 @@
+"""Structured channel pruning: shapes, counts, whole heads, round trips, schedules, errors."""
+
+import json
+
+import pytest
+import torch
+import torch_pruning as tp
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.channels import (
+    ChannelPruner,
+    apply_channel_plan,
+    channel_plan,
+    prune_channels_,
+)
+from sparsekit.models import mnist1d_cnn
+
+torchvision = pytest.importorskip("torchvision")
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_vit():
+    return torchvision.models.VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=64,
+        mlp_dim=128,
+        num_classes=10,
+    )
+
+
+def tiny_bert():
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=32,
+    )
+    return transformers.BertModel(cfg).eval()
+
+
+def bert_inputs(batch=2):
+    ids = torch.randint(0, 100, (batch, 16), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+FAMILIES = {
+    "mnist1d_cnn": (mnist1d_cnn, lambda: torch.randn(2, 1, 40)),
+    "resnet18": (
+        lambda: torchvision.models.resnet18(num_classes=10),
+        lambda: torch.randn(2, 3, 32, 32),
+    ),
+    "resnet50": (
+        lambda: torchvision.models.resnet50(num_classes=10),
+        lambda: torch.randn(1, 3, 32, 32),
+    ),
+    "mobilenet_v2": (
+        lambda: torchvision.models.mobilenet_v2(num_classes=10),
+        lambda: torch.randn(2, 3, 32, 32),
+    ),
+    "vit": (tiny_vit, lambda: torch.randn(2, 3, 32, 32)),
+    "bert": (tiny_bert, bert_inputs),
+}
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return tp.utils.flatten_as_list(out)
+
+
+def reference_macs(model, inputs):
+    """Multiply-accumulates of the Conv/Linear layers and attention matmuls, counted from the
+    shapes seen in one forward pass (independent of torch-pruning's counter)."""
+    total = [0]
+
+    def conv(m, i, o):
+        total[0] += o.numel() * (m.in_channels // m.groups) * m.weight[0, 0].numel()
+
+    def linear(m, i, o):
+        total[0] += o.numel() * m.in_features
+
+    handles = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.conv._ConvNd):
+            handles.append(m.register_forward_hook(conv))
+        elif isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(linear))
+    model.eval()
+    run(model, inputs)
+    for h in handles:
+        h.remove()
+    return total[0]
+
+
+@pytest.fixture(params=list(FAMILIES), scope="module")
+def pruned(request):
+    """(name, dense model, pruned model, inputs, report) for each family at ratio 0.5."""
+    torch.manual_seed(0)
+    build, make_inputs = FAMILIES[request.param]
+    inputs = make_inputs()
+    dense = build().eval()
+    model = build().eval()
+    model.load_state_dict(dense.state_dict())
+    report = prune_channels_(model, inputs, ratio=0.5)
+    return request.param, build, dense, model, inputs, report
+
+
+def test_output_shapes_and_forward_after_pruning(pruned):
+    name, _, dense, model, inputs, report = pruned
+    before, after = run(dense, inputs), run(model, inputs)
+    assert [t.shape for t in after] == [t.shape for t in before]
+    assert all(torch.isfinite(t).all() for t in after)
+    assert report.channels_after < report.channels_before
+    other_batch = {k: v[:1] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[:1]
+    assert run(model, other_batch)[0].shape[0] == 1
+
+
+def test_parameter_and_mac_counts_match_the_report(pruned):
+    name, _, dense, model, inputs, report = pruned
+    assert report.params_before == sum(p.numel() for p in dense.parameters())
+    assert report.params_after == sum(p.numel() for p in model.parameters())
+    assert report.params_removed == pytest.approx(1 - report.params_after / report.params_before)
+    # The report's MACs (torch-pruning's counter) against an independent count of the dominant
+    # Conv/Linear MACs: the removed fractions agree to within the small non-matmul terms.
+    ref = 1 - reference_macs(model, inputs) / reference_macs(dense, inputs)
+    assert report.macs_removed == pytest.approx(ref, abs=0.06)
+    assert report.macs_after < report.macs_before
+
+
+def test_widths_follow_the_ratio_and_round_to(pruned):
+    name, _, dense, model, inputs, report = pruned
+    for layer, (before, after) in report.layers.items():
+        if layer in report.protected or after == before:
+            continue
+        assert after % 8 == 0 and after >= 8, (layer, before, after)
+    if name in ("resnet18", "resnet50"):
+        # every conv keeps int(c * 0.5) rounded down to 8 (all ResNet widths are multiples of 16)
+        for layer, (before, after) in report.layers.items():
+            if layer != "fc":
+                assert after == before // 2, (layer, before, after)
+        assert report.layers["fc"] == (dense.fc.out_features, dense.fc.out_features)
+    if name == "mnist1d_cnn":
+        assert [model.conv1.out_channels, model.conv2.out_channels, model.conv3.out_channels] == [
+            16,
+            16,
+            16,
+        ]
+
+
+def test_attention_loses_whole_heads():
+    torch.manual_seed(0)
+    dense = tiny_bert()
+    model = tiny_bert()
+    model.load_state_dict(dense.state_dict())
+    report = prune_channels_(model, bert_inputs(), ratio=0.5, steps=2)
+    for i, layer in enumerate(model.encoder.layer):
+        att = layer.attention.self
+        assert att.num_attention_heads == 2 and att.attention_head_size == 16
+        assert report.heads[f"encoder.layer.{i}.attention.self"] == (4, 2)
+        # the kept query rows are two complete heads of the dense query weight
+        w_dense = dense.encoder.layer[i].attention.self.query.weight.view(4, 16, -1)
+        kept = [
+            h
+            for h in range(4)
+            if any(torch.equal(w_dense[h], b) for b in att.query.weight.view(2, 16, -1))
+        ]
+        assert len(kept) == 2
+        assert torch.equal(att.query.weight.view(2, 16, -1), w_dense[kept])
+    # the hidden size reaches the output (last_hidden_state) and is kept
+    assert model.embeddings.word_embeddings.embedding_dim == 64
+
+
+def test_multihead_attention_loses_whole_heads():
+    dense = tiny_vit().eval()
+    model = tiny_vit().eval()
+    model.load_state_dict(dense.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    report = prune_channels_(model, x, ratio=0.5, round_to=1)
+    for block in model.encoder.layers:
+        mha = block.self_attention
+        assert (mha.num_heads, mha.head_dim, mha.embed_dim) == (2, 16, 32)
+        assert mha.in_proj_weight.shape == (96, 32)
+    assert report.heads["encoder.layers.encoder_layer_0.self_attention"] == (4, 2)
+    assert model.hidden_dim == 32 and model.class_token.shape[-1] == 32
+    assert run(model, x)[0].shape == (2, 10)
+
+
+def test_iterative_pruning_reaches_the_final_ratio():
+    x = torch.randn(1, 3, 32, 32)
+    one = torchvision.models.resnet18(num_classes=10)
+    many = torchvision.models.resnet18(num_classes=10)
+    r1 = prune_channels_(one, x, ratio=0.5)
+    r3 = prune_channels_(many, x, ratio=0.5, steps=3)
+    assert {k: v[1] for k, v in r3.layers.items()} == {k: v[1] for k, v in r1.layers.items()}
+    assert r3.params_after == r1.params_after
+
+
+def test_schedule_prunes_only_when_progress_rises():
+    model = mnist1d_cnn()
+    x = torch.randn(2, 1, 40)
+    pruner = ChannelPruner(
+        model, x, ratio=0.5, round_to=1, schedule=sk.Linear(start=0, end=40, every=20)
+    )
+    widths = []
+    for step in range(0, 50, 10):
+        changed = pruner.step(step)
+        widths.append((step, changed, model.conv2.out_channels))
+    assert widths == [
+        (0, False, 32),
+        (10, False, 32),
+        (20, True, 24),
+        (30, False, 24),
+        (40, True, 16),
+    ]
+
+
+@pytest.mark.parametrize("importance", ["magnitude", "lamp", "taylor"])
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_importances_and_scopes(importance, scope):
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    y = torch.tensor([1, 2])
+
+    def loss_fn(m):
+        return nn.functional.cross_entropy(m(x), y)
+
+    report = prune_channels_(
+        model, x, ratio=0.5, importance=importance, scope=scope, loss_fn=loss_fn
+    )
+    assert run(model, x)[0].shape == (2, 10)
+    # global ranking removes the same fraction overall, unevenly; rounding takes a little more
+    assert 0.45 <= report.channels_removed <= 0.56
+    if scope == "global" and importance != "taylor":
+        assert len({round(a / b, 3) for b, a in report.layers.values()}) > 2
+
+
+def test_ignore_and_round_to():
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(1, 3, 32, 32)
+    report = prune_channels_(model, x, ratio=0.3, round_to=16, ignore=["layer4.*"])
+    assert model.layer4[1].conv1.out_channels == 512
+    for layer, (_, after) in report.layers.items():
+        assert after % 16 == 0 or layer == "fc"
+        if layer.startswith("layer1.0.conv1"):
+            assert after == 32  # int(64 * 0.7) = 44, rounded down to 32
+
+
+def test_plan_round_trip_rebuilds_architecture_and_outputs(pruned, tmp_path):
+    name, build, dense, model, inputs, report = pruned
+    plan = json.loads(json.dumps(channel_plan(model)))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "w.st")
+    fresh = apply_channel_plan(build().eval(), plan)
+    fresh.load_state_dict(load_file(tmp_path / "w.st"))
+    assert str(fresh) == str(model)
+    for a, b in zip(run(fresh, inputs), run(model, inputs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_round_trip_with_weights_only_torch_load(tmp_path):
+    model = torchvision.models.mobilenet_v2(num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    prune_channels_(model, x, ratio=0.4)
+    torch.save({"plan": channel_plan(model), "state": model.state_dict()}, tmp_path / "c.pt")
+    blob = torch.load(tmp_path / "c.pt", weights_only=True)
+    fresh = apply_channel_plan(torchvision.models.mobilenet_v2(num_classes=10).eval(), blob["plan"])
+    fresh.load_state_dict(blob["state"])
+    torch.testing.assert_close(run(fresh, x)[0], run(model, x)[0], rtol=0, atol=0)
+
+
+def test_sk_save_and_load_rebuild_pruned_model(tmp_path):
+    checkpoint = pytest.importorskip("sparsekit.checkpoint")
+    model = mnist1d_cnn().eval()
+    x = torch.randn(4, 1, 40)
+    prune_channels_(model, x, ratio=0.3, round_to=4)
+    checkpoint.save(model, tmp_path / "m.safetensors")
+    back = checkpoint.load(tmp_path / "m.safetensors", model=mnist1d_cnn().eval())
+    assert back.conv1.out_channels == 20
+    torch.testing.assert_close(back(x), model(x), rtol=0, atol=0)
+
+
+def test_composition_channels_then_2to4_then_quantization(tmp_path):
+    """Channel pruning, then 2:4 masks on what remains, then int8 weights: saved and rebuilt."""
+    checkpoint = pytest.importorskip("sparsekit.checkpoint")
+    quant = pytest.importorskip("sparsekit.quant")
+    model = mnist1d_cnn().eval()
+    x = torch.randn(4, 1, 40)
+    prune_channels_(model, x, ratio=0.3, round_to=4)
+    sk.prune_(model, pattern="2:4", exclude=["conv1"])
+    assert (model.conv2.weight.flatten(1).view(-1, 4) != 0).sum(1).max() <= 2
+    quant.quantize_(model, "int8_weight_only")
+    expected = model(x)
+    checkpoint.save(model, tmp_path / "m.safetensors")
+    back = checkpoint.load(tmp_path / "m.safetensors", model=mnist1d_cnn().eval())
+    torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
+
+
+def test_apply_plan_rejects_another_architecture():
+    model = mnist1d_cnn()
+    prune_channels_(model, torch.randn(1, 1, 40), ratio=0.5)
+    plan = channel_plan(model)
+    with pytest.raises(ValueError, match="not in the channel plan"):
+        apply_channel_plan(torchvision.models.resnet18(), plan)
+    with pytest.raises(ValueError, match="not a channel plan"):
+        apply_channel_plan(mnist1d_cnn(), {"modules": {}})
+
+
+class _Scale(nn.Module):
+    """A per-channel scale whose forward hard-codes the width: pruning cannot follow it."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.channels = channels
+        self.weight = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x):
+        return x * self.weight.view(1, 16, 1)
+
+
+def test_unhandled_module_is_named_and_model_left_unchanged():
+    model = nn.Sequential(nn.Conv1d(1, 16, 3), _Scale(16), nn.ReLU(), nn.Conv1d(16, 4, 3))
+    x = torch.randn(2, 1, 20)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"module '1' \(_Scale\)") as info:
+        prune_channels_(model, x, ratio=0.5)
+    assert "ignore=['1']" in str(info.value)
+    assert model[0].out_channels == 16
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    run(model, x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"ratio": 1.0}, ValueError, r"ratio=1.0 must be in \[0, 1\)"),
+        ({"ratio": -0.1}, ValueError, "fraction of output channels"),
+        ({"ratio": float("nan")}, ValueError, "ratio"),
+        ({"ratio": "0.5"}, TypeError, "ratio must be a float"),
+        ({"ratio": 0.5, "importance": "l1"}, ValueError, "magnitude, taylor, lamp"),
+        ({"ratio": 0.5, "scope": "model"}, ValueError, "layer, global"),
+        ({"ratio": 0.5, "round_to": 0}, ValueError, "round_to=0"),
+        ({"ratio": 0.5, "steps": 0}, ValueError, "steps=0"),
+        ({"ratio": 0.5, "importance": "taylor"}, ValueError, "loss_fn"),
+        ({"ratio": 0.5, "ignore": ["conv9"]}, ValueError, "'conv9' matches no module"),
+    ],
+)
+def test_bad_options_raise_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        prune_channels_(mnist1d_cnn(), torch.randn(1, 1, 40), **kwargs)
+
+
+def test_masked_model_is_refused():
+    model = mnist1d_cnn()
+    sk.Pruner(model, pattern="2:4", exclude=["conv1"]).step(0)
+    with pytest.raises(ValueError, match="before mask pruning"):
+        prune_channels_(model, torch.randn(1, 1, 40), ratio=0.5)
+
+
+def test_report_is_plain_data_and_a_table():
+    model = mnist1d_cnn()
+    report = prune_channels_(model, torch.randn(1, 1, 40), ratio=0.5)
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["layers"]["conv1"] == [32, 16] and d["layers"]["linear"] == [10, 10]
+    assert d["protected"] == ["linear"]
+    assert "parameters removed" in str(report) and "conv2" in str(report)
