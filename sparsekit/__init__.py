@@ -1,5 +1,12 @@
 """sparsekit: pruning, N:M sparsity and quantization for PyTorch models."""
 
+from sparsekit.channels import (
+    ChannelPruner,
+    ChannelReport,
+    apply_channel_plan,
+    channel_plan,
+    prune_channels_,
+)
 from sparsekit.pruner import Pruner, prune_
 from sparsekit.quant import QuantReport, convert_, prepare_qat_, quantize_
 from sparsekit.report import SparsityReport, sparsity_report
@@ -7,6 +14,8 @@ from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
 from sparsekit.sensitivity import SensitivityTable, allocate, sensitivity
 
 __all__ = [
+    "ChannelPruner",
+    "ChannelReport",
     "Cubic",
     "Linear",
     "OneShot",
@@ -16,9 +25,12 @@ __all__ = [
     "SensitivityTable",
     "SparsityReport",
     "allocate",
+    "apply_channel_plan",
+    "channel_plan",
     "convert_",
     "prepare_qat_",
     "prune_",
+    "prune_channels_",
     "quantize_",
     "sensitivity",
     "sparsity_report",
