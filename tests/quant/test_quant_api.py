@@ -1,0 +1,114 @@
+"""quantize_: selection, the report, skip reasons, strict mode and every bad input."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.quant import QuantConv, QuantLinear
+
+
+def _model():
+    return nn.Sequential(
+        nn.Conv1d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(8, 8, 3, padding=1, groups=2),
+        nn.Flatten(),
+        nn.Linear(8 * 16, 10),
+    )
+
+
+def test_quantize_replaces_selected_layers_and_reports_the_rest():
+    model = _model()
+    report = sk.quantize_(model, "int8", exclude="0")
+    assert isinstance(model[0], nn.Conv1d) and isinstance(model[4], QuantLinear)
+    assert isinstance(model[2], nn.Conv1d)  # grouped conv: skipped, still float
+    assert report.quantized == ["4"]
+    assert "grouped" in report.skipped["2"] and "groups=2" in report.skipped["2"]
+    statuses = {ly.name: ly.status for ly in report.layers}
+    assert statuses == {"0": "excluded", "2": "skipped", "4": "quantized"}
+    table = str(report)
+    assert "int8" in table and "excluded" in table and "groups=2" in table
+    assert report.to_dict()["layers"][2]["status"] == "quantized"
+    assert model(torch.randn(2, 4, 16)).shape == (2, 10)
+
+
+def test_weight_only_takes_what_w8a8_skips():
+    model = nn.Sequential(nn.Conv1d(4, 8, 3, groups=2), nn.Conv3d(2, 2, 1))
+    assert sk.quantize_(model, "int8_weight_only").skipped == {}
+    assert isinstance(model[0], QuantConv) and isinstance(model[1], QuantConv)
+    model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Conv3d(2, 2, 1))
+    assert "Conv3d" in sk.quantize_(model, "fp8").skipped["1"]
+
+
+def test_layer_of_unsupported_dtype_is_skipped_and_strict_raises():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4).double())
+    with pytest.raises(ValueError, match=r"strict=True.*'1'.*float64"):
+        sk.quantize_(model, "fp8", strict=True)
+    assert isinstance(model[0], nn.Linear)  # strict failure leaves the model untouched
+    report = sk.quantize_(model, "fp8")
+    assert "torch.float64" in report.skipped["1"] and report.quantized == ["0"]
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int4'"):
+        sk.quantize_(_model(), "int4")
+    with pytest.raises(ValueError, match="matches no selectable layer"):
+        sk.quantize_(_model(), "int8", include="fc_typo")
+    model = _model()
+    sk.quantize_(model, "int8_weight_only")
+    with pytest.raises(ValueError, match="'0' is already quantized"):
+        sk.quantize_(model, "fp8")
+    with pytest.raises(ValueError, match="'0' is already quantized"):
+        sk.prepare_qat_(model, "fp8")
+    model = _model()
+    sk.quantize_(model, "int8", exclude="4")
+    sk.quantize_(model, "fp8", include="4")  # mixed precision: each layer quantized once
+    assert model[4].weight.dtype == torch.float8_e4m3fn and model[0].weight.dtype == torch.int8
+    model = _model()
+    sk.prepare_qat_(model, "int8", include="4")
+    with pytest.raises(ValueError, match="'4' is already prepared for QAT"):
+        sk.quantize_(model, "int8")
+    with pytest.raises(ValueError, match="'4' is already prepared for QAT"):
+        sk.prepare_qat_(model, "fp8")
+    with pytest.raises(ValueError, match="no layer is prepared for QAT"):
+        sk.convert_(_model())
+
+
+def test_quantize_under_a_live_pruner_asks_to_finalize():
+    model = _model()
+    pruner = sk.Pruner(model, pattern="2:4", include="4")
+    pruner.step(0)
+    with pytest.raises(ValueError, match=r"'4' has parametrizations \['WeightMask'\].*finalize"):
+        sk.quantize_(model, "int8")
+    pruner.finalize()
+    sk.quantize_(model, "int8", include="4")
+
+
+@pytest.mark.parametrize("scheme", ["int8_weight_only", "int8", "fp8"])
+def test_pruned_zeros_stay_exactly_zero(scheme):
+    model = _model()
+    sk.prune_(model, pattern="2:4", include=["0", "4"])
+    zeros = {n: model.get_submodule(n).weight == 0 for n in ("0", "4")}
+    x = torch.randn(3, 4, 16)
+    before = model(x)
+    sk.quantize_(model, scheme)
+    for name, z in zeros.items():
+        q = model.get_submodule(name).weight
+        assert bool((q.float()[z] == 0).all())
+        assert int((q.float() == 0).reshape(-1, 4).sum(1).min()) >= 2  # 2:4 still holds
+    rel = (model(x) - before).norm() / before.norm()
+    assert rel < 0.1
+
+
+def test_calibration_measures_each_layers_output_error():
+    lin = nn.Linear(16, 8)
+    model = nn.Sequential(lin)
+    batches = [torch.randn(4, 16) for _ in range(3)]
+    report = sk.quantize_(model, "int8", calibration=batches)
+    x = torch.cat(batches)
+    expected = ((model(x) - lin(x)).norm() / lin(x).norm()).item()
+    assert report.layers[0].rel_error == pytest.approx(expected, rel=1e-4)
+    assert 0 < report.layers[0].rel_error < 0.05 and not math.isnan(expected)
