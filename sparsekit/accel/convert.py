@@ -1,0 +1,96 @@
+"""Modules that expose GEMMs hidden inside other layers as plain ``nn.Linear`` children.
+
+- ``nn.MultiheadAttention`` (torchvision ViT) runs the fused ``_native_multi_head_attention``
+  in eval mode, which a sparse weight cannot serve. :class:`SplitMultiheadAttention` computes
+  the same function with ``in_proj`` / ``out_proj`` Linears and ``scaled_dot_product_attention``.
+- A 1x1 convolution (stride 1, no padding, one group) is a GEMM over channels:
+  :class:`Conv1x1AsLinear`.
+Each ``*_skip_reason`` returns None when the module can be converted, else why not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def mha_skip_reason(mha: nn.MultiheadAttention) -> str | None:
+    if not mha._qkv_same_embed_dim or mha.in_proj_weight is None:
+        return "MultiheadAttention with separate q/k/v sizes (kdim/vdim) is not converted"
+    if mha.bias_k is not None or mha.add_zero_attn:
+        return "MultiheadAttention with add_bias_kv/add_zero_attn is not converted"
+    return None
+
+
+class SplitMultiheadAttention(nn.Module):
+    """Self-attention equal to an ``nn.MultiheadAttention`` in eval mode, with the packed q/k/v
+    projection as ``in_proj`` (Linear E -> 3E) and ``out_proj`` (Linear E -> E).
+
+    Called like the original with ``query is key is value`` and ``need_weights=False``; returns
+    ``(output, None)``. Masks are not supported (ViT and BERT-style encoders pass none)."""
+
+    def __init__(self, mha: nn.MultiheadAttention):
+        super().__init__()
+        reason = mha_skip_reason(mha)
+        if reason:
+            raise ValueError(reason)
+        e = mha.embed_dim
+        self.embed_dim, self.num_heads, self.batch_first = e, mha.num_heads, mha.batch_first
+        self.in_proj = nn.Linear(e, 3 * e, bias=mha.in_proj_bias is not None,
+                                 device=mha.in_proj_weight.device,
+                                 dtype=mha.in_proj_weight.dtype)
+        with torch.no_grad():
+            self.in_proj.weight.copy_(mha.in_proj_weight)
+            if mha.in_proj_bias is not None:
+                self.in_proj.bias.copy_(mha.in_proj_bias)
+        self.out_proj = mha.out_proj
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False):
+        if not (query is key and key is value):
+            raise NotImplementedError("SplitMultiheadAttention serves self-attention only "
+                                      "(query is key is value)")
+        if attn_mask is not None or key_padding_mask is not None:
+            raise NotImplementedError("SplitMultiheadAttention takes no attn_mask or "
+                                      "key_padding_mask (use is_causal=True for causal masks)")
+        if need_weights:
+            raise NotImplementedError("SplitMultiheadAttention does not return attention "
+                                      "weights; call it with need_weights=False")
+        x = query if self.batch_first else query.transpose(0, 1)
+        b, t, e = x.shape
+        h = self.num_heads
+        qkv = self.in_proj(x).reshape(b, t, 3, h, e // h).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=is_causal)
+        out = self.out_proj(out.transpose(1, 2).reshape(b, t, e))
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+def conv_skip_reason(conv: nn.Module) -> str | None:
+    if not isinstance(conv, nn.Conv2d):
+        return f"{type(conv).__name__} is not converted (only 1x1 Conv2d runs as a GEMM)"
+    if conv.kernel_size != (1, 1):
+        return f"conv kernel {tuple(conv.kernel_size)} is not 1x1 (only 1x1 convs run as GEMMs)"
+    if conv.stride != (1, 1) or conv.padding not in ((0, 0), "valid") or conv.groups != 1 \
+            or conv.dilation != (1, 1) or conv.padding_mode != "zeros":
+        return "1x1 conv with stride, padding, dilation or groups is not converted"
+    return None
+
+
+class Conv1x1AsLinear(nn.Module):
+    """A 1x1 Conv2d as a Linear over channels: (B, C, H, W) -> (B, N, H, W)."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        reason = conv_skip_reason(conv)
+        if reason:
+            raise ValueError(reason)
+        self.linear = nn.Linear(conv.in_channels, conv.out_channels, bias=conv.bias is not None,
+                                device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            self.linear.weight.copy_(conv.weight.reshape(conv.out_channels, conv.in_channels))
+            if conv.bias is not None:
+                self.linear.bias.copy_(conv.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)

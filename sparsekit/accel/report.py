@@ -1,0 +1,118 @@
+"""The speed-aware planner's decision rule and the report of what ``accelerate`` did.
+
+:func:`decide` is pure: given measured times per variant it picks the fastest variant that
+beats bf16 dense by ``min_speedup``, else bf16 dense. ``accelerate`` feeds it timings measured
+under CUDA-graph replay at the example input's shape; tests feed it recorded timings.
+
+>>> decide({"bf16_dense": 100.0, "bf16_2:4": 70.0, "fp8_2:4": 40.0}, min_speedup=1.0)
+('fp8_2:4', 2.5)
+>>> decide({"bf16_dense": 100.0, "bf16_2:4": 99.0}, min_speedup=1.05)
+('bf16_dense', 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BASELINE = "bf16_dense"
+
+
+def decide(timings_us: dict[str, float], min_speedup: float = 1.0) -> tuple[str, float]:
+    """(variant, speedup over bf16 dense) for one layer from its timings in microseconds."""
+    if BASELINE not in timings_us:
+        raise ValueError(f"timings must include the baseline {BASELINE!r}, got {list(timings_us)}")
+    if min_speedup <= 0:
+        raise ValueError(f"min_speedup must be > 0, got {min_speedup}")
+    base = timings_us[BASELINE]
+    best = min(timings_us, key=lambda v: (timings_us[v], v != BASELINE))
+    speedup = base / timings_us[best]
+    if best == BASELINE or speedup < min_speedup:
+        return BASELINE, 1.0
+    return best, speedup
+
+
+@dataclass
+class LayerDecision:
+    """One layer: its GEMM shape (out_features N, in_features K, tokens M of the example
+    input), whether its weight holds 2:4, the variant chosen, why, and timings (us)."""
+
+    name: str
+    out_features: int
+    in_features: int
+    tokens: int
+    has_2to4: bool
+    variant: str
+    reason: str
+    timings_us: dict[str, float] = field(default_factory=dict)
+    alg_ids: dict[str, int] = field(default_factory=dict)
+    confirmed_speedup: float | None = None  # auto: winner re-timed against dense
+
+    @property
+    def speedup(self) -> float | None:
+        t = self.timings_us
+        if BASELINE in t and self.variant in t:
+            return t[BASELINE] / t[self.variant]
+        return None
+
+
+@dataclass
+class AccelReport:
+    """What ``sk.accelerate`` did: per-layer decisions, skipped modules with reasons, and the
+    whole model timed under CUDA graphs before and after (microseconds per call)."""
+
+    precision: str
+    sparsity: str
+    min_speedup: float
+    device: str
+    layers: list[LayerDecision] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    model_us: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_speedup(self) -> float | None:
+        m = self.model_us
+        if "dense" in m and "accelerated" in m:
+            return m["dense"] / m["accelerated"]
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for layer, obj in zip(d["layers"], self.layers):
+            layer["speedup"] = obj.speedup
+        d["model_speedup"] = self.model_speedup
+        return d
+
+    def to_markdown(self) -> str:
+        rows = ["| layer | N x K | M | 2:4 | variant | speedup | reason |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        for d in self.layers:
+            s = "" if d.speedup is None else f"{d.speedup:.2f}x"
+            rows.append(f"| {d.name} | {d.out_features}x{d.in_features} | {d.tokens} | "
+                        f"{'yes' if d.has_2to4 else 'no'} | {d.variant} | {s} | {d.reason} |")
+        for name, why in self.skipped.items():
+            rows.append(f"| {name} | | | | skipped | | {why} |")
+        head = f"accelerate(precision={self.precision}, sparsity={self.sparsity}, " \
+               f"min_speedup={self.min_speedup}) on {self.device}"
+        if self.model_speedup is not None:
+            head += (f": model {self.model_us['dense']:.1f} us dense -> "
+                     f"{self.model_us['accelerated']:.1f} us ({self.model_speedup:.2f}x)")
+        return "\n".join([head, "", *rows, *[f"\nnote: {n}" for n in self.notes]])
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def log_accel_report(writer, report: AccelReport, step: int = 0) -> None:
+    """Log ``report`` to a TensorBoard ``SummaryWriter``: per-layer and model speedups as
+    scalars under ``accel/``, the decision table as text."""
+    for layer in report.layers:
+        if layer.speedup is not None and math.isfinite(layer.speedup):
+            writer.add_scalar(f"accel/speedup/{layer.name}", layer.speedup, step)
+    if report.model_speedup is not None:
+        writer.add_scalar("accel/model_speedup", report.model_speedup, step)
+        for k, v in report.model_us.items():
+            writer.add_scalar(f"accel/model_us/{k}", v, step)
+    writer.add_text("accel/report", report.to_markdown(), step)
