@@ -1,5 +1,6 @@
 """sparsekit: pruning, N:M sparsity and quantization for PyTorch models."""
 
+from sparsekit.accel import AccelReport, accelerate, log_accel_report
 from sparsekit.channels import (
     ChannelPruner,
     ChannelReport,
@@ -11,9 +12,15 @@ from sparsekit.pruner import Pruner, prune_
 from sparsekit.quant import QuantReport, convert_, prepare_qat_, quantize_
 from sparsekit.report import SparsityReport, sparsity_report
 from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
+from sparsekit.checkpoint import load, save
 from sparsekit.sensitivity import SensitivityTable, allocate, sensitivity
 
 __all__ = [
+    "AccelReport",
+    "accelerate",
+    "load",
+    "log_accel_report",
+    "save",
     "ChannelPruner",
     "ChannelReport",
     "Cubic",
