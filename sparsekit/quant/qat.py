@@ -3,10 +3,12 @@ conversion to real 8-bit layers.
 
 ``prepare_qat_`` appends a :class:`WeightFakeQuant` parametrization to each selected layer's
 weight and, for W8A8 schemes, a forward pre-hook that fake-quantizes the layer's input with the
-same per-token / per-sample scales the quantized layer uses. Under a pruner the mask comes first
-in the parametrization chain, so the fake quantization sees the masked weight and the pruner
-keeps updating its masks in the same loop. Order: create the Pruner, then ``prepare_qat_``;
-train; ``pruner.finalize()``; ``convert_``.
+same per-token / per-sample scales the quantized layer uses. The fake quantization always comes
+after the pruning mask in the parametrization chain, so it sees the masked weight and the pruner
+keeps updating its masks in the same loop. That holds in either order: on a layer without a mask
+``prepare_qat_`` first attaches an all-ones mask (:func:`sparsekit.masks.attach_mask`), which a
+Pruner created later updates in place. ``convert_`` folds the masks (pruned zeros stay exactly
+zero) and swaps in the quantized layers; ``pruner.finalize()`` before it is the tidy order.
 
 >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 >>> _ = prepare_qat_(model, "fp8")
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
     QAT_ATTR,
@@ -86,10 +89,10 @@ def prepare_qat_(
     """Insert fake quantization into the selected Linear/ConvNd layers, in place.
 
     Parameters stay float and keep training (gradients pass straight through the rounding);
-    the forward pass computes what the quantized model will. Layers under a pruning mask keep
-    it (create the Pruner first). A layer the scheme cannot take is skipped with the reason in
-    the report; ``strict=True`` raises instead. ValueError for an unknown scheme or a layer
-    already quantized or prepared."""
+    the forward pass computes what the quantized model will, on the masked weight of a layer
+    under pruning (the Pruner may be created before or after). A layer the scheme cannot take
+    is skipped with the reason in the report; ``strict=True`` raises instead. ValueError for an
+    unknown scheme or a layer already quantized or prepared."""
     scheme = get_scheme(scheme)
     chosen = select_float_layers(model, include, exclude, "prepare_qat_")
     report = QuantReport(scheme.name)
@@ -108,6 +111,8 @@ def prepare_qat_(
             f"prepare_qat_({scheme.name!r}, strict=True) cannot take: {report.skipped}"
         )
     for m in todo:
+        if find_mask(m) is None and not parametrize.is_parametrized(m, "weight"):
+            attach_mask(m)  # all ones: holds the mask slot ahead of the fake quantization
         parametrize.register_parametrization(m, "weight", WeightFakeQuant(scheme.name))
         if scheme.activation is not None:
             conv_dims = None if isinstance(m, nn.Linear) else m.weight.dim() - 2
@@ -118,9 +123,10 @@ def prepare_qat_(
 
 def convert_(model: nn.Module) -> QuantReport:
     """Replace every layer prepared by :func:`prepare_qat_` with its quantized layer, in place,
-    quantizing the trained weight (masked zeros stay exactly zero). The converted model computes
-    what the fake-quantized one did, up to float32 rounding. ValueError when no layer is
-    prepared, or a layer still carries a pruning mask (call ``pruner.finalize()`` first)."""
+    quantizing the trained weight with any pruning mask still attached folded in (pruned zeros
+    stay exactly zero; call ``pruner.finalize()`` first when a Pruner is running). The converted
+    model computes what the fake-quantized one did, up to float32 rounding. ValueError when no
+    layer is prepared, or a weight carries a parametrization other than a mask."""
     prepared = {n: m for n, m in model.named_modules() if qat_scheme(m) is not None}
     if not prepared:
         raise ValueError(
@@ -128,19 +134,20 @@ def convert_(model: nn.Module) -> QuantReport:
             "(or quantize_ for post-training quantization)"
         )
     for name, m in prepared.items():
-        foreign = foreign_parametrizations(m, (WeightFakeQuant,))
+        foreign = foreign_parametrizations(m, (WeightMask, WeightFakeQuant))
         if foreign:
             raise ValueError(
-                f"convert_: layer {name!r} still has parametrizations {foreign} on its weight: "
-                "call pruner.finalize() before convert_"
+                f"convert_: layer {name!r} has parametrizations {foreign} on its weight that "
+                "convert_ cannot fold; remove them first"
             )
     schemes = sorted({qat_scheme(m) for m in prepared.values()})
     report = QuantReport(",".join(schemes))
     for name, m in prepared.items():
         scheme = qat_scheme(m)
         if parametrize.is_parametrized(m, "weight"):
-            # The quantized layer re-quantizes the float weight itself, bit for bit as the
-            # fake quantization did.
+            # Zero the pruned entries of the float weight and drop the chain: the quantized
+            # layer quantizes that weight bit for bit as the fake quantization did.
+            zero_pruned(m)
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
         for key, hook in list(m._forward_pre_hooks.items()):
             if isinstance(hook, ActivationFakeQuant):

@@ -76,11 +76,20 @@ def test_qat_learns_a_toy_task_and_convert_matches_fake_quant(scheme):
     torch.testing.assert_close(real, fake, rtol=1e-4, atol=1e-4 * float(fake.abs().max()))
 
 
-def test_qat_under_a_pruner_sees_masked_weights_and_keeps_zeros_through_convert():
+@pytest.mark.parametrize("qat_first", [False, True])
+def test_qat_under_a_pruner_sees_masked_weights_and_keeps_zeros_through_convert(qat_first):
     torch.manual_seed(0)
     model = _cnn()
+    if qat_first:
+        sk.prepare_qat_(model, "int8")
     pruner = sk.Pruner(model, pattern="2:4", schedule=sk.Linear(start=0, end=20, every=5))
-    sk.prepare_qat_(model, "int8")
+    if not qat_first:
+        sk.prepare_qat_(model, "int8")
+    for m in (model[0], model[3]):  # mask first, fake quantization second, in either order
+        assert [type(p).__name__ for p in m.parametrizations.weight] == [
+            "WeightMask",
+            "WeightFakeQuant",
+        ]
     keys = set(model.state_dict())
     assert not any("parametrizations.weight.1" in k for k in keys)  # fake quant has no state
     x, y = _task()
@@ -96,8 +105,6 @@ def test_qat_under_a_pruner_sees_masked_weights_and_keeps_zeros_through_convert(
                 assert bool((model.get_submodule(name).weight[~keep] == 0).all())
     masks = {n: m.clone() for n, m in pruner.masks.items()}
     assert all(float((~m).float().mean()) == 0.5 for m in masks.values())
-    with pytest.raises(ValueError, match=r"\['WeightMask'\].*pruner.finalize\(\)"):
-        sk.convert_(model)
     pruner.finalize()
     fake = model(x).detach()
     sk.convert_(model)
@@ -109,11 +116,17 @@ def test_qat_under_a_pruner_sees_masked_weights_and_keeps_zeros_through_convert(
     assert F.cross_entropy(real, y) < 0.9  # still learned something after pruning + int8
 
 
-def test_pruner_must_come_before_prepare_qat():
+def test_convert_folds_a_mask_still_attached():
     model = _cnn()
+    pruner = sk.Pruner(model, pattern="2:4", include="3")
     sk.prepare_qat_(model, "fp8")
-    with pytest.raises(ValueError, match="create the Pruner before prepare_qat_"):
-        sk.Pruner(model, pattern="2:4")
+    pruner.step(0)
+    keep = pruner.masks["3"].clone()
+    x = _task()[0]
+    fake = model(x).detach()
+    sk.convert_(model)
+    assert bool((model[3].weight.float()[~keep] == 0).all())
+    torch.testing.assert_close(model(x), fake, rtol=1e-4, atol=1e-4 * float(fake.abs().max()))
 
 
 def test_convert_without_a_pruner_restores_the_float_weight_exactly():
