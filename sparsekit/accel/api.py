@@ -178,8 +178,10 @@ def accelerate(
     ``sparsity``: "2:4" (every 2:4 layer sparse), "dense" (precision only), or "auto" (per layer
     the fastest measured of bf16 dense, precision dense, bf16 2:4 and precision 2:4, kept only
     when it beats bf16 dense by ``min_speedup``; the whole model reverts to dense if it ends up
-    slower). ``exclude``: fnmatch globs of module names to leave alone. ``graphs``: run through
-    CUDA graphs, one per input-shape bucket (``batch_buckets`` pads dim 0 to fixed sizes).
+    slower). Timings are taken once per GEMM shape (N, K, tokens) under CUDA-graph replay and
+    shared by the layers of that shape. ``exclude``: fnmatch globs of module names to leave
+    alone. ``graphs``: run through CUDA graphs, one per input-shape bucket (``batch_buckets``
+    pads dim 0 to fixed sizes).
 
     Modifies ``model`` in place (moved to CUDA, bfloat16, eval) and returns the
     :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
@@ -203,6 +205,7 @@ def accelerate(
     tokens = _token_counts(model, inputs, names)
     originals: dict[str, nn.Module] = {}
     searched: dict[tuple, int] = {}
+    planned: dict[tuple, LayerDecision] = {}
     for name in names:
         lin = model.get_submodule(name)
         if name not in tokens:
@@ -216,8 +219,18 @@ def accelerate(
         report.layers.append(decision)
         if cands == [BASELINE]:
             continue
-        chosen = _plan_layer(lin, m, cands, decision, sparsity, min_speedup, search_algs,
-                             searched)
+        shape_key = (lin.out_features, lin.in_features, m, tuple(cands))
+        if shape_key in planned:  # same GEMM shape as an earlier layer: same timings
+            first = planned[shape_key]
+            decision.timings_us, decision.alg_ids = dict(first.timings_us), dict(first.alg_ids)
+            decision.variant, decision.reason = first.variant, first.reason
+            decision.confirmed_speedup = first.confirmed_speedup
+            chosen = None if first.variant == BASELINE else \
+                VARIANTS[first.variant](lin, alg_id=first.alg_ids.get(first.variant, 0))
+        else:
+            planned[shape_key] = decision
+            chosen = _plan_layer(lin, m, cands, decision, sparsity, min_speedup, search_algs,
+                                 searched)
         if chosen is not None:
             originals[name] = lin
             model.set_submodule(name, chosen)

@@ -1,0 +1,205 @@
+"""CPU tests of the accel package: planner decisions on recorded timings, skip reasons,
+activation-quantization references, the converted modules, reports and the algorithm cache."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.accel import actquant, algsearch
+from sparsekit.accel.api import layer_plan
+from sparsekit.accel.convert import (
+    Conv1x1AsLinear,
+    SplitMultiheadAttention,
+    conv_skip_reason,
+    mha_skip_reason,
+)
+from sparsekit.accel.graphs import CUDAGraphModule
+from sparsekit.accel.report import AccelReport, LayerDecision, decide, log_accel_report
+
+# timings recorded on the H200 (us), 4096x11008 weight, 4096 tokens, best alg per variant
+H200_LLAMA = {"bf16_dense": 465.4, "bf16_2:4": 326.0, "fp8_dense": 292.7, "fp8_2:4": 249.2}
+
+
+def test_decide_picks_fastest_over_threshold():
+    assert decide(H200_LLAMA) == ("fp8_2:4", pytest.approx(465.4 / 249.2))
+    assert decide({"bf16_dense": 465.4, "bf16_2:4": 326.0}) == ("bf16_2:4",
+                                                                 pytest.approx(465.4 / 326.0))
+    # sparse slower than dense (M=64, ViT shape): dense stays
+    assert decide({"bf16_dense": 8.7, "bf16_2:4": 11.7}) == ("bf16_dense", 1.0)
+    # faster, but not by min_speedup
+    assert decide({"bf16_dense": 100.0, "bf16_2:4": 95.0}, min_speedup=1.1) == ("bf16_dense", 1.0)
+    # a tie keeps dense
+    assert decide({"bf16_dense": 10.0, "bf16_2:4": 10.0}) == ("bf16_dense", 1.0)
+
+
+def test_decide_never_slower_than_dense_on_random_timings():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        t = (torch.rand(4, generator=g) * 100 + 1).tolist()
+        timings = dict(zip(["bf16_dense", "bf16_2:4", "fp8_dense", "fp8_2:4"], t))
+        variant, speedup = decide(timings, min_speedup=1.0)
+        assert timings[variant] <= timings["bf16_dense"]
+        assert speedup == pytest.approx(timings["bf16_dense"] / timings[variant])
+        assert timings[variant] == min(timings.values())
+
+
+def test_decide_bad_inputs():
+    with pytest.raises(ValueError, match="baseline"):
+        decide({"bf16_2:4": 1.0})
+    with pytest.raises(ValueError, match="min_speedup"):
+        decide({"bf16_dense": 1.0}, min_speedup=0)
+
+
+def test_layer_plan_candidates_and_reasons():
+    assert layer_plan(True, "bf16", "2:4", 768, 3072) == (["bf16_dense", "bf16_2:4"], "2:4 pattern")
+    assert layer_plan(True, "fp8", "auto", 768, 3072)[0] == [
+        "bf16_dense", "fp8_dense", "bf16_2:4", "fp8_2:4"]
+    assert layer_plan(True, "bf16", "auto", 768, 3072)[0] == ["bf16_dense", "bf16_2:4"]
+    cands, why = layer_plan(False, "int8", "2:4", 768, 3072)
+    assert cands == ["bf16_dense", "int8_dense"] and "no 2:4" in why
+    cands, why = layer_plan(True, "bf16", "2:4", 768, 1000)  # ViT head: 1000 classes
+    assert cands == ["bf16_dense"] and "multiples of 32" in why
+    assert layer_plan(True, "fp8", "dense", 64, 64)[0] == ["bf16_dense", "fp8_dense"]
+
+
+def test_accelerate_validates_before_needing_cuda():
+    model = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="precision"):
+        sk.accelerate(model, torch.randn(2, 8), precision="fp4")
+    with pytest.raises(ValueError, match="sparsity"):
+        sk.accelerate(model, torch.randn(2, 8), sparsity="1:4")
+    with pytest.raises(ValueError, match="min_speedup"):
+        sk.accelerate(model, torch.randn(2, 8), min_speedup=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            sk.accelerate(model, torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quant_rows_ref_error_bounds(dtype):
+    x = torch.randn(64, 256, dtype=torch.float64) * torch.logspace(-2, 2, 64)[:, None]
+    x[3] = 0.0  # an all-zero row must not produce NaN
+    q, s = actquant.quant_rows_ref(x, dtype)
+    assert q.dtype == dtype and s.shape == (64,)
+    assert torch.isfinite(s).all()
+    deq = q.double() * s[:, None].double()
+    qmax = actquant.qmax(dtype)
+    # the row maximum maps onto the top of the range
+    assert torch.allclose(q.double().abs().amax(1)[torch.arange(64) != 3],
+                          torch.full((63,), qmax, dtype=torch.float64))
+    err = (deq - x).abs()
+    if dtype == torch.int8:
+        assert (err <= s[:, None].double() / 2 + 1e-9).all()  # half a step
+    else:
+        assert (err <= x.abs() / 16 + s[:, None].double() * 2**-9).all()  # 3 mantissa bits
+
+
+def test_quant_tensor_ref_and_epilogue_ref():
+    x = torch.randn(32, 64)
+    q, s = actquant.quant_tensor_ref(x, torch.int8)
+    assert s.shape == (1,) and q.abs().max() == 127
+    assert ((q.float() * s - x).abs() <= s / 2 + 1e-7).all()
+    acc = torch.randn(5, 7)
+    rs, cs, b = torch.rand(5), torch.rand(7), torch.randn(7)
+    y = actquant.scale_epilogue_ref(acc, rs, cs, b)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), acc * rs[:, None] * cs + b, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="int8"):
+        actquant.qmax(torch.float16)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_split_mha_equals_multihead_attention(batch_first):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=batch_first).double().eval()
+    x = torch.randn(3, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        ref, _ = mha(x, x, x, need_weights=False)
+        out, w = SplitMultiheadAttention(mha)(x, x, x, need_weights=False)
+    assert w is None
+    torch.testing.assert_close(out, ref)
+    split = SplitMultiheadAttention(mha)
+    assert split.in_proj.weight.shape == (96, 32) and split.out_proj is mha.out_proj
+    with pytest.raises(NotImplementedError, match="self-attention"):
+        split(x, x.clone(), x, need_weights=False)
+    with pytest.raises(NotImplementedError, match="need_weights"):
+        split(x, x, x)
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        split(x, x, x, need_weights=False, attn_mask=torch.zeros(5, 5, dtype=torch.bool))
+
+
+def test_skip_reasons():
+    assert mha_skip_reason(nn.MultiheadAttention(32, 4)) is None
+    assert "kdim" in mha_skip_reason(nn.MultiheadAttention(32, 4, kdim=16, vdim=16))
+    assert "add_bias_kv" in mha_skip_reason(nn.MultiheadAttention(32, 4, add_bias_kv=True))
+    assert conv_skip_reason(nn.Conv2d(8, 16, 1)) is None
+    assert "(16, 16) is not 1x1" in conv_skip_reason(nn.Conv2d(3, 768, 16, stride=16))
+    assert "stride" in conv_skip_reason(nn.Conv2d(8, 16, 1, stride=2))
+    assert "only 1x1 Conv2d" in conv_skip_reason(nn.Conv1d(8, 16, 1))
+    with pytest.raises(ValueError, match="not 1x1"):
+        Conv1x1AsLinear(nn.Conv2d(8, 16, 3))
+
+
+def test_conv1x1_as_linear_equals_conv():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 16, 1).double()
+    x = torch.randn(2, 8, 5, 6, dtype=torch.float64)
+    torch.testing.assert_close(Conv1x1AsLinear(conv)(x), conv(x))
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars, self.texts = {}, {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag] = value
+
+    def add_text(self, tag, text, step):
+        self.texts[tag] = text
+
+
+def test_report_dict_markdown_and_tensorboard():
+    report = AccelReport("bf16", "auto", 1.0, "NVIDIA H200")
+    report.layers.append(LayerDecision("mlp.fc1", 11008, 4096, 4096, True, "bf16_2:4",
+                                       "auto: fastest measured", dict(H200_LLAMA)))
+    report.layers.append(LayerDecision("head", 1000, 768, 1, False, "bf16_dense", "align"))
+    report.skipped["conv_proj"] = "conv kernel (16, 16) is not 1x1"
+    report.model_us = {"dense": 200.0, "accelerated": 160.0}
+    d = report.to_dict()
+    assert d["model_speedup"] == pytest.approx(1.25)
+    assert d["layers"][0]["speedup"] == pytest.approx(465.4 / 326.0)
+    assert d["layers"][1]["speedup"] is None and d["skipped"]["conv_proj"]
+    md = report.to_markdown()
+    assert "| mlp.fc1 | 11008x4096 | 4096 | yes | bf16_2:4 | 1.43x |" in md
+    assert "conv_proj" in md and "1.25x" in md
+    w = _Writer()
+    log_accel_report(w, report)
+    assert w.scalars["accel/speedup/mlp.fc1"] == pytest.approx(1.4276, abs=1e-3)
+    assert w.scalars["accel/model_speedup"] == pytest.approx(1.25)
+    assert "accel/speedup/head" not in w.scalars and "mlp.fc1" in w.texts["accel/report"]
+    assert all(math.isfinite(v) for v in w.scalars.values())
+
+
+def test_graph_buckets_pure_logic():
+    g = CUDAGraphModule(nn.Identity(), batch_buckets=[8, 1, 32])
+    assert [g.bucket(n) for n in (1, 2, 8, 9, 32, 33)] == [1, 8, 8, 32, 32, 33]
+    assert CUDAGraphModule(nn.Identity()).bucket(5) == 5
+    with pytest.raises(ValueError, match="batch_buckets"):
+        CUDAGraphModule(nn.Identity(), batch_buckets=[0, 4])
+    with pytest.raises(ValueError, match="max_graphs"):
+        CUDAGraphModule(nn.Identity(), max_graphs=0)
+
+
+def test_alg_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    key = algsearch.cache_key("bf16_2:4", 11008, 4096, 4096, "NVIDIA H200", "2.11.0", 800)
+    assert key == "NVIDIA H200|torch=2.11.0|cusparselt=800|bf16_2:4|N=11008|K=4096|M=4096"
+    assert algsearch.load_cache() == {}
+    algsearch.store_cache({key: {"alg_id": 17, "us": 326.0}})
+    algsearch.store_cache({"other": {"alg_id": 3, "us": 1.0}})
+    cache = algsearch.load_cache()
+    assert cache[key]["alg_id"] == 17 and cache["other"]["alg_id"] == 3
+    assert algsearch.cache_path() == tmp_path / "cusparselt_algs.json"
