@@ -165,8 +165,9 @@ def gemm_row(lin: nn.Linear, m: int, device: torch.device) -> dict:
     return row
 
 
-def bench_gemm(device: torch.device, shapes: dict, tokens: tuple, log) -> list[dict]:
-    rows = []
+def bench_gemm(device: torch.device, shapes: dict, tokens: tuple, log, rows: list,
+               on_row) -> None:
+    """Append one row per (shape, tokens) to ``rows``; ``on_row()`` after each (saves)."""
     for model_name, layers in shapes.items():
         for layer, k, n in layers:
             torch.manual_seed(0)
@@ -174,11 +175,11 @@ def bench_gemm(device: torch.device, shapes: dict, tokens: tuple, log) -> list[d
             for m in tokens:
                 row = {"model": model_name, "layer": layer, **gemm_row(lin, m, device)}
                 rows.append(row)
+                on_row()
                 log(f"gemm {model_name} {layer} {n}x{k} M={m}: " + " ".join(
                     f"{v}={r:.2f}" for v, r in row["ratio"].items()))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    return rows
 
 
 class LlamaLayer(nn.Module):
@@ -362,7 +363,8 @@ def to_markdown(res: dict) -> str:
         for r in res["gemm"]:
             share = ""
             if "fp8_2:4" in r["us"]:
-                q = r["us"]["act_quant_tensor" if r.get("fp8_alpha_vector") else "act_quant_rows"]
+                q = r["us"]["act_quant_tensor" if res.get("fp8_alpha_vector") else
+                            "act_quant_rows"]
                 share = f"{q / r['us']['fp8_2:4']:.0%}"
             cells = [f"{r['ratio'][c]:.2f}" if c in r["ratio"] else "-" for c in cols]
             lines.append(f"| {r['model']} | {r['layer']} | {r['N']}x{r['K']} | {r['M']} | "
@@ -427,9 +429,9 @@ def main(argv: list[str] | None = None) -> dict:
     for sec in sections:
         try:
             if sec == "gemm":
-                res["gemm"] = bench_gemm(device, shapes, (16,) if args.smoke else TOKENS, log)
-                for r in res["gemm"]:
-                    r["fp8_alpha_vector"] = res.get("fp8_alpha_vector", False)
+                res["gemm"] = []
+                bench_gemm(device, shapes, (16,) if args.smoke else TOKENS, log, res["gemm"],
+                           write)
             elif sec == "vit":
                 res["vit"] = vit_section(device, (2,) if args.smoke else (64, 256), args.smoke,
                                          log)

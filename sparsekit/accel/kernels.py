@@ -21,10 +21,12 @@ from torch import nn
 from sparsekit.accel import actquant
 
 _ROW_ALIGN = 16  # cuSPARSELt / int8 GEMMs want the token count padded to this
+_MIN_ROWS = 32  # torch._int_mm needs more than 16 rows
 
 
 def _pad_rows(x2d: torch.Tensor, align: int) -> torch.Tensor:
-    pad = (-x2d.shape[0]) % align
+    m = x2d.shape[0]
+    pad = max(-(-m // align) * align, _MIN_ROWS) - m
     return F.pad(x2d, (0, 0, 0, pad)) if pad else x2d
 
 
