@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+import sparsekit as sk
 from sparsekit.quant import QuantConv, QuantLinear, apply_quant_plan, quant_plan, quantize_
 from sparsekit.quant.modules import quantized_module
 
@@ -180,3 +181,22 @@ def test_gpu_bf16_model_runs_w8a8():
     assert model[0].weight.dtype == torch.float8_e4m3fn
     x = torch.randn(32, 1, 12, device="cuda", dtype=torch.bfloat16)
     assert model(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_sk_save_stores_a_quarter_of_the_fp32_bytes_and_loads_back(tmp_path, scheme):
+    def mlp():
+        return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+
+    model = mlp()
+    sk.save(model, tmp_path / "fp32.safetensors")
+    quantize_(model, scheme)
+    sk.save(model, tmp_path / "q.safetensors")
+    ratio = (tmp_path / "q.safetensors").stat().st_size / (
+        tmp_path / "fp32.safetensors"
+    ).stat().st_size
+    assert 0.25 < ratio < 0.27  # 1 byte per weight, + float32 scales and biases (2 x 256 each)
+    back = sk.load(tmp_path / "q.safetensors", model=mlp())
+    assert back[0].weight.dtype == model[0].weight.dtype
+    x = torch.randn(5, 256)
+    assert torch.equal(back(x), model(x))
