@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.distributed import ShardComm, all_reduce_dict
 
 CRITERIA = ("magnitude", "wanda", "sparsegpt")
 
@@ -117,8 +118,16 @@ def collect_input_norms(
     modules: Mapping[str, nn.Module],
     calibration: Iterable[Any],
     calibration_fn: CalibrationFn | None = None,
+    comm: ShardComm | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run the calibration batches and return each module's input feature L2 norms."""
+    """Run the calibration batches and return each module's input feature L2 norms.
+
+    With ``comm`` (several ranks, see :mod:`sparsekit.distributed`) each rank runs its own share
+    of the calibration data and the squared norms are summed over ranks before the square root,
+    so every rank gets the norms of all ranks' data together."""
     with InputNormCollector(modules) as collector:
         run_calibration(model, calibration, calibration_fn)
+    if comm is not None:
+        collector.norms()  # raise for a layer never reached before entering the collective
+        collector.sq = all_reduce_dict(collector.sq, comm)
     return collector.norms()

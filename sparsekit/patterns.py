@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sparsekit.distributed import ShardComm
 
 _NM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _CHUNK = 1 << 24  # elements per pass of the global selection: bounds temporary memory
@@ -133,7 +137,10 @@ def _sort_key(scores: torch.Tensor) -> torch.Tensor:
 
 
 def lowest_k_masks(
-    scores: Sequence[torch.Tensor], k: int, keep: Sequence[torch.Tensor] | None = None
+    scores: Sequence[torch.Tensor],
+    k: int,
+    keep: Sequence[torch.Tensor] | None = None,
+    comm: ShardComm | None = None,
 ) -> list[torch.Tensor]:
     """Prune exactly ``k`` entries in total over all tensors: those already pruned by ``keep``
     first, then the lowest-scoring kept ones (ties broken by position, tensors in order).
@@ -141,14 +148,22 @@ def lowest_k_masks(
     Selection is a two-pass radix select over 16-bit digits of the float32 scores' bit patterns,
     processed in chunks: no tensor holding all scores is ever built, so memory stays at one
     chunk's worth above the masks, whatever the total size.
+
+    ``comm`` (see :class:`sparsekit.distributed.ShardComm`) selects over tensors sharded across
+    ranks: every rank passes its local shards of the same tensors in the same order, ``k``
+    counts entries of all ranks, the two histograms are summed over ranks, and ties are broken
+    as if each tensor's shards were concatenated in rank order. The result on every rank equals
+    the single-process result on the concatenated shards, and no rank sees another's scores.
     """
     keep = (
         list(keep) if keep is not None else [torch.ones_like(s, dtype=torch.bool) for s in scores]
     )
     total = sum(s.numel() for s in scores)
+    already = sum(int((~m).sum()) for m in keep)
+    if comm is not None:
+        total, already = comm.all_reduce_sum(torch.tensor([total, already])).tolist()
     if not 0 <= k <= total:
         raise ValueError(f"cannot prune {k} of {total} entries")
-    already = sum(int((~m).sum()) for m in keep)
     need = k - already
     if need < 0:
         raise ValueError(f"{already} entries are already pruned; cannot lower the count to {k}")
@@ -162,24 +177,29 @@ def lowest_k_masks(
                 key = _sort_key(flat_s[lo : lo + _CHUNK])
                 yield key.masked_fill(~flat_m[lo : lo + _CHUNK], _EXCLUDED)
 
+    def histogram(digits) -> torch.Tensor:
+        hist = torch.zeros(1 << 16, dtype=torch.int64, device=device)
+        for d in digits:
+            hist += torch.bincount(d, minlength=1 << 16)
+        if comm is not None:
+            hist = comm.all_reduce_sum(hist)
+        return hist.cumsum(0).cpu()
+
+    device = scores[0].device if scores else torch.device("cpu")
     # pass 1: high 16 bits; pass 2: low 16 bits inside the chosen high bucket
-    hist = torch.zeros(1 << 16, dtype=torch.int64)
-    for key in keys():
-        hist += torch.bincount(key >> 16, minlength=1 << 16)
-    cum = hist.cumsum(0)
+    cum = histogram(key >> 16 for key in keys())
     hi = int(torch.searchsorted(cum, torch.tensor(need), right=False))
     below = int(cum[hi - 1]) if hi else 0
-    hist.zero_()
-    for key in keys():
-        sel = key[(key >> 16) == hi]
-        hist += torch.bincount(sel & 0xFFFF, minlength=1 << 16)
-    cum = hist.cumsum(0)
+    cum = histogram(key[(key >> 16) == hi] & 0xFFFF for key in keys())
     lo = int(torch.searchsorted(cum, torch.tensor(need - below), right=False))
     threshold = (hi << 16) | lo
     ties = need - below - (int(cum[lo - 1]) if lo else 0)  # entries equal to threshold to prune
+    take = _tie_quota(scores, keep, threshold, ties, comm) if comm is not None else None
 
     out = []
-    for s, m in zip(scores, keep):
+    for i, (s, m) in enumerate(zip(scores, keep)):
+        if take is not None:
+            ties = take[i]
         flat_m = m.reshape(-1)
         mask = flat_m.clone()
         for start in range(0, s.numel(), _CHUNK):
@@ -193,3 +213,24 @@ def lowest_k_masks(
                 ties -= eq.numel()
         out.append(mask.reshape(m.shape))
     return out
+
+
+def _tie_quota(
+    scores: Sequence[torch.Tensor],
+    keep: Sequence[torch.Tensor],
+    threshold: int,
+    ties: int,
+    comm: ShardComm,
+) -> list[int]:
+    """How many of its entries equal to ``threshold`` each local tensor prunes, so that the
+    ``ties`` pruned over all ranks are the first in (tensor, rank, position) order."""
+    counts = torch.zeros(comm.world, len(scores), dtype=torch.int64)
+    for i, (s, m) in enumerate(zip(scores, keep)):
+        flat_s, flat_m = s.reshape(-1), m.reshape(-1)
+        for lo in range(0, flat_s.numel(), _CHUNK):
+            eq = (_sort_key(flat_s[lo : lo + _CHUNK]) == threshold) & flat_m[lo : lo + _CHUNK]
+            counts[comm.rank, i] += int(eq.sum())
+    counts = comm.all_reduce_sum(counts)
+    # ties that come before this rank's shard of tensor i: all earlier tensors, lower ranks of i
+    before = counts.sum(0).cumsum(0) - counts.sum(0) + counts[: comm.rank].sum(0)
+    return (ties - before).clamp(min=0).minimum(counts[comm.rank]).tolist()

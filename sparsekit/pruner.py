@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit import distributed as D
 from sparsekit import masks as M
 from sparsekit.calibration import CalibrationFn
 from sparsekit.criteria import CRITERIA, collect_input_norms, magnitude, wanda
@@ -64,6 +65,13 @@ class Pruner:
         calibration: iterable of model inputs (re-iterable for gradual Wanda: it is run at
             every mask update). ``calibration_fn(model, batch)`` feeds unusual batches.
         strict: raise instead of skipping layers that cannot take the pattern.
+        process_group: the ranks that prune together under torchrun (default: the world when
+            torch.distributed is initialized). Replicated weights (DDP; pass the wrapper or
+            ``model.module``) get masks computed on every rank and checked by an all-reduced
+            checksum at each update; sharded FSDP2 weights (create the Pruner after
+            ``fully_shard``) get masks sharded like them, from thresholds searched over all
+            shards. Every rank must call :meth:`step` with the same steps. See
+            docs/distributed.md.
 
     Wanda compares scores within each output row (Sun et al. 2023): each row of a layer gets
     ``round(level * in_features)`` zeros. N:M under a gradual schedule enforces a growing
@@ -83,7 +91,10 @@ class Pruner:
         calibration: Iterable[Any] | None = None,
         calibration_fn: CalibrationFn | None = None,
         strict: bool = False,
+        process_group: Any = None,
     ):
+        wrapped = D.unwrap(model) is not model
+        model = D.unwrap(model)
         self.model = model
         self.pattern = pattern
         self.nm = parse_pattern(pattern)
@@ -120,8 +131,33 @@ class Pruner:
             else:
                 self.modules[name] = module
         self._selected = list(selected)
-        for module in self.modules.values():
-            M.attach_mask(module)
+        self._comm = D.comm(process_group)
+        sharded = [D.is_sharded(M.original_weight(m)) for m in self.modules.values()]
+        self._sharded = any(sharded)
+        if self._sharded and not all(sharded):
+            raise ValueError(
+                "some selected weights are sharded (FSDP2) and some are not: shard "
+                "all selected layers or none"
+            )
+        if self._sharded and criterion == "sparsegpt":
+            raise ValueError("criterion 'sparsegpt' needs whole weights: prune before fully_shard")
+        # Masks held here and enforced by zeroing pruned weights at every step() (and, when
+        # not sharded, masking their gradients) where a parametrization cannot go: FSDP2 owns
+        # sharded Parameters, and parametrizing a Parameter after DDP wrapped it detaches
+        # DDP's gradient hooks (register_parametrization resets its grad accumulator).
+        self._held = self._sharded or wrapped
+        self._local_masks: dict[str, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        for name, module in self.modules.items():
+            if not self._held:
+                M.attach_mask(module)
+                continue
+            if M.find_mask(module) is not None:
+                raise ValueError(f"layer {name!r} already has a pruning mask")
+            self._local_masks[name] = torch.ones_like(D.local(module.weight), dtype=torch.bool)
+            if not self._sharded:
+                mask = self._local_masks[name]
+                self._hooks.append(module.weight.register_hook(lambda g, mask=mask: g * mask))
         self.progress = 0.0
         self.last_step: int | None = None
 
@@ -164,8 +200,34 @@ class Pruner:
 
     @property
     def masks(self) -> dict[str, torch.Tensor]:
-        """Current keep-masks (True = kept) by qualified layer name; live tensors, not copies."""
+        """Current keep-masks (True = kept) by qualified layer name; live tensors, not copies.
+        For sharded (FSDP2) weights, DTensors sharded like the weights."""
+        if self._sharded:
+            return {n: D.like(self._local_masks[n], m.weight) for n, m in self.modules.items()}
+        if self._held:
+            return dict(self._local_masks)
         return {name: M.find_mask(m).mask for name, m in self.modules.items()}
+
+    def _keep(self, name: str) -> torch.Tensor:
+        """This rank's part of a layer's mask (all of it for replicated weights)."""
+        if self._held:
+            return self._local_masks[name]
+        return M.find_mask(self.modules[name]).mask
+
+    def _set_mask(self, name: str, mask: torch.Tensor) -> None:
+        module = self.modules[name]
+        if self._held:
+            self._local_masks[name].copy_(mask)
+            D.local(module.weight).detach().masked_fill_(~self._local_masks[name], 0)
+        else:
+            M.attach_mask(module, mask)
+            M.zero_pruned(module)
+
+    def _allsum(self, counts: list[int]) -> list[int]:
+        """Counts summed over ranks for sharded weights (local counts are partial)."""
+        if not self._sharded or self._comm is None:
+            return counts
+        return self._comm.all_reduce_sum(torch.tensor(counts, dtype=torch.int64)).tolist()
 
     @property
     def sparsity(self) -> float:
@@ -180,6 +242,10 @@ class Pruner:
         Returns True when the masks changed."""
         if not self.modules:
             return False
+        if self._held:  # undo what the optimizer step did to pruned weights
+            with torch.no_grad():
+                for name, module in self.modules.items():
+                    D.local(module.weight).masked_fill_(~self._local_masks[name], 0)
         target = self.schedule.progress(step)
         self.last_step = step
         if target <= self.progress:
@@ -194,20 +260,24 @@ class Pruner:
             self._update_sparsegpt(progress)
             return
         scores = self._scores()
-        keeps = {n: M.find_mask(m).mask for n, m in self.modules.items()}
+        keeps = {n: self._keep(n) for n in self.modules}
         new = self._nm_masks(scores, keeps, progress) if self.nm else None
         if new is None:
             new = self._unstructured_masks(scores, keeps, progress)
-        for name, module in self.modules.items():
-            M.attach_mask(module, new[name])
-            M.zero_pruned(module)
+        for name in self.modules:
+            self._set_mask(name, new[name])
+        if not self._sharded:
+            D.verify_masks(self.masks, self._comm)
 
     def _scores(self) -> dict[str, torch.Tensor]:
         if self.criterion == "magnitude":
-            return {n: magnitude(m.weight) for n, m in self.modules.items()}
-        norms = collect_input_norms(self.model, self.modules, self.calibration, self.calibration_fn)
+            return {n: magnitude(D.local(m.weight)) for n, m in self.modules.items()}
+        norms = collect_input_norms(
+            self.model, self.modules, self.calibration, self.calibration_fn, self._comm
+        )
         return {
-            n: wanda(m.weight, norms[n], getattr(m, "groups", 1)) for n, m in self.modules.items()
+            n: wanda(D.local(m.weight), norms[n], getattr(m, "groups", 1))
+            for n, m in self.modules.items()
         }
 
     def _nm_masks(self, scores, keeps, progress: float) -> dict[str, torch.Tensor]:
@@ -217,14 +287,16 @@ class Pruner:
         done = [
             (~keeps[k]).reshape(c.shape[0], -1, m).sum(-1) >= m - n for k, c in zip(names, costs)
         ]
+        comm = self._comm if self._sharded else None
+        numels = self._allsum([c.numel() for c in costs])
+        dones = self._allsum([int(d.sum()) for d in done])
         if self.scope == "global":
-            total = sum(c.numel() for c in costs)
-            k_all = max(round(progress * total), sum(int(d.sum()) for d in done))
-            picked = lowest_k_masks(costs, k_all, [~d for d in done])
+            k_all = max(round(progress * sum(numels)), sum(dones))
+            picked = lowest_k_masks(costs, k_all, [~d for d in done], comm)
         else:
             picked = [
-                lowest_k_masks([c], max(round(progress * c.numel()), int(d.sum())), [~d])[0]
-                for c, d in zip(costs, done)
+                lowest_k_masks([c], max(round(progress * t), dn), [~d], comm)[0]
+                for c, d, t, dn in zip(costs, done, numels, dones)
             ]
         # lowest_k_masks returns keep-masks: False marks a selected (enforced) group
         return {k: nm_partial_mask(scores[k], n, m, keeps[k], ~p) for k, p in zip(names, picked)}
@@ -233,14 +305,17 @@ class Pruner:
         names = list(self.modules)
         if self.criterion == "wanda":
             return {k: row_mask(scores[k], self.levels[k] * progress, keeps[k]) for k in names}
+        comm = self._comm if self._sharded else None
+        numel = {k: self.modules[k].weight.numel() for k in names}  # DTensors: global numel
         if self.scope == "global":
-            total = sum(scores[k].numel() for k in names)
-            count = prune_count(total, self.sparsity * progress)
-            picked = lowest_k_masks([scores[k] for k in names], count, [keeps[k] for k in names])
+            count = prune_count(sum(numel.values()), self.sparsity * progress)
+            picked = lowest_k_masks(
+                [scores[k] for k in names], count, [keeps[k] for k in names], comm
+            )
             return dict(zip(names, picked))
         return {
             k: lowest_k_masks(
-                [scores[k]], prune_count(scores[k].numel(), self.levels[k] * progress), [keeps[k]]
+                [scores[k]], prune_count(numel[k], self.levels[k] * progress), [keeps[k]], comm
             )[0]
             for k in names
         }
@@ -254,9 +329,9 @@ class Pruner:
         new = sparsegpt_prune(
             self.model, self.modules, levels, self.nm, self.calibration, self.calibration_fn
         )
-        for name, module in self.modules.items():
-            M.attach_mask(module, new[name])
-            M.zero_pruned(module)
+        for name in self.modules:
+            self._set_mask(name, new[name])
+        D.verify_masks(self.masks, self._comm)
 
     def report(self) -> SparsityReport:
         """Sparsity of every selected layer, with skip reasons and N:M validity."""
@@ -276,7 +351,10 @@ class Pruner:
             "scope": self.scope,
             "progress": self.progress,
             "last_step": -1 if self.last_step is None else self.last_step,
-            "masks": {n: m.detach().cpu().clone() for n, m in self.masks.items()},
+            "masks": {
+                n: m.detach().clone() if self._sharded else m.detach().cpu().clone()
+                for n, m in self.masks.items()
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -293,17 +371,24 @@ class Pruner:
                 f"pruner state covers layers {sorted(saved)}, this pruner {sorted(self.modules)}"
             )
         for name, module in self.modules.items():
-            M.attach_mask(module, saved[name])
-            M.zero_pruned(module)
+            mask = saved[name]
+            if self._sharded:
+                mask = D.local_part(mask, module.weight)
+            self._set_mask(name, mask.to(self._keep(name).device))
         self.progress = float(state["progress"])
         self.last_step = None if state["last_step"] < 0 else int(state["last_step"])
 
     def finalize(self) -> nn.Module:
         """Fold masks into the weights: a plain module with the state_dict keys it had before
         pruning and zeros where pruned. The pruner is done afterwards. Returns the model."""
-        for module in self.modules.values():
-            M.fold_mask(module)
-        self.modules = {}
+        for name, module in self.modules.items():
+            if self._held:
+                self._set_mask(name, self._local_masks[name])
+            else:
+                M.fold_mask(module)
+        for hook in self._hooks:
+            hook.remove()
+        self.modules, self._local_masks, self._hooks = {}, {}, []
         return self.model
 
 

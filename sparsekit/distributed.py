@@ -1,0 +1,300 @@
+"""Running sparsekit under ``torchrun``: process groups, DDP/FSDP2 awareness, agreeing masks.
+
+Everything here is a no-op, or the identity, in a single process (no process group, or a world
+of one), so library code calls it unconditionally.
+
+How masks agree across ranks (see docs/distributed.md):
+
+- Replicated weights (DDP, or no wrapper): every rank holds the same weights, so every rank
+  computes the masks itself from identical data (Wanda input norms are summed over ranks first),
+  and after each mask update :func:`verify_masks` all-reduces one checksum per layer and raises
+  if any rank disagrees. Nothing of the size of a mask crosses the network.
+- Sharded weights (FSDP2, ``fully_shard``: parameters are DTensors): each rank scores and masks
+  only its local shard. Thresholds that span a whole tensor (or, for ``scope="global"``, every
+  selected tensor) come from :func:`sparsekit.patterns.lowest_k_masks` with a :class:`ShardComm`:
+  the radix-select histograms are summed over ranks, so every rank uses the same threshold and
+  no rank ever holds another's weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch builds without distributed support
+    DTensor = None
+
+BACKENDS = ("auto", "gloo", "nccl")
+# NVLink SHARP / multicast stays off on the lent machines (GPU_NOTES.md); set before NCCL init
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def is_initialized() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks (1 without a process group)."""
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def is_main() -> bool:
+    """True on the rank that writes files, logs and checkpoints (rank 0)."""
+    return rank() == 0
+
+
+def is_distributed() -> bool:
+    """True when more than one rank takes part."""
+    return world_size() > 1
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) is set."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def init(backend: str = "auto", device: str = "auto") -> torch.device:
+    """Join the process group described by torchrun's environment variables (a no-op when not
+    launched by torchrun or already initialized) and return this rank's device.
+
+    ``backend``: ``"gloo"`` (CPU), ``"nccl"`` (CUDA), or ``"auto"`` (NCCL when the device is
+    CUDA). ``device``: ``"cpu"``, ``"cuda"`` or ``"auto"``; on CUDA each rank takes GPU
+    ``LOCAL_RANK``. Raises ValueError for an unknown or unavailable backend, NCCL without CUDA,
+    or more ranks on a node than it has GPUs.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"distributed backend {backend!r} is not allowed; choose one of: {BACKENDS}"
+        )
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not allowed; choose one of auto, cpu, cuda")
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available; use device='cpu' (gloo)")
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("backend 'nccl' needs CUDA devices; use backend='gloo' on CPU")
+    if not launched_by_torchrun() and not is_initialized():
+        return torch.device("cuda" if use_cuda else "cpu")
+    available = {
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+    }
+    if not available[backend]:
+        others = [b for b, ok in available.items() if ok] or ["none"]
+        raise ValueError(
+            f"distributed backend {backend!r} is not available in this torch build "
+            f"(available: {', '.join(others)})"
+        )
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cpu")
+    if use_cuda:
+        if local >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA device(s): start "
+                "at most one process per GPU (torchrun --nproc_per_node)"
+            )
+        for key, value in NO_MULTICAST_ENV.items():
+            os.environ.setdefault(key, value)
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    if not is_initialized():
+        dist.init_process_group(backend, device_id=dev if use_cuda else None)
+    return dev
+
+
+def shutdown() -> None:
+    """Leave the process group, if any."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def split_batch(global_batch: int, world: int | None = None, what: str = "batch_size") -> int:
+    """Per-rank share of a global batch; ValueError when ``world`` ranks cannot split it evenly
+    (uneven shares would change the loss that a one-process run of the same batch gives).
+
+    >>> split_batch(64, 4)
+    16
+    """
+    world = world_size() if world is None else world
+    if global_batch % world:
+        raise ValueError(
+            f"{what}={global_batch} (the global batch) is not divisible by the world size "
+            f"{world}; use a multiple of {world} or another --nproc_per_node"
+        )
+    return global_batch // world
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DistributedDataParallel wrapper (so qualified names carry no
+    ``module.`` prefix); any other module is returned as is (FSDP2 shards in place)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """True for a DTensor (an FSDP2 parameter)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view sharing its storage); a plain tensor as is."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def like(local_tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``local_tensor`` as this rank's shard, sharded like DTensor ``reference``
+    (same global shape); shares ``local_tensor``'s storage."""
+    return DTensor.from_local(
+        local_tensor,
+        reference.device_mesh,
+        reference.placements,
+        run_check=False,
+        shape=reference.shape,
+        stride=reference.stride(),
+    )
+
+
+def local_part(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` for a weight sharded like DTensor ``reference``:
+    ``tensor`` may be a DTensor, the local shard, or the full tensor (dim-0 sharding on a 1-D
+    mesh, as ``fully_shard`` does: ``torch.chunk`` over the ranks)."""
+    shard = reference.to_local()
+    if is_sharded(tensor):
+        tensor = tensor.to_local()
+    elif tuple(tensor.shape) == tuple(reference.shape) != tuple(shard.shape):
+        mesh, placements = reference.device_mesh, reference.placements
+        if mesh.ndim != 1 or len(placements) != 1 or getattr(placements[0], "dim", None) != 0:
+            raise ValueError(f"cannot slice a full tensor for placements {placements}")
+        chunks = torch.chunk(tensor, mesh.size(), dim=0)
+        pos = mesh.get_local_rank()
+        tensor = chunks[pos] if pos < len(chunks) else tensor[:0]
+    if tuple(tensor.shape) != tuple(shard.shape):
+        raise ValueError(
+            f"tensor of shape {tuple(tensor.shape)} is neither the full {tuple(reference.shape)} "
+            f"nor this rank's shard {tuple(shard.shape)}"
+        )
+    return tensor
+
+
+@dataclass(frozen=True)
+class ShardComm:
+    """Sums over the ranks of a process group, for selections over sharded tensors.
+
+    ``device`` is where the collective runs (CUDA for NCCL); tensors travel there and back.
+    """
+
+    group: Any = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of ``tensor`` over all ranks, on ``tensor``'s device."""
+        buf = tensor.to(self.device, copy=True)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        return buf.to(tensor.device)
+
+
+def comm(group: Any = None) -> ShardComm | None:
+    """A :class:`ShardComm` over ``group`` (default: the world), or None in a single process."""
+    if not is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    nccl = dist.get_backend(group) == "nccl"
+    return ShardComm(
+        group, torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    )
+
+
+def all_reduce_dict(tensors: Mapping[str, torch.Tensor], c: ShardComm | None) -> dict[str, Any]:
+    """Sum every tensor of ``tensors`` over ranks in one collective (same names and shapes on
+    every rank; summed in float64 for float inputs). Identity when ``c`` is None."""
+    if c is None or not tensors:
+        return dict(tensors)
+    names = sorted(tensors)
+    flat = torch.cat([tensors[n].reshape(-1).double() for n in names])
+    summed = c.all_reduce_sum(flat).split([tensors[n].numel() for n in names])
+    return {n: s.reshape(tensors[n].shape).to(tensors[n].dtype) for n, s in zip(names, summed)}
+
+
+def reduce_hessian(h: torch.Tensor, n: int, c: ShardComm | None) -> tuple[torch.Tensor, int]:
+    """Combine SparseGPT Hessians averaged over ``n`` input rows on each rank into the average
+    over all ranks' rows: ``H = sum_r n_r H_r / sum_r n_r``. Returns ``(H, total rows)``;
+    identity when ``c`` is None. ``h`` is ``(groups, cols, cols)`` float32."""
+    if c is None:
+        return h, n
+    weighted = c.all_reduce_sum(h.double() * n)
+    total = int(c.all_reduce_sum(torch.tensor([n], dtype=torch.int64)).item())
+    if total == 0:
+        raise ValueError("sparsegpt: no calibration rows on any rank")
+    return (weighted / total).to(h.dtype), total
+
+
+# Checksum weights: a pseudo-random value below 2**31 per position (two rounds of squaring mod
+# the prime 2**31 - 1, so the weights are not linear in the position: moving kept entries while
+# keeping their count and position sum still changes the checksum); a sum over up to 2**32
+# entries fits in int64 exactly.
+_A, _B, _P = 1_103_515_245, 12_345, (1 << 31) - 1
+_CHUNK = 1 << 22
+
+
+def mask_checksum(mask: torch.Tensor) -> int:
+    """A position-sensitive checksum of a bool mask (equal masks give equal checksums)."""
+    flat = local(mask).reshape(-1)
+    total = 0
+    for lo in range(0, flat.numel(), _CHUNK):
+        chunk = flat[lo : lo + _CHUNK]
+        x = torch.arange(lo, lo + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        x = (x % _P * _A + _B) % _P
+        for _ in range(2):
+            x = (x * x + _B) % _P
+        total += int((x * chunk).sum())
+    return total
+
+
+def verify_masks(masks: Mapping[str, torch.Tensor], c: ShardComm | None) -> None:
+    """Check that every rank holds the same masks (replicated weights): one checksum per layer
+    is gathered from every rank. Raises RuntimeError naming the layers that differ."""
+    if c is None or not masks:
+        return
+    names = list(masks)
+    table = torch.zeros(c.world, len(names), dtype=torch.int64)
+    table[c.rank] = torch.tensor([mask_checksum(masks[n]) for n in names], dtype=torch.int64)
+    table = c.all_reduce_sum(table)
+    differ = [n for i, n in enumerate(names) if bool((table[:, i] != table[0, i]).any())]
+    if differ:
+        raise RuntimeError(
+            f"masks differ across ranks for layer(s) {differ[:8]}: the ranks' weights or "
+            "calibration statistics diverged (wrap the model in DDP or FSDP2 so weights stay "
+            "in sync, and feed each rank its share of the calibration data)"
+        )

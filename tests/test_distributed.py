@@ -1,0 +1,276 @@
+"""Distributed pruning on CPU with gloo: 2 processes started by torch.multiprocessing.
+
+All multi-process checks of one kind run inside one spawned pair, because starting processes
+is what costs time here; each check asserts on every rank and failures propagate to pytest.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import sparsekit as sk
+from sparsekit import distributed as D
+from sparsekit.criteria import collect_input_norms, wanda
+from sparsekit.patterns import lowest_k_masks, nm_mask
+
+WORLD = 2
+
+
+def _entry(rank: int, init_file: str, check: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        globals()[check](rank, out_dir)
+        open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(check: str) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(os.path.join(d, "init"), check, d), nprocs=WORLD, join=True)
+        assert all(os.path.exists(os.path.join(d, f"ok{r}")) for r in range(WORLD))
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape on all ranks), as int64."""
+    out = [torch.zeros_like(t, dtype=torch.int64) for _ in range(WORLD)]
+    dist.all_gather(out, t.to(torch.int64).contiguous())
+    return out
+
+
+def _full(mask: torch.Tensor) -> torch.Tensor:
+    """A DTensor bool mask gathered whole (through int64: gloo has no bool collectives)."""
+    return D.like(D.local(mask).long(), mask).full_tensor().bool()
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 7), nn.ReLU(), nn.Linear(7, 4))
+
+
+def _batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _train(model, pruner, opt, step, x, y) -> torch.Tensor:
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    pruner.step(step)
+    return loss.detach()
+
+
+# ---- checks run on every rank --------------------------------------------------------------
+
+
+def check_threshold(rank: int, out_dir: str) -> None:
+    """Distributed lowest-k over shards == single-process lowest-k on the whole tensors,
+    with many ties and entries already pruned, and a tensor whose second shard is empty."""
+    c = D.comm()
+    g = torch.Generator().manual_seed(7)
+    full = [
+        torch.randint(0, 5, (9, 6), generator=g).float(),  # few values: ties everywhere
+        torch.rand(5, 3, generator=g),
+        torch.randint(0, 3, (1, 10), generator=g).float(),  # one row: rank 1 holds nothing
+    ]
+    keep = [torch.rand(t.shape, generator=g) > 0.2 for t in full]
+
+    def shard(t):
+        chunks = torch.chunk(t, WORLD, dim=0)
+        return chunks[rank] if rank < len(chunks) else t[:0]
+
+    total = sum(t.numel() for t in full)
+    for k in (int(sum((~m).sum() for m in keep)), 40, 57, total):
+        ref = lowest_k_masks(full, k, keep)
+        got = lowest_k_masks([shard(t) for t in full], k, [shard(m) for m in keep], c)
+        for r, gt in zip(ref, got):
+            assert torch.equal(shard(r), gt), k
+        assert sum(int((~m).sum()) for m in ref) == k
+
+
+def check_ddp(rank: int, out_dir: str) -> None:
+    """DDP: masks identical on both ranks at every update, names without 'module.', losses equal
+    to a one-process run of the same global batch; a rank that disagrees is caught."""
+    for wrap_first in (True, False):
+        _ddp_run(rank, wrap_first)
+
+    bad = {"0": torch.ones(4, 4, dtype=torch.bool), "2": torch.ones(3, dtype=torch.bool)}
+    bad["2"][rank] = False  # same count of kept entries on both ranks, different positions
+    with pytest.raises(RuntimeError, match=r"masks differ across ranks for layer\(s\) \['2'\]"):
+        D.verify_masks(bad, D.comm())
+
+
+def _ddp_run(rank: int, wrap_first: bool) -> None:
+    """The Pruner gets the DDP wrapper (masks held by the pruner) or the module before it is
+    wrapped (masks as parametrizations)."""
+    ref_model = _mlp()
+    sched = sk.Linear(start=0, end=4, every=2)
+    if wrap_first:
+        model = nn.parallel.DistributedDataParallel(copy.deepcopy(ref_model))
+        pruner = sk.Pruner(model, sparsity=0.5, scope="global", schedule=sched)
+    else:
+        inner = copy.deepcopy(ref_model)
+        pruner = sk.Pruner(inner, sparsity=0.5, scope="global", schedule=sched)
+        model = nn.parallel.DistributedDataParallel(inner)
+    assert set(pruner.masks) == {"0", "2", "4"}
+    ref_pruner = sk.Pruner(ref_model, sparsity=0.5, scope="global", schedule=sched)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(6):
+        x, y = _batch(step)
+        local = slice(rank * 4, rank * 4 + 4)
+        loss = _train(model, pruner, opt, step, x[local], y[local])
+        ref_loss = _train(ref_model, ref_pruner, ref_opt, step, x, y)
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss / WORLD, ref_loss, rtol=1e-5, atol=1e-6)
+        for name, mask in pruner.masks.items():
+            a, b = _gather(mask)
+            assert torch.equal(a, b), (step, name)
+            assert torch.equal(mask, ref_pruner.masks[name]), (step, name)
+    assert abs(pruner.report().global_sparsity - ref_pruner.report().global_sparsity) < 1e-9
+    for name, module in pruner.modules.items():
+        torch.testing.assert_close(module.weight, ref_pruner.modules[name].weight)
+
+
+def check_wanda(rank: int, out_dir: str) -> None:
+    """Each rank calibrates on its own batch; the norms are those of both batches together, and
+    2:4 Wanda masks equal the single-process masks computed from all calibration data."""
+    model = _mlp()
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randn(5, 16, generator=g) for _ in range(WORLD)]
+    layers = {"0": model[0], "2": model[2]}
+    ref_norms = collect_input_norms(model, layers, calib)
+    norms = collect_input_norms(model, layers, [calib[rank]], comm=D.comm())
+    for name in layers:
+        torch.testing.assert_close(norms[name], ref_norms[name], rtol=1e-6, atol=1e-6)
+    ref = {n: nm_mask(wanda(m.weight, ref_norms[n]), 2, 4) for n, m in layers.items()}
+    pruner = sk.Pruner(
+        model, pattern="2:4", criterion="wanda", calibration=[calib[rank]], include=["0", "2"]
+    )
+    pruner.step(0)
+    for name in layers:
+        assert torch.equal(pruner.masks[name], ref[name]), name
+
+    h, n = torch.full((1, 3, 3), float(rank + 1)), 2 + rank  # rank 0: 2 rows of H=1, rank 1: 3 of 2
+    hh, nn_ = D.reduce_hessian(h, n, D.comm())
+    assert nn_ == 5
+    torch.testing.assert_close(hh, torch.full((1, 3, 3), (2 * 1 + 3 * 2) / 5))
+
+
+def check_fsdp2(rank: int, out_dir: str) -> None:
+    """FSDP2 (fully_shard) on CPU: masks are local shards of DTensors, global magnitude
+    thresholds found over the shards equal the single-process masks, training under a 2:4 ramp
+    matches the one-process run, pruned weights stay zero, and the pruner state round-trips
+    through torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(m):
+        for layer in (m[0], m[2], m[4]):
+            fully_shard(layer)
+        return fully_shard(m)
+
+    for kwargs, sched in (
+        (dict(sparsity=0.6, scope="global"), sk.OneShot(0)),
+        (dict(sparsity=0.5), sk.OneShot(0)),
+        (dict(pattern="2:4", scope="global", include=["0", "2"]), sk.Linear(0, 3, 1)),
+    ):
+        ref_model = _mlp()
+        model = sharded(copy.deepcopy(ref_model))
+        pruner = sk.Pruner(model, schedule=sched, **kwargs)
+        ref_pruner = sk.Pruner(ref_model, schedule=sched, **kwargs)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        pruner.step(0)
+        ref_pruner.step(0)
+        for step in range(1, 5):
+            x, y = _batch(step)
+            local = slice(rank * 4, rank * 4 + 4)
+            loss = _train(model, pruner, opt, step, x[local], y[local])
+            ref_loss = _train(ref_model, ref_pruner, ref_opt, step, x, y)
+            dist.all_reduce(loss)
+            torch.testing.assert_close(loss / WORLD, ref_loss, rtol=1e-4, atol=1e-5)
+        for name, mask in pruner.masks.items():
+            assert D.is_sharded(mask)
+            assert torch.equal(_full(mask), ref_pruner.masks[name]), (kwargs, name)
+            weight = pruner.modules[name].weight
+            assert not bool((D.local(weight)[~D.local(mask)] != 0).any())
+            torch.testing.assert_close(
+                weight.full_tensor(), ref_pruner.modules[name].weight, rtol=1e-4, atol=1e-5
+            )
+
+    ckpt = os.path.join(out_dir, "dcp")
+    dcp.save({"pruner": pruner.state_dict()}, checkpoint_id=ckpt)
+    fresh = sharded(_mlp(seed=1))
+    other = sk.Pruner(fresh, schedule=sk.Linear(0, 3, 1), **kwargs)
+    state = {"pruner": other.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt)
+    other.load_state_dict(state["pruner"])
+    assert other.progress == pruner.progress and other.last_step == pruner.last_step
+    for name, mask in pruner.masks.items():
+        assert torch.equal(D.local(other.masks[name]), D.local(mask))
+        assert not bool((D.local(other.modules[name].weight)[~D.local(mask)] != 0).any())
+    # the full (unsharded) masks of a single-process state load into shards as well
+    other.load_state_dict(ref_pruner.state_dict())
+    for name, mask in pruner.masks.items():
+        assert torch.equal(D.local(other.masks[name]), D.local(mask))
+
+
+# ---- pytest entry points --------------------------------------------------------------------
+
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+
+@needs_gloo
+def test_distributed_threshold_ddp_and_wanda():
+    _spawn("check_all_replicated")
+
+
+def check_all_replicated(rank: int, out_dir: str) -> None:
+    check_threshold(rank, out_dir)
+    check_ddp(rank, out_dir)
+    check_wanda(rank, out_dir)
+
+
+@needs_gloo
+def test_fsdp2_sharded_masks():
+    _spawn("check_fsdp2")
+
+
+def test_single_process_helpers_are_identities():
+    assert D.rank() == 0 and D.world_size() == 1 and D.is_main() and D.comm() is None
+    model = nn.Linear(4, 4)
+    assert D.unwrap(model) is model and D.local(model.weight) is model.weight
+    D.verify_masks({"w": torch.ones(2, dtype=torch.bool)}, None)
+    h = torch.eye(2)[None]
+    assert D.reduce_hessian(h, 3, None) == (h, 3)
+
+
+def test_split_batch_and_init_errors():
+    assert D.split_batch(12, 3) == 4
+    with pytest.raises(ValueError, match="batch_size=10.*not divisible by the world size 4"):
+        D.split_batch(10, 4)
+    with pytest.raises(ValueError, match="backend 'mpi' is not allowed"):
+        D.init(backend="mpi")
+    with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+        D.init(backend="nccl", device="cpu")
+
+
+def test_mask_checksum_sees_moved_entries():
+    a = torch.tensor([True, False, False, True])
+    b = torch.tensor([False, True, True, False])  # same count, same position sum
+    assert D.mask_checksum(a) != D.mask_checksum(b)
+    assert D.mask_checksum(a) == D.mask_checksum(a.clone())
