@@ -39,11 +39,11 @@ import sparsekit as sk
 from sparsekit.accel import actquant, algsearch, kernels
 from sparsekit.accel.timing import eager_time_us, graph_time_us
 
-GEMM_SHAPES = {  # model: [(layer, in_features K, out_features N)]
-    "ViT-B": [("qkv", 768, 2304), ("proj", 768, 768), ("fc1", 768, 3072), ("fc2", 3072, 768)],
-    "BERT-L": [("qkv", 1024, 3072), ("fc1", 1024, 4096), ("fc2", 4096, 1024)],
+GEMM_SHAPES = {  # model: [(layer, in_features K, out_features N)]; the targets' shapes first
     "Llama-7B": [("up", 4096, 11008), ("down", 11008, 4096)],
     "Llama-70B": [("up", 8192, 28672), ("down", 28672, 8192)],
+    "ViT-B": [("qkv", 768, 2304), ("proj", 768, 768), ("fc1", 768, 3072), ("fc2", 3072, 768)],
+    "BERT-L": [("qkv", 1024, 3072), ("fc1", 1024, 4096), ("fc2", 4096, 1024)],
 }
 TOKENS = (64, 1024, 4096, 16384)
 OURS = ("bf16_2:4", "fp8_dense", "fp8_2:4", "int8_dense", "int8_2:4")
@@ -280,7 +280,9 @@ def bench_model(name: str, master: nn.Module, x: torch.Tensor, device: torch.dev
     return out
 
 
-def vit_section(device: torch.device, batches: tuple, smoke: bool, log) -> list[dict]:
+def vit_section(device: torch.device, batches: tuple, smoke: bool, log, out: list,
+                on_batch) -> None:
+    """Append one end-to-end entry per batch size to ``out``; ``on_batch()`` after each."""
     from torchvision.models import vit_b_16
     from torchvision.models.vision_transformer import VisionTransformer
 
@@ -291,8 +293,10 @@ def vit_section(device: torch.device, batches: tuple, smoke: bool, log) -> list[
     magnitude_24_(master)
     size = 32 if smoke else 224
     mlp = lambda m, n: isinstance(m, nn.Linear) and ".mlp." in f".{n}"  # noqa: E731
-    return [bench_model(f"ViT-B/16 batch {b}", master, torch.randn(b, 3, size, size), device,
-                        mlp, mlp, log) for b in batches]
+    for b in batches:
+        out.append(bench_model(f"ViT-B/16 batch {b}", master, torch.randn(b, 3, size, size),
+                               device, mlp, mlp, log))
+        on_batch()
 
 
 def llama_section(device: torch.device, tokens: int, smoke: bool, log) -> dict:
@@ -433,8 +437,9 @@ def main(argv: list[str] | None = None) -> dict:
                 bench_gemm(device, shapes, (16,) if args.smoke else TOKENS, log, res["gemm"],
                            write)
             elif sec == "vit":
-                res["vit"] = vit_section(device, (2,) if args.smoke else (64, 256), args.smoke,
-                                         log)
+                res["vit"] = []
+                vit_section(device, (2,) if args.smoke else (64, 256), args.smoke, log,
+                            res["vit"], write)
             else:
                 res["llama"] = llama_section(device, 16 if args.smoke else 4096, args.smoke, log)
         except Exception:
