@@ -268,13 +268,16 @@ _A, _B, _P = 1_103_515_245, 12_345, (1 << 31) - 1
 _CHUNK = 1 << 22
 
 
-def mask_checksum(mask: torch.Tensor) -> int:
-    """A position-sensitive checksum of a bool mask (equal masks give equal checksums)."""
+def mask_checksum(mask: torch.Tensor, offset: int = 0) -> int:
+    """A position-sensitive checksum of a bool mask (equal masks give equal checksums).
+    ``offset``: flat position of the first entry (the checksum is a sum over positions, so the
+    checksums of the shards of a tensor, at their offsets, add up to the whole tensor's)."""
     flat = local(mask).reshape(-1)
     total = 0
     for lo in range(0, flat.numel(), _CHUNK):
         chunk = flat[lo : lo + _CHUNK]
-        x = torch.arange(lo, lo + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        start = offset + lo
+        x = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
         x = (x % _P * _A + _B) % _P
         for _ in range(2):
             x = (x * x + _B) % _P
@@ -298,3 +301,55 @@ def verify_masks(masks: Mapping[str, torch.Tensor], c: ShardComm | None) -> None
             "calibration statistics diverged (wrap the model in DDP or FSDP2 so weights stay "
             "in sync, and feed each rank its share of the calibration data)"
         )
+
+
+def global_mask_checksum(mask: torch.Tensor, c: ShardComm | None = None) -> int:
+    """:func:`mask_checksum` of the whole mask: for a DTensor sharded on dim 0 (FSDP2), the
+    shards' checksums at their offsets summed over ranks, without gathering the mask; equals
+    the checksum of the same mask held whole by one process."""
+    if not is_sharded(mask):
+        return mask_checksum(mask)
+    c = comm() if c is None else c
+    shard = mask.to_local()
+    row = shard[0].numel() if shard.dim() and shard.shape[0] else 0
+    rows = torch.tensor([shard.shape[0] if shard.dim() else 0], dtype=torch.int64)
+    table = torch.zeros(c.world, dtype=torch.int64)
+    table[c.rank] = rows[0]
+    start = int(c.all_reduce_sum(table)[: c.rank].sum()) * row
+    return int(c.all_reduce_sum(torch.tensor([mask_checksum(shard, start)]))[0])
+
+
+def save_sharded(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write ``state`` (model/optimizer state dicts from
+    ``torch.distributed.checkpoint.state_dict.get_state_dict``, ``Pruner.state_dict()``, plain
+    numbers) with torch.distributed.checkpoint: every rank writes its own shards. Collective.
+    Atomic: written to ``<path>.tmp`` and renamed onto ``path`` by rank 0 once every rank is
+    done, so a kill leaves the previous checkpoint intact."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    tmp, old = path + ".tmp", path + ".old"
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    barrier()
+    if is_main():
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """Fill ``state`` (built like the one given to :func:`save_sharded`, from freshly built
+    objects on the same world size) in place from ``path``; returns it. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no sharded checkpoint at {path}")
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    return state
