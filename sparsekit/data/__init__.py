@@ -1,0 +1,72 @@
+"""Built-in datasets and the ``_target_`` hook for user data.
+
+Every dataset yields ``(input, target)`` pairs. :func:`build_data` returns a :class:`DataBundle`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from sparsekit.data.mnist1d import mnist1d
+from sparsekit.data.text import stdlib_text
+
+BUILTIN_DATA = {"mnist1d": mnist1d, "stdlib_text": stdlib_text}
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    eval: Dataset
+    info: dict[str, Any] = field(default_factory=dict)  # e.g. num_classes, vocab_size
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where datasets and trained baselines are cached: ``cache_dir``, else the environment
+    variable SPARSEKIT_CACHE, else ``~/.cache/sparsekit``."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    return Path(os.environ.get("SPARSEKIT_CACHE", "~/.cache/sparsekit")).expanduser()
+
+
+def import_object(path: str, option: str) -> Any:
+    """Import ``"package.module.attr"``; a ValueError names ``option`` when it cannot."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{option}={path!r} cannot be imported: {e}") from None
+
+
+def check_data_name(name: str, target: str | None = None) -> None:
+    """Raise ValueError naming ``data.name`` and the built-in choices for an unknown name."""
+    if target is None and name not in BUILTIN_DATA:
+        raise ValueError(
+            f"data.name={name!r} is not allowed; choose one of: {', '.join(BUILTIN_DATA)} "
+            "(or set data._target_ to a function returning (train, eval) datasets)"
+        )
+
+
+def build_data(
+    name: str,
+    target: str | None = None,
+    kwargs: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> DataBundle:
+    """Build built-in data ``name`` (cached under :func:`cache_root`) or call ``target``, an
+    importable function returning ``(train_dataset, eval_dataset)``."""
+    kwargs = dict(kwargs or {})
+    if target is not None:
+        fn = import_object(target, "data._target_")
+        out = fn(**kwargs)
+        if isinstance(out, DataBundle):
+            return out
+        train, eval_ = out
+        return DataBundle(train, eval_)
+    check_data_name(name)
+    return BUILTIN_DATA[name](cache_dir=cache_root(cache_dir) / "data", **kwargs)

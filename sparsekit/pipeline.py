@@ -1,0 +1,360 @@
+"""One compression run, stage by stage, driven by a :class:`~sparsekit.config.Config`.
+
+dense model (trained and cached by config hash, or loaded) -> evaluate -> channel pruning ->
+QAT preparation -> fine-tune under the pruner (checkpointed, resumable) -> finalize -> quantize
+-> evaluate -> benchmark dense vs compressed -> accelerate (GPU) -> save; everything is logged to
+TensorBoard under ``<run_dir>/tb`` and summarized in ``summary.json`` / ``summary.md``.
+
+The command line (``sparsekit.cli``) is a thin Hydra front end over :func:`run`; Python users
+can call it with a plain ``Config``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+import sparsekit as sk
+from sparsekit._io import atomic_write, safe_torch_load
+from sparsekit.bench import benchmark
+from sparsekit.config import Config, validate
+from sparsekit.data import DataBundle, build_data, cache_root
+from sparsekit.models import build_model
+from sparsekit.progress import is_quiet
+from sparsekit.runstate import load_checkpoint, restore, save_checkpoint
+from sparsekit.tracking import Tracker
+from sparsekit.train import eval_batches, evaluate, fit, make_optimizer
+
+CHECKPOINT = Path("checkpoints") / "last.pt"
+# test hook: SIGKILL this process right after writing the checkpoint of this fine-tuning step
+KILL_ENV = "SPARSEKIT_TEST_KILL_AT_STEP"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but CUDA is not available; use auto or cpu")
+    return torch.device(name)
+
+
+def baseline_key(cfg: Config) -> str:
+    """Hash of everything that determines the trained dense baseline (model, data, training)."""
+    t = cfg.train
+    spec = {
+        "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "checkpoint"},
+        "data": dataclasses.asdict(cfg.data),
+        "train": [t.dense_steps, t.dense_lr, t.optimizer, t.weight_decay, t.lr_schedule,
+                  t.warmup_steps, t.grad_clip, t.seed],
+        "torch": torch.__version__.split("+")[0],
+        "v": 1,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def save_weights(model: nn.Module, path: str | os.PathLike) -> Path:
+    """``sk.save`` (portable, compressed) when present, else a safetensors state dict."""
+    saver = getattr(sk, "save", None)
+    if saver is not None:
+        return atomic_write(path, lambda tmp: saver(model, tmp))
+    return atomic_write(path, lambda tmp: save_model(model, tmp))
+
+
+def file_size(model: nn.Module) -> int:
+    """Bytes of the file :func:`save_weights` writes for ``model``."""
+    with tempfile.TemporaryDirectory() as d:
+        return save_weights(model, Path(d) / "m.safetensors").stat().st_size
+
+
+def load_dense(model: nn.Module, path: str) -> None:
+    """Dense weights from a user file: safetensors, or a torch state dict (``weights_only``)."""
+    if not Path(path).exists():
+        raise ValueError(f"model.checkpoint={path!r} does not exist")
+    if str(path).endswith(".safetensors"):
+        load_model(model, path)
+        return
+    state = safe_torch_load(path)
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    model.load_state_dict(state)
+
+
+def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tracker) -> tuple:
+    """The dense model: loaded from ``model.checkpoint``, from the baseline cache, or trained
+    here and cached. Returns ``(model, source)``."""
+    model = build_model(cfg.model.name, cfg.model._target_, cfg.model.kwargs).to(device)
+    if cfg.model.checkpoint:
+        load_dense(model, cfg.model.checkpoint)
+        return model, f"checkpoint {cfg.model.checkpoint}"
+    path = cache_root(cfg.cache_dir) / "baselines" / f"{baseline_key(cfg)}.safetensors"
+    if path.exists():
+        load_model(model, str(path), device=str(device))
+        return model, f"cached {path}"
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    optimizer = make_optimizer(model.parameters(), t.optimizer, t.dense_lr, t.weight_decay)
+
+    def log(step: int, metrics: dict[str, float]) -> None:
+        if step % t.log_every == 0 or step == t.dense_steps - 1:
+            tracker.scalars({f"dense_{k}": v for k, v in metrics.items()}, step)
+
+    fit(model, data.train, optimizer, steps=t.dense_steps, lr=t.dense_lr,
+        batch_size=cfg.data.batch_size, seed=t.seed, warmup=t.warmup_steps,
+        lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=log,
+        quiet=is_quiet(t.quiet), desc="dense training")
+    atomic_write(path, lambda tmp: save_model(model, tmp))
+    return model, f"trained ({t.dense_steps} steps), cached {path}"
+
+
+def _call_with_supported(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with the keyword arguments its signature accepts (optional integrations)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def make_schedule(cfg: Config) -> sk.Schedule:
+    s = cfg.schedule
+    if not cfg.prune.fine_tune or s.kind == "oneshot":
+        return sk.OneShot(step=s.start if cfg.prune.fine_tune else 0)
+    cls = {"linear": sk.Linear, "cubic": sk.Cubic}[s.kind]
+    return cls(start=s.start, end=s.end, every=s.every)
+
+
+def _metric(task: str) -> str:
+    return "perplexity" if task == "lm" else "accuracy"
+
+
+def _fmt(metric: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2%}" if metric == "accuracy" else f"{value:.3f}"
+
+
+def summary_table(s: dict[str, Any]) -> str:
+    """The end-of-run table (markdown) from a run summary."""
+    m, d, c = s["metric"], s["dense"], s["compressed"]
+
+    def num(x: float | None, f: str) -> str:
+        return "-" if x is None else format(x, f)
+
+    rows = [
+        (m, _fmt(m, d[m]), _fmt(m, c[m])),
+        ("sparsity (pruned layers)", "0.00%", f"{s['sparsity']:.2%}"),
+        ("size (bytes)", num(d["size_bytes"], ","), num(c["size_bytes"], ",")),
+        ("latency b=1 (ms)", num(d.get("latency_ms"), ".3f"), num(c.get("latency_ms"), ".3f")),
+        ("throughput (samples/s)", num(d.get("throughput"), ",.0f"),
+         num(c.get("throughput"), ",.0f")),
+    ]
+    lines = ["| | dense | compressed |", "| --- | ---: | ---: |"]
+    lines += [f"| {a} | {b} | {c_} |" for a, b, c_ in rows]
+    lines.append("")
+    lines.append(f"TensorBoard logdir: {s['tensorboard_logdir']}")
+    return "\n".join(lines)
+
+
+def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[str, Any]:
+    """Run every stage of ``cfg`` with outputs under ``run_dir``; ``resume`` continues from
+    ``run_dir/checkpoints/last.pt`` when it exists. Returns the summary (also written to
+    ``summary.json`` and ``summary.md``)."""
+    validate(cfg)
+    t0 = time.perf_counter()
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    atomic_write(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
+    t, quiet = cfg.train, is_quiet(cfg.train.quiet)
+    device = pick_device(t.device)
+    metric = _metric(cfg.data.task)
+    state = None
+    if resume and (run_dir / CHECKPOINT).exists():
+        state = load_checkpoint(run_dir / CHECKPOINT)
+    tb = cfg.tracker
+    tracker = Tracker(run_dir / "tb", tb.kind == "tensorboard", tb.flush_secs, tb.histogram_every,
+                      tb.histograms, purge_step=None if state is None else state["step"] + 1)
+    tracker.text("config", f"```yaml\n{resolved}\n```")
+
+    data = build_data(cfg.data.name, cfg.data._target_, cfg.data.kwargs, cfg.cache_dir)
+    model, dense_source = dense_model(cfg, data, device, tracker)
+
+    def eval_model(m: nn.Module) -> dict[str, float]:
+        return evaluate(m, data.eval, cfg.data.task, cfg.data.eval_batch_size,
+                        cfg.data.eval_batches, quiet)
+
+    dense_eval = eval_model(model)
+    dense = copy.deepcopy(model).eval()  # teacher for distillation and the speed reference
+    tracker.scalars({f"eval/{metric}/dense": dense_eval[metric]}, 0)
+    example = next(eval_batches(data.eval, cfg.bench.batch_size, 1))[0]
+    example = example.to(device) if isinstance(example, torch.Tensor) else example
+    calibration = [
+        b[0] for b in eval_batches(data.train, cfg.data.batch_size, cfg.prune.calibration_batches)
+    ]
+    p, q = cfg.prune, cfg.quant
+
+    if p.channel.ratio > 0:
+        if hasattr(sk, "prune_channels_"):
+            c = p.channel
+            sk.prune_channels_(model, example[:1], ratio=c.ratio, importance=c.importance,
+                               scope=c.scope, round_to=c.round_to, ignore=list(c.ignore),
+                               steps=c.steps)
+        else:
+            print("channel pruning skipped: this sparsekit has no prune_channels_")
+    if q.scheme != "none" and q.qat:
+        _call_with_supported(sk.prepare_qat_, model, q.scheme, include=list(q.include),
+                             exclude=list(q.exclude))
+
+    pruner = None
+    if p.pattern != "none":
+        pruner = sk.Pruner(
+            model, sparsity=p.sparsity, pattern=p.pattern, criterion=p.criterion, scope=p.scope,
+            schedule=make_schedule(cfg), include=list(p.include), exclude=list(p.exclude),
+            calibration=calibration if p.criterion != "magnitude" else None, strict=p.strict,
+        )
+    steps = t.finetune_steps if p.fine_tune else 0
+    optimizer = make_optimizer(model.parameters(), t.optimizer, t.finetune_lr, t.weight_decay)
+    start = 0
+    if state is not None:
+        start = restore(state, model, optimizer, pruner)
+    else:
+        torch.manual_seed(t.seed + 1)
+    ckpt_path = run_dir / CHECKPOINT
+    kill_at = int(os.environ.get(KILL_ENV, "-1"))
+
+    seen_progress = [None if pruner is None else pruner.progress]
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if step % t.log_every == 0 or step == steps - 1:
+            scalars = dict(metrics)
+            if pruner is not None:
+                scalars["sparsity/global"] = pruner.report().global_sparsity
+            tracker.scalars(scalars, step)
+        if pruner is not None and pruner.progress != seen_progress[0]:  # masks just moved
+            seen_progress[0] = pruner.progress
+            tracker.weight_histograms(model, step)
+        if (step + 1) % t.eval_every == 0 and step != steps - 1:
+            tracker.scalars({f"eval/{metric}/compressed": eval_model(model)[metric]}, step)
+        if (step + 1) % t.checkpoint_every == 0 or step == steps - 1:
+            save_checkpoint(ckpt_path, step=step, model=model, optimizer=optimizer,
+                            pruner=pruner, done=step == steps - 1)
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if pruner is not None and not p.fine_tune:
+        pruner.step(0)
+    if steps > start:
+        teacher = dense if t.distill.alpha > 0 else None
+        fit(model, data.train, optimizer, steps=steps, lr=t.finetune_lr,
+            batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=start,
+            warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=pruner,
+            teacher=teacher, distill_alpha=t.distill.alpha, temperature=t.distill.temperature,
+            on_step=on_step, quiet=quiet, desc="fine-tuning")
+    if pruner is not None:
+        pruner.step(max(steps, cfg.schedule.end))  # the full target, even with few steps
+        report = pruner.report()
+        tracker.weight_histograms(model, steps, force=True)
+        pruner.finalize()
+    else:
+        report = sk.sparsity_report(model)
+    if q.scheme != "none":
+        if q.qat:
+            sk.convert_(model)
+        else:
+            _call_with_supported(sk.quantize_, model, q.scheme, calibration=calibration,
+                                 include=list(q.include), exclude=list(q.exclude))
+
+    comp_eval = eval_model(model)
+    final_step = max(steps, 1)
+    tracker.scalars({f"eval/{metric}/compressed": comp_eval[metric],
+                     f"eval/{metric}/dense": dense_eval[metric]}, final_step)
+    tracker.scalars(report.scalars(), final_step)
+
+    speed: dict[str, dict[str, float]] = {"dense": {}, "compressed": {}}
+    if cfg.bench.enabled and isinstance(example, torch.Tensor):
+        b = cfg.bench
+        for name, m in (("dense", dense), ("compressed", model)):
+            speed[name] = benchmark(m, example, b.batch_size, b.warmup, b.repeats, name, quiet)
+    accel_info: dict[str, Any] = {"enabled": cfg.accel.enabled}
+    if cfg.accel.enabled:
+        accel_info.update(accelerate(cfg, model, example, device, quiet))
+
+    model_path = save_weights(model, run_dir / "model.safetensors")
+    sizes = {"dense": file_size(dense), "compressed": model_path.stat().st_size}
+    summary: dict[str, Any] = {
+        "metric": metric,
+        "dense": {**dense_eval, **speed["dense"], "size_bytes": sizes["dense"]},
+        "compressed": {**comp_eval, **speed["compressed"], "size_bytes": sizes["compressed"]},
+        "sparsity": report.global_sparsity,
+        "skipped_layers": report.skipped,
+        "speedup": (speed["dense"]["latency_ms"] / speed["compressed"]["latency_ms"]
+                    if speed["compressed"] else None),
+        "accel": accel_info,
+        "dense_source": dense_source,
+        "device": str(device),
+        "finetune_steps": steps,
+        "model_path": str(model_path),
+        "run_dir": str(run_dir),
+        "tensorboard_logdir": str(tracker.logdir),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    for name in ("dense", "compressed"):
+        if speed[name]:
+            tracker.scalars({f"speed/latency_ms/{name}": speed[name]["latency_ms"],
+                             f"speed/throughput/{name}": speed[name]["throughput"]}, final_step)
+        tracker.scalars({f"size/bytes/{name}": sizes[name]}, final_step)
+    if summary["speedup"] is not None:
+        tracker.scalars({"speed/speedup": summary["speedup"]}, final_step)
+    final = {
+        f"final/{metric}/dense": dense_eval[metric],
+        f"final/{metric}/compressed": comp_eval[metric],
+        "final/sparsity": report.global_sparsity,
+        "final/size_bytes": sizes["compressed"],
+    }
+    if summary["speedup"] is not None:
+        final["final/speedup"] = summary["speedup"]
+    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(cfg)), final, final_step)
+    table = summary_table(summary)
+    markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{report}\n```\n"
+    tracker.text("summary", markdown, final_step)
+    tracker.close()
+    atomic_write(run_dir / "summary.json",
+                 lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2) + "\n"))
+    atomic_write(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
+    summary["table"] = table
+    return summary
+
+
+def accelerate(
+    cfg: Config, model: nn.Module, example: Any, device: torch.device, quiet: bool
+) -> dict[str, Any]:
+    """The GPU stage: ``sk.accelerate`` and a benchmark of its result; skipped (with the reason
+    recorded) without CUDA or without the accelerator module."""
+    if device.type != "cuda":
+        print("accel skipped: CUDA is not available")
+        return {"skipped": "CUDA is not available"}
+    if not hasattr(sk, "accelerate"):
+        print("accel skipped: this sparsekit has no accelerate")
+        return {"skipped": "sparsekit.accelerate is missing"}
+    a = cfg.accel
+    out = sk.accelerate(copy.deepcopy(model), example[:1], precision=a.precision,
+                        sparsity=a.sparsity, min_speedup=a.min_speedup)
+    fast, report = out if isinstance(out, tuple) else (out, getattr(out, "report", None))
+    info: dict[str, Any] = {"report": report.to_dict() if hasattr(report, "to_dict") else None}
+    if cfg.bench.enabled:
+        b = cfg.bench
+        info["speed"] = benchmark(fast, example, b.batch_size, b.warmup, b.repeats, "accel", quiet)
+    return info

@@ -1,0 +1,179 @@
+"""The training loop, used for the dense baseline and for fine-tuning under a pruner.
+
+One plain loop: fetch the batch for this step, forward, loss (task loss, optionally mixed with
+distillation from a teacher), backward, optimizer step, then the pruner's step so masks follow
+their schedule. Batches are a pure function of (seed, step), which is what lets a resumed run
+see exactly the batches the interrupted one would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from sparsekit.calibration import _to_device
+from sparsekit.progress import progress
+
+StepHook = Callable[[int, dict[str, float]], None]
+
+
+def lr_at(
+    step: int, total: int, base_lr: float, warmup: int = 0, schedule: str = "cosine"
+) -> float:
+    """Learning rate at ``step`` of ``total``: linear warm-up over ``warmup`` steps, then
+    constant or cosine decay to 10% of ``base_lr``.
+
+    >>> lr_at(0, 100, 1.0), round(lr_at(100, 100, 1.0), 6)
+    (1.0, 0.1)
+    """
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return base_lr
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+def make_optimizer(
+    params: Any, name: str, lr: float, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
+    """``adam`` | ``adamw`` | ``sgd`` (momentum 0.9)."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    raise ValueError(f"train.optimizer={name!r} is not allowed; choose one of: adam, adamw, sgd")
+
+
+def get_batch(dataset: Dataset, indices: torch.Tensor) -> Any:
+    if isinstance(dataset, TensorDataset):  # fast path: one gather per tensor
+        return tuple(t[indices] for t in dataset.tensors)
+    return default_collate([dataset[int(i)] for i in indices])
+
+
+def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """Indices of the training batch at ``step``: epoch ``e`` is a permutation drawn from
+    ``seed + e``; the last incomplete batch of an epoch is dropped.
+
+    >>> batch_indices(10, 5, seed=0, step=0).tolist() == batch_indices(10, 5, 0, 2).tolist()
+    False
+    """
+    per_epoch = max(1, n // batch_size)
+    epoch, pos = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return perm[pos * batch_size : (pos + 1) * batch_size]
+
+
+def eval_batches(dataset: Dataset, batch_size: int, max_batches: int | None = None) -> Iterator:
+    """Batches over ``dataset`` in order (at most ``max_batches``)."""
+    n = len(dataset)
+    for i, start in enumerate(range(0, n, batch_size)):
+        if max_batches is not None and i >= max_batches:
+            return
+        yield get_batch(dataset, torch.arange(start, min(n, start + batch_size)))
+
+
+def task_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for class logits (B, C) or token logits (B, T, V) with targets (B[, T])."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Hinton et al.: ``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, mean over samples
+    (tokens for a language model). The T^2 keeps gradients comparable across temperatures."""
+    s = F.log_softmax(student.reshape(-1, student.shape[-1]) / temperature, dim=-1)
+    t = F.log_softmax(teacher.reshape(-1, teacher.shape[-1]) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    dataset: Dataset,
+    task: str,
+    batch_size: int = 500,
+    max_batches: int | None = None,
+    quiet: bool = False,
+) -> dict[str, float]:
+    """``{"loss", "accuracy"}`` for classification, ``{"loss", "perplexity"}`` (per target
+    token, ``exp`` of the mean cross-entropy in nats) for a language model."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    loss_sum, correct, count = 0.0, 0, 0
+    batches = eval_batches(dataset, batch_size, max_batches)
+    for x, y in progress(batches, quiet, desc="eval", leave=False):
+        x, y = _to_device(x, device), y.to(device)
+        logits = model(x)
+        loss_sum += F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
+        ).item()
+        correct += (logits.argmax(-1) == y).sum().item()
+        count += y.numel()
+    model.train(was_training)
+    loss = loss_sum / max(1, count)
+    if task == "lm":
+        return {"loss": loss, "perplexity": math.exp(loss)}
+    return {"loss": loss, "accuracy": correct / max(1, count)}
+
+
+def fit(
+    model: nn.Module,
+    dataset: Dataset,
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    start_step: int = 0,
+    warmup: int = 0,
+    lr_schedule: str = "cosine",
+    grad_clip: float = 0.0,
+    pruner: Any = None,
+    teacher: nn.Module | None = None,
+    distill_alpha: float = 0.0,
+    temperature: float = 2.0,
+    on_step: StepHook | None = None,
+    quiet: bool = False,
+    desc: str = "train",
+) -> None:
+    """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
+    ``pruner`` (anything with ``step(step)``) updates its masks, then ``on_step(step, metrics)``
+    gets ``{"train/loss", "train/lr"}`` (logging, evaluation, checkpoints happen there)."""
+    model.train()
+    device = next(model.parameters()).device
+    use_teacher = teacher is not None and distill_alpha > 0
+    if use_teacher:
+        teacher.eval()
+    bar = progress(range(start_step, steps), quiet, desc=desc, initial=start_step, total=steps)
+    for step in bar:
+        lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_now
+        x, y = get_batch(dataset, batch_indices(len(dataset), batch_size, seed, step))
+        x, y = _to_device(x, device), y.to(device)
+        logits = model(x)
+        loss = task_loss(logits, y)
+        if use_teacher:
+            with torch.no_grad():
+                teacher_logits = teacher(x)
+            kd = distill_loss(logits, teacher_logits, temperature)
+            loss = (1 - distill_alpha) * loss + distill_alpha * kd
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        if pruner is not None:
+            pruner.step(step)
+        if on_step is not None:
+            on_step(step, {"train/loss": loss.item(), "train/lr": lr_now})

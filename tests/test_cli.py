@@ -1,0 +1,149 @@
+"""The ``sparsekit`` command: help, bad input, recipes at tiny size, sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparsekit.cli import main, recipe_names
+
+# tiny sizes so that every recipe runs end to end in a few seconds
+TINY_MNIST = [
+    "data.kwargs.num_samples=300", "train.dense_steps=40", "train.finetune_steps=20",
+    "train.log_every=10", "train.eval_every=10", "train.checkpoint_every=10",
+    "schedule.end=10", "schedule.every=5", "bench.repeats=2", "bench.batch_size=16",
+    "train.quiet=true",
+]
+TINY_LM = [
+    "data.kwargs.max_bytes=30000", "data.kwargs.seq_len=32", "model.kwargs.seq_len=32",
+    "model.kwargs.d_model=32", "model.kwargs.n_layers=1", "model.kwargs.n_heads=2",
+    "data.eval_batches=2", "train.dense_steps=20", "train.finetune_steps=10",
+    "train.warmup_steps=2", "train.log_every=5", "train.eval_every=5",
+    "train.checkpoint_every=5", "schedule.end=5", "schedule.every=5", "bench.repeats=2",
+    "bench.batch_size=8", "train.quiet=true",
+]
+
+
+def run_cli(args: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
+    """Run the command in this process from ``cwd``; returns (exit code, stdout, stderr)."""
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(old)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["recipe=nope"], "recipe=nope: unknown option; allowed: "),
+        (["model=nope"], "model=nope: unknown option; allowed: mnist1d_cnn, tiny_lm"),
+        (["prune=dense"], "prune=dense: unknown option; allowed: "),
+        (["model.name=nope"], "model.name='nope' is not allowed; choose one of: mnist1d_cnn"),
+        (["prune.pattern=3:2"], "prune.pattern='3:2' is not allowed; choose 'unstructured'"),
+        (["prune.sparsity=1.5"], "prune.sparsity=1.5 must be in [0, 1)"),
+        (["prune.criterion=random"], "prune.criterion='random' is not allowed; choose one of"),
+        (["schedule.kind=step"], "schedule.kind='step' is not allowed; choose one of: oneshot"),
+        (["quant.scheme=int4"], "quant.scheme='int4' is not allowed; choose one of: none"),
+        (["prune.sparsity=lots"], "prune.sparsity=lots: Value 'lots' of type 'str'"),
+        (["prune.typo=1"], "prune.typo: unknown key; allowed keys in prune: pattern"),
+        (["-m", "prune=unstructured", "prune.sparsity=0.5,1.5"], "prune.sparsity=1.5 must be"),
+        (["resume=true"], "resume=true: no run with a checkpoint"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, expected, tmp_path, capsys):
+    code, out, err = run_cli(args, tmp_path, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("sparsekit: error: ")
+    assert expected in err, err
+    if args[0].startswith(("recipe=", "prune=")):  # lists every option of the group
+        assert ("mnist1d_cnn_24, " if args[0][0] == "r" else "nm24, none, ") in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sparsekit", "prune.pattern=3:2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert "prune.pattern" in proc.stderr
+
+
+def test_help_lists_groups_options_and_recipes(tmp_path, capsys):
+    code, out, _ = run_cli(["--help"], tmp_path, capsys)
+    assert code == 0
+    section = out.split("== Configuration groups", 1)[1].split("== Config (", 1)[0]
+    groups = dict(ln.split(": ", 1) for ln in section.splitlines() if ": " in ln)
+    assert set(groups) == {"model", "data", "prune", "schedule", "quant", "train", "tracker",
+                           "bench", "accel", "recipe"}
+    assert {"nm24", "none", "unstructured"} <= set(groups["prune"].split(", "))
+    assert {"fp8", "int8", "int8_weight_only", "none"} <= set(groups["quant"].split(", "))
+    assert groups["schedule"] == "cubic, linear, oneshot"
+    assert set(recipe_names()) == set(groups["recipe"].split(", "))
+
+
+@pytest.mark.parametrize("recipe", ["mnist1d_cnn_24", "mnist1d_cnn_unstructured90_cubic",
+                                    "mnist1d_cnn_24_wanda_oneshot", "stdlib_lm_24"])
+def test_recipe_smoke(recipe, tmp_path, capsys):
+    tiny = TINY_LM if recipe.startswith("stdlib") else TINY_MNIST
+    code, out, err = run_cli([f"recipe={recipe}", f"cache_dir={tmp_path / 'cache'}", *tiny],
+                             tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for name in ("config.yaml", "summary.md", "model.safetensors", ".hydra/config.yaml"):
+        assert (run_dir / name).exists(), name
+    assert f"TensorBoard logdir: {run_dir / 'tb'}" in out
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    if recipe == "mnist1d_cnn_unstructured90_cubic":
+        assert summary["sparsity"] == pytest.approx(0.9, abs=0.01)
+    elif recipe == "stdlib_lm_24":
+        assert summary["metric"] == "perplexity" and summary["sparsity"] > 0.4
+        assert 1 < summary["compressed"]["perplexity"] < 256
+    else:
+        assert 0.45 < summary["sparsity"] < 0.5  # conv1 (5 inputs) cannot take 2:4
+        assert summary["skipped_layers"] == {
+            "conv1": "input dimension 5 (in * kernel) is not a multiple of M=4"
+        }
+    assert summary["finetune_steps"] == (0 if "oneshot" in recipe else
+                                         (10 if recipe.startswith("stdlib") else 20))
+
+
+def test_second_run_reuses_cached_baseline(tmp_path, capsys):
+    args = [f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "train.finetune_steps=0",
+            "bench=off", "tracker=none", "hydra.run.dir=r1"]
+    assert run_cli(args, tmp_path, capsys)[0] == 0
+    assert run_cli([*args, "hydra.run.dir=r2"], tmp_path, capsys)[0] == 0
+    first = json.loads((tmp_path / "r1" / "summary.json").read_text())
+    second = json.loads((tmp_path / "r2" / "summary.json").read_text())
+    assert first["dense_source"].startswith("trained")
+    assert second["dense_source"].startswith("cached")
+    assert first["dense"]["accuracy"] == second["dense"]["accuracy"]
+    assert len(list((tmp_path / "cache" / "baselines").iterdir())) == 1
+
+
+def test_sweep_gives_one_run_and_one_tensorboard_run_each(tmp_path, capsys):
+    args = ["-m", "prune=unstructured", "prune.sparsity=0.5,0.75", "schedule=oneshot",
+            f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "bench=off",
+            "hydra.sweep.dir=sweep"]
+    code, out, err = run_cli(args, tmp_path, capsys)
+    assert code == 0, err
+    runs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert [p.name for p in runs] == ["0", "1"]
+    got = []
+    for r in runs:
+        assert len(list((r / "tb").glob("events.out.tfevents.*"))) == 1
+        assert [p for p in (r / "tb").iterdir() if p.is_dir()] == []
+        got.append(json.loads((r / "summary.json").read_text())["sparsity"])
+    assert got == pytest.approx([0.5, 0.75], abs=0.01)

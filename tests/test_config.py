@@ -1,0 +1,120 @@
+"""Every recipe and every option of every config group composes through Hydra and validates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from sparsekit.cli import recipe_names, register_configs, to_config
+from sparsekit.config import Config, ConfigError, parse_nm, validate
+from sparsekit.resources import conf_dir, recipes_dir
+
+GROUPS = ("model", "data", "prune", "schedule", "quant", "train", "tracker", "bench", "accel")
+
+
+@pytest.fixture(scope="module")
+def composer():
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        yield lambda overrides=(): to_config(compose("config", overrides=list(overrides)))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def test_default_is_mnist1d_24(composer):
+    cfg = composer()
+    assert (cfg.model.name, cfg.data.name, cfg.prune.pattern, cfg.prune.fine_tune) == (
+        "mnist1d_cnn", "mnist1d", "2:4", True
+    )
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes_and_validates(composer, group):
+    names = options(group)
+    assert len(names) >= 2, f"group {group} has only {names}"
+    for name in names:
+        overrides = [f"{group}={name}"]
+        if group == "prune" and name == "unstructured":
+            overrides.append("schedule=cubic")
+        cfg = composer(overrides)
+        assert isinstance(cfg, Config)
+        # every key of the file reached the config (nothing silently dropped)
+        from omegaconf import OmegaConf
+
+        file_cfg = OmegaConf.load(conf_dir() / group / f"{name}.yaml")
+        section = getattr(cfg, group)
+        for key in file_cfg:
+            got = getattr(section, key)
+            if dataclasses.is_dataclass(got):
+                got = dataclasses.asdict(got)
+            assert OmegaConf.to_container(file_cfg)[key] == got, (group, name, key)
+
+
+def test_agreed_schema_names():
+    cfg = Config()
+    assert {f.name for f in dataclasses.fields(cfg.prune)} >= {
+        "pattern", "sparsity", "criterion", "scope", "include", "exclude",
+        "calibration_batches", "strict", "fine_tune", "channel",
+    }
+    assert {f.name for f in dataclasses.fields(cfg.prune.channel)} == {
+        "ratio", "importance", "scope", "round_to", "steps", "ignore"
+    }
+    assert {f.name for f in dataclasses.fields(cfg.accel)} == {
+        "enabled", "precision", "sparsity", "min_speedup"
+    }
+    assert {"none", "int8_weight_only", "int8", "fp8"} <= set(options("quant"))
+    assert {"nm24", "unstructured", "none"} <= set(options("prune"))
+    assert {"oneshot", "linear", "cubic"} <= set(options("schedule"))
+
+
+def test_every_recipe_composes_and_changes_something(composer):
+    names = recipe_names()
+    assert {"mnist1d_cnn_24", "mnist1d_cnn_unstructured90_cubic", "mnist1d_cnn_24_wanda_oneshot",
+            "stdlib_lm_24"} <= set(names)
+    for name in names:
+        assert (recipes_dir() / f"{name}.yaml").read_text().startswith("# @package _global_")
+        cfg = composer([f"recipe={name}"])
+        assert isinstance(cfg, Config)
+    unstructured = composer(["recipe=mnist1d_cnn_unstructured90_cubic"])
+    assert (unstructured.prune.pattern, unstructured.prune.sparsity) == ("unstructured", 0.9)
+    assert unstructured.schedule.kind == "cubic"
+    oneshot = composer(["recipe=mnist1d_cnn_24_wanda_oneshot"])
+    assert (oneshot.prune.criterion, oneshot.prune.fine_tune) == ("wanda", False)
+    lm = composer(["recipe=stdlib_lm_24"])
+    assert (lm.model.name, lm.data.task, lm.prune.exclude) == ("tiny_lm", "lm", ["lm_head"])
+    # plain overrides apply after the recipe
+    assert composer(["recipe=stdlib_lm_24", "prune.pattern=4:8"]).prune.pattern == "4:8"
+
+
+@pytest.mark.parametrize(
+    ("change", "option"),
+    [
+        ({"pattern": "3:2"}, "prune.pattern"),
+        ({"pattern": "2-4"}, "prune.pattern"),
+        ({"pattern": "unstructured", "sparsity": 1.5}, "prune.sparsity"),
+        ({"pattern": "unstructured", "sparsity": None}, "prune.sparsity"),
+        ({"sparsity": 0.3}, "prune.sparsity"),  # contradicts 2:4
+        ({"criterion": "random"}, "prune.criterion"),
+        ({"scope": "model"}, "prune.scope"),
+    ],
+)
+def test_validate_names_the_option(change, option):
+    cfg = Config()
+    for k, v in change.items():
+        setattr(cfg.prune, k, v)
+    with pytest.raises(ConfigError, match=option.replace(".", r"\.")) as e:
+        validate(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_parse_nm():
+    assert parse_nm("2:4") == (2, 4)
+    assert parse_nm("4:8") == (4, 8)
+    assert parse_nm("unstructured") is None
+    for bad in ("3:2", "0:4", "4:4", "a:b", "2:"):
+        with pytest.raises(ConfigError):
+            parse_nm(bad)

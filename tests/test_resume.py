@@ -1,0 +1,60 @@
+"""A run SIGKILLed during fine-tuning and resumed ends exactly like an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from sparsekit.pipeline import CHECKPOINT, KILL_ENV
+from sparsekit.runstate import load_checkpoint
+
+TINY = [
+    "data.kwargs.num_samples=300", "train.dense_steps=30", "train.finetune_steps=20",
+    "train.log_every=5", "train.eval_every=5", "train.checkpoint_every=5",
+    "schedule.end=10", "schedule.every=5", "bench=off", "train.quiet=true",
+]
+
+
+def sparsekit(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "sparsekit", *args], cwd=cwd, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+    cache = f"cache_dir={tmp_path / 'cache'}"
+    full = sparsekit([*TINY, cache, "hydra.run.dir=full"], tmp_path)
+    killed = sparsekit([*TINY, cache, "hydra.run.dir=runs/killed"], tmp_path,
+                       **{KILL_ENV: "9"})
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    assert killed.wait(timeout=300) == -signal.SIGKILL
+    run_dir = tmp_path / "runs" / "killed"
+    assert not (run_dir / "summary.json").exists()
+    assert load_checkpoint(run_dir / CHECKPOINT)["step"] == 9
+    assert not list((run_dir / CHECKPOINT.parent).glob(".*.tmp"))  # atomic: no leftovers
+
+    resumed = sparsekit(["resume=true"], tmp_path)  # the latest run under runs/
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert "TensorBoard logdir" in out
+
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    b = json.loads((run_dir / "summary.json").read_text())
+    for key in ("accuracy", "loss", "size_bytes"):
+        assert a["compressed"][key] == b["compressed"][key], key
+    assert a["sparsity"] == b["sparsity"]
+    wa = load_file(tmp_path / "full" / "model.safetensors")
+    wb = load_file(run_dir / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k  # same masks (zeros) and same kept weights
+    assert load_checkpoint(run_dir / CHECKPOINT)["done"]
+    # the resumed run kept the original run's configuration
+    assert "finetune_steps: 20" in (run_dir / "config.yaml").read_text()
