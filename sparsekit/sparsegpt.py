@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.distributed import ShardComm, reduce_hessian
 from sparsekit.patterns import prune_count
 
 __all__ = ["conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
@@ -234,6 +235,8 @@ def _solve_layer(
     percdamp: float,
 ) -> torch.Tensor:
     """Prune ``module`` in place from its accumulated Hessian; returns its keep-mask."""
+    if hess.h is None:
+        raise ValueError(f"sparsegpt: layer {name!r} received only empty inputs; exclude it")
     weight = module.weight.detach()
     groups = hess.h.shape[0]
     w2 = weight.reshape(weight.shape[0], -1).float()
@@ -310,6 +313,7 @@ def sparsegpt_prune(
     calibration_fn: CalibrationFn | None = None,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    comm: ShardComm | None = None,
 ) -> dict[str, torch.Tensor]:
     """Prune ``modules`` (qualified name -> Linear/Conv layer of ``model``) one shot with
     SparseGPT, in place, in the order the model calls them.
@@ -320,7 +324,9 @@ def sparsegpt_prune(
     iterable of model inputs, fed as :func:`sparsekit.calibration.call_model` does (or through
     ``calibration_fn(model, batch)``); it is read into a list and replayed once per layer group.
     Each layer's weight is overwritten with the OBS-compensated weights (zeros where pruned).
-    Returns bool keep-masks (True = kept) of each weight's shape.
+    Returns bool keep-masks (True = kept) of each weight's shape. With ``comm`` (data-parallel
+    ranks, each calibrating on its own batches; see :func:`sparsekit.distributed.comm`) every
+    Hessian is averaged over all ranks' inputs, so every rank computes the same weights.
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -354,6 +360,7 @@ def sparsegpt_prune(
             run_calibration(model, batches, calibration_fn)
         finally:
             handle.remove()
+        hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
         for name in group:
             level = None if nm is not None else sparsity[name]
             masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp)

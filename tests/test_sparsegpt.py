@@ -3,6 +3,10 @@ exact budgets, N:M validity, conv unfolding, sequential processing, and bad inpu
 
 from __future__ import annotations
 
+import copy
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,3 +248,36 @@ def test_bad_input():
     with pytest.raises(ValueError, match="out_proj.*never called"):
         q = torch.randn(2, 3, 8)
         sparsegpt_prune(mha, {"out_proj": mha.out_proj}, {"out_proj": 0.5}, None, [(q, q, q)])
+
+
+def _ranks_entry(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from sparsekit import distributed as D
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+        ref = copy.deepcopy(net)
+        batches = [structured_inputs(12 + 8 * r, 16, seed=r) for r in range(2)]  # unequal sizes
+        mods = {"0": net[0], "2": net[2]}
+        levels = {"0": 0.5, "2": 0.5}
+        sparsegpt_prune(net, mods, levels, None, [batches[rank]], comm=D.comm())
+        sparsegpt_prune(ref, {"0": ref[0], "2": ref[2]}, levels, None, batches)  # all batches
+        torch.testing.assert_close(net[0].weight, ref[0].weight, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(net[2].weight, ref[2].weight, rtol=1e-4, atol=1e-5)
+        open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_share_hessians():
+    """Two gloo ranks, each calibrating on its own batch, reach the weights one process
+    computes from both batches."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_ranks_entry, args=(os.path.join(d, "init"), d), nprocs=2, join=True)
+        assert all(os.path.exists(os.path.join(d, f"ok{r}")) for r in range(2))
