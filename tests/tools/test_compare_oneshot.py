@@ -1,0 +1,37 @@
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_writes_the_table(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "compare_oneshot.py"),
+            "--smoke",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    result = json.loads((tmp_path / "oneshot.json").read_text())
+    assert set(result["runs"]) == {
+        f"{c}/{s}" for c in ("magnitude", "wanda", "sparsegpt") for s in ("50% unstructured", "2:4")
+    }
+    for run in result["runs"].values():
+        assert run["sparsity"] == 0.5  # exact: every pruned layer has an even element count
+        assert run["layers"] == 4 and not run["skipped"]  # qkv, proj, fc1, fc2; lm_head excluded
+        assert math.isfinite(run["perplexity"]) and run["perplexity"] > 1
+    table = (tmp_path / "oneshot.md").read_text().splitlines()
+    assert table[0] == "| criterion | 50% unstructured | 2:4 |"
+    assert [row.split("|")[1].strip() for row in table[2:]] == [
+        "dense",
+        "magnitude",
+        "wanda",
+        "sparsegpt",
+    ]
