@@ -148,6 +148,10 @@ def gemm_row(lin: nn.Linear, m: int, device: torch.device) -> dict:
     us["act_quant_rows"] = time_us(lambda: actquant.quant_rows(x, torch.float8_e4m3fn), device)
     us["act_quant_tensor"] = time_us(lambda: actquant.quant_tensor(x, torch.float8_e4m3fn),
                                      device)
+    acc = torch.randn(m, lin.out_features, device=device, dtype=torch.bfloat16)
+    rs = torch.rand(m, device=device)
+    cs = torch.rand(lin.out_features, device=device)
+    us["act_quant_epilogue"] = time_us(lambda: actquant.scale_epilogue(acc, rs, cs, None), device)
     stock, err = try_peer(lambda: stock_sparse_linear(lin))
     if stock is not None:
         us["stock_2:4_eager"] = eager_time_us(lambda: stock(x))
@@ -363,13 +367,16 @@ def to_markdown(res: dict) -> str:
         lines += ["## GEMMs (ratio to cuBLAS bf16 dense under graphs; eager = host work "
                   "included)", "",
                   "| model | layer | N x K | M | dense us | " + " | ".join(cols)
-                  + " | fp8 act-quant share |", "| --- " * (len(cols) + 6) + "|"]
+                  + " | fp8 2:4 share: act quant / scale epilogue |",
+                  "| --- " * (len(cols) + 6) + "|"]
         for r in res["gemm"]:
             share = ""
             if "fp8_2:4" in r["us"]:
                 q = r["us"]["act_quant_tensor" if res.get("fp8_alpha_vector") else
                             "act_quant_rows"]
                 share = f"{q / r['us']['fp8_2:4']:.0%}"
+                if "act_quant_epilogue" in r["us"] and not res.get("fp8_alpha_vector"):
+                    share += f" / {r['us']['act_quant_epilogue'] / r['us']['fp8_2:4']:.0%}"
             cells = [f"{r['ratio'][c]:.2f}" if c in r["ratio"] else "-" for c in cols]
             lines.append(f"| {r['model']} | {r['layer']} | {r['N']}x{r['K']} | {r['M']} | "
                          f"{r['us']['bf16_dense']:.1f} | " + " | ".join(cells) + f" | {share} |")
@@ -397,6 +404,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="bench_gpu_out", help="where JSON and markdown go")
     ap.add_argument("--sections", default="gemm,vit,llama", help="comma list of gemm,vit,llama")
+    ap.add_argument("--models", default=",".join(GEMM_SHAPES),
+                    help=f"GEMM shapes of these models (of {', '.join(GEMM_SHAPES)})")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="GEMM token counts M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI)")
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
@@ -429,13 +439,17 @@ def main(argv: list[str] | None = None) -> dict:
         (out_dir / "bench_gpu.json").write_text(json.dumps(res, indent=1, default=str))
         (out_dir / "bench_gpu.md").write_text(to_markdown(res) + "\n")
 
-    shapes = {"tiny": [("fc", 64, 128)]} if args.smoke else GEMM_SHAPES
+    unknown = set(args.models.split(",")) - set(GEMM_SHAPES)
+    if unknown:
+        raise SystemExit(f"--models: unknown {sorted(unknown)}; allowed: {', '.join(GEMM_SHAPES)}")
+    shapes = {"tiny": [("fc", 64, 128)]} if args.smoke else {
+        k: GEMM_SHAPES[k] for k in args.models.split(",")}
+    tokens = (16,) if args.smoke else tuple(int(t) for t in args.tokens.split(","))
     for sec in sections:
         try:
             if sec == "gemm":
                 res["gemm"] = []
-                bench_gemm(device, shapes, (16,) if args.smoke else TOKENS, log, res["gemm"],
-                           write)
+                bench_gemm(device, shapes, tokens, log, res["gemm"], write)
             elif sec == "vit":
                 res["vit"] = []
                 vit_section(device, (2,) if args.smoke else (64, 256), args.smoke, log,
