@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparsekit.config import Config, validate
 from sparsekit.data import check_data_name
+from sparsekit.distributed import is_main, share_run_dir
 from sparsekit.models import check_model_name
 from sparsekit.resources import conf_dir, recipes_dir
 
@@ -168,7 +169,8 @@ def _app(cfg: DictConfig) -> None:
         print(f"sparsekit: error: {one_line(e)} (SPARSEKIT_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
-    print(summary["table"])
+    if is_main():
+        print(summary["table"])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -178,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
     argv = resume_argv(argv)
+    argv = share_run_dir(argv)  # torchrun: every rank writes into rank 0's run directory
     if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
         check_overrides([a for a in argv if not a.startswith("-")])
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_app)

@@ -19,6 +19,7 @@ How masks agree across ranks (see docs/distributed.md):
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ except ImportError:  # torch builds without distributed support
     DTensor = None
 
 BACKENDS = ("auto", "gloo", "nccl")
+MODES = ("auto", "none", "ddp", "fsdp2")
 # NVLink SHARP / multicast stays off on the lent machines (GPU_NOTES.md); set before NCCL init
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -81,10 +83,10 @@ def init(backend: str = "auto", device: str = "auto") -> torch.device:
     """Join the process group described by torchrun's environment variables (a no-op when not
     launched by torchrun or already initialized) and return this rank's device.
 
-    ``backend``: ``"gloo"`` (CPU), ``"nccl"`` (CUDA), or ``"auto"`` (NCCL when the device is
-    CUDA). ``device``: ``"cpu"``, ``"cuda"`` or ``"auto"``; on CUDA each rank takes GPU
-    ``LOCAL_RANK``. Raises ValueError for an unknown or unavailable backend, NCCL without CUDA,
-    or more ranks on a node than it has GPUs.
+    ``backend``: ``"gloo"`` (CPU), ``"nccl"`` (CUDA), or ``"auto"`` (gloo on CPU, NCCL on CUDA).
+    With NCCL the group also gets gloo for CPU tensors. ``device``: ``"cpu"``, ``"cuda"`` or
+    ``"auto"``; on CUDA each rank takes GPU ``LOCAL_RANK``. Raises ValueError for an unknown or
+    unavailable backend, NCCL without CUDA, or more ranks on a node than it has GPUs.
     """
     if backend not in BACKENDS:
         raise ValueError(
@@ -111,6 +113,8 @@ def init(backend: str = "auto", device: str = "auto") -> torch.device:
             f"distributed backend {backend!r} is not available in this torch build "
             f"(available: {', '.join(others)})"
         )
+    if backend == "nccl" and available["gloo"]:
+        backend = "cpu:gloo,cuda:nccl"  # CPU tensors (counts, objects) still have a path
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cpu")
     if use_cuda:
@@ -126,6 +130,53 @@ def init(backend: str = "auto", device: str = "auto") -> torch.device:
     if not is_initialized():
         dist.init_process_group(backend, device_id=dev if use_cuda else None)
     return dev
+
+
+def resolve_mode(setting: str) -> str:
+    """``train.distributed`` -> ``"none"``, ``"ddp"`` or ``"fsdp2"``. ``auto``: DDP when launched
+    by torchrun, else none. ``ddp``/``fsdp2`` outside torchrun: ValueError."""
+    if setting not in MODES:
+        raise ValueError(f"train.distributed={setting!r} is not allowed; choose one of: {MODES}")
+    launched = launched_by_torchrun() or is_initialized()
+    if setting == "auto":
+        return "ddp" if launched else "none"
+    if setting != "none" and not launched:
+        raise ValueError(
+            f"train.distributed={setting} needs processes started by torchrun "
+            "(torchrun --nproc_per_node=N -m sparsekit ...); use auto or none otherwise"
+        )
+    return setting
+
+
+def share_run_dir(argv: list[str], pattern: str = "runs/%Y-%m-%d_%H-%M-%S") -> list[str]:
+    """Under torchrun, every rank's Hydra run directory is rank 0's (``hydra.run.dir``; each
+    rank's clock would otherwise name its own). Initializes the process group. ``argv`` is
+    returned unchanged outside torchrun, for sweeps, or when it already names the directory."""
+    if not launched_by_torchrun() or any(a.startswith("hydra.run.dir=") for a in argv):
+        return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    init()
+    box = [time.strftime(pattern) if is_main() else None]
+    if is_distributed():
+        dist.broadcast_object_list(box, src=0)
+    return [*argv, f"hydra.run.dir={box[0]}"]
+
+
+def rank_slice(batch_indices: torch.Tensor) -> torch.Tensor:
+    """This rank's equal share of a global batch's indices (rows ``[r*b, (r+1)*b)``); the whole
+    batch in a single process. ValueError when the world cannot split the batch."""
+    per = split_batch(len(batch_indices), what="data.batch_size")
+    return batch_indices[rank() * per : (rank() + 1) * per]
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a scalar tensor over all ranks (the value itself in a single process)."""
+    if not is_distributed():
+        return value
+    out = value.detach().clone()
+    dist.all_reduce(out)
+    return out / world_size()
 
 
 def shutdown() -> None:
@@ -154,6 +205,21 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DistributedDataParallel wrapper (so qualified names carry no
     ``module.`` prefix); any other module is returned as is (FSDP2 shards in place)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """``DistributedDataParallel`` that does not re-send buffers at every forward (pruning
+    masks are buffers; the Pruner checks they agree at each update). Sync at construction still
+    makes every rank start from rank 0's parameters and buffers."""
+    import inspect
+
+    ddp = nn.parallel.DistributedDataParallel
+    no_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(ddp).parameters
+        else {"broadcast_buffers": False}
+    )
+    return ddp(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -205,11 +271,12 @@ def local_part(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 class ShardComm:
     """Sums over the ranks of a process group, for selections over sharded tensors.
 
-    ``device`` is where the collective runs (CUDA for NCCL); tensors travel there and back.
+    ``device`` is where the collective runs (CUDA for an NCCL-only group, CPU for gloo), or None
+    for a group with both (each tensor stays where it is); tensors travel there and back.
     """
 
     group: Any = None
-    device: torch.device = torch.device("cpu")
+    device: torch.device | None = torch.device("cpu")
 
     @property
     def rank(self) -> int:
@@ -221,7 +288,7 @@ class ShardComm:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``tensor`` over all ranks, on ``tensor``'s device."""
-        buf = tensor.to(self.device, copy=True)
+        buf = tensor.to(self.device or tensor.device, copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         return buf.to(tensor.device)
 
@@ -230,10 +297,10 @@ def comm(group: Any = None) -> ShardComm | None:
     """A :class:`ShardComm` over ``group`` (default: the world), or None in a single process."""
     if not is_initialized() or dist.get_world_size(group) == 1:
         return None
-    nccl = dist.get_backend(group) == "nccl"
-    return ShardComm(
-        group, torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    )
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        return ShardComm(group, torch.device("cuda", torch.cuda.current_device()))
+    return ShardComm(group, None if "nccl" in backend else torch.device("cpu"))
 
 
 def all_reduce_dict(tensors: Mapping[str, torch.Tensor], c: ShardComm | None) -> dict[str, Any]:
@@ -307,9 +374,9 @@ def global_mask_checksum(mask: torch.Tensor, c: ShardComm | None = None) -> int:
     """:func:`mask_checksum` of the whole mask: for a DTensor sharded on dim 0 (FSDP2), the
     shards' checksums at their offsets summed over ranks, without gathering the mask; equals
     the checksum of the same mask held whole by one process."""
-    if not is_sharded(mask):
-        return mask_checksum(mask)
     c = comm() if c is None else c
+    if not is_sharded(mask) or c is None:  # whole, or all shards on this one rank
+        return mask_checksum(mask)
     shard = mask.to_local()
     row = shard[0].numel() if shard.dim() and shard.shape[0] else 0
     rows = torch.tensor([shard.shape[0] if shard.dim() else 0], dtype=torch.int64)

@@ -327,7 +327,13 @@ class Pruner:
             M.fold_mask(module)  # all-ones masks: plain weights for the solver to update
         levels = {n: None if self.nm else self.levels[n] * progress for n in self.modules}
         new = sparsegpt_prune(
-            self.model, self.modules, levels, self.nm, self.calibration, self.calibration_fn
+            self.model,
+            self.modules,
+            levels,
+            self.nm,
+            self.calibration,
+            self.calibration_fn,
+            comm=self._comm,
         )
         for name in self.modules:
             self._set_mask(name, new[name])

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from sparsekit import distributed as D
 from sparsekit.calibration import _to_device
 from sparsekit.progress import progress
 
@@ -145,10 +146,16 @@ def fit(
     on_step: StepHook | None = None,
     quiet: bool = False,
     desc: str = "train",
+    shard: bool = False,
 ) -> None:
     """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
     ``pruner`` (anything with ``step(step)``) updates its masks, then ``on_step(step, metrics)``
-    gets ``{"train/loss", "train/lr"}`` (logging, evaluation, checkpoints happen there)."""
+    gets ``{"train/loss", "train/lr"}`` (logging, evaluation, checkpoints happen there).
+
+    ``shard``: under torchrun, with ``model`` wrapped in DDP or FSDP2 (which average gradients
+    over ranks), each rank trains on its equal slice of every global batch of ``batch_size``, so
+    a step equals one process's step on the whole batch; the loss reported is the mean over
+    ranks."""
     model.train()
     device = next(model.parameters()).device
     use_teacher = teacher is not None and distill_alpha > 0
@@ -159,7 +166,8 @@ def fit(
         lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr_now
-        x, y = get_batch(dataset, batch_indices(len(dataset), batch_size, seed, step))
+        idx = batch_indices(len(dataset), batch_size, seed, step)
+        x, y = get_batch(dataset, D.rank_slice(idx) if shard else idx)
         x, y = _to_device(x, device), y.to(device)
         logits = model(x)
         loss = task_loss(logits, y)
@@ -176,4 +184,5 @@ def fit(
         if pruner is not None:
             pruner.step(step)
         if on_step is not None:
-            on_step(step, {"train/loss": loss.item(), "train/lr": lr_now})
+            loss_value = D.mean_over_ranks(loss.detach()) if shard else loss.detach()
+            on_step(step, {"train/loss": loss_value.item(), "train/lr": lr_now})

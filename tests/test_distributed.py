@@ -7,7 +7,10 @@ is what costs time here; each check asserts on every rank and failures propagate
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -162,6 +165,18 @@ def check_wanda(rank: int, out_dir: str) -> None:
     for name in layers:
         assert torch.equal(pruner.masks[name], ref[name]), name
 
+    # SparseGPT: Hessians averaged over the ranks' rows, same masks and weights as one process
+    ref_model, model = _mlp(), _mlp()
+    ref = sk.Pruner(ref_model, sparsity=0.5, criterion="sparsegpt", calibration=calib)
+    ref.step(0)  # every rank solves the same problem: both ranks' batches
+    pruner = sk.Pruner(model, sparsity=0.5, criterion="sparsegpt", calibration=[calib[rank]])
+    pruner.step(0)
+    for name, mask in pruner.masks.items():
+        assert torch.equal(mask, ref.masks[name]), name
+        torch.testing.assert_close(
+            pruner.modules[name].weight, ref.modules[name].weight, rtol=1e-4, atol=1e-5
+        )
+
     h, n = torch.full((1, 3, 3), float(rank + 1)), 2 + rank  # rank 0: 2 rows of H=1, rank 1: 3 of 2
     hh, nn_ = D.reduce_hessian(h, n, D.comm())
     assert nn_ == 5
@@ -269,8 +284,80 @@ def test_split_batch_and_init_errors():
         D.init(backend="nccl", device="cpu")
 
 
+def test_distributed_mode_outside_torchrun():
+    assert D.resolve_mode("auto") == "none" and D.resolve_mode("none") == "none"
+    with pytest.raises(ValueError, match="train.distributed=ddp needs processes started by"):
+        D.resolve_mode("ddp")
+    with pytest.raises(ValueError, match="train.distributed='mpi' is not allowed"):
+        D.resolve_mode("mpi")
+    from sparsekit.config import Config, ConfigError, validate
+
+    cfg = Config()
+    cfg.train.distributed = "horovod"
+    with pytest.raises(ConfigError, match="train.distributed"):
+        validate(cfg)
+
+
 def test_mask_checksum_sees_moved_entries():
     a = torch.tensor([True, False, False, True])
     b = torch.tensor([False, True, True, False])  # same count, same position sum
     assert D.mask_checksum(a) != D.mask_checksum(b)
     assert D.mask_checksum(a) == D.mask_checksum(a.clone())
+
+
+# ---- the command line under torchrun --------------------------------------------------------
+
+TINY_CLI = [
+    "data.kwargs.num_samples=300", "train.dense_steps=30", "train.finetune_steps=20",
+    "train.log_every=5", "train.eval_every=5", "train.checkpoint_every=5",
+    "schedule.end=10", "schedule.every=5", "bench=off", "train.quiet=true",
+]  # fmt: skip
+
+
+def _sparsekit(args: list[str], cwd, nproc: int = 0, **env: str) -> subprocess.Popen:
+    """``python -m sparsekit`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m sparsekit``."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, *(launcher if nproc else []), "-m", "sparsekit", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1", **env}
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+@needs_gloo
+def test_torchrun_cli_kill_resume_matches_one_process(tmp_path):
+    """torchrun, 2 gloo ranks, DDP: SIGKILLed mid fine-tuning, resumed; ends like a one-process
+    run of the same global batches (masks equal, weights and loss within float tolerance),
+    with one run directory, one TensorBoard writer and one checkpoint writer (rank 0)."""
+    from safetensors.torch import load_file
+
+    from sparsekit.pipeline import CHECKPOINT, KILL_ENV
+    from sparsekit.runstate import load_checkpoint
+
+    cache = f"cache_dir={tmp_path / 'cache'}"
+    single = _sparsekit([*TINY_CLI, cache, "hydra.run.dir=single"], tmp_path)
+    assert single.wait(timeout=300) == 0, single.stderr.read()  # also caches the dense model
+    killed = _sparsekit([*TINY_CLI, cache], tmp_path, nproc=2, **{KILL_ENV: "9"})
+    _, err = killed.communicate(timeout=300)
+    assert killed.returncode != 0
+    (run_dir,) = (tmp_path / "runs").iterdir()  # both ranks wrote into rank 0's directory
+    assert not (run_dir / "summary.json").exists()
+    assert load_checkpoint(run_dir / CHECKPOINT)["step"] == 9
+    assert [p.name for p in (run_dir / CHECKPOINT.parent).iterdir()] == [CHECKPOINT.name]
+
+    resumed = _sparsekit(["resume=true"], tmp_path, nproc=2)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert out.count("TensorBoard logdir") == 1  # the summary table comes from rank 0 only
+    assert len(list((run_dir / "tb").rglob("events.out.tfevents.*"))) == 2  # killed + resumed
+
+    a = json.loads((tmp_path / "single" / "summary.json").read_text())
+    b = json.loads((run_dir / "summary.json").read_text())
+    assert a["sparsity"] == b["sparsity"]
+    assert abs(a["compressed"]["loss"] - b["compressed"]["loss"]) < 1e-4
+    wa = load_file(tmp_path / "single" / "model.safetensors")
+    wb = load_file(run_dir / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k] == 0, wb[k] == 0), k  # same masks
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)

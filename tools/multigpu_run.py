@@ -180,9 +180,7 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
     params = sum(p.numel() for p in model.parameters())
     if mode == "ddp":
         pruner = sk.Pruner(model, **prune_kw)  # before wrapping: masks as parametrizations
-        wrapped = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if cuda else None
-        )
+        wrapped = D.wrap_ddp(model, device)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         kw = {"mp_policy": mp} if cuda else {}
@@ -407,7 +405,7 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=4)
     p.add_argument("--infer-batch", type=int, default=4)
     p.add_argument("--max-bytes", type=int, default=4_000_000)
-    p.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU processes (--gpus: how many)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tag", default="run", help=argparse.SUPPRESS)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help=argparse.SUPPRESS)
@@ -461,9 +459,9 @@ def smoke(a) -> dict:
 
 
 def full(a) -> dict:
-    n = a.gpus or torch.cuda.device_count()
+    n = a.gpus or (2 if a.cpu else torch.cuda.device_count())
     if n < 1:
-        raise SystemExit("no CUDA device: use --smoke for the CPU run")
+        raise SystemExit("no CUDA device: use --smoke (or --cpu) for a CPU run")
     out: dict = {"gpus": n}
     launch(a, 1, fresh(a.out, "w1"), list(MODES), a.size, a.steps, ["--accelerate"])
     one = {m: read_result(a.out, "w1", m) for m in MODES}
