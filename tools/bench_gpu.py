@@ -331,7 +331,7 @@ def summarize(res: dict) -> dict:
         for e in entries:
             for v, d in e["variants"].items():
                 if "ratio" in d:
-                    s[f"{key}_{v.replace('_2:4_2:4', '_2:4')}"] = d["ratio"]
+                    s[f"{key}_{v}"] = d["ratio"]
     mins = []
     for sec in ("vit", "llama"):
         entries = res.get(sec, [])
@@ -341,11 +341,7 @@ def summarize(res: dict) -> dict:
                     mins.append(d["min_layer_speedup"])
     if mins:
         s["auto_min_layer_speedup"] = min(mins)
-    return {k: v for k, v in s.items()}
-
-
-def _rename(key: str) -> str:
-    return key.replace("2:4_2:4", "2:4")
+    return s
 
 
 def to_markdown(res: dict) -> str:
@@ -357,7 +353,7 @@ def to_markdown(res: dict) -> str:
         lines += ["## Summary (ratio to bf16 dense, same run)", "", "| figure | value | target |",
                   "| --- | --- | --- |"]
         for k, v in summ.items():
-            t = TARGETS.get(_rename(k))
+            t = TARGETS.get(k)
             met = "" if t is None else (f">= {t}: {'met' if v >= t else 'NOT met'}")
             lines.append(f"| {k} | {v:.3f} | {met} |")
         lines.append("")

@@ -17,8 +17,8 @@ from sparsekit.accel.convert import (
     conv_skip_reason,
     mha_skip_reason,
 )
-from sparsekit.accel.graphs import CUDAGraphModule, _tree_map
-from sparsekit.accel.kernels import PRECISIONS, VARIANTS, DenseBF16, variant_name
+from sparsekit.accel.graphs import CUDAGraphModule, tree_map
+from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision, decide
 from sparsekit.accel.timing import graph_time_us
 from sparsekit.checkpoint import is_2to4
@@ -46,7 +46,7 @@ class AcceleratedModel(nn.Module):
         return self.sparsekit_report
 
     def forward(self, *args, **kwargs):
-        args, kwargs = _tree_map(_as_input, (args, kwargs))
+        args, kwargs = tree_map(_as_input, (args, kwargs))
         with torch.no_grad():
             return self.runner(*args, **kwargs)
 
@@ -196,7 +196,7 @@ def accelerate(
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     report = AccelReport(precision, sparsity, float(min_speedup), torch.cuda.get_device_name())
     model = model.eval().to("cuda", torch.bfloat16)
-    inputs = _tree_map(_as_input, example_inputs)
+    inputs = tree_map(_as_input, example_inputs)
     with torch.no_grad():
         report.model_us["dense"] = graph_time_us(lambda: _call(model, inputs), calls=1)
     _convert(model, exclude, report)
@@ -250,4 +250,4 @@ def accelerate(
     return AcceleratedModel(model, report, graphs=graphs, batch_buckets=batch_buckets)
 
 
-__all__ = ["AcceleratedModel", "DenseBF16", "accelerate", "layer_plan"]
+__all__ = ["AcceleratedModel", "accelerate", "layer_plan"]

@@ -24,20 +24,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _tree_map(fn, obj):
+def tree_map(fn, obj):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_map(fn, o) for o in obj)
+        return type(obj)(tree_map(fn, o) for o in obj)
     if isinstance(obj, dict):
-        return {k: _tree_map(fn, v) for k, v in obj.items()}
+        return {k: tree_map(fn, v) for k, v in obj.items()}
     return obj
 
 
 class _Captured:
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
-        self.static_args = _tree_map(lambda t: t.clone(), args)
-        self.static_kwargs = _tree_map(lambda t: t.clone(), kwargs)
+        self.static_args = tree_map(lambda t: t.clone(), args)
+        self.static_kwargs = tree_map(lambda t: t.clone(), kwargs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
@@ -58,7 +58,7 @@ class _Captured:
 
 def _flat(obj) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    _tree_map(out.append, obj)
+    tree_map(out.append, obj)
     return out
 
 
@@ -118,7 +118,7 @@ class CUDAGraphModule(nn.Module):
                     return t
                 return F.pad(t, (0, 0) * (t.dim() - 1) + (0, target - n))
 
-            args, kwargs = _tree_map(pad, args), _tree_map(pad, kwargs)
+            args, kwargs = tree_map(pad, args), tree_map(pad, kwargs)
         key = _signature((args, kwargs))
         captured = self._graphs.get(key)
         if captured is None:
@@ -129,7 +129,7 @@ class CUDAGraphModule(nn.Module):
             self._graphs.move_to_end(key)
         out = captured.run(args, kwargs)
         if padded:
-            out = _tree_map(lambda t: t[:n] if t.dim() and t.shape[0] == target else t, out)
+            out = tree_map(lambda t: t[:n] if t.dim() and t.shape[0] == target else t, out)
         if self.clone_outputs:
-            out = _tree_map(lambda t: t.clone(), out)
+            out = tree_map(lambda t: t.clone(), out)
         return out
