@@ -39,7 +39,8 @@ class AcceleratedModel(nn.Module):
         super().__init__()
         self.model = model
         self.sparsekit_report = report
-        self.runner = CUDAGraphModule(model, batch_buckets) if graphs else model
+        # kept out of the module tree: the model's tensors are listed once, under ``model.``
+        self.__dict__["runner"] = CUDAGraphModule(model, batch_buckets) if graphs else model
 
     @property
     def report(self) -> AccelReport:

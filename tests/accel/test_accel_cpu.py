@@ -203,3 +203,11 @@ def test_alg_cache_roundtrip(tmp_path, monkeypatch):
     cache = algsearch.load_cache()
     assert cache[key]["alg_id"] == 17 and cache["other"]["alg_id"] == 3
     assert algsearch.cache_path() == tmp_path / "cusparselt_algs.json"
+
+
+def test_accelerated_model_lists_tensors_once():
+    from sparsekit.accel import AcceleratedModel
+
+    fast = AcceleratedModel(nn.Linear(4, 4), AccelReport("bf16", "2:4", 1.0, "cpu"))
+    assert list(fast.state_dict()) == ["model.weight", "model.bias"]
+    assert fast.runner.num_graphs == 0 and fast.report is fast.sparsekit_report
