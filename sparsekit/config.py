@@ -27,7 +27,6 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 TRACKERS = ("tensorboard", "none")
 DEVICES = ("auto", "cpu", "cuda")
-DISTRIBUTED = ("auto", "none", "ddp", "fsdp2")
 ACCEL_PRECISIONS = ("bf16", "fp8", "int8")
 ACCEL_SPARSITY = ("2:4", "auto", "dense")
 
@@ -132,9 +131,6 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = 0
     device: str = "auto"
-    # under torchrun: ddp (replicated weights) | fsdp2 (sharded weights, fully_shard) | auto
-    # (= ddp under torchrun, else none) | none; see docs/distributed.md
-    distributed: str = "auto"
     quiet: bool = False  # no progress bars (also: environment SPARSEKIT_QUIET=1)
 
 
@@ -163,6 +159,19 @@ class AccelConfig:
 
 
 @dataclass
+class SensitivityConfig:
+    """A per-layer sensitivity scan of the dense model before pruning (``sk.sensitivity``):
+    each selected layer pruned alone (``prune.pattern``, ``prune.criterion``) to each of
+    ``sparsities`` (fractions zeroed; unstructured only), the run's metric measured; written to
+    sensitivity.json/.md and one TensorBoard chart per layer. ``target`` (optional, an overall
+    sparsity): ``sk.allocate`` picks per-layer levels for it, which replace prune.sparsity."""
+
+    enabled: bool = False
+    sparsities: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
+    target: float | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -173,6 +182,7 @@ class Config:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     accel: AccelConfig = field(default_factory=AccelConfig)
+    sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     cache_dir: str | None = None  # null: $SPARSEKIT_CACHE or ~/.cache/sparsekit
     resume: Any = False  # true: continue the latest run directory; a path: continue that one
 
@@ -217,7 +227,24 @@ def validate(cfg: Config) -> Config:
             f"(which implies {1 - nm[0] / nm[1]:g}); set prune.sparsity=null"
         )
     _choice("prune.criterion", p.criterion, CRITERIA)
+    if p.criterion == "sparsegpt" and p.fine_tune and cfg.schedule.kind != "oneshot":
+        raise ConfigError(
+            "prune.criterion=sparsegpt is one shot: set schedule=oneshot (prune at "
+            "schedule.start, then fine-tune) or prune.fine_tune=false"
+        )
     _choice("prune.scope", p.scope, SCOPES)
+    sens = cfg.sensitivity
+    if sens.enabled and p.pattern == "none":
+        raise ConfigError("sensitivity.enabled=true needs a prune.pattern (not none)")
+    if any(not 0.0 < v < 1.0 for v in sens.sparsities):
+        raise ConfigError(f"sensitivity.sparsities={list(sens.sparsities)} must be in (0, 1)")
+    if sens.target is not None and not (
+        sens.enabled and p.pattern == "unstructured" and p.scope == "layer" and 0 <= sens.target < 1
+    ):
+        raise ConfigError(
+            f"sensitivity.target={sens.target!r} needs sensitivity.enabled=true, "
+            "prune.pattern=unstructured, prune.scope=layer and a value in [0, 1)"
+        )
     _at_least("prune.calibration_batches", p.calibration_batches, 1)
     c = p.channel
     if not 0.0 <= c.ratio < 1.0:
@@ -240,7 +267,6 @@ def validate(cfg: Config) -> Config:
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _choice("train.device", t.device, DEVICES)
-    _choice("train.distributed", t.distributed, DISTRIBUTED)
     for key in ("dense_steps", "finetune_steps", "warmup_steps"):
         _at_least(f"train.{key}", getattr(t, key), 0)
     for key in ("log_every", "eval_every", "checkpoint_every"):

@@ -190,3 +190,62 @@ def test_log_sensitivity_one_chart_per_layer(tmp_path):
     assert sorted(events.Tags()["scalars"]) == ["sensitivity/a", "sensitivity/b.c"]
     got = [(e.step, e.value) for e in events.Scalars("sensitivity/a")]
     assert got == [(0, 2.0), (50, 2.5), (90, 4.0)]
+
+
+def test_pipeline_sensitivity_stage_sets_per_layer_levels(tmp_path):
+    """``sensitivity.enabled=true sensitivity.target=0.6`` on the (tiny) text-LM recipe: the scan
+    is written, sk.allocate's levels reach the target, and the pruner applies them."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from sparsekit.cli import register_configs, to_config
+    from sparsekit.patterns import prune_count
+    from sparsekit.pipeline import run
+    from sparsekit.resources import conf_dir
+
+    overrides = [
+        "recipe=stdlib_lm_24",
+        "model.kwargs.d_model=16",
+        "model.kwargs.n_layers=1",
+        "model.kwargs.n_heads=2",
+        "model.kwargs.seq_len=16",
+        "data.kwargs.seq_len=16",
+        "data.kwargs.max_bytes=20000",
+        "data.batch_size=4",
+        "data.eval_batches=1",
+        "train.dense_steps=2",
+        "train.warmup_steps=1",
+        "train.quiet=true",
+        "bench.enabled=false",
+        "prune.pattern=unstructured",
+        "prune.sparsity=0.5",
+        "prune.fine_tune=false",
+        "sensitivity.enabled=true",
+        "sensitivity.sparsities=[0.5,0.9]",
+        "sensitivity.target=0.6",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = to_config(compose("config", overrides=overrides))
+    summary = run(cfg, tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "sensitivity.json").read_text())
+    table, levels = SensitivityTable.from_dict(saved["table"]), saved["allocation"]
+    assert set(levels) == {"blocks.0.qkv", "blocks.0.proj", "blocks.0.fc1", "blocks.0.fc2"}
+    assert weighted(table, levels) == pytest.approx(0.6, abs=1e-9)
+    zeros = sum(prune_count(table.params[n], lv) for n, lv in levels.items())
+    assert summary["sparsity"] == zeros / sum(table.params.values())
+    assert "blocks.0.fc1" in (tmp_path / "run" / "sensitivity.md").read_text()
+
+
+def test_config_rejects_inconsistent_sensitivity_options():
+    from sparsekit.config import Config, ConfigError, validate
+
+    cfg = Config()  # prune.pattern 2:4: no per-layer levels to allocate
+    cfg.sensitivity.enabled, cfg.sensitivity.target = True, 0.5
+    with pytest.raises(ConfigError, match="sensitivity.target=0.5 needs"):
+        validate(cfg)
+    cfg.sensitivity.target, cfg.sensitivity.sparsities = None, [0.5, 1.0]
+    with pytest.raises(ConfigError, match="sensitivity.sparsities"):
+        validate(cfg)

@@ -281,3 +281,16 @@ def test_data_parallel_ranks_share_hessians():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_ranks_entry, args=(os.path.join(d, "init"), d), nprocs=2, join=True)
         assert all(os.path.exists(os.path.join(d, f"ok{r}")) for r in range(2))
+
+
+def test_config_needs_a_oneshot_schedule_for_sparsegpt():
+    from sparsekit.config import Config, ConfigError, validate
+
+    cfg = Config()
+    cfg.prune.criterion = "sparsegpt"  # default schedule: linear, with fine-tuning
+    with pytest.raises(ConfigError, match="schedule=oneshot"):
+        validate(cfg)
+    cfg.schedule.kind = "oneshot"
+    validate(cfg)
+    cfg.schedule.kind, cfg.prune.fine_tune = "linear", False
+    validate(cfg)
