@@ -27,6 +27,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 TRACKERS = ("tensorboard", "none")
 DEVICES = ("auto", "cpu", "cuda")
+DISTRIBUTED = ("auto", "none", "ddp", "fsdp2")
 ACCEL_PRECISIONS = ("bf16", "fp8", "int8")
 ACCEL_SPARSITY = ("2:4", "auto", "dense")
 
@@ -131,6 +132,9 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = 0
     device: str = "auto"
+    # under torchrun: ddp (replicated weights) | fsdp2 (sharded weights, fully_shard) | auto
+    # (= ddp under torchrun, else none) | none; see docs/distributed.md
+    distributed: str = "auto"
     quiet: bool = False  # no progress bars (also: environment SPARSEKIT_QUIET=1)
 
 
@@ -267,6 +271,7 @@ def validate(cfg: Config) -> Config:
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _choice("train.device", t.device, DEVICES)
+    _choice("train.distributed", t.distributed, DISTRIBUTED)
     for key in ("dense_steps", "finetune_steps", "warmup_steps"):
         _at_least(f"train.{key}", getattr(t, key), 0)
     for key in ("log_every", "eval_every", "checkpoint_every"):

@@ -29,6 +29,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 import sparsekit as sk
+from sparsekit import distributed as D
 from sparsekit._io import atomic_write, safe_torch_load
 from sparsekit.bench import benchmark
 from sparsekit.config import Config, validate
@@ -117,7 +118,8 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
         batch_size=cfg.data.batch_size, seed=t.seed, warmup=t.warmup_steps,
         lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=log,
         quiet=is_quiet(t.quiet), desc="dense training")
-    atomic_write(path, lambda tmp: save_model(model, tmp))
+    if D.is_main():  # every rank trained the same model; one writes the cache
+        atomic_write(path, lambda tmp: save_model(model, tmp))
     return model, f"trained ({t.dense_steps} steps), cached {path}"
 
 
@@ -210,15 +212,25 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
-    atomic_write(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
+    if D.is_main():  # under torchrun only rank 0 writes files and TensorBoard logs
+        atomic_write(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
     t, quiet = cfg.train, is_quiet(cfg.train.quiet)
     device = pick_device(t.device)
+    mode = D.resolve_mode(t.distributed)  # none | ddp (see docs/distributed.md)
+    if mode == "fsdp2":
+        raise ValueError(
+            "train.distributed=fsdp2 runs from Python (sk.Pruner after fully_shard; see "
+            "docs/distributed.md and tools/multigpu_run.py); the command line runs ddp"
+        )
+    if mode != "none":
+        device = D.init(device=device.type)  # this rank's GPU under torchrun
     metric = _metric(cfg.data.task)
     state = None
     if resume and (run_dir / CHECKPOINT).exists():
         state = load_checkpoint(run_dir / CHECKPOINT)
     tb = cfg.tracker
-    tracker = Tracker(run_dir / "tb", tb.kind == "tensorboard", tb.flush_secs, tb.histogram_every,
+    tracker = Tracker(run_dir / "tb", tb.kind == "tensorboard" and D.is_main(), tb.flush_secs,
+                      tb.histogram_every,
                       tb.histograms, purge_step=None if state is None else state["step"] + 1)
     tracker.text("config", f"```yaml\n{resolved}\n```")
 
@@ -271,6 +283,8 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         torch.manual_seed(t.seed + 1)
     ckpt_path = run_dir / CHECKPOINT
     kill_at = int(os.environ.get(KILL_ENV, "-1"))
+    # DDP averages gradients over ranks, each training on its slice of every global batch
+    train_model = D.wrap_ddp(model, device) if mode == "ddp" and steps > start else model
 
     seen_progress = [None if pruner is None else pruner.progress]
 
@@ -286,8 +300,11 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         if (step + 1) % t.eval_every == 0 and step != steps - 1:
             tracker.scalars({f"eval/{metric}/compressed": eval_model(model)[metric]}, step)
         if (step + 1) % t.checkpoint_every == 0 or step == steps - 1:
-            save_checkpoint(ckpt_path, step=step, model=model, optimizer=optimizer,
-                            pruner=pruner, done=step == steps - 1)
+            D.barrier()
+            if D.is_main():  # replicated state: rank 0's file serves every rank
+                save_checkpoint(ckpt_path, step=step, model=model, optimizer=optimizer,
+                                pruner=pruner, done=step == steps - 1)
+            D.barrier()
             if step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -295,11 +312,11 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         pruner.step(0)
     if steps > start:
         teacher = dense if t.distill.alpha > 0 else None
-        fit(model, data.train, optimizer, steps=steps, lr=t.finetune_lr,
+        fit(train_model, data.train, optimizer, steps=steps, lr=t.finetune_lr,
             batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=start,
             warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=pruner,
             teacher=teacher, distill_alpha=t.distill.alpha, temperature=t.distill.temperature,
-            on_step=on_step, quiet=quiet, desc="fine-tuning")
+            on_step=on_step, quiet=quiet, desc="fine-tuning", shard=mode != "none")
     if pruner is not None:
         pruner.step(max(steps, cfg.schedule.end))  # the full target, even with few steps
         report = pruner.report()
@@ -321,15 +338,18 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     tracker.scalars(report.scalars(), final_step)
 
     speed: dict[str, dict[str, float]] = {"dense": {}, "compressed": {}}
-    if cfg.bench.enabled and isinstance(example, torch.Tensor):
+    if cfg.bench.enabled and isinstance(example, torch.Tensor) and D.is_main():
         b = cfg.bench
         for name, m in (("dense", dense), ("compressed", model)):
             speed[name] = benchmark(m, example, b.batch_size, b.warmup, b.repeats, name, quiet)
     accel_info: dict[str, Any] = {"enabled": cfg.accel.enabled}
-    if cfg.accel.enabled:
+    if cfg.accel.enabled and D.is_main():
         accel_info.update(accelerate(cfg, model, example, device, quiet))
 
-    model_path = save_weights(model, run_dir / "model.safetensors")
+    model_path = run_dir / "model.safetensors"
+    if D.is_main():
+        save_weights(model, model_path)
+    D.barrier()
     sizes = {"dense": file_size(dense), "compressed": model_path.stat().st_size}
     summary: dict[str, Any] = {
         "metric": metric,
@@ -368,9 +388,10 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{report}\n```\n"
     tracker.text("summary", markdown, final_step)
     tracker.close()
-    atomic_write(run_dir / "summary.json",
-                 lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2) + "\n"))
-    atomic_write(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
+    if D.is_main():
+        atomic_write(run_dir / "summary.json",
+                     lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2) + "\n"))
+        atomic_write(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
     summary["table"] = table
     return summary
 
