@@ -420,3 +420,58 @@ def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> dict[str, An
         raise FileNotFoundError(f"no sharded checkpoint at {path}")
     dcp.load(state, checkpoint_id=os.fspath(path))
     return state
+
+
+def save_training_state(
+    path: str | os.PathLike, model: nn.Module, optimizer: Any, pruner: Any = None, **extra: Any
+) -> None:
+    """Sharded (FSDP2) model, optimizer and pruner state, and the plain numbers in ``extra``
+    (a step, say), through :func:`save_sharded`. Collective."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    pstate = {} if pruner is None else pruner.state_dict()
+    save_sharded({"model": msd, "optim": osd, "pruner": pstate, **extra}, path)
+
+
+def load_training_state(
+    path: str | os.PathLike, model: nn.Module, optimizer: Any, pruner: Any = None, **extra: Any
+) -> dict[str, Any]:
+    """Restore what :func:`save_training_state` wrote into freshly built objects (same world
+    size; the pruner created after ``fully_shard``). ``extra`` gives the keys and placeholder
+    values of the plain numbers to read back; returns the loaded state. Collective."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    pstate = {} if pruner is None else pruner.state_dict()
+    state = load_sharded({"model": msd, "optim": osd, "pruner": pstate, **extra}, path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    if pruner is not None:
+        pruner.load_state_dict(state["pruner"])  # after the weights: it zeroes pruned entries
+    return state
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """FSDP2 over a whole model: rank 0's parameters and buffers are broadcast first (so every
+    shard comes from the same model, whatever each rank computed before), then ``fully_shard``
+    on the root. Create the Pruner afterwards. Returns ``model``, sharded in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    if is_distributed():
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+    fully_shard(model)
+    return model
+
+
+def gather_full(sharded: nn.Module, into: nn.Module) -> nn.Module:
+    """Load the full weights of an FSDP2 model into ``into`` (an unsharded module of the same
+    structure, e.g. a copy taken before sharding) on every rank; returns ``into``. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
+    into.load_state_dict(full)
+    return into

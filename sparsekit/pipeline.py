@@ -30,13 +30,20 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit import distributed as D
-from sparsekit._io import atomic_write, safe_torch_load
+from sparsekit._io import atomic_torch_save, atomic_write, safe_torch_load
 from sparsekit.bench import benchmark
 from sparsekit.config import Config, validate
 from sparsekit.data import DataBundle, build_data, cache_root
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
-from sparsekit.runstate import load_checkpoint, restore, save_checkpoint
+from sparsekit.runstate import VERSION as RUNSTATE_VERSION
+from sparsekit.runstate import (
+    load_checkpoint,
+    restore,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from sparsekit.sensitivity import SensitivityTable, log_sensitivity
 from sparsekit.tracking import Tracker
 from sparsekit.train import eval_batches, evaluate, fit, make_optimizer
@@ -216,12 +223,9 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         atomic_write(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
     t, quiet = cfg.train, is_quiet(cfg.train.quiet)
     device = pick_device(t.device)
-    mode = D.resolve_mode(t.distributed)  # none | ddp (see docs/distributed.md)
-    if mode == "fsdp2":
-        raise ValueError(
-            "train.distributed=fsdp2 runs from Python (sk.Pruner after fully_shard; see "
-            "docs/distributed.md and tools/multigpu_run.py); the command line runs ddp"
-        )
+    mode = D.resolve_mode(t.distributed)  # none | ddp | fsdp2 (see docs/distributed.md)
+    if mode == "fsdp2" and cfg.quant.qat:
+        raise ValueError("train.distributed=fsdp2 cannot fine-tune with quant.qat=true; use ddp")
     if mode != "none":
         device = D.init(device=device.type)  # this rank's GPU under torchrun
     metric = _metric(cfg.data.task)
@@ -266,6 +270,9 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     if q.scheme != "none" and q.qat:
         _call_with_supported(sk.prepare_qat_, model, q.scheme, include=list(q.include),
                              exclude=list(q.exclude))
+    if mode == "fsdp2":  # shard before the Pruner: its masks become shards like the weights
+        unsharded = copy.deepcopy(model)  # a container for the full weights after fine-tuning
+        D.shard_model(model)
 
     pruner = None
     if p.pattern != "none":
@@ -277,7 +284,12 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     steps = t.finetune_steps if p.fine_tune else 0
     optimizer = make_optimizer(model.parameters(), t.optimizer, t.finetune_lr, t.weight_decay)
     start = 0
-    if state is not None:
+    if state is not None and state.get("sharded"):  # FSDP2: torch.distributed.checkpoint
+        loaded = D.load_training_state(run_dir / CHECKPOINT.parent / state["sharded"], model,
+                                       optimizer, pruner, step=-1)
+        set_rng_state(state["rng"])
+        start = int(loaded["step"]) + 1
+    elif state is not None:
         start = restore(state, model, optimizer, pruner)
     else:
         torch.manual_seed(t.seed + 1)
@@ -296,12 +308,20 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
             tracker.scalars(scalars, step)
         if pruner is not None and pruner.progress != seen_progress[0]:  # masks just moved
             seen_progress[0] = pruner.progress
-            tracker.weight_histograms(model, step)
+            if mode != "fsdp2":  # sharded weights get their histograms once gathered
+                tracker.weight_histograms(model, step)
         if (step + 1) % t.eval_every == 0 and step != steps - 1:
             tracker.scalars({f"eval/{metric}/compressed": eval_model(model)[metric]}, step)
         if (step + 1) % t.checkpoint_every == 0 or step == steps - 1:
             D.barrier()
-            if D.is_main():  # replicated state: rank 0's file serves every rank
+            if mode == "fsdp2":  # every rank writes its shards, then rank 0 the pointer to them
+                D.save_training_state(ckpt_path.with_suffix(".dcp"), model, optimizer, pruner,
+                                      step=step)
+                if D.is_main():
+                    atomic_torch_save({"version": RUNSTATE_VERSION, "step": step,
+                                       "done": step == steps - 1, "rng": rng_state(),
+                                       "sharded": ckpt_path.with_suffix(".dcp").name}, ckpt_path)
+            elif D.is_main():  # replicated state: rank 0's file serves every rank
                 save_checkpoint(ckpt_path, step=step, model=model, optimizer=optimizer,
                                 pruner=pruner, done=step == steps - 1)
             D.barrier()
@@ -320,10 +340,14 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     if pruner is not None:
         pruner.step(max(steps, cfg.schedule.end))  # the full target, even with few steps
         report = pruner.report()
-        tracker.weight_histograms(model, steps, force=True)
+        if mode != "fsdp2":
+            tracker.weight_histograms(model, steps, force=True)
         pruner.finalize()
     else:
         report = sk.sparsity_report(model)
+    if mode == "fsdp2":  # every rank gathers the full weights; the rest runs unsharded
+        model = D.gather_full(model, unsharded)
+        tracker.weight_histograms(model, steps, force=True)
     if q.scheme != "none":
         if q.qat:
             sk.convert_(model)

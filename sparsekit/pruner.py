@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -342,11 +343,25 @@ class Pruner:
     def report(self) -> SparsityReport:
         """Sparsity of every selected layer, with skip reasons and N:M validity."""
         selected = dict(self.model.named_modules())
-        return build_report(
-            {n: selected[n] for n in self._selected},
-            None if self.nm is None else self.pattern,
-            self.skipped,
+        modules = {n: selected[n] for n in self._selected}
+        pattern = None if self.nm is None else self.pattern
+        if not self._sharded:
+            return build_report(modules, pattern, self.skipped)
+        # sharded weights: count this rank's shards (whole rows), then sum over the ranks
+        shards = {n: SimpleNamespace(weight=D.local(m.weight)) for n, m in modules.items()}
+        report = build_report(shards, pattern, self.skipped)
+        layers = list(report.layers.values())
+        k = len(layers)
+        counts = self._allsum(
+            [s.numel for s in layers]
+            + [s.zeros for s in layers]
+            + [s.nm_ok is False for s in layers]
         )
+        for i, s in enumerate(layers):
+            s.numel, s.zeros = counts[i], counts[k + i]
+            if s.nm_ok is not None:
+                s.nm_ok = counts[2 * k + i] == 0
+        return report
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (tensors, numbers, strings), loadable with torch.load(weights_only=True)."""

@@ -216,6 +216,8 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
             ref_loss = _train(ref_model, ref_pruner, ref_opt, step, x, y)
             dist.all_reduce(loss)
             torch.testing.assert_close(loss / WORLD, ref_loss, rtol=1e-4, atol=1e-5)
+        report, ref_report = pruner.report(), ref_pruner.report()  # counts summed over shards
+        assert report.to_dict() == ref_report.to_dict(), kwargs
         for name, mask in pruner.masks.items():
             assert D.is_sharded(mask)
             assert torch.equal(_full(mask), ref_pruner.masks[name]), (kwargs, name)
@@ -324,26 +326,39 @@ def _sparsekit(args: list[str], cwd, nproc: int = 0, **env: str) -> subprocess.P
     )
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The reference: ``python -m sparsekit`` in one process (also caches the dense model)."""
+    root = tmp_path_factory.mktemp("cli")
+    single = _sparsekit([*TINY_CLI, f"cache_dir={root / 'cache'}", "hydra.run.dir=single"], root)
+    assert single.wait(timeout=300) == 0, single.stderr.read()
+    return root
+
+
 @needs_gloo
-def test_torchrun_cli_kill_resume_matches_one_process(tmp_path):
-    """torchrun, 2 gloo ranks, DDP: SIGKILLed mid fine-tuning, resumed; ends like a one-process
-    run of the same global batches (masks equal, weights and loss within float tolerance),
-    with one run directory, one TensorBoard writer and one checkpoint writer (rank 0)."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp_path):
+    """torchrun, 2 gloo ranks, DDP or FSDP2: SIGKILLed mid fine-tuning, resumed; ends like a
+    one-process run of the same global batches (masks equal, weights and loss within float
+    tolerance), with one run directory, one TensorBoard writer and one checkpoint writer."""
     from safetensors.torch import load_file
 
     from sparsekit.pipeline import CHECKPOINT, KILL_ENV
     from sparsekit.runstate import load_checkpoint
 
-    cache = f"cache_dir={tmp_path / 'cache'}"
-    single = _sparsekit([*TINY_CLI, cache, "hydra.run.dir=single"], tmp_path)
-    assert single.wait(timeout=300) == 0, single.stderr.read()  # also caches the dense model
-    killed = _sparsekit([*TINY_CLI, cache], tmp_path, nproc=2, **{KILL_ENV: "9"})
+    args = [*TINY_CLI, f"cache_dir={one_process_run / 'cache'}", f"train.distributed={mode}"]
+    killed = _sparsekit(args, tmp_path, nproc=2, **{KILL_ENV: "9"})
     _, err = killed.communicate(timeout=300)
     assert killed.returncode != 0
     (run_dir,) = (tmp_path / "runs").iterdir()  # both ranks wrote into rank 0's directory
     assert not (run_dir / "summary.json").exists()
     assert load_checkpoint(run_dir / CHECKPOINT)["step"] == 9
-    assert [p.name for p in (run_dir / CHECKPOINT.parent).iterdir()] == [CHECKPOINT.name]
+    ckpt_dir = run_dir / CHECKPOINT.parent
+    if mode == "ddp":  # replicated: one file, from rank 0
+        assert [p.name for p in ckpt_dir.iterdir()] == [CHECKPOINT.name]
+    else:  # sharded: each rank's shard, and rank 0's pointer to them
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.dcp", "last.pt"]
+        assert len(list((ckpt_dir / "last.dcp").glob("*.distcp"))) == 2
 
     resumed = _sparsekit(["resume=true"], tmp_path, nproc=2)
     out, err = resumed.communicate(timeout=300)
@@ -351,11 +366,12 @@ def test_torchrun_cli_kill_resume_matches_one_process(tmp_path):
     assert out.count("TensorBoard logdir") == 1  # the summary table comes from rank 0 only
     assert len(list((run_dir / "tb").rglob("events.out.tfevents.*"))) == 2  # killed + resumed
 
-    a = json.loads((tmp_path / "single" / "summary.json").read_text())
+    single = one_process_run / "single"
+    a = json.loads((single / "summary.json").read_text())
     b = json.loads((run_dir / "summary.json").read_text())
     assert a["sparsity"] == b["sparsity"]
     assert abs(a["compressed"]["loss"] - b["compressed"]["loss"]) < 1e-4
-    wa = load_file(tmp_path / "single" / "model.safetensors")
+    wa = load_file(single / "model.safetensors")
     wb = load_file(run_dir / "model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
