@@ -369,3 +369,57 @@ def test_report_is_plain_data_and_a_table():
     assert d["layers"]["conv1"] == [32, 16] and d["layers"]["linear"] == [10, 10]
     assert d["protected"] == ["linear"]
     assert "parameters removed" in str(report) and "conv2" in str(report)
+
+
+TINY = [
+    "data.kwargs.num_samples=300",
+    "train.dense_steps=40",
+    "train.finetune_steps=20",
+    "train.log_every=10",
+    "train.eval_every=10",
+    "train.checkpoint_every=10",
+    "schedule.end=10",
+    "schedule.every=5",
+    "bench.repeats=2",
+    "bench.batch_size=16",
+    "train.quiet=true",
+    "tracker=none",
+]
+
+
+def run_recipe(args, tmp_path):
+    cli = pytest.importorskip("sparsekit.cli")
+    cli.main([f"cache_dir={tmp_path / 'cache'}", "hydra.run.dir=run", *args])
+    return tmp_path / "run"
+
+
+def test_channel_recipes_compose_and_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = run_recipe(["recipe=mnist1d_channel30", *TINY], tmp_path)
+    cfg = (run_dir / "config.yaml").read_text()
+    assert "ratio: 0.3" in cfg and "alpha: 0.5" in cfg
+    state = load_file(run_dir / "model.safetensors")
+    assert [state[f"conv{i}.weight"].shape[0] for i in (1, 2, 3)] == [22, 22, 22]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["compressed"]["accuracy"] > 0.1 and summary["sparsity"] == 0
+
+    run_dir = run_recipe(
+        [
+            "recipe=resnet18_channel50_synthetic",
+            "data.kwargs.image_size=32",
+            "bench.repeats=1",
+            "hydra.run.dir=run_r18",
+        ],
+        tmp_path,
+    )
+    state = load_file(tmp_path / "run_r18" / "model.safetensors")
+    assert state["layer1.0.conv1.weight"].shape[0] == 32 and state["fc.weight"].shape == (10, 256)
+
+    run_dir = run_recipe(
+        ["recipe=mnist1d_channel30_24_int8", *TINY, "hydra.run.dir=run_c"], tmp_path
+    )
+    summary = json.loads((tmp_path / "run_c" / "summary.json").read_text())
+    assert summary["sparsity"] > 0.4  # 2:4 on every layer but conv1 (5 inputs)
+    state = load_file(tmp_path / "run_c" / "model.safetensors")
+    assert state["conv1.weight"].shape[0] == 20  # int(32 * 0.7) = 22, rounded down to 4
+    assert state["conv1.weight"].dtype == torch.int8  # quantized after pruning
