@@ -7,7 +7,7 @@ zeros add nothing to an integer sum, so every path returns the same integers.
 
 ``fp8_mm`` returns the float32 product of float8 e4m3fn operands. On a GPU with fp8 tensor cores
 (compute capability >= 8.9) it calls ``torch._scaled_mm`` with unit scales and float32 output,
-zero-padding K and N to multiples of 16; elsewhere it casts to float32 and multiplies (products
+zero-padding M, K and N to multiples of 16; elsewhere it casts to float32 and multiplies (products
 of two e4m3 values are exact in float32, so the paths differ only in summation order). Scales
 are applied after the product, as an outer product of row and channel scales, in both cases.
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 _INT_MM_MIN_M = 17  # torch._int_mm needs more than 16 rows
 _INT_MM_MULTIPLE = 8  # ... and K, N multiples of 8
-_SCALED_MM_MULTIPLE = 16  # torch._scaled_mm needs K, N multiples of 16
+_SCALED_MM_MULTIPLE = 16  # torch._scaled_mm needs K, N multiples of 16 (M padded too: cheap)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -54,7 +54,11 @@ def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch._int_mm(a.contiguous(), w.contiguous().t())
     if a.device.type == "cpu":
         return a.int() @ w.int().t()
-    mp, kp, np_ = max(m, _INT_MM_MIN_M), _round_up(k, 8), _round_up(n, 8)
+    mp, kp, np_ = (
+        max(m, _INT_MM_MIN_M),
+        _round_up(k, _INT_MM_MULTIPLE),
+        _round_up(n, _INT_MM_MULTIPLE),
+    )
     out = torch._int_mm(_pad2d(a, mp, kp), _pad2d(w, np_, kp).t())
     return out[:m, :n]
 
@@ -66,19 +70,19 @@ def fp8_kernel_available(device: torch.device) -> bool:
 
 def scaled_mm_fp8(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``a @ w.T`` for float8 ``a`` (M, K), ``w`` (N, K) through ``torch._scaled_mm`` with unit
-    scales: float32 (M, N). K and N are zero-padded to multiples of 16."""
+    scales: float32 (M, N). M, K and N are zero-padded to multiples of 16."""
     m, k = a.shape
     n = w.shape[0]
-    kp, np_ = _round_up(k, _SCALED_MM_MULTIPLE), _round_up(n, _SCALED_MM_MULTIPLE)
+    mp, kp, np_ = (_round_up(d, _SCALED_MM_MULTIPLE) for d in (m, k, n))
     one = torch.ones((), dtype=torch.float32, device=a.device)
     out = torch._scaled_mm(
-        _pad2d(a, m, kp).contiguous(),
+        _pad2d(a, mp, kp).contiguous(),
         _pad2d(w, np_, kp).contiguous().t(),  # column-major, as the kernel requires
         scale_a=one,
         scale_b=one,
         out_dtype=torch.float32,
     )
-    return out[:, :n]
+    return out[:m, :n]
 
 
 def fp8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

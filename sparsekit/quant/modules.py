@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.quant.formats import Scheme, get_scheme
+from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (
     channel_scales,
@@ -99,7 +99,7 @@ class _QuantWeight(nn.Module):
             self._buffers[name] = t.to(device)
         return self
 
-    def _activation_format(self):
+    def _activation_format(self) -> Format | None:
         return get_scheme(self.scheme).activation
 
 
@@ -194,7 +194,7 @@ class QuantConv(_QuantWeight):
             y = self._w8a8(x, fmt)
         return y if batched else y.squeeze(0)
 
-    def _w8a8(self, x: torch.Tensor, fmt) -> torch.Tensor:
+    def _w8a8(self, x: torch.Tensor, fmt: Format) -> torch.Tensor:
         """im2col + one 8-bit matmul; ``x`` is the padded batched input."""
         x_scale = sample_scales(x, fmt)
         q = quantize(x, x_scale, fmt).float()  # exact: every int8/e4m3 value is a float32

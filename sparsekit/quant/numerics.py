@@ -57,7 +57,9 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     return t.clamp_(-fmt.qmax, fmt.qmax).to(fmt.dtype)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``q * scale`` computed in float32, returned in ``dtype``."""
     return (q.float() * scale).to(dtype)
 
