@@ -253,17 +253,18 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
         result["masks_identical_across_ranks"] = len(set(sums)) == 1
     else:
         result["masks_identical_across_ranks"] = None  # shards: see nm_violations, checksum
-    accel = {}
+    result["accelerate"] = None
+
+    def write() -> None:  # before accelerating too: a timeout there keeps the training figures
+        if D.is_main():
+            text = json.dumps(result, indent=1)
+            atomic_write(rundir / "result.json", lambda tmp: Path(tmp).write_text(text))
+
+    write()
     if a.accelerate and mode == "ddp" and cuda and D.world_size() == 1:
-        accel = accelerate(pruner, model, data, device, a)
-    del wrapped, opt, pruner, model
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    result["accelerate"] = accel or None
-    if D.is_main():
-        text = json.dumps(result, indent=1)
-        atomic_write(rundir / "result.json", lambda tmp: Path(tmp).write_text(text))
+        del opt
+        result["accelerate"] = accelerate(pruner, model, data, device, a)
+        write()
     return result
 
 
@@ -305,6 +306,9 @@ def worker(a) -> None:
     data = stdlib_text(Path(a.out) / "cache", seq_len=a.seq, max_bytes=a.max_bytes).train
     for mode in a.modes:
         run_mode(a, mode, device, data)
+        if device.type == "cuda":  # the next mode starts from an empty GPU
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
     D.barrier()
     D.shutdown()
 
@@ -454,12 +458,16 @@ def full(a) -> dict:
     if n < 1:
         raise SystemExit("no CUDA device: use --smoke (or --cpu) for a CPU run")
     out: dict = {"gpus": n}
-    # throughput runs write no checkpoints (a 1B model's AdamW state is 12 GB a save)
-    launch(a, 1, fresh(a.out, "w1"), list(MODES), a.size, a.steps, ["--accelerate"], ckpt=False)
+    if launch(a, n, fresh(a.out, "ref"), list(MODES), a.resume_size, a.resume_steps) == 0:
+        out["kill_resume"] = kill_and_resume(a, n, "kr", "ref", a.resume_size, a.resume_steps)
+    # throughput runs write no checkpoints (a 1B model's AdamW state is 12 GB a save); DDP last:
+    # its finalized model is then accelerated
+    modes = ["fsdp2", "ddp"]
+    launch(a, 1, fresh(a.out, "w1"), modes, a.size, a.steps, ["--accelerate"], ckpt=False)
     one = {m: read_result(a.out, "w1", m) for m in MODES}
     out["world1"] = one
     if n > 1:
-        launch(a, n, fresh(a.out, f"w{n}"), list(MODES), a.size, a.steps, ckpt=False)
+        launch(a, n, fresh(a.out, f"w{n}"), modes, a.size, a.steps, ckpt=False)
         many = {m: read_result(a.out, f"w{n}", m) for m in MODES}
         out[f"world{n}"] = many
         out["scaling_efficiency"] = {
@@ -468,8 +476,6 @@ def full(a) -> dict:
         }  # fmt: skip
     else:
         out["scaling_efficiency"] = "not measured: one GPU"
-    if launch(a, n, fresh(a.out, "ref"), list(MODES), a.resume_size, a.resume_steps) == 0:
-        out["kill_resume"] = kill_and_resume(a, n, "kr", "ref", a.resume_size, a.resume_steps)
     return out
 
 
