@@ -178,6 +178,16 @@ def _forward(model: nn.Module, example_inputs: Any) -> Any:
     return model(example_inputs)
 
 
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     """Leaf modules whose output tensor is returned by the model as it is. (torch-pruning marks
     an output only when an operation, not a module, produced it.)"""
@@ -291,12 +301,16 @@ class ChannelPruner:
         self.progress = 0.0
         self._names = {m: n for n, m in model.named_modules()}
         self._widths0, self._heads0 = _widths(model)
-        self._counts0 = _count(model, example_inputs)
-        ignored = self._ignored_modules(ignore)
+        self._hf_attention = [m for m in model.modules() if _is_hf_attention(m)]
+        # Every forward pass here runs in eval mode: batch-norm statistics must not move.
+        with _eval_mode(model):
+            self._counts0 = _count(model, example_inputs)
+            self._tp = self._build_tp(self._ignored_modules(ignore))
+            self._protected, self._mha_groups = self._special_groups()
 
+    def _build_tp(self, ignored: list[nn.Module]) -> tp.pruner.BasePruner:
         # Whole heads for HF attention: torch-pruning groups q/k/v by head (num_heads) and removes
         # heads, never head dims; the residual and MLP widths follow `ratio` as channels.
-        self._hf_attention = [m for m in model.modules() if _is_hf_attention(m)]
         num_heads = {
             lin: att.num_attention_heads
             for att in self._hf_attention
@@ -307,11 +321,11 @@ class ChannelPruner:
             # embeddings); it prunes their last dimension, which is what these models need.
             warnings.filterwarnings("ignore", module="torch_pruning")
             try:
-                self._tp = tp.pruner.BasePruner(
-                    model,
-                    example_inputs,
-                    importance=_make_importance(importance),
-                    global_pruning=scope == "global",
+                return tp.pruner.BasePruner(
+                    self.model,
+                    self.example_inputs,
+                    importance=_make_importance(self.importance),
+                    global_pruning=self.scope == "global",
                     pruning_ratio=self.ratio,
                     iterative_steps=1,
                     round_to=self.round_to if self.round_to > 1 else None,
@@ -323,10 +337,9 @@ class ChannelPruner:
                 )
             except Exception as exc:
                 raise ValueError(
-                    f"torch-pruning could not trace {type(model).__name__} with the given "
+                    f"torch-pruning could not trace {type(self.model).__name__} with the given "
                     f"example_inputs: {exc}"
                 ) from exc
-        self._protected, self._mha_groups = self._special_groups()
 
     def _ignored_modules(self, ignore: str | Sequence[str]) -> list[nn.Module]:
         patterns = [ignore] if isinstance(ignore, str) else list(ignore)
@@ -374,9 +387,10 @@ class ChannelPruner:
         plan0 = channel_plan(self.model)
         state0 = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
-            self._prune_to(target)
-            _sync_attributes(self.model)
-            self._check_forward()
+            with _eval_mode(self.model):
+                self._prune_to(target)
+                _sync_attributes(self.model)
+                self._check_forward()
         except Exception:
             # Leave the caller's model as it was before this step, then re-raise.
             apply_channel_plan(self.model, plan0)
@@ -409,6 +423,8 @@ class ChannelPruner:
                 group.prune()
             for mhas in self._mha_groups:
                 self._prune_mha_heads(mhas, target)
+        if self.loss_fn is not None:
+            self.model.zero_grad(set_to_none=True)  # the scoring gradients are not training's
         for att in self._hf_attention:
             att.num_attention_heads = tp_pruner.num_heads[att.query]
 
@@ -463,8 +479,6 @@ class ChannelPruner:
         for name, m in self.model.named_modules():
             handles.append(m.register_forward_pre_hook(enter(name)))
             handles.append(m.register_forward_hook(leave))
-        was_training = self.model.training
-        self.model.eval()
         try:
             with torch.no_grad():
                 _forward(self.model, self.example_inputs)
@@ -479,7 +493,6 @@ class ChannelPruner:
         finally:
             for h in handles:
                 h.remove()
-            self.model.train(was_training)
 
     def report(self) -> ChannelReport:
         """Widths, parameters and MACs now, against those at construction."""

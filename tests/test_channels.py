@@ -241,6 +241,16 @@ def test_importances_and_scopes(importance, scope):
         assert len({round(a / b, 3) for b, a in report.layers.values()}) > 2
 
 
+def test_pruning_leaves_training_mode_and_batchnorm_statistics_alone():
+    model = torchvision.models.resnet18(num_classes=10).train()
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    prune_channels_(model, torch.randn(2, 3, 32, 32), ratio=0.0)
+    assert model.training
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stats.items())
+    prune_channels_(model, torch.randn(2, 3, 32, 32), ratio=0.5)
+    assert model.training and model.layer1[0].bn1.running_mean.shape == (32,)
+
+
 def test_ignore_and_round_to():
     model = torchvision.models.resnet18(num_classes=10)
     x = torch.randn(1, 3, 32, 32)
