@@ -228,6 +228,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         raise ValueError("train.distributed=fsdp2 cannot fine-tune with quant.qat=true; use ddp")
     if mode != "none":
         device = D.init(device=device.type)  # this rank's GPU under torchrun
+        D.split_batch(cfg.data.batch_size, what="data.batch_size")  # fail before any work
     metric = _metric(cfg.data.task)
     state = None
     if resume and (run_dir / CHECKPOINT).exists():

@@ -377,3 +377,15 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
     for k in wa:
         assert torch.equal(wa[k] == 0, wb[k] == 0), k  # same masks
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+@needs_gloo
+def test_torchrun_cli_world_size_that_cannot_split_the_batch(tmp_path):
+    proc = _sparsekit(["data.batch_size=101", "train.quiet=true"], tmp_path, nproc=2)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert (
+        "sparsekit: error: data.batch_size=101 (the global batch) is not divisible by the "
+        "world size 2" in err
+    )
+    assert "Traceback" not in err.split("sparsekit: error")[0]  # one line, not a traceback
