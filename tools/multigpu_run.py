@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -306,6 +307,7 @@ def worker(a) -> None:
     data = stdlib_text(Path(a.out) / "cache", seq_len=a.seq, max_bytes=a.max_bytes).train
     for mode in a.modes:
         run_mode(a, mode, device, data)
+        gc.collect()  # FSDP's hooks hold reference cycles to the last mode's modules
         if device.type == "cuda":  # the next mode starts from an empty GPU
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
