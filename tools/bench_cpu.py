@@ -2,13 +2,16 @@
 
     python tools/bench_cpu.py                                  # ResNet-18, 50% channels, 224 px
     python tools/bench_cpu.py --model mobilenet_v2 --ratio 0.3 --threads 2
+    python tools/bench_cpu.py --fuse                           # conv+BN folded in both first
     python tools/bench_cpu.py --smoke                          # tiny, seconds (CI)
 
 Builds the model twice (random weights: speed does not depend on the values), prunes one copy
 with ``sk.prune_channels_`` and times both in eval mode under ``torch.no_grad`` at each batch
 size. Dense and pruned are timed alternately, ``--rounds`` times, each round the median of
 ``--repeats`` calls, so a noisy neighbour slows both alike; the figure kept is the median over
-rounds. Writes JSON (``--out``) and a markdown table (``--md``) with the dense / pruned ratios.
+rounds. ``--fuse`` folds each batch norm into its convolution in both models first
+(torch.fx, as inference deployments do), so elementwise passes weigh less. Writes JSON
+(``--out``) and a markdown table (``--md``) with the dense / pruned ratios.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.fx.experimental.optimization import fuse
 
 import sparsekit as sk
 from sparsekit.bench import time_call
@@ -62,7 +66,8 @@ def markdown(result: dict) -> str:
     r = result
     lines = [
         f"### {r['model']}: {r['ratio']:.0%} of channels removed ({r['importance']}, "
-        f"round_to={r['round_to']}, {r['image_size']} px)",
+        f"round_to={r['round_to']}, {r['image_size']} px"
+        f"{', conv+BN folded' if r['fused'] else ''})",
         "",
         f"{r['date']}, {r['device']}, {r['threads']} threads, torch {r['torch']}",
         "",
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10, help="timed calls per round")
     ap.add_argument("--rounds", type=int, default=5, help="alternating dense/pruned rounds")
+    ap.add_argument("--fuse", action="store_true", help="fold batch norms into convs first")
     ap.add_argument("--smoke", action="store_true", help="tiny model and batches (CI)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--md", default=None, help="write the markdown table here")
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
         pruned, example, ratio=args.ratio, importance=args.importance, round_to=args.round_to
     )
 
+    if args.fuse:
+        dense, pruned = fuse(dense), fuse(pruned)
+
     latency = []
     for batch in args.batches:
         x = example_input(args.model, batch, args.image_size)
@@ -126,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio": args.ratio,
         "importance": args.importance,
         "round_to": args.round_to,
+        "fused": args.fuse,
         "image_size": args.image_size,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": cpu_name(),

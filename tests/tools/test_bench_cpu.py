@@ -10,10 +10,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_smoke_reports_dense_vs_pruned_ratios(tmp_path):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_cpu.py"), "--smoke", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "bench_cpu.py"),
+        "--smoke",
+        "--threads",
+        "1",
+        "--fuse",
+    ]
     subprocess.run([*cmd, "--out", str(out), "--md", str(md)], check=True, capture_output=True)
     r = json.loads(out.read_text())
     # the mnist1d CNN has 8010 parameters; half of its 32 conv channels go (round_to=8)
+    assert r["fused"] is True
     assert r["params_dense"] == 8010 and r["params_pruned"] < r["params_dense"]
     assert r["params_removed"] == pytest.approx(1 - r["params_pruned"] / r["params_dense"])
     assert 0 < r["macs_pruned"] < r["macs_dense"]
