@@ -200,3 +200,16 @@ def test_sk_save_stores_a_quarter_of_the_fp32_bytes_and_loads_back(tmp_path, sch
     assert back[0].weight.dtype == model[0].weight.dtype
     x = torch.randn(5, 256)
     assert torch.equal(back(x), model(x))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_bf16_model_keeps_bf16_activations(scheme):
+    model = _model()
+    x = torch.randn(4, 1, 12)
+    ref = model(x)
+    model.to(torch.bfloat16)
+    quantize_(model, scheme)
+    out = model(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    assert model[0].weight.dtype in (torch.int8, torch.float8_e4m3fn)
+    assert (out.float() - ref).norm() / ref.norm() < 0.1
