@@ -196,15 +196,18 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
             fully_shard(layer)
         return fully_shard(m)
 
-    for kwargs, sched in (
-        (dict(sparsity=0.6, scope="global"), sk.OneShot(0)),
-        (dict(sparsity=0.5), sk.OneShot(0)),
-        (dict(pattern="2:4", scope="global", include=["0", "2"]), sk.Linear(0, 3, 1)),
+    calib = [torch.randn(6, 16, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
+    wanda_kw = dict(pattern="2:4", criterion="wanda", include=["0", "2"])
+    for kwargs, sched, mine, ref_calib in (
+        (dict(sparsity=0.6, scope="global"), sk.OneShot(0), None, None),
+        (dict(sparsity=0.5), sk.OneShot(0), None, None),
+        (wanda_kw, sk.OneShot(0), [calib[rank]], calib),  # each rank its own calibration
+        (dict(pattern="2:4", scope="global", include=["0", "2"]), sk.Linear(0, 3, 1), None, None),
     ):
         ref_model = _mlp()
         model = sharded(copy.deepcopy(ref_model))
-        pruner = sk.Pruner(model, schedule=sched, **kwargs)
-        ref_pruner = sk.Pruner(ref_model, schedule=sched, **kwargs)
+        pruner = sk.Pruner(model, schedule=sched, calibration=mine, **kwargs)
+        ref_pruner = sk.Pruner(ref_model, schedule=sched, calibration=ref_calib, **kwargs)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
         pruner.step(0)
