@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from sparsekit.patterns import is_nm, nm_incompatibility, parse_pattern
-from sparsekit.select import select_modules
+from sparsekit.select import PRUNABLE_TYPES, select_modules
 
 
 @dataclass
@@ -101,7 +101,16 @@ def sparsity_report(
     >>> sparsity_report(torch.nn.Sequential(layer)).global_sparsity
     0.5
     """
-    return build_report(select_modules(model, include, exclude), pattern, skipped)
+    from sparsekit.quant.modules import QuantConv, QuantLinear
+
+    types = (*PRUNABLE_TYPES, QuantLinear, QuantConv)  # quantized layers keep their zeros
+    return build_report(select_modules(model, include, exclude, types=types), pattern, skipped)
+
+
+def _zeros(weight) -> int:
+    # 8-bit (int8, float8) weights support few ops: compare in float32
+    w = weight.detach()
+    return int(((w.float() if w.element_size() == 1 else w) == 0).sum())
 
 
 def build_report(
@@ -115,7 +124,7 @@ def build_report(
     report = SparsityReport()
     for name, module in modules.items():
         w = module.weight
-        stats = LayerSparsity(numel=w.numel(), zeros=int((w == 0).sum()), skipped=skipped.get(name))
+        stats = LayerSparsity(numel=w.numel(), zeros=_zeros(w), skipped=skipped.get(name))
         if nm is not None and not stats.skipped:
             stats.pattern = pattern
             stats.nm_ok = nm_incompatibility(w.shape, nm[1]) is None and is_nm(w, *nm)

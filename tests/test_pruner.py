@@ -352,3 +352,14 @@ def test_hf_bert_and_llama_from_config():
     assert list(llama.state_dict()) == keys
     assert is_nm(llama.model.layers[0].mlp.down_proj.weight, 2, 4)
     assert math.isfinite(_forward_ok(llama, input_ids=ids).logits.sum().item())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int8_weight_only"])
+def test_sparsity_report_counts_quantized_layers(scheme):
+    model = mlp()
+    sk.prune_(model, pattern="2:4")
+    sk.quantize_(model, scheme)
+    report = sk.sparsity_report(model, pattern="2:4")
+    assert set(report.layers) == {"0", "2", "4"}
+    assert report.global_sparsity == pytest.approx(0.5)
+    assert all(layer.nm_ok for layer in report.layers.values())
