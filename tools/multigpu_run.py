@@ -336,6 +336,8 @@ def launch(a, world: int, tag: str, modes, size: str, steps: int, extra=(), ckpt
 
 def read_losses(out: str, tag: str, mode: str) -> dict[int, float]:
     path = Path(out) / tag / mode / "losses.jsonl"
+    if not path.exists():  # the launch died before its first checkpoint
+        return {}
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}  # a resumed step overwrites the killed run's
 
@@ -380,7 +382,8 @@ def kill_and_resume(a, world: int, tag: str, ref_tag: str, size: str, steps: int
             "resumed_run_exit_code": rc2,
             "resumed_from_step": resumed,
             "max_abs_loss_diff_vs_uninterrupted": diff,
-            "final_masks_equal_uninterrupted": res.get("mask_checksum") == ref["mask_checksum"],
+            "final_masks_equal_uninterrupted": bool(res)
+            and res.get("mask_checksum") == ref.get("mask_checksum"),
         }
     return out
 
