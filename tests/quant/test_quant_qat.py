@@ -73,7 +73,13 @@ def test_qat_learns_a_toy_task_and_convert_matches_fake_quant(scheme):
     assert isinstance(model[0], QuantConv) and isinstance(model[5], QuantLinear)
     assert not model[0]._forward_pre_hooks and not hasattr(model[0], "sparsekit_qat_scheme")
     real = model(x).detach()
-    torch.testing.assert_close(real, fake, rtol=1e-4, atol=1e-4 * float(fake.abs().max()))
+    # The two paths round fp32 sums in different orders, so an activation sitting on a
+    # quantization boundary can land one step apart in the next layer (seen on torch 2.11):
+    # nearly every output agrees tightly, and none is off by more than a few 8-bit steps.
+    scale = float(fake.abs().max())
+    tight = (real - fake).abs() <= 1e-4 * scale + 1e-4 * fake.abs()
+    assert tight.float().mean() >= 0.97
+    torch.testing.assert_close(real, fake, rtol=0, atol=0.03 * scale)
 
 
 @pytest.mark.parametrize("qat_first", [False, True])
@@ -112,7 +118,13 @@ def test_qat_under_a_pruner_sees_masked_weights_and_keeps_zeros_through_convert(
         q = model.get_submodule(name).weight.float()
         assert bool((q[~keep] == 0).all())
     real = model(x).detach()
-    torch.testing.assert_close(real, fake, rtol=1e-4, atol=1e-4 * float(fake.abs().max()))
+    # The two paths round fp32 sums in different orders, so an activation sitting on a
+    # quantization boundary can land one step apart in the next layer (seen on torch 2.11):
+    # nearly every output agrees tightly, and none is off by more than a few 8-bit steps.
+    scale = float(fake.abs().max())
+    tight = (real - fake).abs() <= 1e-4 * scale + 1e-4 * fake.abs()
+    assert tight.float().mean() >= 0.97
+    torch.testing.assert_close(real, fake, rtol=0, atol=0.03 * scale)
     assert F.cross_entropy(real, y) < 0.9  # still learned something after pruning + int8
 
 
