@@ -76,7 +76,9 @@ def one_line(err: BaseException) -> str:
         node = Config()
         for part in filter(None, parent.split(".")):
             node = getattr(node, part, None)
-        allowed = ", ".join(f.name for f in dataclasses.fields(node)) if node else "-"
+        if not dataclasses.is_dataclass(node):  # a free-form dict such as model.kwargs
+            return f"{key}: not in the config; add a new key with +{key}=VALUE"
+        allowed = ", ".join(f.name for f in dataclasses.fields(node))
         return f"{key}: unknown key; allowed keys{' in ' + parent if parent else ''}: {allowed}"
     cause = err.__cause__
     merging = re.search(r"Error merging override (\S+)", text)

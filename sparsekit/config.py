@@ -132,6 +132,7 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = 0
     device: str = "auto"
+    cpu_threads: int = 0  # torch intra-op threads on CPU; 0 keeps torch's default
     # under torchrun: ddp (replicated weights) | fsdp2 (sharded weights, fully_shard) | auto
     # (= ddp under torchrun, else none) | none; see docs/distributed.md
     distributed: str = "auto"
@@ -272,7 +273,7 @@ def validate(cfg: Config) -> Config:
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _choice("train.device", t.device, DEVICES)
     _choice("train.distributed", t.distributed, DISTRIBUTED)
-    for key in ("dense_steps", "finetune_steps", "warmup_steps"):
+    for key in ("dense_steps", "finetune_steps", "warmup_steps", "cpu_threads"):
         _at_least(f"train.{key}", getattr(t, key), 0)
     for key in ("log_every", "eval_every", "checkpoint_every"):
         _at_least(f"train.{key}", getattr(t, key), 1)

@@ -105,6 +105,7 @@ def load_dense(model: nn.Module, path: str) -> None:
 def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tracker) -> tuple:
     """The dense model: loaded from ``model.checkpoint``, from the baseline cache, or trained
     here and cached. Returns ``(model, source)``."""
+    torch.manual_seed(cfg.train.seed)  # the initial weights too: same config, same baseline
     model = build_model(cfg.model.name, cfg.model._target_, cfg.model.kwargs).to(device)
     if cfg.model.checkpoint:
         load_dense(model, cfg.model.checkpoint)
@@ -114,7 +115,6 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
         load_model(model, str(path), device=str(device))
         return model, f"cached {path}"
     t = cfg.train
-    torch.manual_seed(t.seed)
     optimizer = make_optimizer(model.parameters(), t.optimizer, t.dense_lr, t.weight_decay)
 
     def log(step: int, metrics: dict[str, float]) -> None:
@@ -223,6 +223,9 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         atomic_write(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
     t, quiet = cfg.train, is_quiet(cfg.train.quiet)
     device = pick_device(t.device)
+    if device.type == "cpu" and t.cpu_threads > 0:
+        # tiny models lose more to thread synchronization than they gain from a second thread
+        torch.set_num_threads(t.cpu_threads)
     mode = D.resolve_mode(t.distributed)  # none | ddp | fsdp2 (see docs/distributed.md)
     if mode == "fsdp2" and cfg.quant.qat:
         raise ValueError("train.distributed=fsdp2 cannot fine-tune with quant.qat=true; use ddp")

@@ -40,6 +40,8 @@ def test_every_option_composes_and_validates(composer, group):
         overrides = [f"{group}={name}"]
         if group == "prune" and name == "unstructured":
             overrides.append("schedule=cubic")
+        if name == "custom":  # the factory is the user's to name (??? = mandatory)
+            overrides.append(f"{group}._target_=my.factory")
         cfg = composer(overrides)
         assert isinstance(cfg, Config)
         # every key of the file reached the config (nothing silently dropped)
@@ -49,6 +51,9 @@ def test_every_option_composes_and_validates(composer, group):
         section = getattr(cfg, group)
         for key in file_cfg:
             got = getattr(section, key)
+            if key == "_target_" and name == "custom":
+                assert got == "my.factory"
+                continue
             if dataclasses.is_dataclass(got):
                 got = dataclasses.asdict(got)
             assert OmegaConf.to_container(file_cfg)[key] == got, (group, name, key)
