@@ -221,6 +221,28 @@ def test_schedule_prunes_only_when_progress_rises():
     ]
 
 
+def test_pruning_interleaved_with_fine_tuning():
+    """Widths shrink on the schedule while training goes on with a rebuilt optimizer."""
+    model = mnist1d_cnn()
+    x, y = torch.randn(64, 1, 40), torch.randint(0, 10, (64,))
+    pruner = ChannelPruner(
+        model, x[:1], ratio=0.5, round_to=4, schedule=sk.Linear(start=0, end=20, every=10)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(30):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if pruner.step(step):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses.append(loss.item())
+    assert model.conv2.out_channels == 16 and model.linear.in_features == 16 * 5
+    assert all(p.grad is None or p.grad.shape == p.shape for p in model.parameters())
+    assert losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("importance", ["magnitude", "lamp", "taylor"])
 @pytest.mark.parametrize("scope", ["layer", "global"])
 def test_importances_and_scopes(importance, scope):
