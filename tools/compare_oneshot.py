@@ -9,7 +9,12 @@ The dense model is the recipe's cached baseline (trained once by config hash, sh
 ``sparsekit recipe=stdlib_lm_24``). Every method prunes a fresh copy of it with the recipe's
 layer selection (every Linear except ``lm_head``), layer-wise, calibrated on the recipe's
 calibration batches (``prune.calibration_batches`` training batches), then measures perplexity
-per byte on the recipe's evaluation batches. Writes ``oneshot.json`` and ``oneshot.md`` to
+per byte on the recipe's evaluation batches.
+
+A second experiment shows sensitivity-driven per-layer levels: a magnitude sensitivity scan of
+the dense model (each layer alone at 25/50/75/90%, perplexity on a quarter of the evaluation
+batches), ``sk.allocate`` to ``--target`` overall, then magnitude and sparsegpt at that target
+with uniform vs allocated per-layer levels. Writes ``oneshot.json`` and ``oneshot.md`` to
 ``--out-dir``.
 """
 
@@ -37,6 +42,7 @@ from sparsekit.train import eval_batches, evaluate
 
 CRITERIA = ("magnitude", "wanda", "sparsegpt")
 SETTINGS = (("50% unstructured", "unstructured", 0.5), ("2:4", "2:4", None))
+SCAN_LEVELS = (0.25, 0.5, 0.75, 0.9)
 SMOKE = [
     "model.kwargs.d_model=32",
     "model.kwargs.n_layers=1",
@@ -77,6 +83,18 @@ def markdown(result: dict) -> str:
             f"{result['runs'][f'{crit}/{label}']['perplexity']:.3f}" for label, _, _ in SETTINGS
         ]
         lines.append(f"| {crit} | " + " | ".join(cells) + " |")
+    target = result["allocation"]["target"]
+    lines += [
+        "",
+        f"| criterion | {target:.0%} uniform | {target:.0%} allocated |",
+        "| --- | ---: | ---: |",
+    ]
+    for crit in ("magnitude", "sparsegpt"):
+        cells = [
+            f"{result['allocation']['runs'][f'{crit}/{k}']['perplexity']:.3f}"
+            for k in ("uniform", "allocated")
+        ]
+        lines.append(f"| {crit} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -85,13 +103,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model and data, seconds (CI)")
     ap.add_argument("--out-dir", default="oneshot_results", help="where the JSON/markdown go")
     ap.add_argument("-o", "--override", action="append", default=[], help="config key=value")
+    ap.add_argument("--target", type=float, default=0.7, help="overall sparsity to allocate")
     args = ap.parse_args()
     overrides = [*(SMOKE if args.smoke else []), *args.override]
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # keep the CI smoke model out of the user's baseline cache
             overrides.append(f"cache_dir={tmp}")
         cfg = recipe_config(overrides)
-        result = compare(cfg, overrides)
+        result = compare(cfg, overrides, args.target)
     result["command"] = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +119,7 @@ def main() -> None:
     print(markdown(result))
 
 
-def compare(cfg: Config, overrides: list[str]) -> dict:
+def compare(cfg: Config, overrides: list[str], target: float) -> dict:
     torch.manual_seed(cfg.train.seed)
     device = torch.device("cpu")
     cfg.train.device = "cpu"
@@ -110,45 +129,77 @@ def compare(cfg: Config, overrides: list[str]) -> dict:
     dense_seconds = time.perf_counter() - t0
     dense.eval()
 
-    def perplexity(model: torch.nn.Module) -> float:
-        return evaluate(
-            model, data.eval, "lm", cfg.data.eval_batch_size, cfg.data.eval_batches, quiet=True
-        )["perplexity"]
+    def perplexity(model: torch.nn.Module, batches: int = cfg.data.eval_batches) -> float:
+        return evaluate(model, data.eval, "lm", cfg.data.eval_batch_size, batches, quiet=True)[
+            "perplexity"
+        ]
 
     calibration = [
         b[0] for b in eval_batches(data.train, cfg.data.batch_size, cfg.prune.calibration_batches)
     ]
-    runs = {}
-    for crit in CRITERIA:
-        for label, pattern, sparsity in SETTINGS:
-            model = copy.deepcopy(dense)
-            t0 = time.perf_counter()
-            report = sk.prune_(
-                model,
-                sparsity=sparsity,
-                pattern=pattern,
-                criterion=crit,
-                include=list(cfg.prune.include),
-                exclude=list(cfg.prune.exclude),
-                calibration=calibration if crit != "magnitude" else None,
-            )
-            seconds = time.perf_counter() - t0
-            pruned = {n: s for n, s in report.layers.items() if not s.skipped}
-            runs[f"{crit}/{label}"] = {
-                "criterion": crit,
-                "pattern": pattern,
-                "perplexity": perplexity(model),
-                "sparsity": sum(s.zeros for s in pruned.values())
-                / sum(s.numel for s in pruned.values()),
-                "layers": len(pruned),
-                "skipped": report.skipped,
-                "prune_seconds": round(seconds, 3),
-            }
-            print(f"{crit:>10} {label:>17}: perplexity {runs[f'{crit}/{label}']['perplexity']:.3f}")
+    select = {"include": list(cfg.prune.include), "exclude": list(cfg.prune.exclude)}
+
+    def run(crit: str, pattern: str, sparsity: float | dict | None) -> dict:
+        model = copy.deepcopy(dense)
+        t0 = time.perf_counter()
+        report = sk.prune_(
+            model,
+            sparsity=sparsity,
+            pattern=pattern,
+            criterion=crit,
+            calibration=calibration if crit != "magnitude" else None,
+            **select,
+        )
+        seconds = time.perf_counter() - t0
+        pruned = [s for s in report.layers.values() if not s.skipped]
+        out = {
+            "criterion": crit,
+            "pattern": pattern,
+            "perplexity": perplexity(model),
+            "sparsity": sum(s.zeros for s in pruned) / sum(s.numel for s in pruned),
+            "layers": len(pruned),
+            "skipped": report.skipped,
+            "prune_seconds": round(seconds, 3),
+        }
+        print(f"{crit:>10} {pattern:>12} {out['sparsity']:.3f}: perplexity {out['perplexity']:.3f}")
+        return out
+
+    runs = {
+        f"{crit}/{label}": run(crit, pattern, sparsity)
+        for crit in CRITERIA
+        for label, pattern, sparsity in SETTINGS
+    }
+
+    scan_batches = max(1, cfg.data.eval_batches // 4)
+    t0 = time.perf_counter()
+    table = sk.sensitivity(
+        copy.deepcopy(dense),
+        lambda m: perplexity(m, scan_batches),
+        sparsities=SCAN_LEVELS,
+        **select,
+    )
+    scan_seconds = time.perf_counter() - t0
+    print(table)
+    levels = sk.allocate(table, target)
+    allocation = {
+        "target": target,
+        "scan": {
+            **table.to_dict(),
+            "eval_batches": scan_batches,
+            "seconds": round(scan_seconds, 1),
+        },
+        "levels": levels,
+        "runs": {
+            f"{crit}/{kind}": run(crit, "unstructured", target if kind == "uniform" else levels)
+            for crit in ("magnitude", "sparsegpt")
+            for kind in ("uniform", "allocated")
+        },
+    }
     m = cfg.model.kwargs
     return {
         "dense_perplexity": perplexity(dense),
         "runs": runs,
+        "allocation": allocation,
         "model": {
             "name": cfg.model.name,
             **dict(m),

@@ -29,9 +29,16 @@ def test_smoke_writes_the_table(tmp_path):
         assert math.isfinite(run["perplexity"]) and run["perplexity"] > 1
     table = (tmp_path / "oneshot.md").read_text().splitlines()
     assert table[0] == "| criterion | 50% unstructured | 2:4 |"
-    assert [row.split("|")[1].strip() for row in table[2:]] == [
+    assert [row.split("|")[1].strip() for row in table[2:6]] == [
         "dense",
         "magnitude",
         "wanda",
         "sparsegpt",
     ]
+    assert table[7] == "| criterion | 70% uniform | 70% allocated |"
+    alloc = result["allocation"]
+    params = alloc["scan"]["params"]
+    mean = sum(alloc["levels"][n] * params[n] for n in params) / sum(params.values())
+    assert abs(mean - 0.7) < 1e-9
+    for run in alloc["runs"].values():  # the per-layer levels reach the target in whole weights
+        assert abs(run["sparsity"] - 0.7) <= len(params) / sum(params.values())
