@@ -13,7 +13,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+import sparsekit as sk
 from sparsekit.cli import main, recipe_names
+from sparsekit.data import build_data
+from sparsekit.train import evaluate
 
 # tiny sizes so that every recipe runs end to end in a few seconds
 TINY_MNIST = [
@@ -119,6 +122,12 @@ def test_recipe_smoke(recipe, tmp_path, capsys):
         assert summary["skipped_layers"] == {
             "conv1": "input dimension 5 (in * kernel) is not a multiple of M=4"
         }
+    if recipe == "mnist1d_cnn_24" and hasattr(sk, "load"):
+        # the saved model rebuilds from its recorded factory and scores what the run reported
+        model = sk.load(run_dir / "model.safetensors")
+        data = build_data("mnist1d", kwargs={"num_samples": 300}, cache_dir=tmp_path / "cache")
+        accuracy = evaluate(model, data.eval, "classification", quiet=True)["accuracy"]
+        assert accuracy == summary["compressed"]["accuracy"]
     assert summary["finetune_steps"] == (0 if "oneshot" in recipe else
                                          (10 if recipe.startswith("stdlib") else 20))
 
