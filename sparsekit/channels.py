@@ -33,7 +33,7 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.schedules import Linear, Schedule
+from sparsekit.schedules import Linear, OneShot, Schedule
 from sparsekit.select import name_matches
 
 IMPORTANCES = ("magnitude", "taylor", "lamp")
@@ -296,7 +296,7 @@ class ChannelPruner:
         self.example_inputs = example_inputs
         self.importance = importance
         self.scope = scope
-        self.schedule = schedule if schedule is not None else Linear(start=0, end=1, every=1)
+        self.schedule = schedule if schedule is not None else OneShot(step=0)
         self.loss_fn = loss_fn
         self.progress = 0.0
         self._names = {m: n for n, m in model.named_modules()}

@@ -219,6 +219,8 @@ def test_schedule_prunes_only_when_progress_rises():
         (30, False, 24),
         (40, True, 16),
     ]
+    one_shot = ChannelPruner(mnist1d_cnn(), x, ratio=0.5)  # default schedule: all at step 0
+    assert one_shot.step() and one_shot.model.conv2.out_channels == 16 and not one_shot.step(5)
 
 
 def test_pruning_interleaved_with_fine_tuning():
