@@ -80,6 +80,12 @@ def one_line(err: BaseException) -> str:
             return f"{key}: not in the config; add a new key with +{key}=VALUE"
         allowed = ", ".join(f.name for f in dataclasses.fields(node))
         return f"{key}: unknown key; allowed keys{' in ' + parent if parent else ''}: {allowed}"
+    parse = re.search(
+        r"Error parsing override '([^']*)'|LexerNoViableAltException: ([^;\n]*)", text
+    )
+    if parse:
+        bad = (parse.group(1) or parse.group(2) or "").strip()
+        return f"cannot parse {bad!r}: arguments are key=value or group=option (see --help)"
     cause = err.__cause__
     merging = re.search(r"Error merging override (\S+)", text)
     if merging and cause is not None:

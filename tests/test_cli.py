@@ -66,6 +66,7 @@ def run_cli(args: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
         (["prune.typo=1"], "prune.typo: unknown key; allowed keys in prune: pattern"),
         (["-m", "prune=unstructured", "prune.sparsity=0.5,1.5"], "prune.sparsity=1.5 must be"),
         (["resume=true"], "resume=true: no run with a checkpoint"),
+        (["runs/x"], "cannot parse 'runs/x': arguments are key=value or group=option"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, expected, tmp_path, capsys):

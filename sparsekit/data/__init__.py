@@ -39,7 +39,11 @@ def import_object(path: str, option: str) -> Any:
     module_name, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
+    except ImportError as e:
+        raise ValueError(
+            f"{option}={path!r} cannot be imported: {e} (is its directory on PYTHONPATH?)"
+        ) from None
+    except (AttributeError, ValueError) as e:
         raise ValueError(f"{option}={path!r} cannot be imported: {e}") from None
 
 
