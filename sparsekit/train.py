@@ -111,7 +111,9 @@ def evaluate(
     device = next(model.parameters()).device
     loss_sum, correct, count = 0.0, 0, 0
     batches = eval_batches(dataset, batch_size, max_batches)
-    for x, y in progress(batches, quiet, desc="eval", leave=False):
+    total = -(-len(dataset) // batch_size)
+    total = total if max_batches is None else min(total, max_batches)
+    for x, y in progress(batches, quiet, desc="eval", leave=False, total=total):
         x, y = _to_device(x, device), y.to(device)
         logits = model(x)
         loss_sum += F.cross_entropy(
