@@ -33,8 +33,9 @@ def mlp(width: int = 256, seed: int = 0) -> nn.Sequential:
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8,
-                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
+)
 def test_pack_roundtrip_exact(dtype):
     w = random_24(16, 32)
     t = (w * 20).round().to(dtype) if dtype == torch.int8 else w.to(dtype)
@@ -110,7 +111,9 @@ def test_rebuild_from_spec_and_errors(tmp_path):
     lin = nn.Linear(8, 4)
     lin._sparsekit_spec = {"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 4}
     sk.save(lin, tmp_path / "s.safetensors")
-    back = sk.load(tmp_path / "s.safetensors")
+    with pytest.raises(ValueError, match="not under a trusted prefix"):
+        sk.load(tmp_path / "s.safetensors")
+    back = sk.load(tmp_path / "s.safetensors", trusted_factories=("torch.nn.",))
     assert isinstance(back, nn.Linear) and torch.equal(back.weight, lin.weight)
     assert back._sparsekit_spec["_target_"] == "torch.nn.Linear"
 
@@ -121,7 +124,12 @@ def test_rebuild_from_spec_and_errors(tmp_path):
     with pytest.raises(ValueError, match="not a sparsekit checkpoint"):
         sk.load(tmp_path / "other.safetensors", model=nn.Linear(8, 4))
     with pytest.raises(ValueError, match="_target_"):
-        ck.instantiate({"_target_": "nodots"})
+        ck.instantiate({"_target_": "nodots"}, trusted=("",))
+    # a checkpoint naming an arbitrary callable must not run it on load
+    evil = {"_target_": "subprocess.run", "args": ["touch", str(tmp_path / "pwned")]}
+    with pytest.raises(ValueError, match="trusted"):
+        ck.instantiate(evil)
+    assert not (tmp_path / "pwned").exists()
 
     class Fake(nn.Module):
         _sparsekit_accelerated = True
@@ -156,6 +164,40 @@ def test_load_with_accelerate_on_cpu_returns_dense(tmp_path):
     model = mlp(64)
     sk.save(model, tmp_path / "a.safetensors")
     with pytest.warns(UserWarning, match="no CUDA"):
-        back = sk.load(tmp_path / "a.safetensors", model=mlp(64, seed=1),
-                       accelerate={"example_inputs": torch.randn(2, 64)})
+        back = sk.load(
+            tmp_path / "a.safetensors",
+            model=mlp(64, seed=1),
+            accelerate={"example_inputs": torch.randn(2, 64)},
+        )
     assert isinstance(back, nn.Sequential) and torch.equal(back[0].weight, model[0].weight)
+
+
+def test_unstructured_sparse_tensors_stored_as_bitmask(tmp_path):
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    sk.save(model, tmp_path / "dense.safetensors")
+    sk.prune_(model, sparsity=0.9)
+    sk.save(model, tmp_path / "sparse.safetensors")
+    ratio = (tmp_path / "sparse.safetensors").stat().st_size / (
+        tmp_path / "dense.safetensors"
+    ).stat().st_size
+    # 10% of the fp32 values plus one bit per entry: ~0.13x of dense
+    assert ratio < 0.15
+    header = ck.read_header(tmp_path / "sparse.safetensors")
+    assert set(header["bitmask"]) == {"0.weight", "1.weight"}
+    back = sk.load(
+        tmp_path / "sparse.safetensors",
+        model=nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)),
+    )
+    for a, b in zip(model.state_dict().values(), back.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_bitmask_round_trip_exact_bits(dtype):
+    t = torch.randn(33, 17)
+    t[torch.rand(33, 17) < 0.8] = 0
+    t = t.to(dtype) if dtype != torch.int8 else (t * 50).to(torch.int8)
+    nonzeros, bits = ck.pack_bitmask(t)
+    back = ck.unpack_bitmask(nonzeros, bits, list(t.shape))
+    assert back.dtype == t.dtype
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
