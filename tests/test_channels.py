@@ -309,19 +309,30 @@ def test_round_trip_with_weights_only_torch_load(tmp_path):
 
 
 def test_sk_save_and_load_rebuild_pruned_model(tmp_path):
-    checkpoint = pytest.importorskip("sparsekit.checkpoint")
     model = mnist1d_cnn().eval()
     x = torch.randn(4, 1, 40)
     prune_channels_(model, x, ratio=0.3, round_to=4)
-    checkpoint.save(model, tmp_path / "m.safetensors")
-    back = checkpoint.load(tmp_path / "m.safetensors", model=mnist1d_cnn().eval())
+    sk.save(model, tmp_path / "m.safetensors")
+    back = sk.load(tmp_path / "m.safetensors", model=mnist1d_cnn().eval())
     assert back.conv1.out_channels == 20
+    torch.testing.assert_close(back(x), model(x), rtol=0, atol=0)
+
+
+def test_sk_load_rebuilds_a_pruned_torchvision_model_from_its_spec(tmp_path):
+    """No model passed to sk.load: the stored factory spec builds it, the plan reshapes it."""
+    from sparsekit.models import build_model
+
+    model = build_model("resnet18", kwargs={"num_classes": 10}).eval()
+    x = torch.randn(1, 3, 32, 32)
+    prune_channels_(model, x, ratio=0.5)
+    sk.save(model, tmp_path / "r.safetensors")
+    back = sk.load(tmp_path / "r.safetensors").eval()
+    assert str(back) == str(model)
     torch.testing.assert_close(back(x), model(x), rtol=0, atol=0)
 
 
 def test_composition_channels_then_2to4_then_quantization(tmp_path):
     """Channel pruning, then 2:4 masks on what remains, then int8 weights: saved and rebuilt."""
-    checkpoint = pytest.importorskip("sparsekit.checkpoint")
     quant = pytest.importorskip("sparsekit.quant")
     model = mnist1d_cnn().eval()
     x = torch.randn(4, 1, 40)
@@ -330,8 +341,8 @@ def test_composition_channels_then_2to4_then_quantization(tmp_path):
     assert (model.conv2.weight.flatten(1).view(-1, 4) != 0).sum(1).max() <= 2
     quant.quantize_(model, "int8_weight_only")
     expected = model(x)
-    checkpoint.save(model, tmp_path / "m.safetensors")
-    back = checkpoint.load(tmp_path / "m.safetensors", model=mnist1d_cnn().eval())
+    sk.save(model, tmp_path / "m.safetensors")
+    back = sk.load(tmp_path / "m.safetensors", model=mnist1d_cnn().eval())
     torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
 
 
