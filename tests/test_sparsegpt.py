@@ -294,3 +294,27 @@ def test_config_needs_a_oneshot_schedule_for_sparsegpt():
     validate(cfg)
     cfg.schedule.kind, cfg.prune.fine_tune = "linear", False
     validate(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_weights_match_the_cpu_float32_solver():
+    """On CUDA with bf16 weights and inputs, the solver runs in float32 and writes bf16 back:
+    the same masks as on CPU from the same (bf16-rounded) values, weights within bf16 rounding."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 64).to(torch.bfloat16)
+    x = [structured_inputs(128, 256, seed=s).to(torch.bfloat16) for s in range(2)]
+    gpu, cpu = copy.deepcopy(lin).cuda(), copy.deepcopy(lin).float()
+    for nm, levels in (((2, 4), {}), (None, {"l": 0.6})):
+        g, c = copy.deepcopy(gpu), copy.deepcopy(cpu)
+        mg = sparsegpt_prune(g, {"l": g}, levels, nm, [b.cuda() for b in x], blocksize=64)["l"]
+        mc = sparsegpt_prune(c, {"l": c}, levels, nm, [b.float() for b in x], blocksize=64)["l"]
+        assert g.weight.dtype == torch.bfloat16 and mg.device.type == "cuda"
+        assert float((mg.cpu() == mc).float().mean()) > 0.995
+        same = mg.cpu() == mc
+        torch.testing.assert_close(
+            g.weight.float().cpu()[same],
+            c.weight.to(torch.bfloat16).float()[same],
+            rtol=0.02,
+            atol=0.02,
+        )
