@@ -42,37 +42,49 @@ def wanda(weight: torch.Tensor, input_norm: torch.Tensor, groups: int = 1) -> to
     return (w * rows).reshape(weight.shape)
 
 
-def _same_padding(module: nn.Module) -> tuple[int, ...]:
-    pad = module.padding
-    if pad == "valid":
-        return (0,) * len(module.kernel_size)
-    if pad == "same":
-        return tuple(d * (k - 1) // 2 for k, d in zip(module.kernel_size, module.dilation))
-    return tuple(pad)
+def _conv_pads(conv: nn.modules.conv._ConvNd) -> list[int]:
+    """F.pad's argument (last spatial dimension first) for the conv's padding."""
+    pads: list[int] = []
+    for d in reversed(range(len(conv.kernel_size))):
+        if conv.padding == "valid":
+            lo = hi = 0
+        elif conv.padding == "same":
+            total = conv.dilation[d] * (conv.kernel_size[d] - 1)
+            lo, hi = total // 2, total - total // 2
+        else:
+            lo = hi = conv.padding[d]
+        pads += [lo, hi]
+    return pads
+
+
+def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """The conv's input as GEMM rows: ``(groups, n_positions, in/groups * prod(kernel))``,
+    ordered like ``conv.weight[g * out_g:(g + 1) * out_g].flatten(1)``, so that
+    ``conv(x)`` (without bias) equals ``rows @ weight_g.T`` for each group ``g``."""
+    nd = len(conv.kernel_size)
+    if x.dim() == nd + 1:  # unbatched input
+        x = x.unsqueeze(0)
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    x = F.pad(x, _conv_pads(conv), mode=mode)
+    for d in range(nd):
+        span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]
+    # x: (B, C, *out_positions, *kernel) -> (B * positions, C, *kernel)
+    b, c = x.shape[:2]
+    x = x.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+    x = x.reshape(-1, conv.groups, c // conv.groups * x.shape[-nd:].numel())
+    return x.transpose(0, 1)
 
 
 def gemm_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's input as GEMM rows ``(tokens, in * prod(kernel))``.
-
-    Linear: every leading dimension is a token. Conv1d/2d: unfolded patches (as im2col).
-    Conv3d has no unfold in torch: each channel's features repeat over the kernel positions
-    (the same per-channel norm for every tap), an approximation documented here.
-    """
+    """The layer's input as GEMM rows ``(tokens, in * prod(kernel))``: Linear treats every
+    leading dimension as a token; a conv's rows are its unfolded patches (im2col, any padding
+    mode, stride, dilation; for ``groups > 1`` the groups' features side by side)."""
     if isinstance(module, nn.Linear):
         return x.reshape(-1, x.shape[-1])
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        two_d = isinstance(module, nn.Conv2d)
-        x4 = x if two_d else x.unsqueeze(-2)
-        k = module.kernel_size if two_d else (1, module.kernel_size[0])
-        d = module.dilation if two_d else (1, module.dilation[0])
-        p = _same_padding(module) if two_d else (0, _same_padding(module)[0])
-        s = module.stride if two_d else (1, module.stride[0])
-        cols = F.unfold(x4, k, dilation=d, padding=p, stride=s)  # (B, C*kh*kw, L)
-        return cols.transpose(1, 2).reshape(-1, cols.shape[1])
-    if isinstance(module, nn.Conv3d):
-        taps = int(torch.tensor(module.kernel_size).prod())
-        per_channel = x.transpose(0, 1).reshape(x.shape[1], -1).t()  # (tokens, C)
-        return per_channel.repeat_interleave(taps, dim=1)
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        cols = conv_columns(module, x)  # (groups, tokens, in/groups * prod(kernel))
+        return cols.transpose(0, 1).reshape(cols.shape[1], -1)
     raise TypeError(f"no GEMM form for {type(module).__name__}")
 
 

@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.criteria import conv_columns
 from sparsekit.distributed import ShardComm, reduce_hessian
 from sparsekit.patterns import prune_count
 
@@ -58,40 +58,6 @@ def hessian_spec(module: nn.Module) -> tuple:
     raise TypeError(
         f"sparsegpt supports nn.Linear and nn.Conv1d/2d/3d, not {type(module).__name__}"
     )
-
-
-def _conv_pads(conv: nn.modules.conv._ConvNd) -> list[int]:
-    """F.pad's argument (last spatial dimension first) for the conv's padding."""
-    pads: list[int] = []
-    for d in reversed(range(len(conv.kernel_size))):
-        if conv.padding == "valid":
-            lo = hi = 0
-        elif conv.padding == "same":
-            total = conv.dilation[d] * (conv.kernel_size[d] - 1)
-            lo, hi = total // 2, total - total // 2
-        else:
-            lo = hi = conv.padding[d]
-        pads += [lo, hi]
-    return pads
-
-
-def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
-    """The conv's input as GEMM rows: ``(groups, n_positions, in/groups * prod(kernel))``,
-    ordered like ``conv.weight[g * out_g:(g + 1) * out_g].flatten(1)``, so that
-    ``conv(x)`` (without bias) equals ``rows @ weight_g.T`` for each group ``g``."""
-    nd = len(conv.kernel_size)
-    if x.dim() == nd + 1:  # unbatched input
-        x = x.unsqueeze(0)
-    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-    x = F.pad(x, _conv_pads(conv), mode=mode)
-    for d in range(nd):
-        span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
-        x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]
-    # x: (B, C, *out_positions, *kernel) -> (B * positions, C, *kernel)
-    b, c = x.shape[:2]
-    x = x.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-    x = x.reshape(-1, conv.groups, c // conv.groups * x.shape[-nd:].numel())
-    return x.transpose(0, 1)
 
 
 def _input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
