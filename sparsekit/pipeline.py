@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import inspect
 import json
 import os
 import signal
@@ -128,14 +127,6 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
     if D.is_main():  # every rank trained the same model; one writes the cache
         atomic_write(path, lambda tmp: save_model(model, tmp))
     return model, f"trained ({t.dense_steps} steps), cached {path}"
-
-
-def _call_with_supported(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with the keyword arguments its signature accepts (optional integrations)."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
 
 
 def sensitivity_stage(
@@ -264,16 +255,13 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         sparsity = sparsity if levels is None else levels
 
     if p.channel.ratio > 0:
-        if hasattr(sk, "prune_channels_"):
-            c = p.channel
-            sk.prune_channels_(model, example[:1], ratio=c.ratio, importance=c.importance,
-                               scope=c.scope, round_to=c.round_to, ignore=list(c.ignore),
-                               steps=c.steps)
-        else:
-            print("channel pruning skipped: this sparsekit has no prune_channels_")
+        c = p.channel
+        sk.prune_channels_(model, example[:1], ratio=c.ratio, importance=c.importance,
+                           scope=c.scope, round_to=c.round_to, ignore=list(c.ignore),
+                           steps=c.steps)
+    quant_report = None
     if q.scheme != "none" and q.qat:
-        _call_with_supported(sk.prepare_qat_, model, q.scheme, include=list(q.include),
-                             exclude=list(q.exclude))
+        sk.prepare_qat_(model, q.scheme, include=list(q.include), exclude=list(q.exclude))
     if mode == "fsdp2":  # shard before the Pruner: its masks become shards like the weights
         unsharded = copy.deepcopy(model)  # a container for the full weights after fine-tuning
         D.shard_model(model)
@@ -354,10 +342,11 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         tracker.weight_histograms(model, steps, force=True)
     if q.scheme != "none":
         if q.qat:
-            sk.convert_(model)
+            quant_report = sk.convert_(model)
         else:
-            _call_with_supported(sk.quantize_, model, q.scheme, calibration=calibration,
-                                 include=list(q.include), exclude=list(q.exclude))
+            quant_report = sk.quantize_(model, q.scheme, calibration=calibration,
+                                        include=list(q.include), exclude=list(q.exclude))
+        tracker.text("quantization", f"```\n{quant_report}\n```", 0)
 
     comp_eval = eval_model(model)
     final_step = max(steps, 1)
@@ -372,7 +361,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
             speed[name] = benchmark(m, example, b.batch_size, b.warmup, b.repeats, name, quiet)
     accel_info: dict[str, Any] = {"enabled": cfg.accel.enabled}
     if cfg.accel.enabled and D.is_main():
-        accel_info.update(accelerate(cfg, model, example, device, quiet))
+        accel_info.update(accelerate(cfg, model, example, device, tracker, quiet))
 
     model_path = run_dir / "model.safetensors"
     if D.is_main():
@@ -385,6 +374,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         "compressed": {**comp_eval, **speed["compressed"], "size_bytes": sizes["compressed"]},
         "sparsity": report.global_sparsity,
         "skipped_layers": report.skipped,
+        "quant": None if quant_report is None else quant_report.to_dict(),
         "speedup": (speed["dense"]["latency_ms"] / speed["compressed"]["latency_ms"]
                     if speed["compressed"] else None),
         "accel": accel_info,
@@ -425,21 +415,21 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
 
 
 def accelerate(
-    cfg: Config, model: nn.Module, example: Any, device: torch.device, quiet: bool
+    cfg: Config, model: nn.Module, example: Any, device: torch.device, tracker: Tracker,
+    quiet: bool,
 ) -> dict[str, Any]:
-    """The GPU stage: ``sk.accelerate`` and a benchmark of its result; skipped (with the reason
-    recorded) without CUDA or without the accelerator module."""
+    """The GPU stage: ``sk.accelerate``, its per-layer report logged to TensorBoard, and a
+    benchmark of its result; skipped (with the reason recorded) without CUDA."""
     if device.type != "cuda":
         print("accel skipped: CUDA is not available")
         return {"skipped": "CUDA is not available"}
-    if not hasattr(sk, "accelerate"):
-        print("accel skipped: this sparsekit has no accelerate")
-        return {"skipped": "sparsekit.accelerate is missing"}
     a = cfg.accel
-    out = sk.accelerate(copy.deepcopy(model), example[:1], precision=a.precision,
-                        sparsity=a.sparsity, min_speedup=a.min_speedup)
-    fast, report = out if isinstance(out, tuple) else (out, getattr(out, "report", None))
-    info: dict[str, Any] = {"report": report.to_dict() if hasattr(report, "to_dict") else None}
+    fast = sk.accelerate(copy.deepcopy(model), example[:1], precision=a.precision,
+                         sparsity=a.sparsity, min_speedup=a.min_speedup)
+    report = fast.sparsekit_report
+    if tracker.writer is not None:
+        sk.log_accel_report(tracker.writer, report)
+    info: dict[str, Any] = {"report": report.to_dict()}
     if cfg.bench.enabled:
         b = cfg.bench
         info["speed"] = benchmark(fast, example, b.batch_size, b.warmup, b.repeats, "accel", quiet)

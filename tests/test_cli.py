@@ -101,7 +101,8 @@ def test_help_lists_groups_options_and_recipes(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("recipe", ["mnist1d_cnn_24", "mnist1d_cnn_unstructured90_cubic",
-                                    "mnist1d_cnn_24_wanda_oneshot", "stdlib_lm_24"])
+                                    "mnist1d_cnn_24_wanda_oneshot", "stdlib_lm_24",
+                                    "mnist1d_24_int8_qat", "mnist1d_24_fp8_qat"])
 def test_recipe_smoke(recipe, tmp_path, capsys):
     tiny = TINY_LM if recipe.startswith("stdlib") else TINY_MNIST
     code, out, err = run_cli([f"recipe={recipe}", f"cache_dir={tmp_path / 'cache'}", *tiny],
@@ -123,7 +124,12 @@ def test_recipe_smoke(recipe, tmp_path, capsys):
         assert summary["skipped_layers"] == {
             "conv1": "input dimension 5 (in * kernel) is not a multiple of M=4"
         }
-    if recipe == "mnist1d_cnn_24" and hasattr(sk, "load"):
+    if "qat" in recipe:  # the quantization outcome per layer reaches the summary
+        statuses = {ly["name"]: ly["status"] for ly in summary["quant"]["layers"]}
+        assert statuses and set(statuses.values()) == {"quantized"}
+    else:
+        assert summary["quant"] is None
+    if recipe == "mnist1d_cnn_24":
         # the saved model rebuilds from its recorded factory and scores what the run reported
         model = sk.load(run_dir / "model.safetensors")
         data = build_data("mnist1d", kwargs={"num_samples": 300}, cache_dir=tmp_path / "cache")
