@@ -442,7 +442,7 @@ def test_channel_recipes_compose_and_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_dir = run_recipe(["recipe=mnist1d_channel30", *TINY], tmp_path)
     cfg = (run_dir / "config.yaml").read_text()
-    assert "ratio: 0.3" in cfg and "alpha: 0.5" in cfg
+    assert "ratio: 0.3" in cfg and "alpha: 0.9" in cfg
     state = load_file(run_dir / "model.safetensors")
     assert [state[f"conv{i}.weight"].shape[0] for i in (1, 2, 3)] == [22, 22, 22]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -461,10 +461,10 @@ def test_channel_recipes_compose_and_run(tmp_path, monkeypatch):
     assert state["layer1.0.conv1.weight"].shape[0] == 32 and state["fc.weight"].shape == (10, 256)
 
     run_dir = run_recipe(
-        ["recipe=mnist1d_channel30_24_int8", *TINY, "hydra.run.dir=run_c"], tmp_path
+        ["recipe=mnist1d_channel25_24_int8", *TINY, "hydra.run.dir=run_c"], tmp_path
     )
     summary = json.loads((tmp_path / "run_c" / "summary.json").read_text())
     assert summary["sparsity"] > 0.4  # 2:4 on every layer but conv1 (5 inputs)
     state = load_file(tmp_path / "run_c" / "model.safetensors")
-    assert state["conv1.weight"].shape[0] == 20  # int(32 * 0.7) = 22, rounded down to 4
+    assert state["conv1.weight"].shape[0] == 24  # int(32 * 0.75), a multiple of 8
     assert state["conv1.weight"].dtype == torch.int8  # quantized after pruning
