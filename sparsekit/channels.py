@@ -383,7 +383,6 @@ class ChannelPruner:
         target = self.ratio * self.schedule.progress(step)
         if target <= self.progress:
             return False
-        self.progress = target
         plan0 = channel_plan(self.model)
         state0 = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
@@ -396,6 +395,7 @@ class ChannelPruner:
             apply_channel_plan(self.model, plan0)
             self.model.load_state_dict(state0)
             raise
+        self.progress = target
         return True
 
     def _prune_to(self, target: float) -> None:
