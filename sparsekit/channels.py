@@ -98,6 +98,17 @@ class ChannelReport:
     def macs_removed(self) -> float:
         return _fraction(self.macs_before, self.macs_after)
 
+    def scalars(self) -> dict[str, float]:
+        """Flat ``{"channels/removed": x, "channels/params_removed": y, ...}`` for a metrics
+        logger, plus ``channels/<layer>``: the fraction of that layer's width removed."""
+        out = {
+            "channels/removed": self.channels_removed,
+            "channels/params_removed": self.params_removed,
+            "channels/macs_removed": self.macs_removed,
+        }
+        out.update({f"channels/{n}": _fraction(b, a) for n, (b, a) in self.layers.items()})
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data for logging and JSON: the fields plus the removed fractions."""
         d = asdict(self)

@@ -414,6 +414,10 @@ def test_report_is_plain_data_and_a_table():
     assert d["layers"]["conv1"] == [32, 16] and d["layers"]["linear"] == [10, 10]
     assert d["protected"] == ["linear"]
     assert "parameters removed" in str(report) and "conv2" in str(report)
+    scalars = report.scalars()
+    assert scalars["channels/conv1"] == 0.5 and scalars["channels/linear"] == 0.0
+    assert scalars["channels/params_removed"] == report.params_removed
+    assert scalars["channels/removed"] == (3 * 16) / (3 * 32 + 10)
 
 
 TINY = [
