@@ -45,7 +45,7 @@ from sparsekit.runstate import (
 )
 from sparsekit.sensitivity import SensitivityTable, log_sensitivity
 from sparsekit.tracking import Tracker
-from sparsekit.train import eval_batches, evaluate, fit, make_optimizer
+from sparsekit.train import eval_batches, evaluate, fit, get_batch, make_optimizer, task_loss
 
 CHECKPOINT = Path("checkpoints") / "last.pt"
 # test hook: SIGKILL this process right after writing the checkpoint of this fine-tuning step
@@ -127,6 +127,18 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
     if D.is_main():  # every rank trained the same model; one writes the cache
         atomic_write(path, lambda tmp: save_model(model, tmp))
     return model, f"trained ({t.dense_steps} steps), cached {path}"
+
+
+def taylor_loss(dataset: Any, cfg: Config) -> Any:
+    """Taylor channel importance needs gradients: the task loss on a few training batches."""
+    idx = torch.arange(min(len(dataset), cfg.data.batch_size * cfg.prune.calibration_batches))
+    x, y = get_batch(dataset, idx)
+
+    def loss_fn(model: nn.Module) -> torch.Tensor:
+        device = next(model.parameters()).device
+        return task_loss(model(x.to(device)), y.to(device))
+
+    return loss_fn
 
 
 def sensitivity_stage(
@@ -254,11 +266,16 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         levels = sensitivity_stage(cfg, model, eval_model, calibration, tracker, run_dir)
         sparsity = sparsity if levels is None else levels
 
+    channel_report = None
     if p.channel.ratio > 0:
         c = p.channel
-        sk.prune_channels_(model, example[:1], ratio=c.ratio, importance=c.importance,
-                           scope=c.scope, round_to=c.round_to, ignore=list(c.ignore),
-                           steps=c.steps)
+        channel_report = sk.prune_channels_(
+            model, example[:1], ratio=c.ratio, importance=c.importance, scope=c.scope,
+            round_to=c.round_to, ignore=list(c.ignore), steps=c.steps,
+            loss_fn=taylor_loss(data.train, cfg) if c.importance == "taylor" else None,
+        )
+        tracker.scalars(channel_report.scalars(), 0)
+        tracker.text("channels", f"```\n{channel_report}\n```", 0)
     quant_report = None
     if q.scheme != "none" and q.qat:
         sk.prepare_qat_(model, q.scheme, include=list(q.include), exclude=list(q.exclude))
@@ -374,6 +391,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         "compressed": {**comp_eval, **speed["compressed"], "size_bytes": sizes["compressed"]},
         "sparsity": report.global_sparsity,
         "skipped_layers": report.skipped,
+        "channels": None if channel_report is None else channel_report.to_dict(),
         "quant": None if quant_report is None else quant_report.to_dict(),
         "speedup": (speed["dense"]["latency_ms"] / speed["compressed"]["latency_ms"]
                     if speed["compressed"] else None),

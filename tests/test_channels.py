@@ -451,6 +451,15 @@ def test_channel_recipes_compose_and_run(tmp_path, monkeypatch):
     assert [state[f"conv{i}.weight"].shape[0] for i in (1, 2, 3)] == [22, 22, 22]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["compressed"]["accuracy"] > 0.1 and summary["sparsity"] == 0
+    channels = summary["channels"]  # the channel report reaches the summary
+    assert channels["channels_removed"] == pytest.approx(1 - 22 / 32, abs=0.05)
+    assert 0 < channels["params_removed"] < 1
+
+    # Taylor importance from the command line gets a loss on training batches
+    run_recipe(["recipe=mnist1d_channel30", *TINY, "prune.channel.importance=taylor",
+                "hydra.run.dir=run_t"], tmp_path)
+    summary = json.loads((tmp_path / "run_t" / "summary.json").read_text())
+    assert summary["channels"]["channels_removed"] > 0.2
 
     run_dir = run_recipe(
         [
