@@ -409,6 +409,17 @@ class ChannelPruner:
         self.progress = target
         return True
 
+    def resume(self, plan: Mapping[str, Any], progress: float) -> None:
+        """Continue a run on a fresh copy of the starting model: reshape it to ``plan`` (from
+        :func:`channel_plan` at ``progress``) so later steps keep counting from the starting
+        widths. Load the pruned weights afterwards."""
+        # torch-pruning notes the starting widths at its first pruning step: take one that
+        # removes nothing while the model still has them
+        with _eval_mode(self.model):
+            self._prune_to(0.0)
+        apply_channel_plan(self.model, plan)
+        self.progress = float(progress)
+
     def _prune_to(self, target: float) -> None:
         tp_pruner = self._tp
         if self.loss_fn is not None:

@@ -129,6 +129,39 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
     return model, f"trained ({t.dense_steps} steps), cached {path}"
 
 
+class ChannelSteps:
+    """Channel pruning interleaved with fine-tuning, in the Pruner's seat: ``fit`` steps it,
+    checkpoints hold its plain state (the channel plan and progress), and restoring it reshapes
+    a fresh model before its weights load. When widths change, the optimizer's parameters are
+    replaced and its per-parameter state dropped (its shapes no longer match)."""
+
+    def __init__(self, channel_pruner: Any, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.channel_pruner, self.model, self.optimizer = channel_pruner, model, optimizer
+        self.progress = channel_pruner.progress
+
+    def _rebind(self) -> None:
+        self.optimizer.param_groups[0]["params"] = list(self.model.parameters())
+        self.optimizer.state.clear()
+
+    def step(self, step: int) -> bool:
+        changed = self.channel_pruner.step(step)
+        if changed:
+            self._rebind()
+            self.progress = self.channel_pruner.progress
+        return changed
+
+    def report(self) -> Any:
+        return sk.sparsity_report(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": sk.channel_plan(self.model), "progress": self.channel_pruner.progress}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.channel_pruner.resume(state["plan"], state["progress"])
+        self.progress = self.channel_pruner.progress
+        self._rebind()
+
+
 def taylor_loss(dataset: Any, cfg: Config) -> Any:
     """Taylor channel importance needs gradients: the task loss on a few training batches."""
     idx = torch.arange(min(len(dataset), cfg.data.batch_size * cfg.prune.calibration_batches))
@@ -266,16 +299,26 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         levels = sensitivity_stage(cfg, model, eval_model, calibration, tracker, run_dir)
         sparsity = sparsity if levels is None else levels
 
-    channel_report = None
-    if p.channel.ratio > 0:
-        c = p.channel
-        channel_report = sk.prune_channels_(
-            model, example[:1], ratio=c.ratio, importance=c.importance, scope=c.scope,
-            round_to=c.round_to, ignore=list(c.ignore), steps=c.steps,
+    # Channel-only runs with steps > 1 remove channels in increments on the schedule while
+    # fine-tuning (one process); otherwise all increments happen before fine-tuning.
+    c = p.channel
+    interleave = (c.ratio > 0 and c.steps > 1 and p.fine_tune and p.pattern == "none"
+                  and mode == "none")
+    channel_report = channel_pruner = None
+    if c.ratio > 0:
+        options = dict(
+            ratio=c.ratio, importance=c.importance, scope=c.scope, round_to=c.round_to,
+            ignore=list(c.ignore),
             loss_fn=taylor_loss(data.train, cfg) if c.importance == "taylor" else None,
         )
-        tracker.scalars(channel_report.scalars(), 0)
-        tracker.text("channels", f"```\n{channel_report}\n```", 0)
+        if interleave:
+            s = cfg.schedule
+            every = max(1, -(-(s.end - s.start) // c.steps))  # ceil: exactly `steps` updates
+            channel_pruner = sk.ChannelPruner(
+                model, example[:1], schedule=sk.Linear(s.start, s.end, every), **options
+            )
+        else:
+            channel_report = sk.prune_channels_(model, example[:1], steps=c.steps, **options)
     quant_report = None
     if q.scheme != "none" and q.qat:
         sk.prepare_qat_(model, q.scheme, include=list(q.include), exclude=list(q.exclude))
@@ -292,6 +335,8 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         )
     steps = t.finetune_steps if p.fine_tune else 0
     optimizer = make_optimizer(model.parameters(), t.optimizer, t.finetune_lr, t.weight_decay)
+    if channel_pruner is not None:  # stepped, checkpointed and restored in the Pruner's place
+        pruner = ChannelSteps(channel_pruner, model, optimizer)
     start = 0
     if state is not None and state.get("sharded"):  # FSDP2: torch.distributed.checkpoint
         loaded = D.load_training_state(run_dir / CHECKPOINT.parent / state["sharded"], model,
@@ -346,6 +391,13 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
             warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=pruner,
             teacher=teacher, distill_alpha=t.distill.alpha, temperature=t.distill.temperature,
             on_step=on_step, quiet=quiet, desc="fine-tuning", shard=mode != "none")
+    if channel_pruner is not None:
+        channel_pruner.step(max(steps, cfg.schedule.end))  # the full ratio, even with few steps
+        channel_report = channel_pruner.report()
+        pruner = None
+    if channel_report is not None:
+        tracker.scalars(channel_report.scalars(), steps)
+        tracker.text("channels", f"```\n{channel_report}\n```", steps)
     if pruner is not None:
         pruner.step(max(steps, cfg.schedule.end))  # the full target, even with few steps
         report = pruner.report()

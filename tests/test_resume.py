@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -28,10 +29,17 @@ def sparsekit(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+# channel pruning in two increments at steps 5 and 10, interleaved with fine-tuning: the kill
+# at step 9 falls between them, so the resumed run must rebuild the pruned widths first
+CHANNELS = ["prune=channel", "prune.channel.ratio=0.5", "prune.channel.steps=2",
+            "prune.channel.round_to=1"]
+
+
+@pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
     cache = f"cache_dir={tmp_path / 'cache'}"
-    full = sparsekit([*TINY, cache, "hydra.run.dir=full"], tmp_path)
-    killed = sparsekit([*TINY, cache, "hydra.run.dir=runs/killed"], tmp_path,
+    full = sparsekit([*TINY, *extra, cache, "hydra.run.dir=full"], tmp_path)
+    killed = sparsekit([*TINY, *extra, cache, "hydra.run.dir=runs/killed"], tmp_path,
                        **{KILL_ENV: "9"})
     assert full.wait(timeout=300) == 0, full.stderr.read()
     assert killed.wait(timeout=300) == -signal.SIGKILL
@@ -50,6 +58,9 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     for key in ("accuracy", "loss", "size_bytes"):
         assert a["compressed"][key] == b["compressed"][key], key
     assert a["sparsity"] == b["sparsity"]
+    if extra:  # both increments happened: half of every prunable layer's channels are gone
+        assert a["channels"] == b["channels"]
+        assert a["channels"]["channels_removed"] == pytest.approx(0.5, abs=0.05)
     wa = load_file(tmp_path / "full" / "model.safetensors")
     wb = load_file(run_dir / "model.safetensors")
     assert wa.keys() == wb.keys()
