@@ -222,6 +222,20 @@ def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return ddp(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
+def reshard(model: nn.Module) -> None:
+    """Drop the gathered copies FSDP2 keeps after a forward pass without backward (the root
+    module keeps its parameters unsharded after forward; calibration and evaluation leave them
+    so), so that ``module.weight`` is the sharded DTensor again and the next forward gathers
+    the current shards. No-op for modules without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """True for a DTensor (an FSDP2 parameter)."""
     return DTensor is not None and isinstance(tensor, DTensor)

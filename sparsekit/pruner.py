@@ -204,6 +204,7 @@ class Pruner:
         """Current keep-masks (True = kept) by qualified layer name; live tensors, not copies.
         For sharded (FSDP2) weights, DTensors sharded like the weights."""
         if self._sharded:
+            D.reshard(self.model)
             return {n: D.like(self._local_masks[n], m.weight) for n, m in self.modules.items()}
         if self._held:
             return dict(self._local_masks)
@@ -244,6 +245,7 @@ class Pruner:
         if not self.modules:
             return False
         if self._held:  # undo what the optimizer step did to pruned weights
+            D.reshard(self.model)  # FSDP2: the sharded weights, and no stale gathered copies
             with torch.no_grad():
                 for name, module in self.modules.items():
                     D.local(module.weight).masked_fill_(~self._local_masks[name], 0)
@@ -276,6 +278,7 @@ class Pruner:
         norms = collect_input_norms(
             self.model, self.modules, self.calibration, self.calibration_fn, self._comm
         )
+        D.reshard(self.model)  # a no-grad forward leaves FSDP2's root module unsharded
         return {
             n: wanda(D.local(m.weight), norms[n], getattr(m, "groups", 1))
             for n, m in self.modules.items()
@@ -347,6 +350,7 @@ class Pruner:
         pattern = None if self.nm is None else self.pattern
         if not self._sharded:
             return build_report(modules, pattern, self.skipped)
+        D.reshard(self.model)
         # sharded weights: count this rank's shards (whole rows), then sum over the ranks
         shards = {n: SimpleNamespace(weight=D.local(m.weight)) for n, m in modules.items()}
         report = build_report(shards, pattern, self.skipped)

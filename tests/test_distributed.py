@@ -191,8 +191,8 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    def sharded(m):
-        for layer in (m[0], m[2], m[4]):
+    def sharded(m, root_only=False):
+        for layer in () if root_only else (m[0], m[2], m[4]):
             fully_shard(layer)
         return fully_shard(m)
 
@@ -201,11 +201,12 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
     for kwargs, sched, mine, ref_calib in (
         (dict(sparsity=0.6, scope="global"), sk.OneShot(0), None, None),
         (dict(sparsity=0.5), sk.OneShot(0), None, None),
-        (wanda_kw, sk.OneShot(0), [calib[rank]], calib),  # each rank its own calibration
+        (wanda_kw, sk.Linear(0, 4, 2), [calib[rank]], calib),  # each rank its own batch
         (dict(pattern="2:4", scope="global", include=["0", "2"]), sk.Linear(0, 3, 1), None, None),
     ):
         ref_model = _mlp()
-        model = sharded(copy.deepcopy(ref_model))
+        # root only: a no-grad forward (calibration, evaluation) leaves the weights gathered
+        model = sharded(copy.deepcopy(ref_model), root_only=mine is not None)
         pruner = sk.Pruner(model, schedule=sched, calibration=mine, **kwargs)
         ref_pruner = sk.Pruner(ref_model, schedule=sched, calibration=ref_calib, **kwargs)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -217,6 +218,8 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
             local = slice(rank * 4, rank * 4 + 4)
             loss = _train(model, pruner, opt, step, x[local], y[local])
             ref_loss = _train(ref_model, ref_pruner, ref_opt, step, x, y)
+            with torch.no_grad():  # an evaluation between steps, as the CLI does
+                model(x)
             dist.all_reduce(loss)
             torch.testing.assert_close(loss / WORLD, ref_loss, rtol=1e-4, atol=1e-5)
         report, ref_report = pruner.report(), ref_pruner.report()  # counts summed over shards
