@@ -219,6 +219,7 @@ def test_pipeline_sensitivity_stage_sets_per_layer_levels(tmp_path):
         "train.quiet=true",
         "bench.enabled=false",
         "prune.pattern=unstructured",
+        "prune.criterion=magnitude",
         "prune.sparsity=0.5",
         "prune.fine_tune=false",
         "sensitivity.enabled=true",
