@@ -42,8 +42,9 @@ def wanda(weight: torch.Tensor, input_norm: torch.Tensor, groups: int = 1) -> to
     return (w * rows).reshape(weight.shape)
 
 
-def _conv_pads(conv: nn.modules.conv._ConvNd) -> list[int]:
-    """F.pad's argument (last spatial dimension first) for the conv's padding."""
+def conv_pads(conv: nn.modules.conv._ConvNd) -> list[int]:
+    """``F.pad`` widths (last spatial dimension first, left then right) equivalent to the
+    conv's padding, ``padding='same'`` included (the extra pixel on the right, as PyTorch)."""
     pads: list[int] = []
     for d in reversed(range(len(conv.kernel_size))):
         if conv.padding == "valid":
@@ -65,7 +66,7 @@ def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor
     if x.dim() == nd + 1:  # unbatched input
         x = x.unsqueeze(0)
     mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-    x = F.pad(x, _conv_pads(conv), mode=mode)
+    x = F.pad(x, conv_pads(conv), mode=mode)
     for d in range(nd):
         span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
         x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparsekit.criteria import conv_pads
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (
@@ -136,22 +137,6 @@ class QuantLinear(_QuantWeight):
         )
 
 
-def conv_pads(conv: nn.Module) -> tuple[int, ...]:
-    """The ``F.pad`` widths (last spatial dim first, left then right) equivalent to ``conv``'s
-    padding, including ``padding='same'`` (extra pixel on the right, as PyTorch does)."""
-    pads: list[int] = []
-    for i in reversed(range(len(conv.kernel_size))):
-        if conv.padding == "valid":
-            left = right = 0
-        elif conv.padding == "same":
-            total = conv.dilation[i] * (conv.kernel_size[i] - 1)
-            left, right = total // 2, total - total // 2
-        else:
-            left = right = conv.padding[i]
-        pads += [left, right]
-    return tuple(pads)
-
-
 class QuantConv(_QuantWeight):
     """Quantized ``nn.Conv1d``/``Conv2d``/``Conv3d`` (W8A8 for 1-D and 2-D with groups=1):
     input (batch, in_channels, *spatial) or unbatched (in_channels, *spatial)."""
@@ -167,7 +152,7 @@ class QuantConv(_QuantWeight):
         self.groups = conv.groups
         self.padding = conv.padding if isinstance(conv.padding, str) else tuple(conv.padding)
         self.padding_mode = conv.padding_mode
-        self.pads = conv_pads(conv)
+        self.pads = tuple(conv_pads(conv))
 
     @classmethod
     def from_float(cls, conv: nn.Module, scheme: str | Scheme) -> QuantConv:
