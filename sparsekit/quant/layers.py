@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight
+from sparsekit.quant.formats import Scheme
+from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight, unsupported_reason
+from sparsekit.quant.report import QuantLayer, QuantReport
 from sparsekit.select import PRUNABLE_TYPES, select_modules
 
 LAYER_TYPES = (*PRUNABLE_TYPES, QuantLinear, QuantConv)
@@ -67,3 +69,30 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """Replace the submodule at qualified ``name``."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, module)
+
+
+def plan_layers(
+    model: nn.Module,
+    chosen: dict[str, nn.Module],
+    scheme: Scheme,
+    status: str,
+    verb: str,
+    strict: bool,
+) -> tuple[QuantReport, dict[str, nn.Module]]:
+    """The report of what ``verb`` (quantize_, prepare_qat_) does to every layer, and the layers
+    it takes: chosen ones whose dtype and shape ``scheme`` supports. ``strict``: ValueError
+    naming the layers it cannot take instead of skipping them."""
+    report = QuantReport(scheme.name)
+    todo: dict[str, nn.Module] = {}
+    for name, m in all_layers(model).items():
+        layer = QuantLayer(name, kind(m), status)
+        if name not in chosen:
+            layer.status, layer.reason = "excluded", "not selected by include/exclude"
+        elif (reason := unsupported_reason(m, scheme)) is not None:
+            layer.status, layer.reason = "skipped", reason
+        else:
+            todo[name] = m
+        report.layers.append(layer)
+    if strict and report.skipped:
+        raise ValueError(f"{verb}({scheme.name!r}, strict=True) cannot take: {report.skipped}")
+    return report, todo

@@ -30,14 +30,14 @@ from sparsekit.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
     QAT_ATTR,
-    all_layers,
     foreign_parametrizations,
     kind,
     qat_scheme,
+    plan_layers,
     select_float_layers,
     set_module,
 )
-from sparsekit.quant.modules import quantized_module, unsupported_reason
+from sparsekit.quant.modules import quantized_module
 from sparsekit.quant.numerics import channel_scales, fake_quantize, row_scales, sample_scales
 from sparsekit.quant.report import QuantLayer, QuantReport
 
@@ -95,22 +95,8 @@ def prepare_qat_(
     unknown scheme or a layer already quantized or prepared."""
     scheme = get_scheme(scheme)
     chosen = select_float_layers(model, include, exclude, "prepare_qat_")
-    report = QuantReport(scheme.name)
-    todo: list[nn.Module] = []
-    for name, m in all_layers(model).items():
-        layer = QuantLayer(name, kind(m), "qat")
-        if name not in chosen:
-            layer.status, layer.reason = "excluded", "not selected by include/exclude"
-        elif (reason := unsupported_reason(m, scheme)) is not None:
-            layer.status, layer.reason = "skipped", reason
-        else:
-            todo.append(m)
-        report.layers.append(layer)
-    if strict and report.skipped:
-        raise ValueError(
-            f"prepare_qat_({scheme.name!r}, strict=True) cannot take: {report.skipped}"
-        )
-    for m in todo:
+    report, todo = plan_layers(model, chosen, scheme, "qat", "prepare_qat_", strict)
+    for m in todo.values():
         if find_mask(m) is None and not parametrize.is_parametrized(m, "weight"):
             attach_mask(m)  # all ones: holds the mask slot ahead of the fake quantization
         parametrize.register_parametrization(m, "weight", WeightFakeQuant(scheme.name))

@@ -12,14 +12,13 @@ from torch import nn
 from sparsekit.calibration import CalibrationFn, run_calibration
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
-    all_layers,
     foreign_parametrizations,
-    kind,
+    plan_layers,
     select_float_layers,
     set_module,
 )
-from sparsekit.quant.modules import quantized_module, unsupported_reason
-from sparsekit.quant.report import QuantLayer, QuantReport
+from sparsekit.quant.modules import quantized_module
+from sparsekit.quant.report import QuantReport
 
 
 def quantize_(
@@ -57,19 +56,8 @@ def quantize_(
                 "Pruner that is not finalized?): call pruner.finalize() first, or use "
                 "prepare_qat_ to fine-tune under the pruner"
             )
-    report = QuantReport(scheme.name)
-    todo: dict[str, nn.Module] = {}
-    for name, m in all_layers(model).items():
-        layer = QuantLayer(name, kind(m), "quantized")
-        if name not in chosen:
-            layer.status, layer.reason = "excluded", "not selected by include/exclude"
-        elif (reason := unsupported_reason(m, scheme)) is not None:
-            layer.status, layer.reason = "skipped", reason
-        else:
-            todo[name] = quantized_module(m, scheme)
-        report.layers.append(layer)
-    if strict and report.skipped:
-        raise ValueError(f"quantize_({scheme.name!r}, strict=True) cannot take: {report.skipped}")
+    report, chosen_ok = plan_layers(model, chosen, scheme, "quantized", "quantize_", strict)
+    todo = {name: quantized_module(m, scheme) for name, m in chosen_ok.items()}
     if calibration is not None:
         errors = _layer_errors(model, chosen, todo, calibration, calibration_fn)
         for layer in report.layers:
