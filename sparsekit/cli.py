@@ -133,11 +133,20 @@ def check_overrides(overrides: Sequence[str]) -> None:
 
 
 def latest_run(root: Path = RUNS) -> Path | None:
-    """The most recently written run directory under ``root`` that has a resume checkpoint."""
+    """The most recently written run directory under ``root``: one with a resume checkpoint,
+    or one killed before its first (during dense training: no summary.json yet)."""
     from sparsekit.pipeline import CHECKPOINT
 
-    found = sorted(root.glob(f"*/{CHECKPOINT}"), key=lambda p: p.stat().st_mtime)
-    return found[-1].parent.parent if found else None
+    def written(run_dir: Path) -> float | None:
+        if (run_dir / CHECKPOINT).exists():
+            return (run_dir / CHECKPOINT).stat().st_mtime
+        if (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists():
+            return (run_dir / "config.yaml").stat().st_mtime
+        return None
+
+    found = [(t, d) for d in root.glob("*/") if (t := written(d)) is not None
+             and (d / ".hydra" / "overrides.yaml").exists()]
+    return max(found)[1] if found else None
 
 
 def resume_argv(argv: list[str]) -> list[str]:
@@ -149,7 +158,8 @@ def resume_argv(argv: list[str]) -> list[str]:
     value = values[-1]
     run_dir = latest_run() if value.lower() in ("true", "yes", "1") else Path(value)
     if run_dir is None:
-        fail(ValueError(f"resume={value}: no run with a checkpoint under {RUNS.resolve()}"))
+        fail(ValueError(
+            f"resume={value}: no unfinished or checkpointed run under {RUNS.resolve()}"))
     if not (run_dir / ".hydra" / "overrides.yaml").exists():
         fail(ValueError(f"resume={value}: {run_dir} is not a sparsekit run directory"))
     original = [

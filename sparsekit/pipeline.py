@@ -50,6 +50,8 @@ from sparsekit.train import eval_batches, evaluate, fit, get_batch, make_optimiz
 CHECKPOINT = Path("checkpoints") / "last.pt"
 # test hook: SIGKILL this process right after writing the checkpoint of this fine-tuning step
 KILL_ENV = "SPARSEKIT_TEST_KILL_AT_STEP"
+# the same for the dense baseline's training (its checkpoints sit beside the baseline cache)
+KILL_DENSE_ENV = "SPARSEKIT_TEST_KILL_AT_DENSE_STEP"
 
 
 def pick_device(name: str) -> torch.device:
@@ -115,18 +117,30 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
         return model, f"cached {path}"
     t = cfg.train
     optimizer = make_optimizer(model.parameters(), t.optimizer, t.dense_lr, t.weight_decay)
+    # a killed dense training continues from its last checkpoint, next to the cache entry
+    partial = path.with_name(path.stem + ".partial.pt")
+    start = restore(load_checkpoint(partial), model, optimizer) if partial.exists() else 0
+    kill_at = int(os.environ.get(KILL_DENSE_ENV, "-1"))
 
-    def log(step: int, metrics: dict[str, float]) -> None:
+    def on_step(step: int, metrics: dict[str, float]) -> None:
         if step % t.log_every == 0 or step == t.dense_steps - 1:
             tracker.scalars({f"dense_{k}": v for k, v in metrics.items()}, step)
+        if (step + 1) % t.checkpoint_every == 0 and step != t.dense_steps - 1:
+            if D.is_main():
+                save_checkpoint(partial, step=step, model=model, optimizer=optimizer)
+            D.barrier()
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     fit(model, data.train, optimizer, steps=t.dense_steps, lr=t.dense_lr,
-        batch_size=cfg.data.batch_size, seed=t.seed, warmup=t.warmup_steps,
-        lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=log,
+        batch_size=cfg.data.batch_size, seed=t.seed, start_step=start, warmup=t.warmup_steps,
+        lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=on_step,
         quiet=is_quiet(t.quiet), desc="dense training")
     if D.is_main():  # every rank trained the same model; one writes the cache
         atomic_write(path, lambda tmp: save_model(model, tmp))
-    return model, f"trained ({t.dense_steps} steps), cached {path}"
+        partial.unlink(missing_ok=True)
+    how = f"resumed at step {start}, " if start else ""
+    return model, f"trained ({how}{t.dense_steps} steps), cached {path}"
 
 
 class ChannelSteps:

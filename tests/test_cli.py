@@ -65,7 +65,7 @@ def run_cli(args: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
         (["prune.sparsity=lots"], "prune.sparsity=lots: Value 'lots' of type 'str'"),
         (["prune.typo=1"], "prune.typo: unknown key; allowed keys in prune: pattern"),
         (["-m", "prune=unstructured", "prune.sparsity=0.5,1.5"], "prune.sparsity=1.5 must be"),
-        (["resume=true"], "resume=true: no run with a checkpoint"),
+        (["resume=true"], "resume=true: no unfinished or checkpointed run"),
         (["runs/x"], "cannot parse 'runs/x': arguments are key=value or group=option"),
     ],
 )

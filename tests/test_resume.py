@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sparsekit.pipeline import CHECKPOINT, KILL_ENV
+from sparsekit.pipeline import CHECKPOINT, KILL_DENSE_ENV, KILL_ENV
 from sparsekit.runstate import load_checkpoint
 
 TINY = [
@@ -69,3 +69,34 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
     assert load_checkpoint(run_dir / CHECKPOINT)["done"]
     # the resumed run kept the original run's configuration
     assert "finetune_steps: 20" in (run_dir / "config.yaml").read_text()
+
+
+def test_sigkill_during_dense_training_then_resume(tmp_path):
+    """Killed while training the dense baseline: the baseline's checkpoint (beside its cache
+    entry) carries the run on, and the result equals an uninterrupted run's, bit for bit."""
+    full = sparsekit([*TINY, f"cache_dir={tmp_path / 'cache_full'}", "hydra.run.dir=full"],
+                     tmp_path)
+    cache = tmp_path / "cache"
+    killed = sparsekit([*TINY, f"cache_dir={cache}", "hydra.run.dir=runs/killed"], tmp_path,
+                       **{KILL_DENSE_ENV: "19"})
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    assert killed.wait(timeout=300) == -signal.SIGKILL
+    run_dir = tmp_path / "runs" / "killed"
+    assert not (run_dir / CHECKPOINT).exists()  # fine-tuning never started
+    (partial,) = (cache / "baselines").glob("*.partial.pt")
+    assert load_checkpoint(partial)["step"] == 19
+    assert not list((cache / "baselines").glob("*.safetensors"))
+
+    resumed = sparsekit(["resume=true"], tmp_path)  # finds the run killed before fine-tuning
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    b = json.loads((run_dir / "summary.json").read_text())
+    assert b["dense_source"].startswith("trained (resumed at step 20, 30 steps)")
+    assert not partial.exists()  # replaced by the finished baseline
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    for key in ("accuracy", "loss"):
+        assert a["dense"][key] == b["dense"][key], key
+        assert a["compressed"][key] == b["compressed"][key], key
+    wa = load_file(tmp_path / "full" / "model.safetensors")
+    wb = load_file(run_dir / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -229,7 +229,13 @@ def bench_model(name: str, master: nn.Module, x: torch.Tensor, device: torch.dev
             out["dense_us"] = time_us(lambda: dense(xb), device)
             out["variants"]["bf16_dense"] = {"rel_err": rel_err(dense(xb), ref)}
         return out
-    runs = [("bf16", "2:4"), ("fp8", "2:4"), ("int8", "2:4"), ("bf16", "auto"), ("fp8", "auto")]
+    with torch.no_grad():  # the precision floor: the plain bf16 model against fp32
+        bf = copy.deepcopy(master).to(device, torch.bfloat16).eval()
+        out["variants"]["bf16_dense"] = {"rel_err": rel_err(bf(x.to(device, torch.bfloat16)),
+                                                            ref)}
+        del bf
+    runs = [("bf16", "2:4"), ("fp8", "2:4"), ("int8", "2:4"), ("bf16", "auto"), ("fp8", "auto"),
+            ("fp8", "dense")]
     for precision, sparsity in runs:
         key = f"{precision}_{sparsity}"
         t0 = time.time()
@@ -245,6 +251,7 @@ def bench_model(name: str, master: nn.Module, x: torch.Tensor, device: torch.dev
         chosen = [d.confirmed_speedup or d.speedup for d in rep.layers
                   if d.variant != "bf16_dense" and (d.confirmed_speedup or d.speedup)]
         entry["min_layer_speedup"] = min(chosen) if chosen else None
+        entry["bound"] = rep.bound  # the most the chosen linear kernels can give this model
         out["variants"][key] = entry
         out["dense_us"] = rep.model_us["dense"]
         log(f"{name} {key}: {entry['ratio']:.2f}x of dense ({rep.model_us}), rel err "
@@ -383,15 +390,19 @@ def to_markdown(res: dict) -> str:
             continue
         for e in entries if isinstance(entries, list) else [entries]:
             lines += [f"## {e['name']} (dense bf16 {e.get('dense_us', float('nan')):.0f} us)", "",
-                      "| variant | ratio to dense | rel. error vs fp32 | min layer speedup |",
-                      "| --- | --- | --- | --- |"]
+                      "| variant | ratio to dense | rel. error vs fp32 | min layer speedup | "
+                      "bound: linears' share of dense time, max ratio |",
+                      "| --- | --- | --- | --- | --- |"]
             for v, d in e["variants"].items():
                 ratio = f"{d['ratio']:.2f}" if d.get("ratio") else "-"
                 mls = d.get("min_layer_speedup")
+                b = d.get("bound")
+                bound = "" if not b else (f"{b['linear_dense_us'] / e['dense_us']:.0%}, "
+                                          f"{b['max_speedup']:.2f}")
                 lines.append(f"| {v} | {ratio} | {d['rel_err']:.4f} | "
-                             f"{'' if mls is None else f'{mls:.2f}'} |")
+                             f"{'' if mls is None else f'{mls:.2f}'} | {bound} |")
             for v, err in e["errors"].items():
-                lines.append(f"| {v} | failed: {err} | | |")
+                lines.append(f"| {v} | failed: {err} | | | |")
             lines.append("")
     return "\n".join(lines)
 

@@ -78,11 +78,27 @@ class AccelReport:
             return m["dense"] / m["accelerated"]
         return None
 
+    @property
+    def bound(self) -> dict[str, float] | None:
+        """Where the model's time goes and the most acceleration can give it (Amdahl): the timed
+        linears' bf16 dense time (each layer timed alone), the rest of the dense model's time
+        (attention, norms, untimed layers), the linears' time with the chosen variants, and
+        ``max_speedup`` = dense / (rest + chosen). None before the model was timed."""
+        timed = [d for d in self.layers if BASELINE in d.timings_us and d.variant in d.timings_us]
+        if "dense" not in self.model_us or not timed:
+            return None
+        dense = sum(d.timings_us[BASELINE] for d in timed)
+        chosen = sum(d.timings_us[d.variant] for d in timed)
+        rest = max(self.model_us["dense"] - dense, 0.0)
+        return {"linear_dense_us": dense, "linear_chosen_us": chosen, "rest_us": rest,
+                "max_speedup": self.model_us["dense"] / (rest + chosen)}
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for layer, obj in zip(d["layers"], self.layers):
             layer["speedup"] = obj.speedup
         d["model_speedup"] = self.model_speedup
+        d["bound"] = self.bound
         return d
 
     def to_markdown(self) -> str:
@@ -99,6 +115,11 @@ class AccelReport:
         if self.model_speedup is not None:
             head += (f": model {self.model_us['dense']:.1f} us dense -> "
                      f"{self.model_us['accelerated']:.1f} us ({self.model_speedup:.2f}x)")
+        b = self.bound
+        if b is not None:
+            head += (f"\n\nlinears {b['linear_dense_us']:.1f} us dense (timed alone) -> "
+                     f"{b['linear_chosen_us']:.1f} us; the rest of the model "
+                     f"{b['rest_us']:.1f} us; so at most {b['max_speedup']:.2f}x for the model")
         return "\n".join([head, "", *rows, *[f"\nnote: {n}" for n in self.notes]])
 
     def __str__(self) -> str:

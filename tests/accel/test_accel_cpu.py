@@ -183,6 +183,24 @@ def test_report_dict_markdown_and_tensorboard():
     assert all(math.isfinite(v) for v in w.scalars.values())
 
 
+def test_report_bound_is_amdahl_over_timed_linears():
+    """max_speedup = dense / (rest + chosen linears), rest = dense - linears timed alone; an
+    untimed layer (no candidates) counts in the rest."""
+    report = AccelReport("bf16", "2:4", 1.0, "NVIDIA H200")
+    assert report.bound is None  # nothing timed yet
+    for name in ("up", "down"):
+        report.layers.append(LayerDecision(name, 11008, 4096, 4096, True, "bf16_2:4", "2:4",
+                                           {"bf16_dense": 500.0, "bf16_2:4": 250.0}))
+    report.layers.append(LayerDecision("head", 1000, 768, 1, False, "bf16_dense", "align"))
+    report.model_us = {"dense": 1500.0, "accelerated": 1100.0}
+    b = report.bound
+    assert b == {"linear_dense_us": 1000.0, "linear_chosen_us": 500.0, "rest_us": 500.0,
+                 "max_speedup": pytest.approx(1.5)}
+    assert report.to_dict()["bound"]["max_speedup"] == pytest.approx(1.5)
+    assert "so at most 1.50x for the model" in report.to_markdown()
+    assert report.model_speedup <= b["max_speedup"]
+
+
 def test_graph_buckets_pure_logic():
     g = CUDAGraphModule(nn.Identity(), batch_buckets=[8, 1, 32])
     assert [g.bucket(n) for n in (1, 2, 8, 9, 32, 33)] == [1, 8, 8, 32, 32, 33]
