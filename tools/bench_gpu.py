@@ -215,7 +215,7 @@ class LlamaLayer(nn.Module):
 
 
 def bench_model(name: str, master: nn.Module, x: torch.Tensor, device: torch.device,
-                stock_filter, ao_filter, log) -> dict:
+                stock_filter, ao_filter, log, unfused: bool = False) -> dict:
     """End to end: fp32 reference, then per precision ``sk.accelerate`` (ratio against the
     bf16 dense model timed in the same call), plus the peers."""
     out = {"name": name, "variants": {}, "errors": {}}
@@ -234,13 +234,15 @@ def bench_model(name: str, master: nn.Module, x: torch.Tensor, device: torch.dev
         out["variants"]["bf16_dense"] = {"rel_err": rel_err(bf(x.to(device, torch.bfloat16)),
                                                             ref)}
         del bf
-    runs = [("bf16", "2:4"), ("fp8", "2:4"), ("int8", "2:4"), ("bf16", "auto"), ("fp8", "auto"),
-            ("fp8", "dense")]
-    for precision, sparsity in runs:
-        key = f"{precision}_{sparsity}"
+    runs = [("bf16", "2:4", True), ("fp8", "2:4", True), ("int8", "2:4", True),
+            ("bf16", "auto", True), ("fp8", "auto", True), ("fp8", "dense", True)]
+    if unfused:  # what fusing sibling linears (q/k/v, gate/up) adds
+        runs += [("bf16", "2:4", False), ("fp8", "2:4", False)]
+    for precision, sparsity, fuse in runs:
+        key = f"{precision}_{sparsity}" + ("" if fuse else "_unfused")
         t0 = time.time()
-        res, err = try_peer(lambda p=precision, s=sparsity: sk.accelerate(
-            copy.deepcopy(master), x, precision=p, sparsity=s))
+        res, err = try_peer(lambda p=precision, s=sparsity, f=fuse: sk.accelerate(
+            copy.deepcopy(master), x, precision=p, sparsity=s, fuse=f))
         if res is None:
             out["errors"][key] = err
             log(f"{name} {key}: FAILED {err}")
@@ -317,7 +319,7 @@ def llama_section(device: torch.device, tokens: int, smoke: bool, log) -> dict:
     d = master.q_proj.in_features
     lin = lambda m, n: isinstance(m, nn.Linear)  # noqa: E731
     return bench_model(f"Llama-7B layer, {tokens} tokens", master, torch.randn(1, tokens, d),
-                       device, lin, lin, log)
+                       device, lin, lin, log, unfused=True)
 
 
 # ---------------------------------------------------------------- summary and output

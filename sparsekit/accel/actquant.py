@@ -55,12 +55,6 @@ def quant_tensor_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     return _cast(x.float() / scale, dtype), scale
 
 
-def quant_static_ref(x: torch.Tensor, inv_scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """x (M, K) -> q (M, K) of ``dtype`` = saturate(x * inv_scale): quantization with a scale
-    fixed in advance (calibrated), so no amax pass; x ~= q / inv_scale."""
-    return _cast(x.float() * inv_scale, dtype)
-
-
 def scale_epilogue_ref(
     acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -119,18 +113,6 @@ if triton is not None:
         tl.store(q_ptr + offs, q, mask=offs < n)
 
     @triton.jit
-    def _quant_static_kernel(x_ptr, q_ptr, n, inv_scale, QMAX: tl.constexpr,
-                             IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32) * inv_scale
-        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
-        if IS_INT8:
-            q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32).to(tl.int8)
-        else:
-            q = v.to(tl.float8e4nv)
-        tl.store(q_ptr + offs, q, mask=offs < n)
-
-    @triton.jit
     def _epilogue_kernel(acc_ptr, y_ptr, rs_ptr, cs_ptr, b_ptr, M, N, stride_acc, stride_y,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -180,21 +162,6 @@ def quant_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     _quant_tensor_kernel[grid](x, q, amax, s, n, QMAX=qmax(dtype), IS_INT8=dtype == torch.int8,
                                BLOCK=block, num_warps=8)
     return q, s
-
-
-def quant_static(x: torch.Tensor, inv_scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Quantization with a calibrated scale, one pass on CUDA (read bf16, write 8 bits); see
-    :func:`quant_static_ref` for the definition."""
-    if not _use_triton(x):
-        return quant_static_ref(x, inv_scale, dtype)
-    x = x.contiguous()
-    n = x.numel()
-    q = torch.empty(x.shape, dtype=dtype, device=x.device)
-    block = 4096
-    _quant_static_kernel[(triton.cdiv(n, block),)](x, q, n, float(inv_scale), QMAX=qmax(dtype),
-                                                   IS_INT8=dtype == torch.int8, BLOCK=block,
-                                                   num_warps=8)
-    return q
 
 
 def scale_epilogue(

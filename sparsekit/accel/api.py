@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sparsekit.accel import algsearch
+from sparsekit.accel import fuse as fuse_mod
 from sparsekit.accel.convert import (
     Conv1x1AsLinear,
     SplitMultiheadAttention,
@@ -169,6 +170,7 @@ def accelerate(
     graphs: bool = True,
     batch_buckets: Sequence[int] | None = None,
     search_algs: bool = True,
+    fuse: bool = True,
 ) -> AcceleratedModel:
     """Run ``model``'s linear layers on sparse / low-precision tensor cores.
 
@@ -182,7 +184,9 @@ def accelerate(
     slower). Timings are taken once per GEMM shape (N, K, tokens) under CUDA-graph replay and
     shared by the layers of that shape. ``exclude``: fnmatch globs of module names to leave
     alone. ``graphs``: run through CUDA graphs, one per input-shape bucket (``batch_buckets``
-    pads dim 0 to fixed sizes).
+    pads dim 0 to fixed sizes). ``fuse``: linears that read the same input tensor (q/k/v,
+    gate/up) and agree on 2:4 run as one wider GEMM (:mod:`sparsekit.accel.fuse`), planned as
+    one unit named "a+b+c" in the report.
 
     Modifies ``model`` in place (moved to CUDA, bfloat16, eval) and returns the
     :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
@@ -204,19 +208,34 @@ def accelerate(
     names = [n for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
     tokens = _token_counts(model, inputs, names)
+    for name in names:
+        if name not in tokens:
+            report.skipped[name] = "not called on the example inputs"
+    # units to plan: single linears, and sibling groups (same input) fused into one GEMM
+    units: list[list[str]] = []
+    if fuse:
+        for group in fuse_mod.sibling_groups(model, lambda: _call(model, inputs),
+                                             [n for n in names if n in tokens]):
+            lins = [model.get_submodule(n) for n in group]
+            if len({is_2to4(lin.weight) for lin in lins}) == 1 and all(
+                    lin.out_features % _ALIGN == 0 for lin in lins):
+                units.append(group)
+    grouped = {n for g in units for n in g}
+    units += [[n] for n in names if n in tokens and n not in grouped]
+    units.sort(key=lambda g: names.index(g[0]))
     originals: dict[str, nn.Module] = {}
     searched: dict[tuple, int] = {}
     planned: dict[tuple, LayerDecision] = {}
-    for name in names:
-        lin = model.get_submodule(name)
-        if name not in tokens:
-            report.skipped[name] = "not called on the example inputs"
-            continue
-        m = tokens[name]
+    for unit in units:
+        members = [model.get_submodule(n) for n in unit]
+        lin = members[0] if len(unit) == 1 else fuse_mod.fused_linear(members)
+        m = tokens[unit[0]]
         has24 = is_2to4(lin.weight)
         cands, reason = layer_plan(has24, precision, sparsity, lin.in_features, lin.out_features)
-        decision = LayerDecision(name, lin.out_features, lin.in_features, m, has24, BASELINE,
-                                 reason)
+        if len(unit) > 1:
+            reason = f"{reason}; {len(unit)} siblings (one input) fused into one GEMM"
+        decision = LayerDecision("+".join(unit), lin.out_features, lin.in_features, m, has24,
+                                 BASELINE, reason)
         report.layers.append(decision)
         if cands == [BASELINE]:
             continue
@@ -232,9 +251,13 @@ def accelerate(
             planned[shape_key] = decision
             chosen = _plan_layer(lin, m, cands, decision, sparsity, min_speedup, search_algs,
                                  searched)
-        if chosen is not None:
-            originals[name] = lin
-            model.set_submodule(name, chosen)
+        if chosen is None:
+            continue
+        originals.update(zip(unit, members))
+        if len(unit) == 1:
+            model.set_submodule(unit[0], chosen)
+        else:
+            fuse_mod.install(model, unit, chosen, [mem.out_features for mem in members])
     with torch.no_grad():
         report.model_us["accelerated"] = graph_time_us(lambda: _call(model, inputs), calls=1)
     if sparsity == "auto" and report.model_us["accelerated"] > report.model_us["dense"]:

@@ -136,3 +136,46 @@ def test_load_goes_straight_to_accelerated(tmp_path):
                    accelerate={"example_inputs": x, "precision": "bf16", "sparsity": "2:4"})
     assert isinstance(fast, sk.accel.AcceleratedModel)
     assert rel_err(fast(x), ref) <= 1e-2
+
+
+class _LlamaBlock(nn.Module):
+    """q/k/v read one normed input, gate/up another: two sibling groups to fuse."""
+
+    def __init__(self, d=256, heads=4, ffn=512):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).reshape(b, t, self.heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "int8"])
+def test_siblings_fused_and_accurate(precision):
+    torch.manual_seed(0)
+    block = make_24_(_LlamaBlock()).eval()
+    xs = {n: torch.randn(n, 64, 256) for n in (2, 4)}
+    with torch.no_grad():
+        refs = {n: block.double()(x.double()) for n, x in xs.items()}
+    fast = sk.accelerate(block.float(), xs[4], precision=precision, sparsity="2:4",
+                         batch_buckets=[2, 4])
+    layers = {d.name: d for d in fast.sparsekit_report.layers}
+    assert set(layers) == {"q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj"}
+    assert layers["q_proj+k_proj+v_proj"].out_features == 768
+    assert layers["gate_proj+up_proj"].variant == f"{precision}_2:4"
+    for n in (4, 2, 4):  # two graphs; replays after another bucket's stay right
+        assert rel_err(fast(xs[n]), refs[n]) <= TOL[precision]
+    unfused = sk.accelerate(block.float(), xs[4], precision=precision, sparsity="2:4",
+                            fuse=False, graphs=False)
+    assert len(unfused.sparsekit_report.layers) == 7
