@@ -2,6 +2,8 @@
 with the same 2:4 mask, the Triton kernels against their torch definitions, CUDA graphs across
 input-shape buckets, the MultiheadAttention conversion end to end, and load -> accelerate."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -168,14 +170,14 @@ def test_siblings_fused_and_accurate(precision):
     xs = {n: torch.randn(n, 64, 256) for n in (2, 4)}
     with torch.no_grad():
         refs = {n: block.double()(x.double()) for n, x in xs.items()}
-    fast = sk.accelerate(block.float(), xs[4], precision=precision, sparsity="2:4",
-                         batch_buckets=[2, 4])
+    fast = sk.accelerate(copy.deepcopy(block).float(), xs[4], precision=precision,
+                         sparsity="2:4", batch_buckets=[2, 4])
     layers = {d.name: d for d in fast.sparsekit_report.layers}
     assert set(layers) == {"q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj"}
     assert layers["q_proj+k_proj+v_proj"].out_features == 768
     assert layers["gate_proj+up_proj"].variant == f"{precision}_2:4"
     for n in (4, 2, 4):  # two graphs; replays after another bucket's stay right
         assert rel_err(fast(xs[n]), refs[n]) <= TOL[precision]
-    unfused = sk.accelerate(block.float(), xs[4], precision=precision, sparsity="2:4",
-                            fuse=False, graphs=False)
+    unfused = sk.accelerate(copy.deepcopy(block).float(), xs[4], precision=precision,
+                            sparsity="2:4", fuse=False, graphs=False)
     assert len(unfused.sparsekit_report.layers) == 7
