@@ -131,11 +131,7 @@ def _plan_layer(lin: nn.Linear, m: int, cands: list[str], decision: LayerDecisio
     x = torch.randn(m, lin.in_features, device="cuda", dtype=torch.bfloat16)
     built: dict[str, nn.Module] = {}
     for v in cands:
-        key = (v, lin.out_features, lin.in_features, m)
-        if VARIANTS[v].uses_alg and search_algs and key not in searched:
-            mod, searched[key], _ = algsearch.search(v, lin, m)
-        else:
-            mod = VARIANTS[v](lin, alg_id=searched.get(key, 0))
+        mod = _build(v, lin, m, searched, search_algs)
         if VARIANTS[v].uses_alg:
             decision.alg_ids[v] = mod.alg_id
         built[v] = mod
@@ -157,6 +153,52 @@ def _plan_layer(lin: nn.Linear, m: int, cands: list[str], decision: LayerDecisio
         decision.reason += "; reverted: slower than dense when re-timed"
         return None
     return built[decision.variant]
+
+
+def _build(variant: str, lin: nn.Linear, m: int, searched: dict[tuple, int],
+           search_algs: bool) -> nn.Module:
+    key = (variant, lin.out_features, lin.in_features, m)
+    if VARIANTS[variant].uses_alg and search_algs and key not in searched:
+        mod, searched[key], _ = algsearch.search(variant, lin, m)
+        return mod
+    return VARIANTS[variant](lin, alg_id=searched.get(key, 0))
+
+
+def _keep_faster_fusion(model: nn.Module, inputs: Any, fused: list, searched: dict,
+                        search_algs: bool, report: AccelReport) -> None:
+    """Fusion is kept where the whole model measures faster with it. A wider GEMM is faster by
+    itself, but its members' outputs are strided slices, and what reads them may slow down (an
+    elementwise SwiGLU on two slices leaves PyTorch's vectorized path). So the groups of one
+    kind (same member names and shapes, e.g. every layer's gate_proj+up_proj) are split back
+    into separate GEMMs together, the model is timed again, and the faster form stays."""
+    kinds: dict[tuple, list] = {}
+    for unit, members, decision in fused:
+        kind = (tuple(n.rsplit(".", 1)[-1] for n in unit),
+                tuple((lin.out_features, lin.in_features) for lin in members))
+        kinds.setdefault(kind, []).append((unit, members, decision))
+    with torch.no_grad():
+        t_best = graph_time_us(lambda: _call(model, inputs), calls=1)
+    for kind, groups in kinds.items():
+        slices = {n: model.get_submodule(n) for unit, _, _ in groups for n in unit}
+        for unit, members, decision in groups:
+            for name, lin in zip(unit, members):
+                model.set_submodule(name, _build(decision.variant, lin, decision.tokens,
+                                                 searched, search_algs))
+        with torch.no_grad():
+            t_split = graph_time_us(lambda: _call(model, inputs), calls=1)
+        label = "+".join(kind[0])
+        if t_split < t_best:
+            for _, _, decision in groups:
+                decision.reason += (f"; run as separate GEMMs: the model measured faster so "
+                                    f"({t_split:.1f} us vs {t_best:.1f} us fused)")
+            report.notes.append(f"fusion of {label} ({len(groups)} groups) dropped: model "
+                                f"{t_split:.1f} us split vs {t_best:.1f} us fused")
+            t_best = t_split
+        else:
+            for name, mod in slices.items():
+                model.set_submodule(name, mod)
+            report.notes.append(f"fusion of {label} ({len(groups)} groups) kept: model "
+                                f"{t_best:.1f} us fused vs {t_split:.1f} us split")
 
 
 def accelerate(
@@ -226,6 +268,7 @@ def accelerate(
     originals: dict[str, nn.Module] = {}
     searched: dict[tuple, int] = {}
     planned: dict[tuple, LayerDecision] = {}
+    fused: list[tuple[list[str], list[nn.Linear], LayerDecision]] = []
     for unit in units:
         members = [model.get_submodule(n) for n in unit]
         lin = members[0] if len(unit) == 1 else fuse_mod.fused_linear(members)
@@ -258,6 +301,9 @@ def accelerate(
             model.set_submodule(unit[0], chosen)
         else:
             fuse_mod.install(model, unit, chosen, [mem.out_features for mem in members])
+            fused.append((unit, members, decision))
+    if fused:
+        _keep_faster_fusion(model, inputs, fused, searched, search_algs, report)
     with torch.no_grad():
         report.model_us["accelerated"] = graph_time_us(lambda: _call(model, inputs), calls=1)
     if sparsity == "auto" and report.model_us["accelerated"] > report.model_us["dense"]:

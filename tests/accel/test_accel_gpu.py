@@ -176,6 +176,8 @@ def test_siblings_fused_and_accurate(precision):
     assert set(layers) == {"q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj"}
     assert layers["q_proj+k_proj+v_proj"].out_features == 768
     assert layers["gate_proj+up_proj"].variant == f"{precision}_2:4"
+    notes = " ".join(fast.sparsekit_report.notes)  # each fusion kept or dropped by measurement
+    assert "fusion of q_proj+k_proj+v_proj" in notes and "fusion of gate_proj+up_proj" in notes
     for n in (4, 2, 4):  # two graphs; replays after another bucket's stay right
         assert rel_err(fast(xs[n]), refs[n]) <= TOL[precision]
     unfused = sk.accelerate(copy.deepcopy(block).float(), xs[4], precision=precision,

@@ -74,3 +74,49 @@ def test_changed_call_pattern_recomputes():
 def test_fused_linear_needs_one_in_features():
     with pytest.raises(ValueError, match="one in_features"):
         fuse.fused_linear([nn.Linear(8, 4), nn.Linear(6, 4)])
+
+
+def test_fusion_kept_only_where_the_model_measures_faster(monkeypatch):
+    """_keep_faster_fusion on recorded timings: q/k/v fused is faster, gate/up split is."""
+    from sparsekit.accel import api
+    from sparsekit.accel.report import AccelReport, LayerDecision
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(8, 8) for _ in range(3))
+            self.gate, self.up = nn.Linear(8, 16), nn.Linear(8, 16)
+
+        def forward(self, x):
+            return self.q(x) + self.k(x) + self.v(x) + (self.gate(x) * self.up(x))[..., :8]
+
+    torch.manual_seed(0)
+    model = Two().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    ref = model(x)
+    report = AccelReport("bf16", "2:4", 1.0, "test")
+    fused = []
+    for unit in (["q", "k", "v"], ["gate", "up"]):
+        members = [model.get_submodule(n) for n in unit]
+        d = LayerDecision("+".join(unit), 0, 8, 4, True, "bf16_2:4", "2:4")
+        report.layers.append(d)
+        fuse.install(model, unit, fuse.fused_linear(members), [m.out_features for m in members])
+        fused.append((unit, members, d))
+
+    def fake_time(fn, calls=1):  # split q/k/v: +10 us; split gate/up: -20 us
+        fn()
+        t = 100.0
+        t += 0 if isinstance(model.q, fuse.SiblingOutput) else 10
+        t += 20 if isinstance(model.gate, fuse.SiblingOutput) else 0
+        return t
+
+    monkeypatch.setattr(api, "graph_time_us", fake_time)
+    monkeypatch.setattr(api, "_build", lambda variant, lin, m, searched, search: lin)
+    api._keep_faster_fusion(model, x, fused, {}, True, report)
+    assert isinstance(model.q, fuse.SiblingOutput) and isinstance(model.v, fuse.SiblingOutput)
+    assert isinstance(model.gate, nn.Linear) and isinstance(model.up, nn.Linear)
+    assert "separate GEMMs" in report.layers[1].reason
+    assert "separate" not in report.layers[0].reason
+    assert any("gate+up (1 groups) dropped" in n for n in report.notes)
+    assert any("q+k+v (1 groups) kept" in n for n in report.notes)
+    torch.testing.assert_close(model(x), ref)
