@@ -477,7 +477,13 @@ def shard_model(model: nn.Module) -> nn.Module:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0)
-    fully_shard(model)
+    # the mesh on the model's own device type: left to itself, fully_shard builds a CUDA mesh
+    # whenever CUDA is visible, even for a CPU (gloo) run
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (world_size(),)) if is_initialized() else None
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -191,10 +191,14 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))  # a CPU mesh even where CUDA is visible
+
     def sharded(m, root_only=False):
         for layer in () if root_only else (m[0], m[2], m[4]):
-            fully_shard(layer)
-        return fully_shard(m)
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
 
     calib = [torch.randn(6, 16, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
     wanda_kw = dict(pattern="2:4", criterion="wanda", include=["0", "2"])
@@ -319,6 +323,7 @@ TINY_CLI = [
     "data.kwargs.num_samples=300", "train.dense_steps=30", "train.finetune_steps=20",
     "train.log_every=5", "train.eval_every=5", "train.checkpoint_every=5",
     "schedule.end=10", "schedule.every=5", "bench=off", "train.quiet=true",
+    "train.device=cpu",  # gloo ranks, also on a GPU machine
 ]  # fmt: skip
 
 

@@ -20,6 +20,7 @@ TINY = [
     "data.kwargs.num_samples=300", "train.dense_steps=30", "train.finetune_steps=20",
     "train.log_every=5", "train.eval_every=5", "train.checkpoint_every=5",
     "schedule.end=10", "schedule.every=5", "bench=off", "train.quiet=true",
+    "train.device=cpu",  # bit-exact comparisons: GPU kernels are not deterministic run to run
 ]
 
 

@@ -154,6 +154,7 @@ def load(mode, path, device, model, opt, pruner) -> int:
 
 
 def run_mode(a, mode: str, device: torch.device, data) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     cuda = device.type == "cuda"
@@ -171,7 +172,8 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
         wrapped = D.wrap_ddp(model, device)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kw = {"mp_policy": mp} if cuda else {}
+        # on CPU name the mesh: left to itself fully_shard builds a CUDA one if CUDA is visible
+        kw = {"mp_policy": mp} if cuda else {"mesh": init_device_mesh("cpu", (D.world_size(),))}
         for layer in model.model.layers:
             fully_shard(layer, **kw)
         wrapped = fully_shard(model, **kw)
