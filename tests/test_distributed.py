@@ -28,6 +28,8 @@ WORLD = 2
 
 
 def _entry(rank: int, init_file: str, check: str, out_dir: str) -> None:
+    # CPU ranks (gloo), also on a GPU machine: fully_shard's default mesh follows CUDA if seen
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -191,14 +193,10 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (WORLD,))  # a CPU mesh even where CUDA is visible
-
     def sharded(m, root_only=False):
         for layer in () if root_only else (m[0], m[2], m[4]):
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(m, mesh=mesh)
+            fully_shard(layer)
+        return fully_shard(m)
 
     calib = [torch.randn(6, 16, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
     wanda_kw = dict(pattern="2:4", criterion="wanda", include=["0", "2"])
