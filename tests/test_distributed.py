@@ -35,6 +35,9 @@ def _entry(rank: int, init_file: str, check: str, out_dir: str) -> None:
     try:
         globals()[check](rank, out_dir)
         open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+        # both ranks done before either tears down its gloo connections: a rank destroying
+        # its group while the other still talks aborted now and then ("terminate called...")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
