@@ -30,6 +30,8 @@ RUNS = {  # name: CLI arguments
     "24_int8_qat_all_layers": ["recipe=mnist1d_24_int8_qat", "prune.exclude=[]"],
     "24_fp8_qat_all_layers": ["recipe=mnist1d_24_fp8_qat", "prune.exclude=[]"],
     "24_all_layers": [],
+    "unstructured90": ["recipe=mnist1d_cnn_unstructured90_cubic"],
+    "unstructured80": ["recipe=mnist1d_cnn_unstructured90_cubic", "prune.sparsity=0.8"],
 }
 SMOKE = ["data.kwargs.num_samples=300", "train.dense_steps=20", "train.finetune_steps=10",
          "schedule.end=5", "bench=off"]

@@ -1,5 +1,6 @@
-"""Sibling linears fused into one GEMM: layers that read the very same input tensor (attention's
-q/k/v projections, a SwiGLU MLP's gate and up projections) run as one wider matrix product.
+"""Sibling linears fused into one GEMM: layers called one after another on the very same input
+tensor (attention's q/k/v projections, a SwiGLU MLP's gate and up projections) run as one wider
+matrix product.
 
 One wide GEMM instead of two or three narrow ones keeps the tensor cores busier (the 2:4 and
 8-bit kernels gain most on wide layers) and, for fp8/int8, quantizes the shared activation once
@@ -22,31 +23,40 @@ import torch
 from torch import nn
 
 
-def sibling_groups(model: nn.Module, run: Callable[[], Any], names: list[str]) -> list[list[str]]:
-    """Among the ``nn.Linear`` modules ``names`` of ``model``, the groups (2 or more, in call
-    order) that are called exactly once by ``run()`` (one forward) and all with the same input
-    tensor object."""
-    first_input: dict[str, torch.Tensor] = {}  # holding the inputs: no id() is reused
+def observe(model: nn.Module, run: Callable[[], Any], names: list[str]
+            ) -> tuple[dict[str, int], list[list[str]]]:
+    """One forward (``run()``) watching the ``nn.Linear`` modules ``names`` of ``model``:
+    returns the token count (input rows) each was first called with, and the sibling groups:
+    runs of 2 or more consecutive calls (among these linears) on the very same input tensor
+    object, keeping members called exactly once. Only the current run's input is held, so
+    memory stays one activation whatever the model's size."""
+    tokens: dict[str, int] = {}
     calls: dict[str, int] = {}
+    runs: list[list[str]] = []
+    current: list[Any] = [None]  # the input of the run being collected (a strong reference)
     hooks = []
     for name in names:
 
         def hook(m, args, name=name):
+            x = args[0]
+            tokens.setdefault(name, x.numel() // m.in_features)
             calls[name] = calls.get(name, 0) + 1
-            first_input.setdefault(name, args[0])
+            if x is current[0]:
+                runs[-1].append(name)
+            else:
+                current[0] = x
+                runs.append([name])
 
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
             run()
     finally:
+        current[0] = None
         for h in hooks:
             h.remove()
-    by_input: dict[int, list[str]] = {}
-    for name, x in first_input.items():  # dicts keep insertion (= first call) order
-        if calls[name] == 1:
-            by_input.setdefault(id(x), []).append(name)
-    return [g for g in by_input.values() if len(g) > 1]
+    groups = [[n for n in r if calls[n] == 1] for r in runs]
+    return tokens, [g for g in groups if len(g) > 1]
 
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
@@ -121,4 +131,4 @@ def install(model: nn.Module, names: list[str], module: nn.Module, sizes: list[i
         model.set_submodule(name, SiblingOutput(shared, i, group))
 
 
-__all__ = ["SiblingOutput", "fused_linear", "install", "sibling_groups"]
+__all__ = ["SiblingOutput", "fused_linear", "install", "observe"]

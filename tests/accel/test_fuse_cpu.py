@@ -31,8 +31,11 @@ def test_groups_are_same_input_called_once():
     torch.manual_seed(0)
     model = Block().double()
     x = torch.randn(3, 8, dtype=torch.float64)
-    assert fuse.sibling_groups(model, lambda: model(x), names_of(model)) == [["q", "k", "v"]]
-    assert fuse.sibling_groups(model, lambda: model(x), ["k", "v"]) == [["k", "v"]]
+    tokens, groups = fuse.observe(model, lambda: model(x), names_of(model))
+    assert groups == [["q", "k", "v"]]
+    assert tokens == {n: 3 for n in names_of(model)}
+    assert fuse.observe(model, lambda: model(x), ["k", "v"])[1] == [["k", "v"]]
+    assert fuse.observe(model, lambda: model(x[:2]), ["q", "o"]) == ({"q": 2, "o": 2}, [])
     assert not model.q._forward_pre_hooks  # hooks removed
 
 
@@ -112,7 +115,7 @@ def test_fusion_kept_only_where_the_model_measures_faster(monkeypatch):
 
     monkeypatch.setattr(api, "graph_time_us", fake_time)
     monkeypatch.setattr(api, "_build", lambda variant, lin, m, searched, search: lin)
-    api._keep_faster_fusion(model, x, fused, {}, True, report)
+    assert api._keep_faster_fusion(model, x, fused, {}, True, report) == 100.0  # as left
     assert isinstance(model.q, fuse.SiblingOutput) and isinstance(model.v, fuse.SiblingOutput)
     assert isinstance(model.gate, nn.Linear) and isinstance(model.up, nn.Linear)
     assert "separate GEMMs" in report.layers[1].reason
