@@ -133,15 +133,16 @@ def check_overrides(overrides: Sequence[str]) -> None:
 
 
 def latest_run(root: Path = RUNS) -> Path | None:
-    """The most recently written run directory under ``root``: one with a resume checkpoint,
-    or one killed before its first (during dense training: no summary.json yet)."""
+    """The most recently written unfinished run directory under ``root`` (no summary.json):
+    one with a resume checkpoint, or one killed before its first (during dense training)."""
     from sparsekit.pipeline import CHECKPOINT
 
     def written(run_dir: Path) -> float | None:
-        if (run_dir / CHECKPOINT).exists():
-            return (run_dir / CHECKPOINT).stat().st_mtime
-        if (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists():
-            return (run_dir / "config.yaml").stat().st_mtime
+        if (run_dir / "summary.json").exists():
+            return None  # finished: resume=DIR still re-runs its last stages
+        for f in (run_dir / CHECKPOINT, run_dir / "config.yaml"):
+            if f.exists():
+                return f.stat().st_mtime
         return None
 
     found = [(t, d) for d in root.glob("*/") if (t := written(d)) is not None
@@ -159,7 +160,7 @@ def resume_argv(argv: list[str]) -> list[str]:
     run_dir = latest_run() if value.lower() in ("true", "yes", "1") else Path(value)
     if run_dir is None:
         fail(ValueError(
-            f"resume={value}: no unfinished or checkpointed run under {RUNS.resolve()}"))
+            f"resume={value}: no unfinished run under {RUNS.resolve()}"))
     if not (run_dir / ".hydra" / "overrides.yaml").exists():
         fail(ValueError(f"resume={value}: {run_dir} is not a sparsekit run directory"))
     original = [

@@ -12,9 +12,10 @@ True
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from sparsekit.patterns import parse_pattern
 
 PATTERN_HELP = "'unstructured', 'none' or 'N:M' with 0 < N < M (e.g. '2:4')"
 CRITERIA = ("magnitude", "wanda", "sparsegpt")
@@ -210,12 +211,13 @@ def _at_least(key: str, value: float, low: float) -> None:
 def parse_nm(pattern: str) -> tuple[int, int] | None:
     """``"2:4" -> (2, 4)``; ``"unstructured"``/``"none"`` -> None; anything else raises
     :class:`ConfigError` naming ``prune.pattern`` and the allowed values."""
-    if pattern in ("unstructured", "none"):
+    if pattern == "none":
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(pattern))
-    if m is None or not 0 < int(m.group(1)) < int(m.group(2)):
-        raise ConfigError(f"prune.pattern={pattern!r} is not allowed; choose {PATTERN_HELP}")
-    return int(m.group(1)), int(m.group(2))
+    try:
+        return parse_pattern(pattern)
+    except (ValueError, TypeError):
+        raise ConfigError(
+            f"prune.pattern={pattern!r} is not allowed; choose {PATTERN_HELP}") from None
 
 
 def validate(cfg: Config) -> Config:

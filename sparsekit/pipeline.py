@@ -31,6 +31,7 @@ import sparsekit as sk
 from sparsekit import distributed as D
 from sparsekit._io import atomic_torch_save, atomic_write, safe_torch_load
 from sparsekit.bench import benchmark
+from sparsekit.checkpoint import load_state_dict
 from sparsekit.config import Config, validate
 from sparsekit.data import DataBundle, build_data, cache_root
 from sparsekit.models import build_model
@@ -67,7 +68,8 @@ def baseline_key(cfg: Config) -> str:
     t = cfg.train
     spec = {
         "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "checkpoint"},
-        "data": dataclasses.asdict(cfg.data),
+        # what the training sees: not the evaluation settings, which need no retraining
+        "data": [cfg.data.name, cfg.data._target_, cfg.data.kwargs, cfg.data.batch_size],
         "train": [t.dense_steps, t.dense_lr, t.optimizer, t.weight_decay, t.lr_schedule,
                   t.warmup_steps, t.grad_clip, t.seed],
         "torch": torch.__version__.split("+")[0],
@@ -77,11 +79,9 @@ def baseline_key(cfg: Config) -> str:
 
 
 def save_weights(model: nn.Module, path: str | os.PathLike) -> Path:
-    """``sk.save`` (portable, compressed) when present, else a safetensors state dict."""
-    saver = getattr(sk, "save", None)
-    if saver is not None:
-        return atomic_write(path, lambda tmp: saver(model, tmp))
-    return atomic_write(path, lambda tmp: save_model(model, tmp))
+    """``sk.save`` (portable, compressed; it writes atomically itself)."""
+    sk.save(model, path)
+    return Path(path)
 
 
 def file_size(model: nn.Module) -> int:
@@ -90,12 +90,23 @@ def file_size(model: nn.Module) -> int:
         return save_weights(model, Path(d) / "m.safetensors").stat().st_size
 
 
+def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
+    """Weights from a safetensors file: one ``sk.save`` wrote (compressed tensors expanded), or
+    a plain state dict."""
+    try:
+        state = load_state_dict(path)
+    except ValueError:  # not a sparsekit checkpoint: a plain safetensors state dict
+        load_model(model, os.fspath(path))
+        return
+    model.load_state_dict(state)
+
+
 def load_dense(model: nn.Module, path: str) -> None:
     """Dense weights from a user file: safetensors, or a torch state dict (``weights_only``)."""
     if not Path(path).exists():
         raise ValueError(f"model.checkpoint={path!r} does not exist")
     if str(path).endswith(".safetensors"):
-        load_model(model, path)
+        load_safetensors(model, path)
         return
     state = safe_torch_load(path)
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
@@ -113,7 +124,7 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
         return model, f"checkpoint {cfg.model.checkpoint}"
     path = cache_root(cfg.cache_dir) / "baselines" / f"{baseline_key(cfg)}.safetensors"
     if path.exists():
-        load_model(model, str(path), device=str(device))
+        load_safetensors(model, path)
         return model, f"cached {path}"
     t = cfg.train
     optimizer = make_optimizer(model.parameters(), t.optimizer, t.dense_lr, t.weight_decay)

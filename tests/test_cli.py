@@ -65,7 +65,7 @@ def run_cli(args: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
         (["prune.sparsity=lots"], "prune.sparsity=lots: Value 'lots' of type 'str'"),
         (["prune.typo=1"], "prune.typo: unknown key; allowed keys in prune: pattern"),
         (["-m", "prune=unstructured", "prune.sparsity=0.5,1.5"], "prune.sparsity=1.5 must be"),
-        (["resume=true"], "resume=true: no unfinished or checkpointed run"),
+        (["resume=true"], "resume=true: no unfinished run"),
         (["runs/x"], "cannot parse 'runs/x': arguments are key=value or group=option"),
     ],
 )
@@ -211,3 +211,50 @@ def test_dense_baseline_is_reproducible(tmp_path, capsys):
         assert run_cli(args, tmp_path, capsys)[0] == 0
     (a,), (b,) = [list((tmp_path / f"c{i}" / "baselines").iterdir()) for i in (1, 2)]
     assert a.name == b.name and a.read_bytes() == b.read_bytes()
+
+
+def test_latest_run_is_the_newest_unfinished(tmp_path):
+    """resume=true: a run finished later does not shadow one that was killed."""
+    import os
+
+    from sparsekit.cli import latest_run
+    from sparsekit.pipeline import CHECKPOINT
+
+    def make(name, files, mtime):
+        d = tmp_path / name
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("[]\n")
+        for f in files:
+            (d / f).parent.mkdir(parents=True, exist_ok=True)
+            (d / f).write_text("x")
+            os.utime(d / f, (mtime, mtime))
+        return d
+
+    assert latest_run(tmp_path) is None
+    killed_in_dense = make("a", ["config.yaml"], 100)
+    assert latest_run(tmp_path) == killed_in_dense
+    killed_in_finetune = make("b", ["config.yaml", str(CHECKPOINT)], 200)
+    assert latest_run(tmp_path) == killed_in_finetune
+    make("c", ["config.yaml", str(CHECKPOINT), "summary.json"], 300)  # finished, newest
+    assert latest_run(tmp_path) == killed_in_finetune
+
+
+def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
+    """model.checkpoint may be the model.safetensors of an earlier run (compressed 2:4 and
+    bitmask tensors), as well as a plain safetensors state dict."""
+    from safetensors.torch import save_model
+
+    import sparsekit as sk
+    from sparsekit.models import build_model
+    from sparsekit.pipeline import load_dense
+
+    torch.manual_seed(0)
+    src = build_model("mnist1d_cnn")
+    sk.prune_(src, pattern="2:4", include=["conv2", "conv3", "linear"])
+    sk.save(src, tmp_path / "run.safetensors")
+    save_model(src, str(tmp_path / "plain.safetensors"))
+    for name in ("run.safetensors", "plain.safetensors"):
+        dst = build_model("mnist1d_cnn")
+        load_dense(dst, str(tmp_path / name))
+        for k, v in src.state_dict().items():
+            assert torch.equal(dst.state_dict()[k], v), (name, k)
