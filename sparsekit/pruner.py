@@ -245,7 +245,8 @@ class Pruner:
         if not self.modules:
             return False
         if self._held:  # undo what the optimizer step did to pruned weights
-            D.reshard(self.model)  # FSDP2: the sharded weights, and no stale gathered copies
+            if self._sharded:  # FSDP2: the sharded weights, and no stale gathered copies
+                D.reshard(self.model)
             with torch.no_grad():
                 for name, module in self.modules.items():
                     D.local(module.weight).masked_fill_(~self._local_masks[name], 0)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from sparsekit.patterns import is_nm, nm_incompatibility, parse_pattern
-from sparsekit.select import PRUNABLE_TYPES, select_modules
+from sparsekit.select import select_modules
 
 
 @dataclass
@@ -101,10 +101,10 @@ def sparsity_report(
     >>> sparsity_report(torch.nn.Sequential(layer)).global_sparsity
     0.5
     """
-    from sparsekit.quant.modules import QuantConv, QuantLinear
+    from sparsekit.quant.layers import LAYER_TYPES  # quantized layers keep their zeros too
 
-    types = (*PRUNABLE_TYPES, QuantLinear, QuantConv)  # quantized layers keep their zeros
-    return build_report(select_modules(model, include, exclude, types=types), pattern, skipped)
+    return build_report(select_modules(model, include, exclude, types=LAYER_TYPES), pattern,
+                        skipped)
 
 
 def _zeros(weight) -> int:

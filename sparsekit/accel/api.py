@@ -271,7 +271,7 @@ def accelerate(
             decision.variant, decision.reason = first.variant, first.reason
             decision.confirmed_speedup = first.confirmed_speedup
             chosen = None if first.variant == BASELINE else \
-                VARIANTS[first.variant](lin, alg_id=first.alg_ids.get(first.variant, 0))
+                _build(first.variant, lin, m, searched, search_algs)
         else:
             planned[shape_key] = decision
             chosen = _plan_layer(lin, m, cands, decision, sparsity, min_speedup, search_algs,
@@ -287,7 +287,7 @@ def accelerate(
     if fused:  # times the model as it leaves it: that is the accelerated time
         report.model_us["accelerated"] = _keep_faster_fusion(model, inputs, fused, searched,
                                                              search_algs, report)
-    if "accelerated" not in report.model_us:
+    else:
         with torch.no_grad():
             report.model_us["accelerated"] = graph_time_us(lambda: _call(model, inputs), calls=1)
     if sparsity == "auto" and report.model_us["accelerated"] > report.model_us["dense"]:

@@ -10,7 +10,8 @@ pattern (along the input dimension) and per-output-channel scales carry over unc
 The members of a group are replaced by :class:`SiblingOutput` modules: the first member called
 in a forward runs the fused GEMM on its input, and every member returns its slice (a view) of
 that output. A member called with a different tensor than the one the output was computed for
-recomputes, so a model whose call pattern changes stays correct (it only loses the fusion).
+(or the same tensor written in place since) recomputes, so a model whose call pattern changes
+stays correct (it only loses the fusion).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def observe(model: nn.Module, run: Callable[[], Any], names: list[str]
     tokens: dict[str, int] = {}
     calls: dict[str, int] = {}
     runs: list[list[str]] = []
-    current: list[Any] = [None]  # the input of the run being collected (a strong reference)
+    current: list[Any] = [None, -1]  # the input of the run being collected, and its version
     hooks = []
     for name in names:
 
@@ -41,10 +42,10 @@ def observe(model: nn.Module, run: Callable[[], Any], names: list[str]
             x = args[0]
             tokens.setdefault(name, x.numel() // m.in_features)
             calls[name] = calls.get(name, 0) + 1
-            if x is current[0]:
+            if x is current[0] and x._version == current[1]:  # same tensor, not written since
                 runs[-1].append(name)
             else:
-                current[0] = x
+                current[0], current[1] = x, x._version
                 runs.append([name])
 
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
@@ -87,13 +88,15 @@ class _Shared:
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = sizes
         self._input: weakref.ref | None = None
+        self._version = -1  # of the input when the output was computed
         self._out: torch.Tensor | None = None
         self._left: set[int] = set()
 
     def take(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if self._out is None or index not in self._left or self._input() is not x:
+        if (self._out is None or index not in self._left or self._input() is not x
+                or x._version != self._version):  # a new input, or this one written in place
             self._out = self.module(x)
-            self._input = weakref.ref(x)
+            self._input, self._version = weakref.ref(x), x._version
             self._left = set(range(len(self.sizes)))
         out = self._out
         self._left.discard(index)
