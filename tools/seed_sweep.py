@@ -38,16 +38,19 @@ SMOKE = ["data.kwargs.num_samples=300", "train.dense_steps=20", "train.finetune_
 
 
 def run_one(name: str, seed: int, out_dir: Path, smoke: bool) -> dict:
+    """One CLI run; reused from an earlier sweep only if it ran with the same arguments."""
     run_dir = out_dir / "runs" / f"{name}_s{seed}"
-    summary = run_dir / "summary.json"
-    if not summary.exists():
-        args = [sys.executable, "-m", "sparsekit", *RUNS[name], f"train.seed={seed}",
-                f"cache_dir={out_dir / 'cache'}", f"hydra.run.dir={run_dir}",
-                *(SMOKE if smoke else [])]
+    summary, used = run_dir / "summary.json", run_dir / "sweep_args.json"
+    args = [*RUNS[name], f"train.seed={seed}", f"cache_dir={out_dir / 'cache'}",
+            f"hydra.run.dir={run_dir}", *(SMOKE if smoke else [])]
+    if not (summary.exists() and used.exists() and json.loads(used.read_text()) == args):
+        summary.unlink(missing_ok=True)
         env = {**os.environ, "SPARSEKIT_QUIET": "1"}
-        done = subprocess.run(args, env=env, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "sparsekit", *args], env=env,
+                              capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-2000:]}")
+        used.write_text(json.dumps(args))
     s = json.loads(summary.read_text())
     return {"dense": s["dense"]["accuracy"], "compressed": s["compressed"]["accuracy"],
             "size_bytes": s["compressed"]["size_bytes"]}

@@ -1,24 +1,11 @@
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_smoke_reports_dense_vs_pruned_ratios(tmp_path):
+def test_smoke_reports_dense_vs_pruned_ratios(tmp_path, run_tool):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "bench_cpu.py"),
-        "--smoke",
-        "--threads",
-        "1",
-        "--fuse",
-    ]
-    subprocess.run([*cmd, "--out", str(out), "--md", str(md)], check=True, capture_output=True)
+    run_tool("bench_cpu.py", "--smoke", "--threads", 1, "--fuse", "--out", out, "--md", md)
     r = json.loads(out.read_text())
     # the mnist1d CNN has 8010 parameters; half of its 32 conv channels go (round_to=8)
     assert r["fused"] is True

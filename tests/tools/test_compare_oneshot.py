@@ -1,24 +1,9 @@
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_smoke_writes_the_table(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "compare_oneshot.py"),
-            "--smoke",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        check=True,
-        capture_output=True,
-    )
+def test_smoke_writes_the_table(tmp_path, run_tool):
+    run_tool("compare_oneshot.py", "--smoke", "--out-dir", tmp_path)
     result = json.loads((tmp_path / "oneshot.json").read_text())
     assert set(result["runs"]) == {
         f"{c}/{s}" for c in ("magnitude", "wanda", "sparsegpt") for s in ("50% unstructured", "2:4")

@@ -2,29 +2,14 @@
 SIGKILL mid fine-tuning, then resumed from its torch.distributed.checkpoint shards)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed gloo")
-def test_smoke_ddp_and_fsdp2_kill_resume(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "multigpu_run.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        capture_output=True,
-    )
+def test_smoke_ddp_and_fsdp2_kill_resume(tmp_path, run_tool):
+    run_tool("multigpu_run.py", "--smoke", "--out", tmp_path)
     r = json.loads((tmp_path / "multigpu.json").read_text())
     assert r["killed_run_exit_code"] != 0 and r["resumed_run_exit_code"] == 0
     assert r["fsdp2_resumed_from"] == 4  # killed after step 5, last checkpoint after step 3

@@ -1,16 +1,9 @@
 import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_smoke_table_matches_the_runs(tmp_path):
+def test_smoke_table_matches_the_runs(tmp_path, run_tool):
     """Each run's summary.json feeds one row; the diff column is run minus its seed's dense."""
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "seed_sweep.py"), "--smoke",
-                           "--out-dir", str(tmp_path)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
     res = json.loads((tmp_path / "seed_sweep.json").read_text())
     assert list(res) == ["ptq_int8", "ptq_fp8"] and list(res["ptq_int8"]) == ["0"]
     for name, per_seed in res.items():
@@ -22,3 +15,18 @@ def test_smoke_table_matches_the_runs(tmp_path):
         assert f"{diff:+.2f}" in row
     # one dense baseline trained for the seed, reused by the second run
     assert len(list((tmp_path / "cache" / "baselines").glob("*.safetensors"))) == 1
+
+
+def test_a_run_is_reused_only_with_the_same_arguments(tmp_path, run_tool):
+    """A second sweep reuses the smoke runs as they are, but a full sweep into the same folder
+    would not: the stored arguments differ, so the run is made again."""
+    run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
+    summary = tmp_path / "runs" / "ptq_int8_s0" / "summary.json"
+    first = summary.stat().st_mtime_ns
+    run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
+    assert summary.stat().st_mtime_ns == first  # reused
+    args = tmp_path / "runs" / "ptq_int8_s0" / "sweep_args.json"
+    args.write_text(json.dumps(["something", "else"]))  # as if RUNS had changed
+    run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
+    assert summary.stat().st_mtime_ns != first  # made again
+    assert "data.kwargs.num_samples=300" in json.loads(args.read_text())

@@ -1,0 +1,21 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run_tool():
+    """``run_tool("bench_cpu.py", "--smoke", ...)``: the script under tools/ in a subprocess;
+    a failure shows the end of its stderr. Returns the CompletedProcess (text output)."""
+
+    def run(script: str, *args) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / script), *map(str, args)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    return run
