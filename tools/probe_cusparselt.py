@@ -2,24 +2,22 @@
 
     python tools/probe_cusparselt.py --out-dir out     # CUDA only; writes probe.json
 
-Three questions, on the Llama-7B/70B MLP shapes at M in {1024, 4096, 16384}:
+Two questions, on the Llama-7B/70B MLP shapes at M in {1024, 4096, 16384}:
 1. split-k: does ``split_k`` / ``split_k_mode`` on top of the best alg_id make bf16 2:4 faster?
 2. static fp8: with a per-tensor weight scale and a calibrated (static) activation scale, the
    whole dequantization is one scalar; torch passes a one-element ``alpha`` to cuSPARSELt as a
    host scalar. Does that work from a CPU tensor under CUDA-graph capture, and how fast is
    "one cast pass + GEMM (alpha and bias fused)" against the dynamic path (per-token scales,
    Triton epilogue)?
-3. the precision floor of end-to-end ViT-B/16: the error of the plain bf16 model and of fp8
-   dense layers (no sparsity) against fp32, to compare with the 2:4 figures.
+(Its first run also measured ViT-B's precision floors; tools/bench_gpu.py now does that, as
+its ``bf16_dense`` and ``fp8_dense`` rows.)
 Every time is a CUDA-graph replay median; ratios are to cuBLAS bf16 dense in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -28,6 +26,10 @@ import torch.nn.functional as F
 
 from sparsekit.accel import actquant, kernels
 from sparsekit.accel.timing import graph_time_us
+from sparsekit.patterns import nm_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import geomean, rel_err  # noqa: E402
 
 SHAPES = [("Llama-7B up", 4096, 11008), ("Llama-7B down", 11008, 4096),
           ("Llama-70B up", 8192, 28672), ("Llama-70B down", 28672, 8192)]
@@ -60,12 +62,6 @@ def t_us(fn) -> float:
     return graph_time_us(fn, replays=5)
 
 
-def mask_24(w: torch.Tensor) -> torch.Tensor:
-    g = w.reshape(w.shape[0], -1, 4)
-    keep = g.abs().topk(2, dim=-1).indices
-    return (g * torch.zeros_like(g, dtype=torch.bool).scatter_(-1, keep, True)).reshape(w.shape)
-
-
 def scan(fn_for_alg, max_alg: int = 64, **kw) -> dict[int, float]:
     out = {}
     for a in range(max_alg):
@@ -78,13 +74,10 @@ def scan(fn_for_alg, max_alg: int = 64, **kw) -> dict[int, float]:
     return out
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def gemm_probe(name: str, k: int, n: int, m: int) -> dict:
     torch.manual_seed(0)
-    w = mask_24(torch.randn(n, k, device="cuda") * 0.02)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    w = w * nm_mask(w.abs(), 2, 4)  # magnitude 2:4
     bias = torch.randn(n, device="cuda") * 0.1
     x = torch.randn(m, k, device="cuda")
     wb, xb, bb = w.bfloat16(), x.bfloat16(), bias.bfloat16()
@@ -134,8 +127,8 @@ def gemm_probe(name: str, k: int, n: int, m: int) -> dict:
         y = fp8_static(0)()
         q = quant_static(xb, 1.0 / sa)
         ref = (q.float() @ wq.float().t()) * (sa * sw) + bb.float()
-        row["fp8_static_vs_ref"] = rel(y, ref)
-        row["fp8_static_vs_fp32"] = rel(y, x @ w.t() + bias)
+        row["fp8_static_vs_ref"] = rel_err(y, ref)
+        row["fp8_static_vs_fp32"] = rel_err(y, x @ w.t() + bias)
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -146,7 +139,7 @@ def gemm_probe(name: str, k: int, n: int, m: int) -> dict:
             yg = fp8_static(0)()
         g.replay()
         torch.cuda.synchronize()
-        row["fp8_static_graph_vs_eager"] = rel(yg, y)
+        row["fp8_static_graph_vs_eager"] = rel_err(yg, y)
         algs8 = scan(fp8_static)
         b8 = min(algs8, key=algs8.get)
         row["fp8_static_alg"], row["fp8_static_us"] = b8, algs8[b8]
@@ -169,26 +162,8 @@ def gemm_probe(name: str, k: int, n: int, m: int) -> dict:
     row["fp8_dynamic_us"] = algsd[bd]
     row["fp8_dynamic_ratio"] = row["dense_us"] / algsd[bd]
     mod.alg_id = bd
-    row["fp8_dynamic_vs_fp32"] = rel(mod(xb), x @ w.t() + bias)
+    row["fp8_dynamic_vs_fp32"] = rel_err(mod(xb), x @ w.t() + bias)
     return row
-
-
-def vit_floor() -> dict:
-    import torchvision
-
-    import sparsekit as sk
-    torch.manual_seed(0)
-    model = torchvision.models.vit_b_16().cuda().eval()
-    torch.nn.init.normal_(model.heads.head.weight, std=0.02)
-    x = torch.randn(64, 3, 224, 224, device="cuda")
-    out = {}
-    with torch.no_grad():
-        ref = model(x)
-        bf = copy.deepcopy(model).bfloat16()(x.bfloat16())
-        out["vit_bf16_dense_vs_fp32"] = rel(bf, ref)
-        fast = sk.accelerate(model, x, precision="fp8", sparsity="dense")
-        out["vit_fp8_dense_vs_fp32"] = rel(fast(x), ref)
-    return out
 
 
 def main(argv=None) -> int:
@@ -211,11 +186,7 @@ def main(argv=None) -> int:
     for key in ("bf16_ratio", "bf16_split_ratio", "fp8_static_ratio", "fp8_dynamic_ratio"):
         vals = [r[key] for r in rows if key in r]
         if vals:
-            res[f"geomean_{key}"] = math.exp(sum(map(math.log, vals)) / len(vals))
-    try:
-        res.update(vit_floor())
-    except Exception as e:  # noqa: BLE001 - report, keep the GEMM results
-        res["vit_error"] = repr(e)[:300]
+            res[f"geomean_{key}"] = geomean(vals)
     (args.out_dir / "probe.json").write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=1))
     return 0
