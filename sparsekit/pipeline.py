@@ -134,7 +134,7 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
     kill_at = int(os.environ.get(KILL_DENSE_ENV, "-1"))
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
-        if step % t.log_every == 0 or step == t.dense_steps - 1:
+        if metrics:  # fit fills them on logging steps
             tracker.scalars({f"dense_{k}": v for k, v in metrics.items()}, step)
         if (step + 1) % t.checkpoint_every == 0 and step != t.dense_steps - 1:
             if D.is_main():
@@ -145,7 +145,7 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
 
     fit(model, data.train, optimizer, steps=t.dense_steps, lr=t.dense_lr,
         batch_size=cfg.data.batch_size, seed=t.seed, start_step=start, warmup=t.warmup_steps,
-        lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=on_step,
+        lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=on_step, log_every=t.log_every,
         quiet=is_quiet(t.quiet), desc="dense training")
     if D.is_main():  # every rank trained the same model; one writes the cache
         atomic_write(path, lambda tmp: save_model(model, tmp))
@@ -380,7 +380,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     seen_progress = [None if pruner is None else pruner.progress]
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
-        if step % t.log_every == 0 or step == steps - 1:
+        if metrics:  # fit fills them on logging steps
             scalars = dict(metrics)
             if pruner is not None:
                 scalars["sparsity/global"] = pruner.report().global_sparsity
@@ -415,7 +415,8 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
             batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=start,
             warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=pruner,
             teacher=teacher, distill_alpha=t.distill.alpha, temperature=t.distill.temperature,
-            on_step=on_step, quiet=quiet, desc="fine-tuning", shard=mode != "none")
+            on_step=on_step, quiet=quiet, desc="fine-tuning", shard=mode != "none",
+            log_every=t.log_every)
     if channel_pruner is not None:
         channel_pruner.step(max(steps, cfg.schedule.end))  # the full ratio, even with few steps
         channel_report = channel_pruner.report()

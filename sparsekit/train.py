@@ -149,10 +149,13 @@ def fit(
     quiet: bool = False,
     desc: str = "train",
     shard: bool = False,
+    log_every: int = 1,
 ) -> None:
     """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
     ``pruner`` (anything with ``step(step)``) updates its masks, then ``on_step(step, metrics)``
-    gets ``{"train/loss", "train/lr"}`` (logging, evaluation, checkpoints happen there).
+    runs (logging, evaluation, checkpoints happen there). ``metrics`` is ``{"train/loss",
+    "train/lr"}`` every ``log_every`` steps and at the last step, and empty otherwise, so the
+    loss is read back from the device (and averaged over ranks) only when it is logged.
 
     ``shard``: under torchrun, with ``model`` wrapped in DDP or FSDP2 (which average gradients
     over ranks), each rank trains on its equal slice of every global batch of ``batch_size``, so
@@ -186,5 +189,8 @@ def fit(
         if pruner is not None:
             pruner.step(step)
         if on_step is not None:
-            loss_value = D.mean_over_ranks(loss.detach()) if shard else loss.detach()
-            on_step(step, {"train/loss": loss_value.item(), "train/lr": lr_now})
+            metrics = {}
+            if step % log_every == 0 or step == steps - 1:
+                loss_value = D.mean_over_ranks(loss.detach()) if shard else loss.detach()
+                metrics = {"train/loss": loss_value.item(), "train/lr": lr_now}
+            on_step(step, metrics)

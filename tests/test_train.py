@@ -89,6 +89,11 @@ def test_fit_learns_and_respects_masks():
         teacher=None, on_step=lambda s, m: seen.append((s, m)), quiet=True)
     assert [s for s, _ in seen] == list(range(20))
     assert set(seen[0][1]) == {"train/loss", "train/lr"}
+    seen.clear()
+    fit(model, ds, opt, steps=20, lr=1e-3, batch_size=32, seed=1, pruner=pruner,
+        on_step=lambda s, m: seen.append((s, m)), quiet=True, log_every=8)
+    assert [s for s, m in seen if m] == [0, 8, 16, 19]  # the loss is read only when logged
+    assert [s for s, _ in seen] == list(range(20))
     zeros = (model[0].weight == 0).reshape(32, -1, 4).sum(-1)
     assert bool((zeros >= 2).all())  # the 2:4 pattern held through 19 optimizer steps
 
