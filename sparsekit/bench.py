@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from sparsekit.calibration import eval_mode
 from sparsekit.progress import progress
 
 
@@ -61,15 +62,11 @@ def benchmark(
     >>> sorted(r), r["latency_ms"] > 0
     (['latency_ms', 'throughput'], True)
     """
-    was_training = model.training
-    model.eval()
     one = example[:1]
     big = one.expand(batch_size, *one.shape[1:]).contiguous()
-    try:
+    with eval_mode(model):
         latency = time_call(lambda: model(one), one.device, warmup, repeats, f"{desc} b=1", quiet)
         batch_ms = time_call(
             lambda: model(big), big.device, warmup, repeats, f"{desc} b={batch_size}", quiet
         )
-    finally:
-        model.train(was_training)
     return {"latency_ms": latency, "throughput": batch_size / (batch_ms / 1e3)}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +45,18 @@ def call_model(model: nn.Module, batch: Any, calibration_fn: CalibrationFn | Non
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside the block; its training flag restored afterwards, also on
+    an exception."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def run_calibration(
     model: nn.Module,
     calibration: Iterable[Any],
@@ -53,15 +66,11 @@ def run_calibration(
     flag afterwards. Returns the number of batches. Raises ValueError when there are none."""
     if calibration is None:
         raise ValueError("calibration is required for this criterion: pass an iterable of batches")
-    was_training = model.training
-    model.eval()
     n = 0
-    try:
+    with eval_mode(model):
         for batch in calibration:
             call_model(model, batch, calibration_fn)
             n += 1
-    finally:
-        model.train(was_training)
     if n == 0:
         raise ValueError("calibration yielded no batches")
     return n

@@ -33,6 +33,7 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.calibration import eval_mode
 from sparsekit.schedules import Linear, OneShot, Schedule
 from sparsekit.select import name_matches
 
@@ -189,16 +190,6 @@ def _forward(model: nn.Module, example_inputs: Any) -> Any:
     return model(example_inputs)
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     """Leaf modules whose output tensor is returned by the model as it is. (torch-pruning marks
     an output only when an operation, not a module, produced it.)"""
@@ -314,7 +305,7 @@ class ChannelPruner:
         self._widths0, self._heads0 = _widths(model)
         self._hf_attention = [m for m in model.modules() if _is_hf_attention(m)]
         # Every forward pass here runs in eval mode: batch-norm statistics must not move.
-        with _eval_mode(model):
+        with eval_mode(model):
             self._counts0 = _count(model, example_inputs)
             self._tp = self._build_tp(self._ignored_modules(ignore))
             self._protected, self._mha_groups = self._special_groups()
@@ -397,7 +388,7 @@ class ChannelPruner:
         plan0 = channel_plan(self.model)
         state0 = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
-            with _eval_mode(self.model):
+            with eval_mode(self.model):
                 self._prune_to(target)
                 _sync_attributes(self.model)
                 self._check_forward()
@@ -415,7 +406,7 @@ class ChannelPruner:
         widths. Load the pruned weights afterwards."""
         # torch-pruning notes the starting widths at its first pruning step: take one that
         # removes nothing while the model still has them
-        with _eval_mode(self.model):
+        with eval_mode(self.model):
             self._prune_to(0.0)
         apply_channel_plan(self.model, plan)
         self.progress = float(progress)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit import distributed as D
-from sparsekit.calibration import _to_device
+from sparsekit.calibration import _to_device, eval_mode
 from sparsekit.progress import progress
 
 StepHook = Callable[[int, dict[str, float]], None]
@@ -106,22 +106,20 @@ def evaluate(
 ) -> dict[str, float]:
     """``{"loss", "accuracy"}`` for classification, ``{"loss", "perplexity"}`` (per target
     token, ``exp`` of the mean cross-entropy in nats) for a language model."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    loss_sum, correct, count = 0.0, 0, 0
-    batches = eval_batches(dataset, batch_size, max_batches)
-    total = -(-len(dataset) // batch_size)
-    total = total if max_batches is None else min(total, max_batches)
-    for x, y in progress(batches, quiet, desc="eval", leave=False, total=total):
-        x, y = _to_device(x, device), y.to(device)
-        logits = model(x)
-        loss_sum += F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
-        ).item()
-        correct += (logits.argmax(-1) == y).sum().item()
-        count += y.numel()
-    model.train(was_training)
+    with eval_mode(model):
+        device = next(model.parameters()).device
+        loss_sum, correct, count = 0.0, 0, 0
+        batches = eval_batches(dataset, batch_size, max_batches)
+        total = -(-len(dataset) // batch_size)
+        total = total if max_batches is None else min(total, max_batches)
+        for x, y in progress(batches, quiet, desc="eval", leave=False, total=total):
+            x, y = _to_device(x, device), y.to(device)
+            logits = model(x)
+            loss_sum += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
+            ).item()
+            correct += (logits.argmax(-1) == y).sum().item()
+            count += y.numel()
     loss = loss_sum / max(1, count)
     if task == "lm":
         return {"loss": loss, "perplexity": math.exp(loss)}
