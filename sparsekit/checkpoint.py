@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit._io import atomic_write
+from sparsekit.masks import mask_from_zeros
 
 FORMAT = "sparsekit"
 VERSION = 1
@@ -128,7 +129,7 @@ def unpack_2to4(values: torch.Tensor, meta: torch.Tensor, shape: list[int]) -> t
 def pack_bitmask(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(non-zero entries in row-major order, same dtype; packed 1-bit mask, uint8)."""
     raw = t.detach().cpu().contiguous().reshape(-1)
-    nz = raw.float().ne(0) if raw.element_size() == 1 else raw.ne(0)
+    nz = mask_from_zeros(raw)
     bits = np.packbits(nz.numpy(), bitorder="little")
     return raw[nz].clone(), torch.from_numpy(bits)
 
@@ -151,7 +152,7 @@ def _bitmask_pays(t: torch.Tensor) -> bool:
     """Non-zeros plus one bit per entry take less than 0.9x of the dense bytes."""
     if t.dtype not in _COMPRESSIBLE or t.numel() < 64:
         return False
-    nnz = int((t.float() if t.element_size() == 1 else t).ne(0).sum())
+    nnz = int(mask_from_zeros(t).sum())
     return nnz * t.element_size() + t.numel() / 8 < 0.9 * t.numel() * t.element_size()
 
 

@@ -92,5 +92,7 @@ def fold_mask(module: nn.Module) -> None:
 
 
 def mask_from_zeros(weight: torch.Tensor) -> torch.Tensor:
-    """Bool keep-mask of the nonzero entries of ``weight``."""
-    return weight.detach() != 0
+    """Bool keep-mask of the nonzero entries of ``weight`` (int8 / float8 weights, which support
+    few ops, are compared in float32)."""
+    w = weight.detach()
+    return (w.float() if w.element_size() == 1 else w) != 0

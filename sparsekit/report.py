@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from sparsekit.masks import mask_from_zeros
 from sparsekit.patterns import is_nm, nm_incompatibility, parse_pattern
 from sparsekit.select import select_modules
 
@@ -108,9 +109,7 @@ def sparsity_report(
 
 
 def _zeros(weight) -> int:
-    # 8-bit (int8, float8) weights support few ops: compare in float32
-    w = weight.detach()
-    return int(((w.float() if w.element_size() == 1 else w) == 0).sum())
+    return weight.numel() - int(mask_from_zeros(weight).sum())
 
 
 def build_report(
