@@ -118,11 +118,15 @@ class InputNormCollector:
 
         return hook
 
-    def norms(self) -> dict[str, torch.Tensor]:
-        """L2 norm of each input feature, float32, per module name."""
+    def check_reached(self) -> None:
+        """ValueError naming the layers no calibration batch reached."""
         missing = [n for n in self.modules if n not in self.sq]
         if missing:
             raise ValueError(f"calibration never reached layer(s) {missing}")
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        """L2 norm of each input feature, float32, per module name."""
+        self.check_reached()
         return {n: s.sqrt().float() for n, s in self.sq.items()}
 
 
@@ -141,6 +145,6 @@ def collect_input_norms(
     with InputNormCollector(modules) as collector:
         run_calibration(model, calibration, calibration_fn)
     if comm is not None:
-        collector.norms()  # raise for a layer never reached before entering the collective
+        collector.check_reached()  # raise before entering the collective, not inside it
         collector.sq = all_reduce_dict(collector.sq, comm)
     return collector.norms()
