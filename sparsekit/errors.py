@@ -1,0 +1,46 @@
+"""sparsekit's exception types: every error a user can cause has one of these, with a message
+that names the option, layer or file and what is allowed.
+
+They subclass the built-in types the public API has always raised (ValueError, TypeError,
+OSError), so ``except ValueError`` in user code keeps working. The command line maps them to
+exit codes: :class:`UsageError` (a bad option or value, found before the run starts) exits 2;
+any other :class:`SparsekitError` (found while running: a corrupt file, a checkpoint of another
+architecture, a full disk) exits 1 with one line; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class SparsekitError(Exception):
+    """Base of every error sparsekit raises on purpose (bad input, bad file, refused action)."""
+
+
+class UsageError(SparsekitError, ValueError):
+    """A bad option, argument or value: names it and the allowed values."""
+
+
+class ConfigTypeError(SparsekitError, TypeError):
+    """An argument of the wrong type: names it and the accepted types."""
+
+
+class FileFormatError(SparsekitError, ValueError):
+    """A file that is not what it should be (truncated, corrupt, another format or
+    architecture): names the file and what is wrong."""
+
+
+class UnsafeFileError(FileFormatError):
+    """A file asks for something sparsekit never does when loading (an import, a pickle)."""
+
+
+class StorageError(SparsekitError, OSError):
+    """A file or directory that cannot be written or read (permissions, full disk): names it."""
+
+
+class ModelCallError(SparsekitError, ValueError):
+    """The model cannot be called with the batches given (calibration, channels, accel): names
+    the layer or the batch and says how to pass ``calibration_fn``."""
+
+
+class NumericsError(SparsekitError, ValueError):
+    """Non-finite weights, activations or statistics where a finite value is needed: names the
+    layer."""
