@@ -13,6 +13,7 @@ from sparsekit.quant import QuantReport, convert_, prepare_qat_, quantize_
 from sparsekit.report import SparsityReport, sparsity_report
 from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
 from sparsekit.checkpoint import load, save
+from sparsekit.models.registry import register_model, registered_models
 from sparsekit.sensitivity import SensitivityTable, allocate, sensitivity
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "prune_",
     "prune_channels_",
     "quantize_",
+    "register_model",
+    "registered_models",
     "sensitivity",
     "sparsity_report",
 ]

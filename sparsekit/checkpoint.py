@@ -3,7 +3,7 @@
 The file holds tensors and one JSON metadata entry (key ``"sparsekit"``)::
 
     {"format": "sparsekit", "version": 1,
-     "model": {"_target_": "pkg.module.factory", **kwargs} | null,   # how to rebuild the model
+     "model": {"builder": NAME, "kwargs": {...}} | null,  # registered builder to rebuild it
      "channels": plan | null,      # sparsekit.channels.channel_plan(model), applied before load
      "quant": plan | null,         # sparsekit.quant.quant_plan(model), applied before load
      "sparse": {key: {"shape": [...]}},   # tensors stored as 2:4 kept values + metadata
@@ -18,9 +18,9 @@ byte as ``c0 + 6 c1 + 36 c2``). That is 0.54x the dense bytes for bf16 weights a
 int8/float8 weights (before the small per-channel scales). Other sparse tensors (unstructured
 pruning) are stored as ``key::nonzeros`` (the non-zero entries in order) and ``key::bitmask``
 (one bit per entry, numpy.packbits little-endian) when that is smaller than dense: 90% sparse
-fp32 weights take 0.13x. Nothing is pickled: loading reads
-tensors and JSON only, and the model is rebuilt by importing the factory named in ``model`` (as
-Hydra's ``instantiate`` does) or by passing a freshly built ``model`` to :func:`load`.
+fp32 weights take 0.13x. Nothing is pickled and nothing is imported: loading reads tensors
+and JSON only, and the model is rebuilt by the builder ``model`` names in the registry
+(:func:`sparsekit.register_model`) or passed as a freshly built ``model`` to :func:`load`.
 
 >>> import tempfile, os, torch
 >>> lin = torch.nn.Linear(8, 2, bias=False)
@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit._io import atomic_write
+from sparsekit.errors import ConfigTypeError, FileFormatError, UnsafeFileError, UsageError
 from sparsekit.masks import mask_from_zeros
 
 FORMAT = "sparsekit"
@@ -245,15 +246,44 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
+def _read_safetensors(path: str | os.PathLike, tensors: bool) -> tuple[dict, dict]:
+    """(metadata, tensors if ``tensors``) of a safetensors file; a truncated or corrupt file
+    raises :class:`~sparsekit.errors.FileFormatError` naming it."""
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            raw = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
+    except (FileNotFoundError, PermissionError):
+        raise
+    except Exception as e:  # SafetensorError, OSError (EINVAL on a truncated mmap), ...
+        raise FileFormatError(
+            f"{path} is not a readable safetensors file (truncated or corrupt?): {e}"
+        ) from None
+    return meta, raw
+
+
+def is_sparsekit_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a safetensors file with sparsekit's metadata (False: a plain
+    safetensors file); FileFormatError when it is no readable safetensors file at all."""
+    meta, _ = _read_safetensors(path, tensors=False)
+    return _META_KEY in meta
+
+
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON metadata of a sparsekit checkpoint; ValueError for any other file."""
-    with safe_open(os.fspath(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    """The JSON metadata of a sparsekit checkpoint; FileFormatError for any other file."""
+    meta, _ = _read_safetensors(path, tensors=False)
     if _META_KEY not in meta:
-        raise ValueError(f"{path} is not a sparsekit checkpoint (no {_META_KEY!r} metadata)")
-    header = json.loads(meta[_META_KEY])
+        raise FileFormatError(
+            f"{path} is not a sparsekit checkpoint (no {_META_KEY!r} metadata)"
+        )
+    try:
+        header = json.loads(meta[_META_KEY])
+    except ValueError as e:
+        raise FileFormatError(f"{path}: its {_META_KEY!r} metadata is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FileFormatError(f"{path}: its {_META_KEY!r} metadata is not a JSON object")
     if header.get("format") != FORMAT or header.get("version") != VERSION:
-        raise ValueError(
+        raise FileFormatError(
             f"{path}: unsupported checkpoint format {header.get('format')!r} "
             f"version {header.get('version')!r}; this sparsekit reads {FORMAT!r} {VERSION}"
         )
@@ -263,8 +293,7 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The dense state dict stored in ``path`` (2:4 tensors expanded, zeros restored)."""
     header = read_header(path)
-    with safe_open(os.fspath(path), framework="pt") as f:
-        raw = {k: f.get_tensor(k) for k in f.keys()}
+    _, raw = _read_safetensors(path, tensors=True)
     sd: dict[str, torch.Tensor] = {}
     for key, info in header["sparse"].items():
         sd[key] = unpack_2to4(raw.pop(key + _VALUES), raw.pop(key + _META24), info["shape"])
@@ -276,36 +305,49 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return sd
 
 
-TRUSTED_FACTORIES = ("sparsekit.models.", "torchvision.models.")
+# old headers (``{"_target_": ..., **kwargs}``): only these exact targets, each mapped onto
+# its registered builder (None: the kwargs pass as they are)
+_OLD_TARGETS = {
+    "sparsekit.models.cnn1d.mnist1d_cnn": "mnist1d_cnn",
+    "sparsekit.models.lm.tiny_lm": "tiny_lm",
+    "torchvision.models.get_model": "torchvision",
+}
 
 
-def instantiate(spec: dict[str, Any], trusted: tuple[str, ...] = TRUSTED_FACTORIES) -> nn.Module:
-    """Build a model from ``{"_target_": "pkg.module.factory", **kwargs}`` by importing the
-    factory by name. No pickled code is involved, and only factories under the ``trusted``
-    prefixes are called: a checkpoint naming any other callable (``subprocess.run``, say)
-    cannot run it on load."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("_target_"), str):
-        raise ValueError(f"model spec must be a dict with a '_target_' string, got {spec!r}")
-    if not spec["_target_"].startswith(tuple(trusted)):
-        raise ValueError(
-            f"model spec '_target_' {spec['_target_']!r} is not under a trusted prefix "
-            f"{list(trusted)}: build the model yourself and pass model=..., or add its module "
-            "to trusted_factories=... if you trust this file"
+def model_from_spec(spec: Any, path: str | os.PathLike = "<spec>") -> nn.Module:
+    """Build the model a checkpoint header names: ``{"builder": NAME, "kwargs": {...}}`` with
+    ``NAME`` registered in :mod:`sparsekit.models.registry`. Nothing is imported by name: a
+    header naming anything else raises :class:`~sparsekit.errors.UnsafeFileError` (the old
+    ``{"_target_": ...}`` form is read for sparsekit's own built-in targets only)."""
+    from sparsekit.models.registry import build_registered, registered_models
+
+    if not isinstance(spec, dict):
+        raise FileFormatError(f"{path}: model spec must be a JSON object, got {spec!r}")
+    if "_target_" in spec:
+        target = spec["_target_"]
+        if not isinstance(target, str) or target not in _OLD_TARGETS:
+            raise UnsafeFileError(
+                f"{path}: the model spec names {target!r}, which sparsekit never imports from "
+                "a file; build the model yourself and pass model=..., or register its builder "
+                "with sparsekit.register_model"
+            )
+        spec = {"builder": _OLD_TARGETS[target],
+                "kwargs": {k: v for k, v in spec.items() if k != "_target_"}}
+    name, kwargs = spec.get("builder"), spec.get("kwargs", {})
+    if set(spec) - {"builder", "kwargs"} or not isinstance(name, str):
+        raise FileFormatError(
+            f"{path}: model spec must be {{'builder': NAME, 'kwargs': {{...}}}}, got {spec!r}"
         )
-    kwargs = {k: v for k, v in spec.items() if k != "_target_"}
-    module_name, _, attr = spec["_target_"].rpartition(".")
-    if not module_name:
-        raise ValueError(
-            f"model spec '_target_' must be 'module.factory', got {spec['_target_']!r}"
+    if name not in registered_models():
+        raise UnsafeFileError(
+            f"{path}: the model spec names builder {name!r}, which is not registered "
+            f"(registered: {', '.join(registered_models())}); register it in code with "
+            "sparsekit.register_model, or pass model=..."
         )
-    factory = getattr(importlib.import_module(module_name), attr, None)
-    if factory is None:
-        raise ValueError(f"model spec '_target_': {module_name!r} has no attribute {attr!r}")
-    model = factory(**kwargs)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model spec '_target_' {spec['_target_']!r} did not return an nn.Module")
-    model._sparsekit_spec = dict(spec)
-    return model
+    try:
+        return build_registered(name, kwargs)
+    except (UsageError, ConfigTypeError) as e:
+        raise FileFormatError(f"{path}: cannot build its model: {e}") from None
 
 
 def load(
@@ -315,7 +357,6 @@ def load(
     device: str | torch.device = "cpu",
     strict: bool = True,
     accelerate: dict[str, Any] | None = None,
-    trusted_factories: tuple[str, ...] = (),
 ) -> nn.Module:
     """Read a checkpoint written by :func:`save` into ``model`` (a freshly built module of the
     same architecture) or, when ``model`` is None, into one rebuilt from the stored spec.
@@ -323,8 +364,8 @@ def load(
     Parameters take the stored dtypes. ``accelerate``: keyword arguments for
     :func:`sparsekit.accel.accelerate` (``example_inputs`` included); on a machine with CUDA the
     loaded model goes straight to the accelerated form, without CUDA the dense masked model is
-    returned (with a warning). ``trusted_factories``: module prefixes, beyond sparsekit's models
-    and torchvision's, whose factories a stored spec may name (your own model code)."""
+    returned (with a warning). A stored spec builds the model only through the registry
+    (:func:`sparsekit.register_model`); loading never imports code named by the file."""
     header = read_header(path)
     if model is None:
         if header["model"] is None:
@@ -332,7 +373,7 @@ def load(
                 f"{path} stores no model spec (the model had no _sparsekit_spec): pass "
                 "model=<a freshly built module of the same architecture> to sk.load"
             )
-        model = instantiate(header["model"], TRUSTED_FACTORIES + tuple(trusted_factories))
+        model = model_from_spec(header["model"], path)
     if header.get("channels"):
         from sparsekit.channels import apply_channel_plan
 

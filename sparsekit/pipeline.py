@@ -19,30 +19,35 @@ import os
 import signal
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
 import sparsekit as sk
 from sparsekit import distributed as D
-from sparsekit._io import atomic_torch_save, atomic_write, safe_torch_load
+from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torch_load
 from sparsekit.bench import benchmark
-from sparsekit.checkpoint import load_state_dict
+from sparsekit.checkpoint import is_sparsekit_file, load_state_dict
 from sparsekit.config import Config, validate
+from sparsekit.errors import FileFormatError
 from sparsekit.data import DataBundle, build_data, cache_root
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
 from sparsekit.runstate import VERSION as RUNSTATE_VERSION
 from sparsekit.runstate import (
-    load_checkpoint,
+    load_latest_checkpoint,
+    previous_path,
     restore,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    write_run_state,
 )
 from sparsekit.sensitivity import SensitivityTable, log_sensitivity
 from sparsekit.tracking import Tracker
@@ -92,13 +97,14 @@ def file_size(model: nn.Module) -> int:
 
 def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
     """Weights from a safetensors file: one ``sk.save`` wrote (compressed tensors expanded), or
-    a plain state dict."""
-    try:
-        state = load_state_dict(path)
-    except ValueError:  # not a sparsekit checkpoint: a plain safetensors state dict
-        load_model(model, os.fspath(path))
+    a plain state dict. A truncated or corrupt file raises FileFormatError naming it."""
+    if is_sparsekit_file(path):
+        model.load_state_dict(load_state_dict(path))
         return
-    model.load_state_dict(state)
+    try:  # a plain safetensors state dict
+        load_model(model, os.fspath(path))
+    except SafetensorError as e:
+        raise FileFormatError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 def load_dense(model: nn.Module, path: str) -> None:
@@ -124,13 +130,18 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
         return model, f"checkpoint {cfg.model.checkpoint}"
     path = cache_root(cfg.cache_dir) / "baselines" / f"{baseline_key(cfg)}.safetensors"
     if path.exists():
-        load_safetensors(model, path)
-        return model, f"cached {path}"
+        try:
+            load_safetensors(model, path)
+            return model, f"cached {path}"
+        except FileFormatError as e:  # a damaged cache entry: keep it for inspection, rebuild
+            _discard(path, e)
     t = cfg.train
     optimizer = make_optimizer(model.parameters(), t.optimizer, t.dense_lr, t.weight_decay)
     # a killed dense training continues from its last checkpoint, next to the cache entry
+    # (a damaged one is moved aside with a warning, and training starts over)
     partial = path.with_name(path.stem + ".partial.pt")
-    start = restore(load_checkpoint(partial), model, optimizer) if partial.exists() else 0
+    state = load_latest_checkpoint(partial, discard=True)
+    start = 0 if state is None else restore(state, model, optimizer)
     kill_at = int(os.environ.get(KILL_DENSE_ENV, "-1"))
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -150,8 +161,20 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
     if D.is_main():  # every rank trained the same model; one writes the cache
         atomic_write(path, lambda tmp: save_model(model, tmp))
         partial.unlink(missing_ok=True)
+        previous_path(partial).unlink(missing_ok=True)
     how = f"resumed at step {start}, " if start else ""
     return model, f"trained ({how}{t.dense_steps} steps), cached {path}"
+
+
+def _discard(path: Path, err: Exception) -> None:
+    """Move a damaged cache entry aside (``<name>.corrupt-<time>``) with a warning naming it."""
+    if D.is_main():
+        try:
+            moved = move_aside(path).name
+        except FileNotFoundError:  # another process moved it first
+            moved = "(already moved)"
+        warnings.warn(f"cache entry {path} is damaged and will be rebuilt; moved it to "
+                      f"{moved}: {err}", stacklevel=2)
 
 
 class ChannelSteps:
@@ -273,12 +296,28 @@ def summary_table(s: dict[str, Any]) -> str:
 
 def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[str, Any]:
     """Run every stage of ``cfg`` with outputs under ``run_dir``; ``resume`` continues from
-    ``run_dir/checkpoints/last.pt`` when it exists. Returns the summary (also written to
-    ``summary.json`` and ``summary.md``)."""
+    ``run_dir/checkpoints/last.pt`` when it exists (from the previous checkpoint, with a
+    warning, when that one is damaged). Returns the summary (also written to ``summary.json``
+    and ``summary.md``). ``run_dir/run_state.json`` records ``running``, then ``failed`` (with
+    the error) or ``finished``."""
     validate(cfg)
-    t0 = time.perf_counter()
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if D.is_main():
+        write_run_state(run_dir, "running")
+    try:
+        summary = _run(cfg, run_dir, resume)
+    except BaseException as e:
+        if D.is_main() and not isinstance(e, KeyboardInterrupt):
+            write_run_state(run_dir, "failed", f"{type(e).__name__}: {e}"[:2000])
+        raise
+    if D.is_main():
+        write_run_state(run_dir, "finished")
+    return summary
+
+
+def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
     if D.is_main():  # under torchrun only rank 0 writes files and TensorBoard logs
         atomic_write(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
@@ -294,9 +333,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         device = D.init(device=device.type)  # this rank's GPU under torchrun
         D.split_batch(cfg.data.batch_size, what="data.batch_size")  # fail before any work
     metric = _metric(cfg.data.task)
-    state = None
-    if resume and (run_dir / CHECKPOINT).exists():
-        state = load_checkpoint(run_dir / CHECKPOINT)
+    state = load_latest_checkpoint(run_dir / CHECKPOINT) if resume else None
     tb = cfg.tracker
     tracker = Tracker(run_dir / "tb", tb.kind == "tensorboard" and D.is_main(), tb.flush_secs,
                       tb.histogram_every,

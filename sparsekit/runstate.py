@@ -3,22 +3,40 @@
 A checkpoint holds everything the rest of the run depends on: model weights (with their mask
 parametrizations), optimizer state, pruner state (masks and schedule position), the step, and
 the RNG states of torch, CUDA, numpy and Python. It is plain data, written atomically (temp
-file + rename) and read back with ``torch.load(weights_only=True)``.
+file + rename, the previous one kept as ``<name>.prev.pt``) and read back with
+``torch.load(weights_only=True)``; a damaged checkpoint falls back to the previous one.
+
+A run directory also holds its state, ``run_state.json`` (:data:`STATE_FILE`): ``running``
+while a process works on it (and after that process was killed), ``failed`` (with the error)
+or ``finished``; ``resume=true`` picks only runs that can continue.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import socket
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from sparsekit._io import atomic_torch_save, safe_torch_load
+from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torch_load
+from sparsekit.errors import FileFormatError
 
 VERSION = 1
+STATE_FILE = "run_state.json"
+RUN_STATES = ("running", "failed", "finished")
+
+
+def previous_path(path: str | os.PathLike) -> Path:
+    """Where :func:`save_checkpoint` keeps the checkpoint before ``path``: ``last.prev.pt``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
 def rng_state() -> dict[str, Any]:
@@ -58,7 +76,8 @@ def save_checkpoint(
     pruner: Any = None,
     done: bool = False,
 ) -> Path:
-    """Write the state after fine-tuning step ``step`` (``done``: the loop has finished)."""
+    """Write the state after fine-tuning step ``step`` (``done``: the loop has finished); the
+    checkpoint it replaces becomes :func:`previous_path`."""
     return atomic_torch_save(
         {
             "version": VERSION,
@@ -70,15 +89,74 @@ def save_checkpoint(
             "rng": rng_state(),
         },
         path,
+        previous=previous_path(path),
     )
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint` (no code is unpickled)."""
+    """Read a checkpoint written by :func:`save_checkpoint` (no code is unpickled); a damaged
+    or foreign file raises :class:`~sparsekit.errors.FileFormatError` naming it."""
     state = safe_torch_load(path)
     if not isinstance(state, dict) or state.get("version") != VERSION:
-        raise ValueError(f"{path} is not a sparsekit resume checkpoint of version {VERSION}")
+        raise FileFormatError(f"{path} is not a sparsekit resume checkpoint of version {VERSION}")
     return state
+
+
+def load_latest_checkpoint(path: str | os.PathLike, *, discard: bool = False) -> dict | None:
+    """The checkpoint at ``path``, or (with a warning naming the damaged file, which is moved
+    aside to ``<name>.corrupt-<time>``) the previous one; None when there is none.
+
+    When no readable checkpoint is left: ``discard`` (a cache entry that can be rebuilt) warns,
+    moves the damaged files aside and returns None; otherwise FileFormatError names the file."""
+    path = Path(path)
+    errors: list[str] = []
+    for candidate in (path, previous_path(path)):
+        if not candidate.exists():
+            continue
+        try:
+            state = load_checkpoint(candidate)
+        except FileFormatError as e:
+            errors.append(str(e))
+            continue
+        for bad in (path, previous_path(path))[: len(errors)]:
+            if bad.exists():
+                moved = move_aside(bad)
+                warnings.warn(f"{bad} is damaged ({errors[0]}); moved it to {moved.name} and "
+                              f"resumed from the previous checkpoint {candidate}", stacklevel=2)
+        return state
+    if not errors:
+        return None
+    if not discard:
+        raise FileFormatError(f"cannot resume from {path}: {'; '.join(errors)}")
+    for bad in (path, previous_path(path)):
+        if bad.exists():
+            moved = move_aside(bad)
+            warnings.warn(f"{bad} is damaged; moved it to {moved.name} and starting over: "
+                          f"{'; '.join(errors)}", stacklevel=2)
+    return None
+
+
+def write_run_state(run_dir: str | os.PathLike, state: str, error: str | None = None) -> None:
+    """Record ``state`` (running | failed | finished) of the run in ``run_dir``, atomically."""
+    if state not in RUN_STATES:
+        raise ValueError(f"run state {state!r}; allowed: {', '.join(RUN_STATES)}")
+    info = {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "pid": os.getpid(), "host": socket.gethostname()}
+    if error is not None:
+        info["error"] = error
+    atomic_write(Path(run_dir) / STATE_FILE,
+                 lambda tmp: Path(tmp).write_text(json.dumps(info, indent=2) + "\n"))
+
+
+def read_run_state(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """What :func:`write_run_state` recorded; None when nothing (or nothing readable) was."""
+    try:
+        info = json.loads((Path(run_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or info.get("state") not in RUN_STATES:
+        return None
+    return info
 
 
 def restore(
