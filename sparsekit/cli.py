@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -132,27 +133,76 @@ def check_overrides(overrides: Sequence[str]) -> None:
         fail(e)
 
 
+_SPECIAL = re.compile(r"_(target|args|partial|recursive|convert)_")
+
+
+def imports_code(overrides: Sequence[object]) -> list[str]:
+    """The overrides of a recorded run that may import code beyond sparsekit's registered
+    choices: any ``_target_``, a ``custom`` model or data, any ``hydra`` key or group
+    (launchers, callbacks, search path), a flag, or anything that is not a plain
+    ``key=value`` on the config. Empty when replaying the run imports nothing of the user's."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    options = {p.name: {f.stem for f in p.glob("*.yaml")} - {"custom"}
+               for p in conf_dir().iterdir() if p.is_dir()}
+    options["recipe"] = set(recipe_names())
+    flagged = []
+    for o in overrides:
+        text = str(o)
+        key, eq, value = text.partition("=")
+        parts = re.split(r"[./@]", key.lstrip("+~"))
+        if len(parts) == 1 and parts[0] in options:  # a config group: a packaged option only
+            safe = value.strip() in options[parts[0]]
+        else:
+            safe = parts[0] in fields and not any(p.startswith("_") for p in parts)
+        if not isinstance(o, str) or not eq or not safe or _SPECIAL.search(text):
+            flagged.append(text)
+    return flagged
+
+
+def _recorded_overrides(run_dir: Path) -> list | None:
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+    except (OSError, OmegaConfBaseException, ValueError):
+        return None
+    return overrides if isinstance(overrides, list) else None
+
+
 def latest_run(root: Path = RUNS) -> Path | None:
-    """The most recently written unfinished run directory under ``root`` (no summary.json):
-    one with a resume checkpoint, or one killed before its first (during dense training)."""
+    """The most recently written run under ``root`` that can continue: its ``run_state.json``
+    says ``running`` (killed), or ``failed`` after writing a resume checkpoint; never a finished
+    run, one that failed before its first checkpoint, or one whose recorded overrides import
+    code (:func:`imports_code`: name such a run with ``resume=DIR``). Runs from before
+    ``run_state.json`` count when they have no summary.json."""
     from sparsekit.pipeline import CHECKPOINT
+    from sparsekit.runstate import previous_path, read_run_state
 
     def written(run_dir: Path) -> float | None:
-        if (run_dir / "summary.json").exists():
+        checkpoints = [f for f in (run_dir / CHECKPOINT, previous_path(run_dir / CHECKPOINT))
+                       if f.exists()]
+        info = read_run_state(run_dir)
+        if info is None and (run_dir / "summary.json").exists():
             return None  # finished: resume=DIR still re-runs its last stages
-        for f in (run_dir / CHECKPOINT, run_dir / "config.yaml"):
+        if info is not None and (info["state"] == "finished"
+                                 or (info["state"] == "failed" and not checkpoints)):
+            return None
+        for f in [*checkpoints, run_dir / "config.yaml"]:
             if f.exists():
                 return f.stat().st_mtime
         return None
 
-    found = [(t, d) for d in root.glob("*/") if (t := written(d)) is not None
-             and (d / ".hydra" / "overrides.yaml").exists()]
+    found = []
+    for d in root.glob("*/"):
+        t = written(d)
+        overrides = _recorded_overrides(d) if t is not None else None
+        if overrides is not None and not imports_code(overrides):
+            found.append((t, d))
     return max(found)[1] if found else None
 
 
 def resume_argv(argv: list[str]) -> list[str]:
     """``resume=true`` / ``resume=DIR``: rerun with the original overrides of that run (from
-    its .hydra/overrides.yaml) inside its directory; other arguments are kept after them."""
+    its .hydra/overrides.yaml) inside its directory; other arguments are kept after them.
+    ``resume=DIR`` of a run whose overrides import code prints them to stderr first."""
     values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
     if not values or values[-1].lower() in ("false", "no", "0", "null", ""):
         return argv
@@ -160,16 +210,39 @@ def resume_argv(argv: list[str]) -> list[str]:
     run_dir = latest_run() if value.lower() in ("true", "yes", "1") else Path(value)
     if run_dir is None:
         fail(ValueError(
-            f"resume={value}: no unfinished run under {RUNS.resolve()}"))
-    if not (run_dir / ".hydra" / "overrides.yaml").exists():
+            f"resume={value}: no run that can continue under {RUNS.resolve()} (runs that "
+            "finished, failed before their first checkpoint, or import code are skipped; "
+            "name one with resume=DIR)"))
+    recorded = _recorded_overrides(run_dir)
+    if recorded is None:
         fail(ValueError(f"resume={value}: {run_dir} is not a sparsekit run directory"))
-    original = [
-        str(o) for o in OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
-        if not str(o).startswith("resume=")
-    ]
+    original = [str(o) for o in recorded if not str(o).startswith("resume=")]
+    risky = imports_code(original)
+    if risky:
+        print(f"sparsekit: resume={value}: {run_dir} replays overrides that import code: "
+              f"{' '.join(risky)}", file=sys.stderr)
     rest = [a for a in argv if not a.startswith("resume=")]
     run_dir = run_dir.resolve()
     return [*original, *rest, f"hydra.run.dir='{run_dir}'", "resume=true"]
+
+
+def unique_run_dir(argv: list[str]) -> list[str]:
+    """Give this run (a sweep: its parent directory) a directory of its own, created now with
+    ``os.mkdir`` (``runs/<date_time>``, then ``_1``, ``_2``, ... when taken), so two runs started
+    in the same second never share one. Unchanged when argv names the directory already, asks
+    for help, or runs under torchrun (rank 0 names it: ``distributed.share_run_dir``)."""
+    from sparsekit._io import unique_dir
+    from sparsekit.distributed import launched_by_torchrun
+
+    sweep = any(a in ("-m", "--multirun") for a in argv)
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    if (any(a.lstrip("+").startswith(key + "=") for a in argv)
+            or any(a in _FLAGS_WITHOUT_CHECK for a in argv)
+            or (launched_by_torchrun() and not sweep)):
+        return argv
+    parent = Path("multirun") if sweep else RUNS
+    made = unique_dir(parent / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    return [*argv, f"{key}='{made}'"]
 
 
 def _app(cfg: DictConfig) -> None:
@@ -202,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = share_run_dir(argv)  # torchrun: every rank writes into rank 0's run directory
     if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
         check_overrides([a for a in argv if not a.startswith("-")])
+    argv = unique_run_dir(argv)
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_app)
     saved, sys.argv = sys.argv, [sys.argv[0] or "sparsekit", *argv]
     try:

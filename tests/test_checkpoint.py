@@ -11,6 +11,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit import checkpoint as ck
+from sparsekit.errors import UnsafeFileError
 
 
 def random_24(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -111,11 +112,15 @@ def test_rebuild_from_spec_and_errors(tmp_path):
     lin = nn.Linear(8, 4)
     lin._sparsekit_spec = {"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 4}
     sk.save(lin, tmp_path / "s.safetensors")
-    with pytest.raises(ValueError, match="not under a trusted prefix"):
+    with pytest.raises(UnsafeFileError, match="s.safetensors.*'torch.nn.Linear'"):
         sk.load(tmp_path / "s.safetensors")
-    back = sk.load(tmp_path / "s.safetensors", trusted_factories=("torch.nn.",))
+    sk.register_model("test_linear", nn.Linear)
+    lin._sparsekit_spec = {"builder": "test_linear",
+                           "kwargs": {"in_features": 8, "out_features": 4}}
+    sk.save(lin, tmp_path / "s.safetensors")
+    back = sk.load(tmp_path / "s.safetensors")
     assert isinstance(back, nn.Linear) and torch.equal(back.weight, lin.weight)
-    assert back._sparsekit_spec["_target_"] == "torch.nn.Linear"
+    assert back._sparsekit_spec == lin._sparsekit_spec
 
     sk.save(nn.Linear(8, 4), tmp_path / "nospec.safetensors")
     with pytest.raises(ValueError, match="no model spec"):
@@ -123,12 +128,12 @@ def test_rebuild_from_spec_and_errors(tmp_path):
     save_file({"w": torch.zeros(2)}, tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="not a sparsekit checkpoint"):
         sk.load(tmp_path / "other.safetensors", model=nn.Linear(8, 4))
-    with pytest.raises(ValueError, match="_target_"):
-        ck.instantiate({"_target_": "nodots"}, trusted=("",))
+    with pytest.raises(UnsafeFileError, match="'nodots'"):
+        ck.model_from_spec({"_target_": "nodots"})
     # a checkpoint naming an arbitrary callable must not run it on load
     evil = {"_target_": "subprocess.run", "args": ["touch", str(tmp_path / "pwned")]}
-    with pytest.raises(ValueError, match="trusted"):
-        ck.instantiate(evil)
+    with pytest.raises(UnsafeFileError, match="subprocess.run"):
+        ck.model_from_spec(evil)
     assert not (tmp_path / "pwned").exists()
 
     class Fake(nn.Module):

@@ -10,7 +10,16 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.runstate import load_checkpoint, restore, save_checkpoint
+from sparsekit.errors import FileFormatError
+from sparsekit.runstate import (
+    load_checkpoint,
+    load_latest_checkpoint,
+    previous_path,
+    read_run_state,
+    restore,
+    save_checkpoint,
+    write_run_state,
+)
 
 
 def test_roundtrip_restores_model_optimizer_pruner_and_rngs(tmp_path):
@@ -46,5 +55,51 @@ def test_roundtrip_restores_model_optimizer_pruner_and_rngs(tmp_path):
 
 def test_rejects_foreign_files(tmp_path):
     torch.save({"hello": 1}, tmp_path / "x.pt")
-    with pytest.raises(ValueError, match="not a sparsekit resume checkpoint"):
+    with pytest.raises(FileFormatError, match="x.pt is not a sparsekit resume checkpoint"):
         load_checkpoint(tmp_path / "x.pt")
+
+
+def _two_checkpoints(tmp_path):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "checkpoints" / "last.pt"
+    save_checkpoint(path, step=4, model=model, optimizer=opt)
+    save_checkpoint(path, step=9, model=model, optimizer=opt)
+    return path
+
+
+def test_damaged_last_checkpoint_falls_back_to_previous(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    assert previous_path(path).name == "last.prev.pt"
+    assert load_latest_checkpoint(path)["step"] == 9
+    path.write_bytes(path.read_bytes()[:100])  # truncated, as by a full disk
+    with pytest.warns(UserWarning, match=r"last.pt is damaged.*previous checkpoint .*last.prev"):
+        state = load_latest_checkpoint(path)
+    assert state["step"] == 4
+    # the damaged file is kept for inspection, out of the way of the next save
+    assert not path.exists() and list(path.parent.glob("last.pt.corrupt-*"))
+
+
+def test_unrecoverable_checkpoint_names_the_file(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    for p in (path, previous_path(path)):
+        p.write_bytes(b"\0" * 10)
+    with pytest.raises(FileFormatError, match=r"cannot resume from .*last.pt"):
+        load_latest_checkpoint(path)
+    assert path.exists()  # a run directory's checkpoint is not discarded
+    with pytest.warns(UserWarning, match="starting over"):
+        assert load_latest_checkpoint(path, discard=True) is None  # a cache entry is
+    assert not path.exists() and len(list(path.parent.glob("*.corrupt-*"))) == 2
+    assert load_latest_checkpoint(tmp_path / "none.pt") is None
+
+
+def test_run_state_file(tmp_path):
+    assert read_run_state(tmp_path) is None
+    write_run_state(tmp_path, "running")
+    assert read_run_state(tmp_path)["state"] == "running"
+    write_run_state(tmp_path, "failed", "ValueError: boom")
+    assert read_run_state(tmp_path)["error"] == "ValueError: boom"
+    with pytest.raises(ValueError, match="allowed: running, failed, finished"):
+        write_run_state(tmp_path, "paused")
+    (tmp_path / "run_state.json").write_text("{not json")
+    assert read_run_state(tmp_path) is None
