@@ -425,14 +425,85 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike) -> None:
     barrier()
 
 
+# what the ``.metadata`` pickle of a torch.distributed.checkpoint may name besides its own
+# classes (torch.distributed.checkpoint unpickles it with no restriction)
+_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("collections", "OrderedDict")}
+
+
+def check_sharded_metadata(path: str | os.PathLike) -> None:
+    """Refuse a sharded checkpoint whose ``.metadata`` pickle names anything but DCP's own
+    classes, torch dtypes and sizes: :class:`~sparsekit.errors.UnsafeFileError` names it (and
+    nothing in it runs); an unreadable one raises FileFormatError."""
+    import pickle
+
+    from sparsekit.errors import FileFormatError, UnsafeFileError
+
+    meta = os.path.join(os.fspath(path), ".metadata")
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            ok = (module, name) in _DCP_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            if module.startswith("torch.distributed.checkpoint.") and "." not in name:
+                ok = isinstance(getattr(__import__(module, fromlist=[name]), name, None), type)
+            if not ok:
+                raise UnsafeFileError(f"{meta} names {module}.{name}, which a sharded "
+                                      "checkpoint never holds; nothing in it was run")
+            return super().find_class(module, name)
+
+    try:
+        with open(meta, "rb") as f:
+            Restricted(f).load()
+    except (UnsafeFileError, FileNotFoundError):
+        raise
+    except Exception as e:
+        raise FileFormatError(f"{meta} is not a readable checkpoint index: {e}") from None
+
+
+def _safe_planner(path: str) -> Any:
+    """DCP's default load planner, reading non-tensor items with ``weights_only=True`` (its
+    own reads them with ``weights_only=False``, which runs any pickled code)."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from sparsekit._io import safe_torch_load
+    from sparsekit.errors import FileFormatError
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = safe_torch_load(value)
+            except FileFormatError as e:
+                raise type(e)(str(e).replace(repr(value), f"{path} (item {fqn!r})")) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafeLoadPlanner()
+
+
 def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
     """Fill ``state`` (built like the one given to :func:`save_sharded`, from freshly built
-    objects on the same world size) in place from ``path``; returns it. Collective."""
+    objects on the same world size) in place from ``path``; returns it. Collective. Nothing
+    pickled in the files is run (:func:`check_sharded_metadata`, weights-only items)."""
     import torch.distributed.checkpoint as dcp
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no sharded checkpoint at {path}")
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    from sparsekit.errors import FileFormatError
+
+    check_sharded_metadata(path)
+    try:
+        dcp.load(state, checkpoint_id=os.fspath(path), planner=_safe_planner(os.fspath(path)))
+    except dcp.api.CheckpointException as e:  # DCP gathers each rank's error into one
+        for err, _ in getattr(e, "failures", {}).values():
+            if isinstance(err, FileFormatError):
+                raise err from None
+        raise
     return state
 
 

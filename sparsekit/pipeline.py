@@ -401,6 +401,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
         pruner = ChannelSteps(channel_pruner, model, optimizer)
     start = 0
     if state is not None and state.get("sharded"):  # FSDP2: torch.distributed.checkpoint
+        if state["sharded"] != CHECKPOINT.with_suffix(".dcp").name:  # a name, never a path
+            raise FileFormatError(f"{run_dir / CHECKPOINT}: unexpected sharded checkpoint "
+                                  f"{state['sharded']!r}")
         loaded = D.load_training_state(run_dir / CHECKPOINT.parent / state["sharded"], model,
                                        optimizer, pruner, step=-1)
         set_rng_state(state["rng"])
