@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 import sparsekit as sk
 from sparsekit.cli import main, recipe_names
 from sparsekit.data import build_data
+from sparsekit.runstate import read_run_state, write_run_state
 from sparsekit.train import evaluate
 
 # tiny sizes so that every recipe runs end to end in a few seconds
@@ -237,6 +238,60 @@ def test_latest_run_is_the_newest_unfinished(tmp_path):
     assert latest_run(tmp_path) == killed_in_finetune
     make("c", ["config.yaml", str(CHECKPOINT), "summary.json"], 300)  # finished, newest
     assert latest_run(tmp_path) == killed_in_finetune
+    # with run_state.json: a finished run, and one that failed before any checkpoint, are
+    # skipped; a run that failed after checkpointing (a full disk, say) can continue
+    finished = make("d", ["config.yaml", str(CHECKPOINT)], 400)
+    write_run_state(finished, "finished")
+    failed_at_startup = make("e", ["config.yaml"], 500)
+    write_run_state(failed_at_startup, "failed", "FileFormatError: x")
+    assert latest_run(tmp_path) == killed_in_finetune
+    failed_later = make("f", ["config.yaml", str(CHECKPOINT)], 600)
+    write_run_state(failed_later, "failed", "StorageError: disk full")
+    assert latest_run(tmp_path) == failed_later
+    killed = make("g", ["config.yaml"], 700)
+    write_run_state(killed, "running")  # the process was killed before its first checkpoint
+    assert latest_run(tmp_path) == killed
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, capsys,
+                                                                    monkeypatch):
+    import sparsekit.cli as cli
+
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt, *a: "2026-01-01_00-00-00")
+    args = [f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "train.finetune_steps=0",
+            "bench=off", "tracker=none"]
+    for _ in range(2):
+        code, _, err = run_cli(args, tmp_path, capsys)
+        assert code == 0, err
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert [p.name for p in runs] == ["2026-01-01_00-00-00", "2026-01-01_00-00-00_1"]
+    for r in runs:
+        summary = json.loads((r / "summary.json").read_text())
+        assert Path(summary["run_dir"]) == r.resolve()
+        assert read_run_state(r)["state"] == "finished"
+    # sweeps: each gets its own parent directory, made at once
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        firsts = [cli.unique_run_dir(["-m", "prune.sparsity=0.5,0.7"])[-1] for _ in range(2)]
+    finally:
+        os.chdir(old)
+    assert firsts == ["hydra.sweep.dir='multirun/2026-01-01_00-00-00'",
+                      "hydra.sweep.dir='multirun/2026-01-01_00-00-00_1'"]
+    assert cli.unique_run_dir(["--help"]) == ["--help"]
+    assert cli.unique_run_dir(["hydra.run.dir=x"]) == ["hydra.run.dir=x"]
+
+
+def test_a_run_that_failed_at_startup_is_not_resumed(tmp_path, capsys):
+    args = [f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "bench=off", "tracker=none",
+            f"model.checkpoint={tmp_path / 'missing.pt'}"]
+    code, _, err = run_cli(args, tmp_path, capsys)
+    assert code != 0 and "missing.pt" in err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    state = read_run_state(run_dir)
+    assert state["state"] == "failed" and "missing.pt" in state["error"]
+    code, _, err = run_cli(["resume=true"], tmp_path, capsys)
+    assert code == 2 and "no run that can continue" in err
 
 
 def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
