@@ -35,8 +35,9 @@ ACCEL_SPARSITY = ("2:4", "auto", "dense")
 
 @dataclass
 class ModelConfig:
-    """Which network to compress. ``_target_`` (an importable factory, ``"pkg.mod.fn"``) wins
-    over ``name`` (a built-in model or a torchvision model name); both get ``kwargs``."""
+    """Which network to compress. ``_target_`` (an importable factory, ``"pkg.mod.fn"``, typed
+    by the user: a saved run never re-imports it) wins over ``name`` (a registered builder such
+    as a built-in model, or a torchvision model name); both get ``kwargs``."""
 
     name: str = "mnist1d_cnn"
     _target_: str | None = None

@@ -35,7 +35,11 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def import_object(path: str, option: str) -> Any:
-    """Import ``"package.module.attr"``; a ValueError names ``option`` when it cannot."""
+    """Import ``"package.module.attr"``; a ValueError names ``option`` when it cannot.
+
+    Only for a value the user typed (``model._target_``/``data._target_`` on the command line or
+    in a Config built in code): never call it with anything read from a file (checkpoint
+    headers name registered builders, and ``resume=true`` skips runs that import code)."""
     module_name, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module_name), attr)
