@@ -150,14 +150,17 @@ def resolve_mode(setting: str) -> str:
 
 def share_run_dir(argv: list[str], pattern: str = "runs/%Y-%m-%d_%H-%M-%S") -> list[str]:
     """Under torchrun, every rank's Hydra run directory is rank 0's (``hydra.run.dir``; each
-    rank's clock would otherwise name its own). Initializes the process group. ``argv`` is
+    rank's clock would otherwise name its own), created by rank 0 with a suffix when taken.
+    Initializes the process group. ``argv`` is
     returned unchanged outside torchrun, for sweeps, or when it already names the directory."""
     if not launched_by_torchrun() or any(a.startswith("hydra.run.dir=") for a in argv):
         return argv
     if any(a in ("-m", "--multirun") for a in argv):
         return argv
     init()
-    box = [time.strftime(pattern) if is_main() else None]
+    from sparsekit._io import unique_dir  # made at once: a run started in the same second
+
+    box = [str(unique_dir(time.strftime(pattern))) if is_main() else None]
     if is_distributed():
         dist.broadcast_object_list(box, src=0)
     return [*argv, f"hydra.run.dir={box[0]}"]
@@ -437,6 +440,7 @@ def check_sharded_metadata(path: str | os.PathLike) -> None:
     classes, torch dtypes and sizes: :class:`~sparsekit.errors.UnsafeFileError` names it (and
     nothing in it runs); an unreadable one raises FileFormatError."""
     import pickle
+    import sys
 
     from sparsekit.errors import FileFormatError, UnsafeFileError
 
@@ -447,7 +451,8 @@ def check_sharded_metadata(path: str | os.PathLike) -> None:
             ok = (module, name) in _DCP_GLOBALS or (
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
             if module.startswith("torch.distributed.checkpoint.") and "." not in name:
-                ok = isinstance(getattr(__import__(module, fromlist=[name]), name, None), type)
+                # already imported by DCP itself: nothing is imported for the file
+                ok = isinstance(getattr(sys.modules.get(module), name, None), type)
             if not ok:
                 raise UnsafeFileError(f"{meta} names {module}.{name}, which a sharded "
                                       "checkpoint never holds; nothing in it was run")
