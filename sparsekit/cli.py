@@ -210,9 +210,9 @@ def resume_argv(argv: list[str]) -> list[str]:
     run_dir = latest_run() if value.lower() in ("true", "yes", "1") else Path(value)
     if run_dir is None:
         fail(ValueError(
-            f"resume={value}: no run that can continue under {RUNS.resolve()} (runs that "
-            "finished, failed before their first checkpoint, or import code are skipped; "
-            "name one with resume=DIR)"))
+            f"resume={value}: no unfinished run that can continue under {RUNS.resolve()} "
+            "(runs that finished, failed before their first checkpoint, or import code are "
+            "skipped; name one with resume=DIR)"))
     recorded = _recorded_overrides(run_dir)
     if recorded is None:
         fail(ValueError(f"resume={value}: {run_dir} is not a sparsekit run directory"))

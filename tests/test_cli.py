@@ -291,7 +291,7 @@ def test_a_run_that_failed_at_startup_is_not_resumed(tmp_path, capsys):
     state = read_run_state(run_dir)
     assert state["state"] == "failed" and "missing.pt" in state["error"]
     code, _, err = run_cli(["resume=true"], tmp_path, capsys)
-    assert code == 2 and "no run that can continue" in err
+    assert code == 2 and "no unfinished run that can continue" in err
 
 
 def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):

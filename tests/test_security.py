@@ -175,7 +175,7 @@ def test_resume_true_never_picks_a_run_that_imports_code(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit) as exit_:
         main(["resume=true"])
     assert exit_.value.code == 2
-    assert "no run that can continue" in capsys.readouterr().err
+    assert "no unfinished run that can continue" in capsys.readouterr().err
     assert not marker.exists()
 
 
