@@ -206,3 +206,15 @@ def test_bitmask_round_trip_exact_bits(dtype):
     back = ck.unpack_bitmask(nonzeros, bits, list(t.shape))
     assert back.dtype == t.dtype
     assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.parametrize("keep", [0, 7, 100, -16])
+def test_damaged_file_names_itself(tmp_path, keep):
+    """A truncated or corrupt file is a FileFormatError naming it, not SafetensorError/OSError."""
+    from sparsekit.errors import FileFormatError
+
+    sk.save(mlp(64), tmp_path / "m.safetensors")
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "bad.safetensors").write_bytes(data[:keep])
+    with pytest.raises(FileFormatError, match="bad.safetensors"):
+        sk.load(tmp_path / "bad.safetensors", model=mlp(64))
