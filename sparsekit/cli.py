@@ -150,7 +150,7 @@ def imports_code(overrides: Sequence[object]) -> list[str]:
         text = str(o)
         key, eq, value = text.partition("=")
         parts = re.split(r"[./@]", key.lstrip("+~"))
-        if len(parts) == 1 and parts[0] in options:  # a config group: a packaged option only
+        if parts[0] in options and (len(parts) == 1 or "@" in key):  # a group: packaged option
             safe = value.strip() in options[parts[0]]
         else:
             safe = parts[0] in fields and not any(p.startswith("_") for p in parts)

@@ -35,8 +35,8 @@ from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torc
 from sparsekit.bench import benchmark
 from sparsekit.checkpoint import is_sparsekit_file, load_state_dict
 from sparsekit.config import Config, validate
-from sparsekit.errors import FileFormatError
 from sparsekit.data import DataBundle, build_data, cache_root
+from sparsekit.errors import FileFormatError
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
 from sparsekit.runstate import VERSION as RUNSTATE_VERSION
@@ -308,8 +308,11 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     try:
         summary = _run(cfg, run_dir, resume)
     except BaseException as e:
-        if D.is_main() and not isinstance(e, KeyboardInterrupt):
-            write_run_state(run_dir, "failed", f"{type(e).__name__}: {e}"[:2000])
+        if D.is_main() and not isinstance(e, KeyboardInterrupt):  # Ctrl-C: can continue
+            try:
+                write_run_state(run_dir, "failed", f"{type(e).__name__}: {e}"[:2000])
+            except OSError:  # an unwritable or full disk: the original error says more
+                pass
         raise
     if D.is_main():
         write_run_state(run_dir, "finished")

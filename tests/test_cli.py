@@ -313,3 +313,16 @@ def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
         load_dense(dst, str(tmp_path / name))
         for k, v in src.state_dict().items():
             assert torch.equal(dst.state_dict()[k], v), (name, k)
+
+
+def test_imports_code_flags_everything_beyond_registered_choices():
+    from sparsekit.cli import imports_code
+
+    safe = ["model=tiny_lm", "recipe=mnist1d_cnn_24", "prune.sparsity=0.5",
+            "+model.kwargs.width=3", "data=stdlib_text", "model@x=mnist1d_cnn"]
+    risky = ["model=custom", "model@x=custom", "data=custom", "model._target_=os.system",
+             "+data.kwargs._target_=os.system", "hydra/launcher=joblib",
+             "hydra.searchpath=[file:///tmp]", "model={_target_: os.system}", "--config-dir=/x",
+             "recipe=not_packaged", "nokey", "unknown.key=1"]
+    assert imports_code(safe) == []
+    assert imports_code(risky) == risky
