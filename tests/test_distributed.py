@@ -366,8 +366,8 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
     assert not (run_dir / "summary.json").exists()
     assert load_checkpoint(run_dir / CHECKPOINT)["step"] == 9
     ckpt_dir = run_dir / CHECKPOINT.parent
-    if mode == "ddp":  # replicated: one file, from rank 0
-        assert [p.name for p in ckpt_dir.iterdir()] == [CHECKPOINT.name]
+    if mode == "ddp":  # replicated: one file (and the one before it), from rank 0
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.prev.pt", "last.pt"]
     else:  # sharded: each rank's shard, and rank 0's pointer to them
         assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.dcp", "last.pt"]
         assert len(list((ckpt_dir / "last.dcp").glob("*.distcp"))) == 2
