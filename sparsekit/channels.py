@@ -33,7 +33,8 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import eval_mode
+from sparsekit.calibration import eval_mode, model_arguments
+from sparsekit.errors import UsageError
 from sparsekit.schedules import Linear, OneShot, Schedule
 from sparsekit.select import name_matches
 
@@ -183,11 +184,8 @@ def _count(model: nn.Module, example_inputs: Any) -> tuple[int, int]:
 
 
 def _forward(model: nn.Module, example_inputs: Any) -> Any:
-    if isinstance(example_inputs, Mapping):
-        return model(**example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return model(*example_inputs)
-    return model(example_inputs)
+    args, kwargs = model_arguments(model, example_inputs)
+    return model(*args, **kwargs)
 
 
 def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
@@ -294,6 +292,19 @@ class ChannelPruner:
                     f"module '{name}' carries parametrizations (pruning masks?): run channel "
                     "pruning before mask pruning, or finalize the Pruner first"
                 )
+        quantized = [
+            f"{n} ({getattr(m, 'scheme', None) or m.weight.dtype})"
+            for n, m in model.named_modules()
+            if getattr(m, "scheme", None) is not None  # sparsekit's quantized layers
+            or (isinstance(getattr(m, "weight", None), torch.Tensor)
+                and not m.weight.is_floating_point())
+        ]
+        if quantized:
+            # torch-pruning only sees float Linear/Conv layers: it would remove nothing here
+            raise UsageError(
+                f"channel pruning needs float layers; these are quantized: {', '.join(quantized)}."
+                " Prune channels before quantize_ (or prepare_qat_)"
+            )
         self.model = model
         self.example_inputs = example_inputs
         self.importance = importance
@@ -305,7 +316,7 @@ class ChannelPruner:
         self._widths0, self._heads0 = _widths(model)
         self._hf_attention = [m for m in model.modules() if _is_hf_attention(m)]
         # Every forward pass here runs in eval mode: batch-norm statistics must not move.
-        with eval_mode(model):
+        with eval_mode(model, grad=True):
             self._counts0 = _count(model, example_inputs)
             self._tp = self._build_tp(self._ignored_modules(ignore))
             self._protected, self._mha_groups = self._special_groups()
@@ -388,7 +399,7 @@ class ChannelPruner:
         plan0 = channel_plan(self.model)
         state0 = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
-            with eval_mode(self.model):
+            with eval_mode(self.model, grad=True):
                 self._prune_to(target)
                 _sync_attributes(self.model)
                 self._check_forward()
@@ -406,7 +417,7 @@ class ChannelPruner:
         widths. Load the pruned weights afterwards."""
         # torch-pruning notes the starting widths at its first pruning step: take one that
         # removes nothing while the model still has them
-        with eval_mode(self.model):
+        with eval_mode(self.model, grad=True):
             self._prune_to(0.0)
         apply_channel_plan(self.model, plan)
         self.progress = float(progress)

@@ -91,6 +91,21 @@ def fold_mask(module: nn.Module) -> None:
     module._parameters = {k: params[k] for k in order}
 
 
+@torch.no_grad()
+def remove_mask(module: nn.Module) -> None:
+    """Remove the mask without applying it: ``module.weight`` becomes the original Parameter
+    again, with its current values and its place in the state_dict."""
+    wm = find_mask(module)
+    if wm is None:
+        return
+    parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+    params = module._parameters
+    order = [k for k in wm.param_order if k in params] + [
+        k for k in params if k not in wm.param_order
+    ]
+    module._parameters = {k: params[k] for k in order}
+
+
 def mask_from_zeros(weight: torch.Tensor) -> torch.Tensor:
     """Bool keep-mask of the nonzero entries of ``weight`` (int8 / float8 weights, which support
     few ops, are compared in float32)."""

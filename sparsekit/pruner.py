@@ -22,7 +22,14 @@ from torch import nn
 from sparsekit import distributed as D
 from sparsekit import masks as M
 from sparsekit.calibration import CalibrationFn
-from sparsekit.criteria import CRITERIA, collect_input_norms, magnitude, wanda
+from sparsekit.criteria import (
+    CRITERIA,
+    check_finite_weight,
+    collect_input_norms,
+    magnitude,
+    wanda,
+)
+from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.patterns import (
     lowest_k_masks,
     nm_group_cost,
@@ -94,7 +101,8 @@ class Pruner:
         strict: bool = False,
         process_group: Any = None,
     ):
-        wrapped = D.unwrap(model) is not model
+        # the DDP wrapper, or its .module once wrapped: masks held here, not parametrizations
+        wrapped = D.unwrap(model) is not model or D.ddp_wrapped(model)
         model = D.unwrap(model)
         self.model = model
         self.pattern = pattern
@@ -150,17 +158,35 @@ class Pruner:
         self._local_masks: dict[str, torch.Tensor] = {}
         self._hooks: list[Any] = []
         for name, module in self.modules.items():
-            if not self._held:
-                M.attach_mask(module)
-                continue
             if M.find_mask(module) is not None:
-                raise ValueError(f"layer {name!r} already has a pruning mask")
+                # a second Pruner would share (and overwrite) the first one's mask
+                raise UsageError(
+                    f"layer {name!r} already has a pruning mask (another Pruner's): finalize "
+                    "that Pruner first, or exclude the layer from one of them"
+                )
+        for name, module in self.modules.items():
+            if not self._held:
+                try:
+                    M.attach_mask(module)
+                except Exception:
+                    self._remove_masks()
+                    raise
+                continue
             self._local_masks[name] = torch.ones_like(D.local(module.weight), dtype=torch.bool)
             if not self._sharded:
                 mask = self._local_masks[name]
                 self._hooks.append(module.weight.register_hook(lambda g, mask=mask: g * mask))
         self.progress = 0.0
         self.last_step: int | None = None
+
+    def _remove_masks(self) -> None:
+        """Take this Pruner's masks off again without applying them (the weights keep their
+        values, the state_dict its keys): the rollback of a failed construction or prune_."""
+        for module in self.modules.values():
+            M.remove_mask(module)
+        for hook in self._hooks:
+            hook.remove()
+        self.modules, self._local_masks, self._hooks = {}, {}, []
 
     def _resolve_levels(
         self, sparsity: float | Mapping[str, float] | None, selected: Mapping[str, nn.Module]
@@ -274,6 +300,8 @@ class Pruner:
             D.verify_masks(self.masks, self._comm)
 
     def _scores(self) -> dict[str, torch.Tensor]:
+        for n, m in self.modules.items():
+            check_finite_weight(n, D.local(m.weight))
         if self.criterion == "magnitude":
             return {n: magnitude(D.local(m.weight)) for n, m in self.modules.items()}
         norms = collect_input_norms(
@@ -384,25 +412,76 @@ class Pruner:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore masks and schedule position saved by :meth:`state_dict`."""
+        """Restore masks and schedule position saved by :meth:`state_dict`. Every field is
+        checked (UsageError / ConfigTypeError naming it) before anything changes."""
+        if not isinstance(state, Mapping):
+            raise ConfigTypeError(f"pruner state must be a dict, got {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"pruner state version {state.get('version')!r} != {STATE_VERSION}")
+            raise UsageError(
+                f"pruner state['version'] is {state.get('version')!r}; this sparsekit reads "
+                f"version {STATE_VERSION}"
+            )
+        missing = [k for k in self.state_dict_keys() if k not in state]
+        if missing:
+            raise UsageError(
+                f"pruner state lacks field(s) {missing}; a state has {list(self.state_dict_keys())}"
+            )
         if state["pattern"] != self.pattern:
-            raise ValueError(
-                f"pruner state is for pattern {state['pattern']!r}, not {self.pattern!r}"
+            raise UsageError(
+                f"pruner state['pattern'] is {state['pattern']!r}, this pruner's {self.pattern!r}"
+            )
+        if state["criterion"] not in CRITERIA or state["scope"] not in SCOPES:
+            raise UsageError(
+                f"pruner state criterion={state['criterion']!r} scope={state['scope']!r}: "
+                f"allowed criteria {list(CRITERIA)}, scopes {list(SCOPES)}"
+            )
+        progress, last_step = state["progress"], state["last_step"]
+        if isinstance(progress, bool) or not isinstance(progress, (int, float)) or not (
+            0.0 <= float(progress) <= 1.0
+        ):
+            raise UsageError(
+                f"pruner state['progress'] must be a number in [0, 1] (fraction of the "
+                f"schedule done), got {progress!r}"
+            )
+        if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < -1:
+            raise UsageError(
+                f"pruner state['last_step'] must be an int >= -1 (-1: never stepped), got "
+                f"{last_step!r}"
             )
         saved = state["masks"]
-        if set(saved) != set(self.modules):
-            raise ValueError(
-                f"pruner state covers layers {sorted(saved)}, this pruner {sorted(self.modules)}"
+        if not isinstance(saved, Mapping) or set(saved) != set(self.modules):
+            names = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+            raise UsageError(
+                f"pruner state['masks'] covers layers {names}, this pruner {sorted(self.modules)}"
             )
+        for name, module in self.modules.items():
+            self._check_saved_mask(name, saved[name], tuple(module.weight.shape))
         for name, module in self.modules.items():
             mask = saved[name]
             if self._sharded:
                 mask = D.local_part(mask, module.weight)
             self._set_mask(name, mask.to(self._keep(name).device))
-        self.progress = float(state["progress"])
-        self.last_step = None if state["last_step"] < 0 else int(state["last_step"])
+        self.progress = float(progress)
+        self.last_step = None if last_step < 0 else int(last_step)
+
+    @staticmethod
+    def state_dict_keys() -> tuple[str, ...]:
+        return ("version", "pattern", "criterion", "scope", "progress", "last_step", "masks")
+
+    def _check_saved_mask(self, name: str, mask: Any, shape: tuple[int, ...]) -> None:
+        what = f"pruner state['masks'][{name!r}]"
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ConfigTypeError(f"{what} must be a bool tensor, got {got}")
+        if tuple(mask.shape) != shape:
+            raise UsageError(f"{what} has shape {tuple(mask.shape)}, the weight {shape}")
+        if self.nm is not None:
+            n, m = self.nm
+            kept = mask.reshape(shape[0], -1, m).sum(-1)
+            if bool((kept < n).any()):
+                raise UsageError(
+                    f"{what} keeps fewer than {n} of some group of {m}: not a {self.pattern} mask"
+                )
 
     def finalize(self) -> nn.Module:
         """Fold masks into the weights: a plain module with the state_dict keys it had before
@@ -454,7 +533,11 @@ def prune_(
         calibration_fn,
         strict,
     )
-    pruner.step(0)
+    try:
+        pruner.step(0)
+    except BaseException:
+        pruner._remove_masks()  # leave the model as it was: no masks, the same state_dict keys
+        raise
     report = pruner.report()
     pruner.finalize()
     return report

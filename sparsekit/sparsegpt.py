@@ -32,6 +32,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.criteria import check_finite_weight
+from sparsekit.errors import NumericsError
 from sparsekit.criteria import conv_columns
 from sparsekit.distributed import ShardComm, reduce_hessian
 from sparsekit.patterns import prune_count
@@ -203,6 +205,11 @@ def _solve_layer(
     """Prune ``module`` in place from its accumulated Hessian; returns its keep-mask."""
     if hess.h is None:
         raise ValueError(f"sparsegpt: layer {name!r} received only empty inputs; exclude it")
+    if not bool(torch.isfinite(hess.h).all()):
+        raise NumericsError(
+            f"sparsegpt: the calibration inputs of layer {name!r} contain NaN or inf; check the "
+            "calibration batches and the layers before it"
+        )
     weight = module.weight.detach()
     groups = hess.h.shape[0]
     w2 = weight.reshape(weight.shape[0], -1).float()
@@ -309,6 +316,7 @@ def sparsegpt_prune(
         raise ValueError(f"percdamp must be > 0 (fraction of mean(diag H)), got {percdamp}")
     for name, module in modules.items():
         hessian_spec(module)
+        check_finite_weight(name, module.weight)
         if nm is None:
             level = sparsity.get(name)
             if level is None or not 0 <= level < 1:
