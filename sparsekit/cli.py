@@ -126,8 +126,8 @@ def report_runtime_error(err: BaseException) -> None:
     sparsekit raised about the input, a file or the storage; otherwise the traceback and a line
     saying it is a bug. ``SPARSEKIT_DEBUG=1`` shows the traceback of every error."""
     if isinstance(err, OSError) and not isinstance(err, SparsekitError):
-        where = err.filename if err.filename is not None else ""
-        err = StorageError(f"{where}{': ' if where else ''}{err.strerror or err}")
+        where = "" if err.filename is None else f"cannot write or read {err.filename}: "
+        err = StorageError(f"{where}{err.strerror or err}")
     deliberate = isinstance(err, SparsekitError) or (
         isinstance(err, (ValueError, TypeError)) and _raised_by_sparsekit(err)
     )
@@ -223,7 +223,10 @@ def _app(cfg: DictConfig) -> None:
     except (ValueError, TypeError, OmegaConfBaseException) as e:
         fail(e)
     resume = str(config.resume).lower() not in ("false", "none", "no", "0")
-    summary = run(config, HydraConfig.get().runtime.output_dir, resume=resume)
+    try:
+        summary = run(config, HydraConfig.get().runtime.output_dir, resume=resume)
+    except Exception as e:  # reported here: Hydra would print its own lines first
+        report_runtime_error(e)
     if is_main():
         print(summary["table"])
 
@@ -245,6 +248,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     full_error, os.environ["HYDRA_FULL_ERROR"] = os.environ.get("HYDRA_FULL_ERROR"), "1"
     try:
         app()
+    except OSError as e:  # Hydra creating the run directory, before the run starts
+        run_dir = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+        if run_dir and e.filename is not None:
+            e = StorageError(
+                f"cannot create the run directory hydra.run.dir={run_dir[-1]}: {e.filename}: "
+                f"{e.strerror or e}"
+            )
+        report_runtime_error(e)
     except Exception as e:
         report_runtime_error(e)
     finally:
