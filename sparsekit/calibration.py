@@ -157,7 +157,8 @@ def call_model(model: nn.Module, batch: Any, calibration_fn: CalibrationFn | Non
             where = f"{type(model).__name__}.forward"
             if trace.stack:
                 layer = trace.stack[-1]
-                where = f"layer {layer!r} ({type(model.get_submodule(layer)).__name__})"
+                kind = type(model.get_submodule(layer)).__name__.removeprefix("Parametrized")
+                where = f"layer {layer!r} ({kind})"
             how = "" if calibration_fn is not None else f"; if the batch is fed wrongly, {_HOW}"
             first = (str(e).strip().splitlines() or [""])[0]
             raise ModelCallError(

@@ -211,18 +211,14 @@ def ddp_wrapped(module: nn.Module) -> bool:
     """Whether ``module`` is already the ``.module`` of a DistributedDataParallel wrapper
     (``sk.Pruner(ddp.module)``): its parameters must not be parametrized any more, since that
     resets the gradient accumulators DDP hooked. DDP marks nothing on the module, so this looks
-    for a wrapper holding it (only while a process group is initialized: DDP needs one)."""
+    among live objects for a wrapper holding it (only while a process group is initialized,
+    which DDP needs)."""
     import gc
 
     if not is_initialized():
         return False
-    for holder in gc.get_referrers(module):
-        if not isinstance(holder, dict) or holder.get("module") is not module:
-            continue  # a wrapper holds its module in its _modules dict under "module"
-        for owner in gc.get_referrers(holder):
-            if isinstance(owner, nn.parallel.DistributedDataParallel) and owner.module is module:
-                return True
-    return False
+    ddp = nn.parallel.DistributedDataParallel
+    return any(isinstance(o, ddp) and o.module is module for o in gc.get_objects())
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
