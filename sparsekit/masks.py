@@ -8,6 +8,8 @@ compiled graphs holding it stay valid.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -19,9 +21,14 @@ class WeightMask(nn.Module):
     def __init__(self, mask: torch.Tensor):
         super().__init__()
         self.register_buffer("mask", mask.to(torch.bool).clone())
+        self.owner: Any = None  # weakref to the Pruner that moves this mask, if any
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.mask
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (deepcopy, pickle) of a masked model belongs to no Pruner
+        return {**super().__getstate__(), "owner": None}
 
 
 def find_mask(module: nn.Module) -> WeightMask | None:

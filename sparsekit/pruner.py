@@ -12,6 +12,7 @@ Typical use inside a training loop (see DESIGN.md):
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -158,19 +159,25 @@ class Pruner:
         self._local_masks: dict[str, torch.Tensor] = {}
         self._hooks: list[Any] = []
         for name, module in self.modules.items():
-            if M.find_mask(module) is not None:
+            wm = M.find_mask(module)
+            owner = None if wm is None or wm.owner is None else wm.owner()
+            if owner is not None or (self._held and wm is not None):
                 # a second Pruner would share (and overwrite) the first one's mask
                 raise UsageError(
                     f"layer {name!r} already has a pruning mask (another Pruner's): finalize "
                     "that Pruner first, or exclude the layer from one of them"
                 )
+        self._attached: list[nn.Module] = []  # masks attached here (not prepare_qat_'s)
         for name, module in self.modules.items():
             if not self._held:
+                fresh = M.find_mask(module) is None
                 try:
-                    M.attach_mask(module)
+                    M.attach_mask(module).owner = weakref.ref(self)
                 except Exception:
                     self._remove_masks()
                     raise
+                if fresh:
+                    self._attached.append(module)
                 continue
             self._local_masks[name] = torch.ones_like(D.local(module.weight), dtype=torch.bool)
             if not self._sharded:
@@ -182,8 +189,12 @@ class Pruner:
     def _remove_masks(self) -> None:
         """Take this Pruner's masks off again without applying them (the weights keep their
         values, the state_dict its keys): the rollback of a failed construction or prune_."""
-        for module in self.modules.values():
+        for module in self._attached:
             M.remove_mask(module)
+        for module in self.modules.values():
+            wm = M.find_mask(module)
+            if wm is not None:  # prepare_qat_'s all-ones mask: free for another Pruner again
+                wm.owner = None
         for hook in self._hooks:
             hook.remove()
         self.modules, self._local_masks, self._hooks = {}, {}, []
