@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.calibration import eval_mode, model_arguments
-from sparsekit.errors import UsageError
+from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.schedules import Linear, OneShot, Schedule
 from sparsekit.select import name_matches
 
@@ -209,9 +209,9 @@ def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
 
 def _check_ratio(ratio: object) -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"ratio must be a float in [0, 1), got {ratio!r}")
+        raise ConfigTypeError(f"ratio must be a float in [0, 1), got {ratio!r}")
     if not 0.0 <= float(ratio) < 1.0 or math.isnan(ratio):
-        raise ValueError(
+        raise UsageError(
             f"ratio={ratio!r} must be in [0, 1): the fraction of output channels removed per layer"
         )
     return float(ratio)
@@ -219,9 +219,9 @@ def _check_ratio(ratio: object) -> float:
 
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigTypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+        raise UsageError(f"{name}={value} must be an integer >= {minimum}")
     return value
 
 
@@ -273,22 +273,24 @@ class ChannelPruner:
     ) -> None:
         self.ratio = _check_ratio(ratio)
         if importance not in IMPORTANCES:
-            raise ValueError(
+            raise UsageError(
                 f"importance={importance!r} is not allowed; choose one of: {', '.join(IMPORTANCES)}"
             )
         if scope not in SCOPES:
-            raise ValueError(f"scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
+            raise UsageError(f"scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
         self.round_to = 1 if round_to is None else _check_int("round_to", round_to, 1)
         if importance == "taylor" and loss_fn is None:
-            raise ValueError(
+            raise UsageError(
                 "importance='taylor' scores channels by |weight x gradient| and needs "
                 "loss_fn=lambda model: <scalar loss on a few real batches>"
             )
         if schedule is not None and not isinstance(schedule, Schedule):
-            raise TypeError(f"schedule must be a sparsekit Schedule, got {type(schedule).__name__}")
+            raise ConfigTypeError(
+                f"schedule must be a sparsekit Schedule, got {type(schedule).__name__}"
+            )
         for name, m in model.named_modules():
             if parametrize.is_parametrized(m):
-                raise ValueError(
+                raise UsageError(
                     f"module '{name}' carries parametrizations (pruning masks?): run channel "
                     "pruning before mask pruning, or finalize the Pruner first"
                 )
@@ -349,7 +351,7 @@ class ChannelPruner:
                     head_pruning_ratio=self.ratio,
                 )
             except Exception as exc:
-                raise ValueError(
+                raise UsageError(
                     f"torch-pruning could not trace {type(self.model).__name__} with the given "
                     f"example_inputs: {exc}"
                 ) from exc
@@ -360,7 +362,7 @@ class ChannelPruner:
         for p in patterns:
             hits = [m for n, m in self.model.named_modules() if n and name_matches(n, p)]
             if not hits:
-                raise ValueError(f"ignore pattern {p!r} matches no module of the model")
+                raise UsageError(f"ignore pattern {p!r} matches no module of the model")
             modules += hits
         return modules
 
@@ -467,7 +469,7 @@ class ChannelPruner:
         first = mhas[0]
         if any(m.num_heads != first.num_heads or m.embed_dim != first.embed_dim for m in mhas):
             names = ", ".join(self._names[m] for m in mhas)
-            raise ValueError(
+            raise UsageError(
                 f"attention modules {names} share a width but differ in heads; ignore them"
             )
         heads0 = self._heads0[self._names[first]]
@@ -509,7 +511,7 @@ class ChannelPruner:
         except Exception as exc:
             where = stack[-1] if stack else "<top level>"
             module = self.model.get_submodule(where) if stack else self.model
-            raise ValueError(
+            raise UsageError(
                 f"channel pruning cannot handle module '{where}' ({type(module).__name__}): the "
                 f"pruned model fails there with {type(exc).__name__}: {exc}. Keep it unpruned "
                 f"with ignore=['{where}'] (the model was left unchanged)"
@@ -672,7 +674,7 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
     <All keys matched successfully>
     """
     if plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
-        raise ValueError(
+        raise UsageError(
             f"not a channel plan (format {PLAN_FORMAT!r} version {PLAN_VERSION}): got format "
             f"{plan.get('format')!r} version {plan.get('version')!r}"
         )
@@ -680,11 +682,11 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
     present = dict(_plan_modules(model))
     for name in present:
         if name not in entries:
-            raise ValueError(f"module '{name}' of the model is not in the channel plan")
+            raise UsageError(f"module '{name}' of the model is not in the channel plan")
     for name, entry in entries.items():
         m = present.get(name)
         if m is None:
-            raise ValueError(
+            raise UsageError(
                 f"channel plan expects a {entry['type']} at '{name}'; the model has none"
             )
         strict = _type_name(m) == entry["type"]
@@ -692,7 +694,7 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
         for k, shape in entry["shapes"].items():
             if k not in current:
                 if strict:
-                    raise ValueError(f"channel plan expects tensor '{k}' on module '{name}'")
+                    raise UsageError(f"channel plan expects tensor '{k}' on module '{name}'")
                 continue
             t, is_param = current[k]
             if list(t.shape) == list(shape):
@@ -706,7 +708,7 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
             old = vars(m).get(k)
             if old is None:
                 if strict:
-                    raise ValueError(f"channel plan sets '{k}' on module '{name}', which has none")
+                    raise UsageError(f"channel plan sets '{k}' on module '{name}', which has none")
                 continue
             with contextlib.suppress(TypeError):
                 v = type(old)(v)  # tuples (kernel_size, normalized_shape) come back as lists

@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit._io import atomic_write
+from sparsekit.errors import file_errors
 from sparsekit.masks import mask_from_zeros
 
 FORMAT = "sparsekit"
@@ -245,6 +246,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
+@file_errors
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON metadata of a sparsekit checkpoint; ValueError for any other file."""
     with safe_open(os.fspath(path), framework="pt") as f:
@@ -260,6 +262,7 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
+@file_errors
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The dense state dict stored in ``path`` (2:4 tensors expanded, zeros restored)."""
     header = read_header(path)
@@ -308,6 +311,7 @@ def instantiate(spec: dict[str, Any], trusted: tuple[str, ...] = TRUSTED_FACTORI
     return model
 
 
+@file_errors
 def load(
     path: str | os.PathLike,
     model: nn.Module | None = None,

@@ -16,7 +16,7 @@ from torch import nn
 
 from sparsekit.calibration import CalibrationFn, run_calibration
 from sparsekit.distributed import ShardComm, all_reduce_dict
-from sparsekit.errors import ModelCallError, NumericsError
+from sparsekit.errors import ConfigTypeError, ModelCallError, NumericsError, UsageError
 
 CRITERIA = ("magnitude", "wanda", "sparsegpt")
 
@@ -48,7 +48,7 @@ def wanda(weight: torch.Tensor, input_norm: torch.Tensor, groups: int = 1) -> to
     w = weight.detach().abs().float().reshape(weight.shape[0], -1)
     norm = input_norm.float().reshape(groups, -1)
     if norm.shape[1] != w.shape[1]:
-        raise ValueError(
+        raise UsageError(
             f"input norm has {norm.shape[1]} features per group, weight has {w.shape[1]}"
         )
     rows = norm.repeat_interleave(w.shape[0] // groups, dim=0)
@@ -99,7 +99,7 @@ def gemm_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         cols = conv_columns(module, x)  # (groups, tokens, in/groups * prod(kernel))
         return cols.transpose(0, 1).reshape(cols.shape[1], -1)
-    raise TypeError(f"no GEMM form for {type(module).__name__}")
+    raise ConfigTypeError(f"no GEMM form for {type(module).__name__}")
 
 
 class InputNormCollector:

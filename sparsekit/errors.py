@@ -11,8 +11,12 @@ architecture, a full disk) exits 1 with one line; anything else is a bug and kee
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class SparsekitError(Exception):
@@ -76,3 +80,26 @@ def storage_errors(path: str | os.PathLike, what: str = "write") -> Iterator[Non
         raise StorageError(
             f"cannot {what} {os.fspath(path)}: the write failed (is the disk full?): {first}"
         ) from e
+
+
+def file_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a reader whose first argument is a path: any error it meets that is not already
+    a :class:`SparsekitError` (a KeyError from a malformed header, safetensors' or JSON's parse
+    errors, a state_dict of another architecture) becomes :class:`FileFormatError` naming the
+    file; OSError becomes :class:`StorageError`."""
+
+    @functools.wraps(fn)
+    def wrapper(path: str | os.PathLike, *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(path, *args, **kwargs)
+        except SparsekitError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot read {os.fspath(path)}: {e.strerror or e}") from e
+        except Exception as e:
+            text = (str(e).strip().splitlines() or [""])[0][:300]
+            name = os.fspath(path)
+            detail = text if name in text else f"{name}: {type(e).__name__}: {text}"
+            raise FileFormatError(f"{detail} (not a valid sparsekit checkpoint)") from e
+
+    return wrapper

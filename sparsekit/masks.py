@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.errors import UsageError
+
 
 class WeightMask(nn.Module):
     """Parametrization ``w -> w * mask``; ``mask`` is a bool buffer of the weight's shape."""
@@ -61,7 +63,7 @@ def attach_mask(module: nn.Module, mask: torch.Tensor | None = None) -> WeightMa
         existing.mask.copy_(mask)
         return existing
     if parametrize.is_parametrized(module, "weight"):
-        raise ValueError(
+        raise UsageError(
             f"{type(module).__name__}.weight already has parametrizations "
             f"{[type(p).__name__ for p in module.parametrizations.weight]}: attach the pruning "
             "mask before other parametrizations (create the Pruner before prepare_qat_)"

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import safe_open
 from safetensors.torch import load_file as safetensors_load_file
 from safetensors.torch import save_model
 from torch import nn
@@ -114,10 +115,9 @@ def file_size(model: nn.Module) -> int:
 def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
     """Weights from a safetensors file: one ``sk.save`` wrote (compressed tensors expanded), or
     a plain state dict."""
-    try:
-        state = load_state_dict(path)
-    except ValueError:  # not a sparsekit checkpoint: a plain safetensors state dict
-        state = safetensors_load_file(os.fspath(path))
+    with safe_open(os.fspath(path), framework="pt") as f:
+        sparsekit_file = "sparsekit" in (f.metadata() or {})
+    state = load_state_dict(path) if sparsekit_file else safetensors_load_file(os.fspath(path))
     _load_matching(model, state, f"file {os.fspath(path)!r}")
 
 

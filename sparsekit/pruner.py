@@ -50,9 +50,9 @@ STATE_VERSION = 1
 
 def _check_level(what: str, level: object) -> float:
     if isinstance(level, bool) or not isinstance(level, (int, float)):
-        raise TypeError(f"{what} must be a number in [0, 1), got {level!r}")
+        raise ConfigTypeError(f"{what} must be a number in [0, 1), got {level!r}")
     if not 0.0 <= float(level) < 1.0 or math.isnan(level):
-        raise ValueError(f"{what} must be in [0, 1) (fraction of weights set to zero), got {level}")
+        raise UsageError(f"{what} must be in [0, 1) (fraction of weights set to zero), got {level}")
     return float(level)
 
 
@@ -109,19 +109,19 @@ class Pruner:
         self.pattern = pattern
         self.nm = parse_pattern(pattern)
         if criterion not in CRITERIA:
-            raise ValueError(f"unknown criterion {criterion!r}: allowed are {list(CRITERIA)}")
+            raise UsageError(f"unknown criterion {criterion!r}: allowed are {list(CRITERIA)}")
         if scope not in SCOPES:
-            raise ValueError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
+            raise UsageError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
         self.criterion, self.scope = criterion, scope
         self.schedule = OneShot() if schedule is None else schedule
         if not isinstance(self.schedule, Schedule):
-            raise TypeError(f"schedule must be OneShot, Linear or Cubic, got {schedule!r}")
+            raise ConfigTypeError(f"schedule must be OneShot, Linear or Cubic, got {schedule!r}")
         if criterion == "sparsegpt" and not isinstance(self.schedule, OneShot):
-            raise ValueError("criterion 'sparsegpt' is one shot: use schedule=OneShot(...)")
+            raise UsageError("criterion 'sparsegpt' is one shot: use schedule=OneShot(...)")
         if criterion in ("wanda", "sparsegpt") and calibration is None:
-            raise ValueError(f"criterion {criterion!r} needs calibration= (an iterable of batches)")
+            raise UsageError(f"criterion {criterion!r} needs calibration= (an iterable of batches)")
         if criterion == "wanda" and self.nm is None and scope == "global":
-            raise ValueError(
+            raise UsageError(
                 "criterion 'wanda' compares scores within each output row; use scope='layer'"
             )
         self.calibration, self.calibration_fn = calibration, calibration_fn
@@ -136,7 +136,7 @@ class Pruner:
                 reason = "no sparsity level in the mapping matches this layer"
             if reason is not None:
                 if strict:
-                    raise ValueError(f"layer {name!r} cannot be pruned with {pattern!r}: {reason}")
+                    raise UsageError(f"layer {name!r} cannot be pruned with {pattern!r}: {reason}")
                 self.skipped[name] = reason
             else:
                 self.modules[name] = module
@@ -145,12 +145,12 @@ class Pruner:
         sharded = [D.is_sharded(M.original_weight(m)) for m in self.modules.values()]
         self._sharded = any(sharded)
         if self._sharded and not all(sharded):
-            raise ValueError(
+            raise UsageError(
                 "some selected weights are sharded (FSDP2) and some are not: shard "
                 "all selected layers or none"
             )
         if self._sharded and criterion == "sparsegpt":
-            raise ValueError("criterion 'sparsegpt' needs whole weights: prune before fully_shard")
+            raise UsageError("criterion 'sparsegpt' needs whole weights: prune before fully_shard")
         # Masks held here and enforced by zeroing pruned weights at every step() (and, when
         # not sharded, masking their gradients) where a parametrization cannot go: FSDP2 owns
         # sharded Parameters, and parametrizing a Parameter after DDP wrapped it detaches
@@ -207,20 +207,20 @@ class Pruner:
             if sparsity is not None and (
                 not isinstance(sparsity, (int, float)) or abs(float(sparsity) - implied) > 1e-9
             ):
-                raise ValueError(
+                raise UsageError(
                     f"sparsity is implied by pattern {self.pattern!r} ({implied:g}); "
                     "leave sparsity=None"
                 )
             return {name: None for name in selected}
         if sparsity is None:
-            raise ValueError("sparsity is required for pattern 'unstructured' (a level in [0, 1))")
+            raise UsageError("sparsity is required for pattern 'unstructured' (a level in [0, 1))")
         if isinstance(sparsity, Mapping):
             if self.scope == "global":
-                raise ValueError("a per-layer sparsity mapping needs scope='layer'")
+                raise UsageError("a per-layer sparsity mapping needs scope='layer'")
             levels = {p: _check_level(f"sparsity[{p!r}]", v) for p, v in sparsity.items()}
             for p in levels:
                 if not any(name_matches(n, p) for n in selected):
-                    raise ValueError(f"sparsity pattern {p!r} matches no selected layer")
+                    raise UsageError(f"sparsity pattern {p!r} matches no selected layer")
             return {
                 name: next((v for p, v in levels.items() if name_matches(name, p)), None)
                 for name in selected

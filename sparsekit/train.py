@@ -52,7 +52,7 @@ def make_optimizer(
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    raise ValueError(f"train.optimizer={name!r} is not allowed; choose one of: adam, adamw, sgd")
+    raise UsageError(f"train.optimizer={name!r} is not allowed; choose one of: adam, adamw, sgd")
 
 
 def get_batch(dataset: Dataset, indices: torch.Tensor) -> Any:
