@@ -66,6 +66,11 @@ def to_config(cfg: DictConfig) -> Config:
 def one_line(err: BaseException) -> str:
     """A Hydra/OmegaConf/sparsekit error as one line naming the option and allowed values."""
     text = str(err)
+    override = getattr(err, "override", None)  # hydra's OverrideParseException
+    if isinstance(override, str):
+        reason = (text.strip().splitlines() or [""])[0].split("; See https://")[0]
+        return (f"cannot parse {override!r}: {reason}; arguments are key=value or group=option "
+                "(see --help)")
     missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
     if missing:
         group, option = missing.groups()

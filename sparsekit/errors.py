@@ -92,8 +92,11 @@ def file_errors(fn: Callable[..., T]) -> Callable[..., T]:
     def wrapper(path: str | os.PathLike, *args: Any, **kwargs: Any) -> T:
         try:
             return fn(path, *args, **kwargs)
-        except SparsekitError:
-            raise
+        except SparsekitError as e:  # about this file's content: say which file
+            if os.fspath(path) in str(e):
+                raise
+            cls = type(e) if isinstance(e, (FileFormatError, StorageError)) else FileFormatError
+            raise cls(f"{os.fspath(path)}: {e}") from e
         except OSError as e:
             raise StorageError(f"cannot read {os.fspath(path)}: {e.strerror or e}") from e
         except Exception as e:

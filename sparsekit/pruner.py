@@ -427,9 +427,10 @@ class Pruner:
         checked (UsageError / ConfigTypeError naming it) before anything changes."""
         if not isinstance(state, Mapping):
             raise ConfigTypeError(f"pruner state must be a dict, got {type(state).__name__}")
-        if state.get("version") != STATE_VERSION:
+        version = state.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != STATE_VERSION:
             raise UsageError(
-                f"pruner state['version'] is {state.get('version')!r}; this sparsekit reads "
+                f"pruner state['version'] is {version!r}; this sparsekit reads "
                 f"version {STATE_VERSION}"
             )
         missing = [k for k in self.state_dict_keys() if k not in state]
@@ -437,6 +438,11 @@ class Pruner:
             raise UsageError(
                 f"pruner state lacks field(s) {missing}; a state has {list(self.state_dict_keys())}"
             )
+        for key in ("pattern", "criterion", "scope"):
+            if not isinstance(state[key], str):
+                raise ConfigTypeError(
+                    f"pruner state[{key!r}] must be a string, got {type(state[key]).__name__}"
+                )
         if state["pattern"] != self.pattern:
             raise UsageError(
                 f"pruner state['pattern'] is {state['pattern']!r}, this pruner's {self.pattern!r}"
