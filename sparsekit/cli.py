@@ -171,13 +171,19 @@ def check_overrides(overrides: Sequence[str]) -> None:
     """Compose and validate the config for ``overrides`` (each sweep value too); on bad input
     print one line and exit with code 2."""
     overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    variant = list(overrides)
     try:
         variants = _variants(overrides)
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             for variant in variants:
                 to_config(compose("config", overrides=variant))
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
-        fail(e)
+        line = one_line(e)
+        keys = [o.split("=", 1)[0].lstrip("+~") for o in variant]
+        if not any(k and k in line for k in keys):  # say which arguments it is about
+            line = f"{' '.join(variant)}: {line}"
+        print(f"sparsekit: error: {line}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def latest_run(root: Path = RUNS) -> Path | None:

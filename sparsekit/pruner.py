@@ -259,7 +259,7 @@ class Pruner:
             self._local_masks[name].copy_(mask)
             D.local(module.weight).detach().masked_fill_(~self._local_masks[name], 0)
         else:
-            M.attach_mask(module, mask)
+            M.attach_mask(module, mask).owner = weakref.ref(self)
             M.zero_pruned(module)
 
     def _allsum(self, counts: list[int]) -> list[int]:
@@ -367,18 +367,29 @@ class Pruner:
     def _update_sparsegpt(self, progress: float) -> None:
         from sparsekit.sparsegpt import sparsegpt_prune
 
+        # the solver updates weights layer by layer: keep a host copy to undo a failed solve
+        saved = {n: D.local(M.original_weight(m)).detach().to("cpu", copy=True)
+                 for n, m in self.modules.items()}
+        keeps = {n: self._keep(n).clone() for n in self.modules}
         for module in self.modules.values():
             M.fold_mask(module)  # all-ones masks: plain weights for the solver to update
         levels = {n: None if self.nm else self.levels[n] * progress for n in self.modules}
-        new = sparsegpt_prune(
-            self.model,
-            self.modules,
-            levels,
-            self.nm,
-            self.calibration,
-            self.calibration_fn,
-            comm=self._comm,
-        )
+        try:
+            new = sparsegpt_prune(
+                self.model,
+                self.modules,
+                levels,
+                self.nm,
+                self.calibration,
+                self.calibration_fn,
+                comm=self._comm,
+            )
+        except BaseException:
+            for name, module in self.modules.items():
+                D.local(M.original_weight(module)).detach().copy_(saved[name])
+                if not self._held:
+                    M.attach_mask(module, keeps[name]).owner = weakref.ref(self)
+            raise
         for name in self.modules:
             self._set_mask(name, new[name])
         D.verify_masks(self.masks, self._comm)
