@@ -68,20 +68,20 @@ def _binds(sig: inspect.Signature | None, *args: Any, **kwargs: Any) -> bool | N
     return True
 
 
-def model_arguments(model: nn.Module, batch: Any) -> tuple[tuple, dict]:
+def model_arguments(model: nn.Module, batch: Any, hint: str = _HOW) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for one batch: a tensor as ``model(x)``, a tuple/list as
     ``model(*b)``, a dict as ``model(**b)``, or as ``model(b)`` when the model's forward takes
     one positional argument and not the dict's keys (sentence-transformers' ``forward(features)``).
-    Raises ModelCallError when the forward's signature fits neither, saying how to pass
-    ``calibration_fn``."""
+    Raises ModelCallError when the forward's signature fits neither, with ``hint`` (how to
+    pass ``calibration_fn``)."""
     sig = _signature(model)
     if isinstance(batch, torch.Tensor):
         args, kwargs = (batch,), {}
     elif isinstance(batch, Mapping):
         if not all(isinstance(k, str) for k in batch):
             raise ConfigTypeError(
-                f"calibration batch {describe(batch)} has non-string keys; a dict batch is "
-                f"passed as keyword arguments. {_HOW}"
+                f"batch {describe(batch)} has non-string keys; a dict batch is passed as "
+                f"keyword arguments; {hint}"
             )
         if _binds(sig, **batch) is False and _binds(sig, batch):
             return (batch,), {}
@@ -90,14 +90,13 @@ def model_arguments(model: nn.Module, batch: Any) -> tuple[tuple, dict]:
         args, kwargs = tuple(batch), {}
     else:
         raise ConfigTypeError(
-            f"calibration batch of type {type(batch).__name__} is not a tensor, tuple, list or "
-            f"dict; {_HOW}"
+            f"batch of type {type(batch).__name__} is not a tensor, tuple, list or dict; {hint}"
         )
     if _binds(sig, *args, **kwargs) is False:
         raise ModelCallError(
-            f"{type(model).__name__}.forward{sig} cannot take calibration batch "
-            f"{describe(batch)} (a tensor is passed as model(x), a tuple/list as model(*b), a "
-            f"dict as model(**b) or model(b)); {_HOW}"
+            f"{type(model).__name__}.forward{sig} cannot take batch {describe(batch)} (a "
+            f"tensor is passed as model(x), a tuple/list as model(*b), a dict as model(**b) or "
+            f"model(b)); {hint}"
         )
     return args, kwargs
 
@@ -134,7 +133,9 @@ class _LayerTrace:
         self._handles.clear()
 
 
-def call_model(model: nn.Module, batch: Any, calibration_fn: CalibrationFn | None = None) -> Any:
+def call_model(
+    model: nn.Module, batch: Any, calibration_fn: CalibrationFn | None = None, hint: str = _HOW
+) -> Any:
     """Feed one batch as :func:`model_arguments` says; ``calibration_fn(model, batch)``
     overrides that. An exception inside the model becomes ModelCallError naming the innermost
     layer that failed and the batch's shapes (sparsekit's own errors pass through)."""
@@ -146,7 +147,7 @@ def call_model(model: nn.Module, batch: Any, calibration_fn: CalibrationFn | Non
         except StopIteration:
             device = torch.device("cpu")
         batch = _to_device(batch, device)
-        args, kwargs = model_arguments(model, batch)
+        args, kwargs = model_arguments(model, batch, hint)
         call = model
     with _LayerTrace(model) as trace:
         try:
@@ -159,7 +160,7 @@ def call_model(model: nn.Module, batch: Any, calibration_fn: CalibrationFn | Non
                 layer = trace.stack[-1]
                 kind = type(model.get_submodule(layer)).__name__.removeprefix("Parametrized")
                 where = f"layer {layer!r} ({kind})"
-            how = "" if calibration_fn is not None else f"; if the batch is fed wrongly, {_HOW}"
+            how = "" if calibration_fn is not None else f"; if the batch is fed wrongly, {hint}"
             first = (str(e).strip().splitlines() or [""])[0]
             raise ModelCallError(
                 f"calling the model on batch {describe(batch)} failed in {where}: "

@@ -33,7 +33,7 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import eval_mode, model_arguments
+from sparsekit.calibration import call_model, eval_mode, model_arguments
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.schedules import Linear, OneShot, Schedule
 from sparsekit.select import name_matches
@@ -183,8 +183,14 @@ def _count(model: nn.Module, example_inputs: Any) -> tuple[int, int]:
     return params, int(macs)
 
 
+_INPUTS_HINT = (
+    "pass example_inputs as the model takes one batch: a tensor for model(x), a tuple for "
+    "model(*args), a dict for model(**kwargs)"
+)
+
+
 def _forward(model: nn.Module, example_inputs: Any) -> Any:
-    args, kwargs = model_arguments(model, example_inputs)
+    args, kwargs = model_arguments(model, example_inputs, _INPUTS_HINT)
     return model(*args, **kwargs)
 
 
@@ -319,6 +325,7 @@ class ChannelPruner:
         self._hf_attention = [m for m in model.modules() if _is_hf_attention(m)]
         # Every forward pass here runs in eval mode: batch-norm statistics must not move.
         with eval_mode(model, grad=True):
+            call_model(model, example_inputs, hint=_INPUTS_HINT)  # a clear error, naming the layer
             self._counts0 = _count(model, example_inputs)
             self._tp = self._build_tp(self._ignored_modules(ignore))
             self._protected, self._mha_groups = self._special_groups()

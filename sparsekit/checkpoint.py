@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit._io import atomic_write
-from sparsekit.errors import file_errors
+from sparsekit.errors import FileFormatError, file_errors
 from sparsekit.masks import mask_from_zeros
 
 FORMAT = "sparsekit"
@@ -275,6 +275,8 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         sd[key] = unpack_bitmask(raw.pop(key + _NONZEROS), raw.pop(key + _BITMASK), info["shape"])
     sd.update(raw)
     for key, target in header["aliases"].items():
+        if key in sd or target not in sd:  # a tie names one stored tensor, for a key not stored
+            raise FileFormatError(f"{path}: corrupt header, alias {key!r} -> {target!r}")
         sd[key] = sd[target]
     return sd
 

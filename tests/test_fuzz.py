@@ -240,9 +240,9 @@ def test_fuzz_pruner_one_bad_argument_is_named(args, arg, data):
     torch.manual_seed(0)
     values, names = INVALID[arg]
     bad = data.draw(st.sampled_from(values), label=arg)
-    if arg == "calib" and args["criterion"] == "magnitude":
-        args["criterion"] = "wanda"  # magnitude needs no calibration: nothing to refuse
-        args["scope"] = "layer"
+    if arg == "calib":  # a criterion that calibrates, on layers it certainly prunes
+        args.update(criterion=data.draw(st.sampled_from(["wanda", "sparsegpt"])), scope="layer",
+                    pattern="unstructured", sparsity=0.5, schedule=lambda: None)
     if arg == "sparsity" and args["pattern"] != "unstructured":
         args["pattern"], args["scope"] = "unstructured", "layer"
     args[arg] = bad
