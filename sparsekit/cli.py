@@ -69,8 +69,9 @@ def one_line(err: BaseException) -> str:
     override = getattr(err, "override", None)  # hydra's OverrideParseException
     if isinstance(override, str):
         reason = (text.strip().splitlines() or [""])[0].split("; See https://")[0]
-        return (f"cannot parse {override!r}: {reason}; arguments are key=value or group=option "
-                "(see --help)")
+        reason = "" if not reason or reason.startswith("Error parsing override") else f"{reason}; "
+        return f"cannot parse {override!r}: {reason}arguments are key=value or group=option " \
+            "(see --help)"
     missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
     if missing:
         group, option = missing.groups()
