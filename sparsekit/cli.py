@@ -142,8 +142,9 @@ def report_runtime_error(err: BaseException) -> None:
     traceback.print_exception(err)
     if not deliberate:
         print(
-            f"sparsekit: internal error: {type(err).__name__} is a bug in sparsekit, not in your "
-            f"input; please report it with the command line and the traceback above at {ISSUES}",
+            f"sparsekit: internal error: an unexpected {type(err).__name__} is a bug (sparsekit "
+            "should have said what is wrong); please report it with the command line and the "
+            f"traceback above at {ISSUES}",
             file=sys.stderr,
         )
     raise SystemExit(exit_code(err))

@@ -384,4 +384,5 @@ def test_an_unexpected_error_keeps_its_traceback_and_says_it_is_a_bug(cli_dir, c
     code, err = cli(["hydra.run.dir=bug"], cli_dir, capsys)
     assert code == 1
     assert "Traceback" in err and "IndexError: index 3 is out of bounds" in err
-    assert err.strip().splitlines()[-1].startswith("sparsekit: internal error: IndexError is a bug")
+    assert err.strip().splitlines()[-1].startswith(
+        "sparsekit: internal error: an unexpected IndexError is a bug")
