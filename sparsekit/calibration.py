@@ -182,6 +182,20 @@ def eval_mode(model: nn.Module, grad: bool = False) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
+def check_calibration(calibration: Any) -> None:
+    """ConfigTypeError unless ``calibration`` is None or an iterable of batches (one tensor or
+    dict would be iterated row by row or key by key: silently the wrong batches)."""
+    if calibration is None:
+        return
+    if isinstance(calibration, (torch.Tensor, Mapping, str, bytes)) or not isinstance(
+        calibration, Iterable
+    ):
+        raise ConfigTypeError(
+            f"calibration must be an iterable of batches, got one {describe(calibration)}; "
+            "wrap a single batch in a list: calibration=[batch]"
+        )
+
+
 def run_calibration(
     model: nn.Module,
     calibration: Iterable[Any],
@@ -191,11 +205,7 @@ def run_calibration(
     flag afterwards. Returns the number of batches. Raises UsageError when there are none."""
     if calibration is None:
         raise UsageError("calibration is required for this criterion: pass an iterable of batches")
-    if isinstance(calibration, (torch.Tensor, Mapping)):
-        raise ConfigTypeError(
-            f"calibration must be an iterable of batches, got one {describe(calibration)}; "
-            "wrap it in a list: calibration=[batch]"
-        )
+    check_calibration(calibration)
     n = 0
     with eval_mode(model):
         for batch in calibration:

@@ -22,7 +22,7 @@ from torch import nn
 
 from sparsekit import distributed as D
 from sparsekit import masks as M
-from sparsekit.calibration import CalibrationFn
+from sparsekit.calibration import CalibrationFn, check_calibration
 from sparsekit.criteria import (
     CRITERIA,
     check_finite_weight,
@@ -124,6 +124,7 @@ class Pruner:
             raise UsageError(
                 "criterion 'wanda' compares scores within each output row; use scope='layer'"
             )
+        check_calibration(calibration)
         self.calibration, self.calibration_fn = calibration, calibration_fn
 
         selected = select_modules(model, include, exclude)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.calibration import CalibrationFn, check_calibration, run_calibration
 from sparsekit.criteria import check_finite_weight
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 from sparsekit.criteria import conv_columns
@@ -321,6 +321,7 @@ def sparsegpt_prune(
             level = sparsity.get(name)
             if level is None or not 0 <= level < 1:
                 raise UsageError(f"layer {name!r}: sparsity must be in [0, 1), got {level!r}")
+    check_calibration(calibration)
     batches = list(calibration) if calibration is not None else []
     if not batches:
         raise UsageError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
