@@ -112,6 +112,9 @@ def test_batches_that_fit_no_signature_say_how_to_pass_calibration_fn():
         call_model(mlp(), "text")
     with pytest.raises(ConfigTypeError, match=r"calibration=\[batch\]"):
         run_calibration(mlp(), torch.randn(2, 8))
+    for criterion in ("wanda", "sparsegpt"):  # not iterated row by row as 1-sample batches
+        with pytest.raises(ConfigTypeError, match=r"got one tensor\(3, 8\)"):
+            sk.prune_(mlp(), 0.5, criterion=criterion, calibration=torch.randn(3, 8))
     # calibration_fn serves any other model
     seen = []
     run_calibration(DictModel(), [[1, 2]], lambda m, b: seen.append(b))
