@@ -407,9 +407,12 @@ class ChannelPruner:
             return False
         plan0 = channel_plan(self.model)
         state0 = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self._emptied: list[str] = []
         try:
             with eval_mode(self.model, grad=True):
                 self._prune_to(target)
+                if self.progress == 0 and channel_plan(self.model) == plan0:
+                    self._check_removed_some(target)
                 _sync_attributes(self.model)
                 self._check_forward()
         except Exception:
@@ -417,8 +420,30 @@ class ChannelPruner:
             apply_channel_plan(self.model, plan0)
             self.model.load_state_dict(state0)
             raise
+        if self._emptied:
+            warnings.warn(
+                f"channel pruning kept layer(s) {self._emptied} whole: ratio {target:g} with "
+                f"round_to={self.round_to} would remove all of their channels", stacklevel=2
+            )
         self.progress = target
         return True
+
+    def _check_removed_some(self, target: float) -> None:
+        """UsageError when nothing was removed although ``target`` asks for at least
+        ``round_to`` channels of some prunable layer: rounding the kept widths to multiples of
+        ``round_to`` would have emptied the layers, and a silent no-op would read as success."""
+        ignored = set(map(id, self._tp.ignored_layers))
+        wanted = [
+            n for n, w in self._widths0.items()
+            if n not in self._protected and id(self.model.get_submodule(n)) not in ignored
+            and target * w >= self.round_to
+        ]
+        if wanted:
+            raise UsageError(
+                f"channel pruning to ratio {target:g} with round_to={self.round_to} removed no "
+                f"channel (it would leave fewer than round_to channels in layer(s) "
+                f"{(self._emptied or wanted)[:4]}): lower the ratio or round_to"
+            )
 
     def resume(self, plan: Mapping[str, Any], progress: float) -> None:
         """Continue a run on a fresh copy of the starting model: reshape it to ``plan`` (from
@@ -451,7 +476,8 @@ class ChannelPruner:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="torch_pruning")
             for group in tp_pruner.step(interactive=True):
-                if self._empties_a_layer(group):
+                if self._empties_a_layer(group):  # kept whole; step() says so
+                    self._emptied.append(self._names.get(group[0][0].target.module, "?"))
                     continue
                 group.prune()
             for mhas in self._mha_groups:

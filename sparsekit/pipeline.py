@@ -112,13 +112,14 @@ def file_size(model: nn.Module) -> int:
         return save_weights(model, Path(d) / "m.safetensors").stat().st_size
 
 
-def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
+def load_safetensors(model: nn.Module, path: str | os.PathLike, what: str = "") -> None:
     """Weights from a safetensors file: one ``sk.save`` wrote (compressed tensors expanded), or
-    a plain state dict."""
+    a plain state dict. FileFormatError naming ``what`` (default: the file) when its keys or
+    shapes are another architecture's."""
     with safe_open(os.fspath(path), framework="pt") as f:
         sparsekit_file = "sparsekit" in (f.metadata() or {})
     state = load_state_dict(path) if sparsekit_file else safetensors_load_file(os.fspath(path))
-    _load_matching(model, state, f"file {os.fspath(path)!r}")
+    _load_matching(model, state, what or f"file {os.fspath(path)!r}")
 
 
 def load_dense(model: nn.Module, path: str) -> None:
@@ -130,7 +131,7 @@ def load_dense(model: nn.Module, path: str) -> None:
         raise UsageError(f"{option} does not exist or is not a file")
     try:
         if str(path).endswith(".safetensors"):
-            load_safetensors(model, path)
+            load_safetensors(model, path, option)
             return
         state = safe_torch_load(path)
     except SparsekitError:

@@ -232,6 +232,17 @@ def test_channel_pruning_a_quantized_model_is_refused():
         sk.prune_channels_(model, torch.randn(2, 8), ratio=0.5)
 
 
+def test_channel_ratio_that_rounding_turns_into_nothing_is_an_error():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 4))
+    before = state_of(model)
+    with pytest.raises(UsageError, match=r"ratio 0.8 with round_to=4 removed no channel"):
+        sk.prune_channels_(model, torch.randn(2, 8), ratio=0.8, round_to=4)
+    torch.testing.assert_close(state_of(model), before)  # the model is as it was
+    report = sk.prune_channels_(model, torch.randn(2, 8), ratio=0.5, round_to=4)
+    assert model[0].out_features == 8 and report is not None
+
+
 def test_evaluate_with_no_batches_is_an_error_not_zero_accuracy():
     data = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randint(0, 4, (10,)))
     with pytest.raises(UsageError, match="no samples"):
@@ -335,8 +346,8 @@ def cli(args: list[str], cwd, capsys) -> tuple[int, str]:
     [
         (["model.checkpoint=other.pt"], "model.checkpoint='other.pt' is a checkpoint of another "
          "architecture than CNN1d", FileFormatError),
-        (["model.checkpoint=other.safetensors"], "'other.safetensors' is a checkpoint of another "
-         "architecture", FileFormatError),
+        (["model.checkpoint=other.safetensors"], "model.checkpoint='other.safetensors' is a "
+         "checkpoint of another architecture than CNN1d", FileFormatError),
         (["model.checkpoint=random.safetensors"], "model.checkpoint='random.safetensors' is not a "
          "readable checkpoint", FileFormatError),
         (["model.checkpoint=random.pt"], "model.checkpoint='random.pt' is not a readable "
