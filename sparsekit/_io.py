@@ -89,8 +89,8 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
     except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Weights only" in str(e):
-            what = re.search(r"(?:unsupported|Unsupported) (?:GLOBAL|global):? ?([\w.]+)", str(e))
+        what = re.search(r"(?:unsupported|Unsupported) (?:GLOBAL|global):? ?([\w.]+)", str(e))
+        if what or _starts_like_pickle(path):  # weights_only refused a pickle of objects
             named = f" ({what.group(1)})" if what else ""
             raise UnsafeFileError(
                 f"{path} holds pickled objects{named} other than tensors and plain data; "
@@ -102,6 +102,17 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
             f"{path} is not a readable torch file (truncated or corrupt?): "
             f"{type(e).__name__}: {str(e)[:200]}"
         ) from None
+
+
+def _starts_like_pickle(path: str | os.PathLike) -> bool:
+    """Whether the file begins with a pickle protocol header (a bare pickle, not random
+    bytes)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return False
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def move_aside(path: str | os.PathLike) -> Path:

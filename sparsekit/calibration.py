@@ -1,15 +1,28 @@
-"""Running calibration batches through a model (Wanda, SparseGPT, quantization)."""
+"""Running calibration batches through a model (Wanda, SparseGPT, quantization, channels).
+
+:func:`call_model` is the one place that turns a batch into a model call; a failure inside the
+model is reported as :class:`~sparsekit.errors.ModelCallError` naming the layer that failed and
+the batch's shapes.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from sparsekit.errors import ConfigTypeError, ModelCallError, SparsekitError, UsageError
+
 CalibrationFn = Callable[[nn.Module, Any], Any]
+
+_HOW = (
+    "pass calibration_fn=lambda model, batch: model(...) to say how a batch is fed, for "
+    "example calibration_fn=lambda model, batch: model(batch) for a forward(features: dict)"
+)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -22,39 +35,165 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def call_model(model: nn.Module, batch: Any, calibration_fn: CalibrationFn | None = None) -> Any:
-    """Feed one calibration batch: a tensor as ``model(x)``, a tuple/list as ``model(*b)``, a
-    dict as ``model(**b)``; ``calibration_fn(model, batch)`` overrides all of these."""
-    if calibration_fn is not None:
-        return calibration_fn(model, batch)
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
-    batch = _to_device(batch, device)
+def describe(batch: Any) -> str:
+    """A batch's structure and shapes, short: ``tensor(4, 7)``, ``tuple(tensor(4, 7), int)``,
+    ``dict(input_ids=tensor(2, 16))``."""
     if isinstance(batch, torch.Tensor):
-        return model(batch)
+        return f"tensor({', '.join(map(str, batch.shape))})"
     if isinstance(batch, Mapping):
-        return model(**batch)
+        items = list(batch.items())
+        inner = ", ".join(f"{k}={describe(v)}" for k, v in items[:6])
+        return f"dict({inner}{', ...' if len(items) > 6 else ''})"
     if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    raise TypeError(
-        f"calibration batch of type {type(batch).__name__} is not a tensor, tuple, list or dict; "
-        "pass calibration_fn=lambda model, batch: ... to feed it"
-    )
+        inner = ", ".join(describe(v) for v in list(batch)[:6])
+        return f"{type(batch).__name__}({inner}{', ...' if len(batch) > 6 else ''})"
+    return type(batch).__name__
 
 
-@torch.no_grad()
+def _signature(model: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: nothing to inspect
+        return None
+
+
+def _binds(sig: inspect.Signature | None, *args: Any, **kwargs: Any) -> bool | None:
+    """Whether ``forward(*args, **kwargs)`` fits the signature (None when it is unknown)."""
+    if sig is None:
+        return None
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def model_arguments(model: nn.Module, batch: Any, hint: str = _HOW) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for one batch: a tensor as ``model(x)``, a tuple/list as
+    ``model(*b)``, a dict as ``model(**b)``, or as ``model(b)`` when the model's forward takes
+    one positional argument and not the dict's keys (sentence-transformers' ``forward(features)``).
+    Raises ModelCallError when the forward's signature fits neither, with ``hint`` (how to
+    pass ``calibration_fn``)."""
+    sig = _signature(model)
+    if isinstance(batch, torch.Tensor):
+        args, kwargs = (batch,), {}
+    elif isinstance(batch, Mapping):
+        if not all(isinstance(k, str) for k in batch):
+            raise ConfigTypeError(
+                f"batch {describe(batch)} has non-string keys; a dict batch is passed as "
+                f"keyword arguments; {hint}"
+            )
+        if _binds(sig, **batch) is False and _binds(sig, batch):
+            return (batch,), {}
+        args, kwargs = (), dict(batch)
+    elif isinstance(batch, (list, tuple)):
+        args, kwargs = tuple(batch), {}
+    else:
+        raise ConfigTypeError(
+            f"batch of type {type(batch).__name__} is not a tensor, tuple, list or dict; {hint}"
+        )
+    if _binds(sig, *args, **kwargs) is False:
+        raise ModelCallError(
+            f"{type(model).__name__}.forward{sig} cannot take batch {describe(batch)} (a "
+            f"tensor is passed as model(x), a tuple/list as model(*b), a dict as model(**b) or "
+            f"model(b)); {hint}"
+        )
+    return args, kwargs
+
+
+class _LayerTrace:
+    """Forward pre-/post-hooks on every submodule keeping the stack of layers being called: a
+    layer that raises never runs its post-hook, so the top of the stack names it."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.stack: list[str] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _LayerTrace:
+        for name, module in self.model.named_modules():
+            if name:
+                self._handles.append(module.register_forward_pre_hook(self._enter(name)))
+                self._handles.append(module.register_forward_hook(self._leave))
+        return self
+
+    def _enter(self, name: str) -> Callable:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self.stack.append(name)
+
+        return hook
+
+    def _leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def call_model(
+    model: nn.Module, batch: Any, calibration_fn: CalibrationFn | None = None, hint: str = _HOW
+) -> Any:
+    """Feed one batch as :func:`model_arguments` says; ``calibration_fn(model, batch)``
+    overrides that. An exception inside the model becomes ModelCallError naming the innermost
+    layer that failed and the batch's shapes (sparsekit's own errors pass through)."""
+    if calibration_fn is not None:
+        args, kwargs, call = (model, batch), {}, calibration_fn
+    else:
+        try:
+            device = next(model.parameters()).device
+        except StopIteration:
+            device = torch.device("cpu")
+        batch = _to_device(batch, device)
+        args, kwargs = model_arguments(model, batch, hint)
+        call = model
+    with _LayerTrace(model) as trace:
+        try:
+            return call(*args, **kwargs)
+        except SparsekitError:
+            raise
+        except Exception as e:
+            where = f"{type(model).__name__}.forward"
+            if trace.stack:
+                layer = trace.stack[-1]
+                kind = type(model.get_submodule(layer)).__name__.removeprefix("Parametrized")
+                where = f"layer {layer!r} ({kind})"
+            how = "" if calibration_fn is not None else f"; if the batch is fed wrongly, {hint}"
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ModelCallError(
+                f"calling the model on batch {describe(batch)} failed in {where}: "
+                f"{type(e).__name__}: {first}{how}"
+            ) from e
+
+
 @contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` in eval mode inside the block; its training flag restored afterwards, also on
-    an exception."""
+def eval_mode(model: nn.Module, grad: bool = False) -> Iterator[nn.Module]:
+    """``model`` in eval mode, and without autograd unless ``grad=True`` (channel pruning
+    traces autograd graphs), inside the block; the training flag is restored afterwards, also
+    on an exception."""
     was_training = model.training
     model.eval()
     try:
-        yield model
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            yield model
     finally:
         model.train(was_training)
+
+
+def check_calibration(calibration: Any) -> None:
+    """ConfigTypeError unless ``calibration`` is None or an iterable of batches (one tensor or
+    dict would be iterated row by row or key by key: silently the wrong batches)."""
+    if calibration is None:
+        return
+    if isinstance(calibration, (torch.Tensor, Mapping, str, bytes)) or not isinstance(
+        calibration, Iterable
+    ):
+        raise ConfigTypeError(
+            f"calibration must be an iterable of batches, got one {describe(calibration)}; "
+            "wrap a single batch in a list: calibration=[batch]"
+        )
 
 
 def run_calibration(
@@ -63,14 +202,15 @@ def run_calibration(
     calibration_fn: CalibrationFn | None = None,
 ) -> int:
     """Run every batch through ``model`` in eval mode without gradients; restores the training
-    flag afterwards. Returns the number of batches. Raises ValueError when there are none."""
+    flag afterwards. Returns the number of batches. Raises UsageError when there are none."""
     if calibration is None:
-        raise ValueError("calibration is required for this criterion: pass an iterable of batches")
+        raise UsageError("calibration is required for this criterion: pass an iterable of batches")
+    check_calibration(calibration)
     n = 0
     with eval_mode(model):
         for batch in calibration:
             call_model(model, batch, calibration_fn)
             n += 1
     if n == 0:
-        raise ValueError("calibration yielded no batches")
+        raise UsageError("calibration yielded no batches: pass at least one batch")
     return n

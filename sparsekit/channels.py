@@ -33,7 +33,8 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import eval_mode
+from sparsekit.calibration import call_model, eval_mode, model_arguments
+from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.schedules import Linear, OneShot, Schedule
 from sparsekit.select import name_matches
 
@@ -182,12 +183,15 @@ def _count(model: nn.Module, example_inputs: Any) -> tuple[int, int]:
     return params, int(macs)
 
 
+_INPUTS_HINT = (
+    "pass example_inputs as the model takes one batch: a tensor for model(x), a tuple for "
+    "model(*args), a dict for model(**kwargs)"
+)
+
+
 def _forward(model: nn.Module, example_inputs: Any) -> Any:
-    if isinstance(example_inputs, Mapping):
-        return model(**example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return model(*example_inputs)
-    return model(example_inputs)
+    args, kwargs = model_arguments(model, example_inputs, _INPUTS_HINT)
+    return model(*args, **kwargs)
 
 
 def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
@@ -211,9 +215,9 @@ def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
 
 def _check_ratio(ratio: object) -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"ratio must be a float in [0, 1), got {ratio!r}")
+        raise ConfigTypeError(f"ratio must be a float in [0, 1), got {ratio!r}")
     if not 0.0 <= float(ratio) < 1.0 or math.isnan(ratio):
-        raise ValueError(
+        raise UsageError(
             f"ratio={ratio!r} must be in [0, 1): the fraction of output channels removed per layer"
         )
     return float(ratio)
@@ -221,9 +225,9 @@ def _check_ratio(ratio: object) -> float:
 
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigTypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+        raise UsageError(f"{name}={value} must be an integer >= {minimum}")
     return value
 
 
@@ -275,25 +279,40 @@ class ChannelPruner:
     ) -> None:
         self.ratio = _check_ratio(ratio)
         if importance not in IMPORTANCES:
-            raise ValueError(
+            raise UsageError(
                 f"importance={importance!r} is not allowed; choose one of: {', '.join(IMPORTANCES)}"
             )
         if scope not in SCOPES:
-            raise ValueError(f"scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
+            raise UsageError(f"scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
         self.round_to = 1 if round_to is None else _check_int("round_to", round_to, 1)
         if importance == "taylor" and loss_fn is None:
-            raise ValueError(
+            raise UsageError(
                 "importance='taylor' scores channels by |weight x gradient| and needs "
                 "loss_fn=lambda model: <scalar loss on a few real batches>"
             )
         if schedule is not None and not isinstance(schedule, Schedule):
-            raise TypeError(f"schedule must be a sparsekit Schedule, got {type(schedule).__name__}")
+            raise ConfigTypeError(
+                f"schedule must be a sparsekit Schedule, got {type(schedule).__name__}"
+            )
         for name, m in model.named_modules():
             if parametrize.is_parametrized(m):
-                raise ValueError(
+                raise UsageError(
                     f"module '{name}' carries parametrizations (pruning masks?): run channel "
                     "pruning before mask pruning, or finalize the Pruner first"
                 )
+        quantized = [
+            f"{n} ({getattr(m, 'scheme', None) or m.weight.dtype})"
+            for n, m in model.named_modules()
+            if getattr(m, "scheme", None) is not None  # sparsekit's quantized layers
+            or (isinstance(getattr(m, "weight", None), torch.Tensor)
+                and not m.weight.is_floating_point())
+        ]
+        if quantized:
+            # torch-pruning only sees float Linear/Conv layers: it would remove nothing here
+            raise UsageError(
+                f"channel pruning needs float layers; these are quantized: {', '.join(quantized)}."
+                " Prune channels before quantize_ (or prepare_qat_)"
+            )
         self.model = model
         self.example_inputs = example_inputs
         self.importance = importance
@@ -305,7 +324,8 @@ class ChannelPruner:
         self._widths0, self._heads0 = _widths(model)
         self._hf_attention = [m for m in model.modules() if _is_hf_attention(m)]
         # Every forward pass here runs in eval mode: batch-norm statistics must not move.
-        with eval_mode(model):
+        with eval_mode(model, grad=True):
+            call_model(model, example_inputs, hint=_INPUTS_HINT)  # a clear error, naming the layer
             self._counts0 = _count(model, example_inputs)
             self._tp = self._build_tp(self._ignored_modules(ignore))
             self._protected, self._mha_groups = self._special_groups()
@@ -338,7 +358,7 @@ class ChannelPruner:
                     head_pruning_ratio=self.ratio,
                 )
             except Exception as exc:
-                raise ValueError(
+                raise UsageError(
                     f"torch-pruning could not trace {type(self.model).__name__} with the given "
                     f"example_inputs: {exc}"
                 ) from exc
@@ -349,7 +369,7 @@ class ChannelPruner:
         for p in patterns:
             hits = [m for n, m in self.model.named_modules() if n and name_matches(n, p)]
             if not hits:
-                raise ValueError(f"ignore pattern {p!r} matches no module of the model")
+                raise UsageError(f"ignore pattern {p!r} matches no module of the model")
             modules += hits
         return modules
 
@@ -387,9 +407,12 @@ class ChannelPruner:
             return False
         plan0 = channel_plan(self.model)
         state0 = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self._emptied: list[str] = []
         try:
-            with eval_mode(self.model):
+            with eval_mode(self.model, grad=True):
                 self._prune_to(target)
+                if self.progress == 0 and channel_plan(self.model) == plan0:
+                    self._check_removed_some(target)
                 _sync_attributes(self.model)
                 self._check_forward()
         except Exception:
@@ -397,8 +420,30 @@ class ChannelPruner:
             apply_channel_plan(self.model, plan0)
             self.model.load_state_dict(state0)
             raise
+        if self._emptied:
+            warnings.warn(
+                f"channel pruning kept layer(s) {self._emptied} whole: ratio {target:g} with "
+                f"round_to={self.round_to} would remove all of their channels", stacklevel=2
+            )
         self.progress = target
         return True
+
+    def _check_removed_some(self, target: float) -> None:
+        """UsageError when nothing was removed although ``target`` asks for at least
+        ``round_to`` channels of some prunable layer: rounding the kept widths to multiples of
+        ``round_to`` would have emptied the layers, and a silent no-op would read as success."""
+        ignored = set(map(id, self._tp.ignored_layers))
+        wanted = [
+            n for n, w in self._widths0.items()
+            if n not in self._protected and id(self.model.get_submodule(n)) not in ignored
+            and target * w >= self.round_to
+        ]
+        if wanted:
+            raise UsageError(
+                f"channel pruning to ratio {target:g} with round_to={self.round_to} removed no "
+                f"channel (it would leave fewer than round_to channels in layer(s) "
+                f"{(self._emptied or wanted)[:4]}): lower the ratio or round_to"
+            )
 
     def resume(self, plan: Mapping[str, Any], progress: float) -> None:
         """Continue a run on a fresh copy of the starting model: reshape it to ``plan`` (from
@@ -406,7 +451,7 @@ class ChannelPruner:
         widths. Load the pruned weights afterwards."""
         # torch-pruning notes the starting widths at its first pruning step: take one that
         # removes nothing while the model still has them
-        with eval_mode(self.model):
+        with eval_mode(self.model, grad=True):
             self._prune_to(0.0)
         apply_channel_plan(self.model, plan)
         self.progress = float(progress)
@@ -431,7 +476,8 @@ class ChannelPruner:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="torch_pruning")
             for group in tp_pruner.step(interactive=True):
-                if self._empties_a_layer(group):
+                if self._empties_a_layer(group):  # kept whole; step() says so
+                    self._emptied.append(self._names.get(group[0][0].target.module, "?"))
                     continue
                 group.prune()
             for mhas in self._mha_groups:
@@ -456,7 +502,7 @@ class ChannelPruner:
         first = mhas[0]
         if any(m.num_heads != first.num_heads or m.embed_dim != first.embed_dim for m in mhas):
             names = ", ".join(self._names[m] for m in mhas)
-            raise ValueError(
+            raise UsageError(
                 f"attention modules {names} share a width but differ in heads; ignore them"
             )
         heads0 = self._heads0[self._names[first]]
@@ -498,7 +544,7 @@ class ChannelPruner:
         except Exception as exc:
             where = stack[-1] if stack else "<top level>"
             module = self.model.get_submodule(where) if stack else self.model
-            raise ValueError(
+            raise UsageError(
                 f"channel pruning cannot handle module '{where}' ({type(module).__name__}): the "
                 f"pruned model fails there with {type(exc).__name__}: {exc}. Keep it unpruned "
                 f"with ignore=['{where}'] (the model was left unchanged)"
@@ -661,7 +707,7 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
     <All keys matched successfully>
     """
     if plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
-        raise ValueError(
+        raise UsageError(
             f"not a channel plan (format {PLAN_FORMAT!r} version {PLAN_VERSION}): got format "
             f"{plan.get('format')!r} version {plan.get('version')!r}"
         )
@@ -669,11 +715,11 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
     present = dict(_plan_modules(model))
     for name in present:
         if name not in entries:
-            raise ValueError(f"module '{name}' of the model is not in the channel plan")
+            raise UsageError(f"module '{name}' of the model is not in the channel plan")
     for name, entry in entries.items():
         m = present.get(name)
         if m is None:
-            raise ValueError(
+            raise UsageError(
                 f"channel plan expects a {entry['type']} at '{name}'; the model has none"
             )
         strict = _type_name(m) == entry["type"]
@@ -681,7 +727,7 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
         for k, shape in entry["shapes"].items():
             if k not in current:
                 if strict:
-                    raise ValueError(f"channel plan expects tensor '{k}' on module '{name}'")
+                    raise UsageError(f"channel plan expects tensor '{k}' on module '{name}'")
                 continue
             t, is_param = current[k]
             if list(t.shape) == list(shape):
@@ -695,7 +741,7 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
             old = vars(m).get(k)
             if old is None:
                 if strict:
-                    raise ValueError(f"channel plan sets '{k}' on module '{name}', which has none")
+                    raise UsageError(f"channel plan sets '{k}' on module '{name}', which has none")
                 continue
             with contextlib.suppress(TypeError):
                 v = type(old)(v)  # tuples (kernel_size, normalized_shape) come back as lists

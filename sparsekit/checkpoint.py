@@ -49,7 +49,13 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit._io import atomic_write
-from sparsekit.errors import ConfigTypeError, FileFormatError, UnsafeFileError, UsageError
+from sparsekit.errors import (
+    ConfigTypeError,
+    FileFormatError,
+    UnsafeFileError,
+    UsageError,
+    file_errors,
+)
 from sparsekit.masks import mask_from_zeros
 
 FORMAT = "sparsekit"
@@ -269,6 +275,7 @@ def is_sparsekit_file(path: str | os.PathLike) -> bool:
     return _META_KEY in meta
 
 
+@file_errors
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON metadata of a sparsekit checkpoint; FileFormatError for any other file."""
     meta, _ = _read_safetensors(path, tensors=False)
@@ -290,6 +297,7 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
+@file_errors
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The dense state dict stored in ``path`` (2:4 tensors expanded, zeros restored)."""
     header = read_header(path)
@@ -301,6 +309,8 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         sd[key] = unpack_bitmask(raw.pop(key + _NONZEROS), raw.pop(key + _BITMASK), info["shape"])
     sd.update(raw)
     for key, target in header["aliases"].items():
+        if key in sd or target not in sd:  # a tie names one stored tensor, for a key not stored
+            raise FileFormatError(f"{path}: corrupt header, alias {key!r} -> {target!r}")
         sd[key] = sd[target]
     return sd
 
@@ -350,6 +360,7 @@ def model_from_spec(spec: Any, path: str | os.PathLike = "<spec>") -> nn.Module:
         raise FileFormatError(f"{path}: cannot build its model: {e}") from None
 
 
+@file_errors
 def load(
     path: str | os.PathLike,
     model: nn.Module | None = None,

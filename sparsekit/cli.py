@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,10 +28,13 @@ from omegaconf.errors import OmegaConfBaseException
 from sparsekit.config import Config, validate
 from sparsekit.data import check_data_name
 from sparsekit.distributed import is_main, share_run_dir
+from sparsekit.errors import SparsekitError, StorageError, UsageError
 from sparsekit.models import check_model_name
 from sparsekit.resources import conf_dir, recipes_dir
 
 EXIT_USAGE = 2
+EXIT_RUNTIME = 1
+ISSUES = "the sparsekit issue tracker (where you got sparsekit)"
 RUNS = Path("runs")
 _FLAGS_WITHOUT_CHECK = ("--help", "-h", "--hydra-help", "--info", "--version", "--shell-completion",
                         "-sc", "--cfg", "-c", "--resolve", "--package", "-p")
@@ -63,6 +67,12 @@ def to_config(cfg: DictConfig) -> Config:
 def one_line(err: BaseException) -> str:
     """A Hydra/OmegaConf/sparsekit error as one line naming the option and allowed values."""
     text = str(err)
+    override = getattr(err, "override", None)  # hydra's OverrideParseException
+    if isinstance(override, str):
+        reason = (text.strip().splitlines() or [""])[0].split("; See https://")[0]
+        reason = "" if not reason or reason.startswith("Error parsing override") else f"{reason}; "
+        return f"cannot parse {override!r}: {reason}arguments are key=value or group=option " \
+            "(see --help)"
     missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
     if missing:
         group, option = missing.groups()
@@ -96,9 +106,49 @@ def one_line(err: BaseException) -> str:
     return "; ".join(lines)
 
 
-def fail(err: BaseException) -> None:
+def fail(err: BaseException, code: int = EXIT_USAGE) -> None:
+    """Print ``err`` as one line ``sparsekit: error: ...`` and exit with ``code``."""
     print(f"sparsekit: error: {one_line(err)}", file=sys.stderr)
-    raise SystemExit(EXIT_USAGE)
+    raise SystemExit(code)
+
+
+def exit_code(err: BaseException) -> int:
+    """2 for a usage error (a bad option or value), 1 for any other error found while running."""
+    return EXIT_USAGE if isinstance(err, UsageError) else EXIT_RUNTIME
+
+
+def _raised_by_sparsekit(err: BaseException) -> bool:
+    """Whether ``err`` was raised in sparsekit's own code (a deliberate message about the
+    input), not inside torch or another library (then it is unexpected: a bug)."""
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and Path(last).resolve().is_relative_to(Path(__file__).parent.resolve())
+
+
+def report_runtime_error(err: BaseException) -> None:
+    """An error while running: one line and exit 1 (exit 2 for a usage error) when it is one
+    sparsekit raised about the input, a file or the storage; otherwise the traceback and a line
+    saying it is a bug. ``SPARSEKIT_DEBUG=1`` shows the traceback of every error."""
+    if isinstance(err, OSError) and not isinstance(err, SparsekitError):
+        where = "" if err.filename is None else f"cannot write or read {err.filename}: "
+        err = StorageError(f"{where}{err.strerror or err}")
+    deliberate = isinstance(err, SparsekitError) or (
+        isinstance(err, (ValueError, TypeError)) and _raised_by_sparsekit(err)
+    )
+    if deliberate and not os.environ.get("SPARSEKIT_DEBUG"):
+        fail(err, exit_code(err))
+    traceback.print_exception(err)
+    if not deliberate:
+        print(
+            f"sparsekit: internal error: an unexpected {type(err).__name__} is a bug (sparsekit "
+            "should have said what is wrong); please report it with the command line and the "
+            f"traceback above at {ISSUES}",
+            file=sys.stderr,
+        )
+    raise SystemExit(exit_code(err))
 
 
 def _variants(overrides: Sequence[str]) -> list[list[str]]:
@@ -124,13 +174,19 @@ def check_overrides(overrides: Sequence[str]) -> None:
     """Compose and validate the config for ``overrides`` (each sweep value too); on bad input
     print one line and exit with code 2."""
     overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    variant = list(overrides)
     try:
         variants = _variants(overrides)
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             for variant in variants:
                 to_config(compose("config", overrides=variant))
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
-        fail(e)
+        line = one_line(e)
+        keys = [o.split("=", 1)[0].lstrip("+~") for o in variant]
+        if not any(k and k in line for k in keys):  # say which arguments it is about
+            line = f"{' '.join(variant)}: {line}"
+        print(f"sparsekit: error: {line}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 _SPECIAL = re.compile(r"_(target|args|partial|recursive|convert)_")
@@ -255,12 +311,8 @@ def _app(cfg: DictConfig) -> None:
     resume = str(config.resume).lower() not in ("false", "none", "no", "0")
     try:
         summary = run(config, HydraConfig.get().runtime.output_dir, resume=resume)
-    except (ValueError, TypeError) as e:
-        if os.environ.get("SPARSEKIT_DEBUG"):
-            raise
-        print(f"sparsekit: error: {one_line(e)} (SPARSEKIT_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+    except Exception as e:  # reported here: Hydra would print its own lines first
+        report_runtime_error(e)
     if is_main():
         print(summary["table"])
 
@@ -278,7 +330,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = unique_run_dir(argv)
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_app)
     saved, sys.argv = sys.argv, [sys.argv[0] or "sparsekit", *argv]
+    # Hydra re-raises what the run raises (instead of printing its own short traceback), so
+    # that errors are reported here: one line, or a traceback and "this is a bug"
+    full_error, os.environ["HYDRA_FULL_ERROR"] = os.environ.get("HYDRA_FULL_ERROR"), "1"
     try:
         app()
+    except OSError as e:  # Hydra creating the run directory, before the run starts
+        run_dir = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+        if run_dir and e.filename is not None:
+            e = StorageError(
+                f"cannot create the run directory hydra.run.dir={run_dir[-1]}: {e.filename}: "
+                f"{e.strerror or e}"
+            )
+        report_runtime_error(e)
+    except Exception as e:
+        report_runtime_error(e)
     finally:
         sys.argv = saved
+        if full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full_error

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparsekit.errors import UsageError
 from sparsekit.patterns import parse_pattern
 
 PATTERN_HELP = "'unstructured', 'none' or 'N:M' with 0 < N < M (e.g. '2:4')"
@@ -195,7 +196,7 @@ class Config:
     resume: Any = False  # true: continue the latest run directory; a path: continue that one
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A configuration value outside its allowed set; the message is one line."""
 
 
@@ -205,7 +206,7 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 def _at_least(key: str, value: float, low: float) -> None:
-    if value < low:
+    if not value >= low:  # NaN too
         raise ConfigError(f"{key}={value!r} must be >= {low}")
 
 
@@ -272,6 +273,11 @@ def validate(cfg: Config) -> Config:
     _choice("data.task", cfg.data.task, TASKS)
     _at_least("data.batch_size", cfg.data.batch_size, 1)
     _at_least("data.eval_batch_size", cfg.data.eval_batch_size, 1)
+    if cfg.data.eval_batches is not None and not cfg.data.eval_batches >= 1:
+        raise ConfigError(
+            f"data.eval_batches={cfg.data.eval_batches!r} must be >= 1, or null to evaluate on "
+            "every batch (0 batches would report a meaningless 0% accuracy)"
+        )
     t = cfg.train
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
@@ -283,7 +289,7 @@ def validate(cfg: Config) -> Config:
         _at_least(f"train.{key}", getattr(t, key), 1)
     if not 0.0 <= t.distill.alpha <= 1.0:
         raise ConfigError(f"train.distill.alpha={t.distill.alpha!r} must be in [0, 1]")
-    if t.distill.temperature <= 0:
+    if not t.distill.temperature > 0:
         raise ConfigError(f"train.distill.temperature={t.distill.temperature!r} must be > 0")
     _choice("tracker.kind", cfg.tracker.kind, TRACKERS)
     _at_least("tracker.flush_secs", cfg.tracker.flush_secs, 1)

@@ -16,8 +16,21 @@ from torch import nn
 
 from sparsekit.calibration import CalibrationFn, run_calibration
 from sparsekit.distributed import ShardComm, all_reduce_dict
+from sparsekit.errors import ConfigTypeError, ModelCallError, NumericsError, UsageError
 
 CRITERIA = ("magnitude", "wanda", "sparsegpt")
+
+
+def check_finite_weight(name: str, weight: torch.Tensor) -> None:
+    """NumericsError naming layer ``name`` when its weight holds NaN or inf (no score can rank
+    such weights, and a mask picked from them would be arbitrary)."""
+    w = weight.detach()
+    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise NumericsError(
+            f"layer {name!r} has {bad} non-finite (NaN or inf) weight(s) of {w.numel()}: fix or "
+            "exclude the layer before pruning it"
+        )
 
 
 def magnitude(weight: torch.Tensor) -> torch.Tensor:
@@ -35,7 +48,7 @@ def wanda(weight: torch.Tensor, input_norm: torch.Tensor, groups: int = 1) -> to
     w = weight.detach().abs().float().reshape(weight.shape[0], -1)
     norm = input_norm.float().reshape(groups, -1)
     if norm.shape[1] != w.shape[1]:
-        raise ValueError(
+        raise UsageError(
             f"input norm has {norm.shape[1]} features per group, weight has {w.shape[1]}"
         )
     rows = norm.repeat_interleave(w.shape[0] // groups, dim=0)
@@ -86,7 +99,7 @@ def gemm_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         cols = conv_columns(module, x)  # (groups, tokens, in/groups * prod(kernel))
         return cols.transpose(0, 1).reshape(cols.shape[1], -1)
-    raise TypeError(f"no GEMM form for {type(module).__name__}")
+    raise ConfigTypeError(f"no GEMM form for {type(module).__name__}")
 
 
 class InputNormCollector:
@@ -122,11 +135,22 @@ class InputNormCollector:
         """ValueError naming the layers no calibration batch reached."""
         missing = [n for n in self.modules if n not in self.sq]
         if missing:
-            raise ValueError(f"calibration never reached layer(s) {missing}")
+            raise ModelCallError(
+                f"calibration never reached layer(s) {missing}: the model did not call them on "
+                "any calibration batch; exclude them or pass batches that use them"
+            )
 
     def norms(self) -> dict[str, torch.Tensor]:
-        """L2 norm of each input feature, float32, per module name."""
+        """L2 norm of each input feature, float32, per module name. NumericsError naming the
+        layer when its calibration inputs held NaN or inf."""
         self.check_reached()
+        for name, sq in self.sq.items():
+            if not bool(torch.isfinite(sq).all()):
+                raise NumericsError(
+                    f"the calibration inputs of layer {name!r} contain NaN or inf (or overflow): "
+                    "Wanda cannot score its weights; check the calibration batches and the layers "
+                    "before it"
+                )
         return {n: s.sqrt().float() for n, s in self.sq.items()}
 
 

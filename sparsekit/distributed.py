@@ -210,6 +210,20 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def ddp_wrapped(module: nn.Module) -> bool:
+    """Whether ``module`` is already the ``.module`` of a DistributedDataParallel wrapper
+    (``sk.Pruner(ddp.module)``): its parameters must not be parametrized any more, since that
+    resets the gradient accumulators DDP hooked. DDP marks nothing on the module, so this looks
+    among live objects for a wrapper holding it (only while a process group is initialized,
+    which DDP needs)."""
+    import gc
+
+    if not is_initialized():
+        return False
+    ddp = nn.parallel.DistributedDataParallel
+    return any(isinstance(o, ddp) and o.module is module for o in gc.get_objects())
+
+
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     """``DistributedDataParallel`` that does not re-send buffers at every forward (pruning
     masks are buffers; the Pruner checks they agree at each update). Sync at construction still

@@ -10,6 +10,14 @@ architecture, a full disk) exits 1 with one line; anything else is a bug and kee
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
 
 class SparsekitError(Exception):
     """Base of every error sparsekit raises on purpose (bad input, bad file, refused action)."""
@@ -44,3 +52,57 @@ class ModelCallError(SparsekitError, ValueError):
 class NumericsError(SparsekitError, ValueError):
     """Non-finite weights, activations or statistics where a finite value is needed: names the
     layer."""
+
+
+_WRITE_FAILED = ("PytorchStreamWriter", "inline_container", "unexpected pos", "file write failed",
+                 "IoError", "StorageFull", "No space left")
+
+
+@contextlib.contextmanager
+def storage_errors(path: str | os.PathLike, what: str = "write") -> Iterator[None]:
+    """Turn a failed write of ``path`` into :class:`StorageError` naming it: an OSError
+    (permissions, a full disk, a file where a directory should be), or the RuntimeError that
+    ``torch.save`` raises on a full disk (``[enforce fail at inline_container.cc] unexpected
+    pos``) and safetensors' error of the same kind."""
+    try:
+        yield
+    except SparsekitError:
+        raise
+    except OSError as e:
+        where = e.filename if e.filename is not None else path
+        reason = e.strerror or str(e) or type(e).__name__
+        raise StorageError(f"cannot {what} {os.fspath(where)}: {reason}") from e
+    except Exception as e:  # torch.save / safetensors wrap the OSError in their own types
+        text = str(e)
+        if not any(s in text for s in _WRITE_FAILED):
+            raise
+        first = (text.strip().splitlines() or [""])[0]
+        raise StorageError(
+            f"cannot {what} {os.fspath(path)}: the write failed (is the disk full?): {first}"
+        ) from e
+
+
+def file_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a reader whose first argument is a path: any error it meets that is not already
+    a :class:`SparsekitError` (a KeyError from a malformed header, safetensors' or JSON's parse
+    errors, a state_dict of another architecture) becomes :class:`FileFormatError` naming the
+    file; OSError becomes :class:`StorageError`."""
+
+    @functools.wraps(fn)
+    def wrapper(path: str | os.PathLike, *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(path, *args, **kwargs)
+        except SparsekitError as e:  # about this file's content: say which file
+            if os.fspath(path) in str(e):
+                raise
+            cls = type(e) if isinstance(e, (FileFormatError, StorageError)) else FileFormatError
+            raise cls(f"{os.fspath(path)}: {e}") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {os.fspath(path)}: {e.strerror or e}") from e
+        except Exception as e:
+            text = (str(e).strip().splitlines() or [""])[0][:300]
+            name = os.fspath(path)
+            detail = text if name in text else f"{name}: {type(e).__name__}: {text}"
+            raise FileFormatError(f"{detail} (not a valid sparsekit checkpoint)") from e
+
+    return wrapper

@@ -8,9 +8,13 @@ compiled graphs holding it stay valid.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+
+from sparsekit.errors import UsageError
 
 
 class WeightMask(nn.Module):
@@ -19,9 +23,14 @@ class WeightMask(nn.Module):
     def __init__(self, mask: torch.Tensor):
         super().__init__()
         self.register_buffer("mask", mask.to(torch.bool).clone())
+        self.owner: Any = None  # weakref to the Pruner that moves this mask, if any
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.mask
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (deepcopy, pickle) of a masked model belongs to no Pruner
+        return {**super().__getstate__(), "owner": None}
 
 
 def find_mask(module: nn.Module) -> WeightMask | None:
@@ -54,7 +63,7 @@ def attach_mask(module: nn.Module, mask: torch.Tensor | None = None) -> WeightMa
         existing.mask.copy_(mask)
         return existing
     if parametrize.is_parametrized(module, "weight"):
-        raise ValueError(
+        raise UsageError(
             f"{type(module).__name__}.weight already has parametrizations "
             f"{[type(p).__name__ for p in module.parametrizations.weight]}: attach the pruning "
             "mask before other parametrizations (create the Pruner before prepare_qat_)"
@@ -84,6 +93,21 @@ def fold_mask(module: nn.Module) -> None:
         return
     zero_pruned(module)
     parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+    params = module._parameters
+    order = [k for k in wm.param_order if k in params] + [
+        k for k in params if k not in wm.param_order
+    ]
+    module._parameters = {k: params[k] for k in order}
+
+
+@torch.no_grad()
+def remove_mask(module: nn.Module) -> None:
+    """Remove the mask without applying it: ``module.weight`` becomes the original Parameter
+    again, with its current values and its place in the state_dict."""
+    wm = find_mask(module)
+    if wm is None:
+        return
+    parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
     params = module._parameters
     order = [k for k in wm.param_order if k in params] + [
         k for k in params if k not in wm.param_order

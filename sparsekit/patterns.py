@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sparsekit.errors import ConfigTypeError, UsageError
+
 if TYPE_CHECKING:
     from sparsekit.distributed import ShardComm
 
@@ -31,18 +33,20 @@ def parse_pattern(pattern: str) -> tuple[int, int] | None:
     True
     """
     if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a string ('unstructured' or 'N:M'), got {pattern!r}")
+        raise ConfigTypeError(
+            f"pattern must be a string ('unstructured' or 'N:M'), got {pattern!r}"
+        )
     if pattern == "unstructured":
         return None
     match = _NM.match(pattern)
     if match is None:
-        raise ValueError(
+        raise UsageError(
             f"unknown pattern {pattern!r}: allowed are 'unstructured' or 'N:M' with 0 < N < M, "
             "for example '2:4', '1:4', '4:8'"
         )
     n, m = int(match.group(1)), int(match.group(2))
     if not 0 < n < m:
-        raise ValueError(f"pattern {pattern!r}: N:M needs 0 < N < M (N kept out of every M)")
+        raise UsageError(f"pattern {pattern!r}: N:M needs 0 < N < M (N kept out of every M)")
     return n, m
 
 
@@ -132,7 +136,7 @@ def _sort_key(scores: torch.Tensor) -> torch.Tensor:
     """int32 keys that order like the (non-negative, float32) scores."""
     s = scores.detach().float().reshape(-1)
     if bool((s < 0).any()) or bool(torch.isnan(s).any()):
-        raise ValueError("scores must be non-negative and not NaN for threshold selection")
+        raise UsageError("scores must be non-negative and not NaN for threshold selection")
     return s.view(torch.int32)
 
 
@@ -163,10 +167,10 @@ def lowest_k_masks(
     if comm is not None:
         total, already = comm.all_reduce_sum(torch.tensor([total, already])).tolist()
     if not 0 <= k <= total:
-        raise ValueError(f"cannot prune {k} of {total} entries")
+        raise UsageError(f"cannot prune {k} of {total} entries")
     need = k - already
     if need < 0:
-        raise ValueError(f"{already} entries are already pruned; cannot lower the count to {k}")
+        raise UsageError(f"{already} entries are already pruned; cannot lower the count to {k}")
     if need == 0:
         return [m.clone() for m in keep]
 

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -26,17 +27,27 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file as safetensors_load_file
+from safetensors.torch import save_model
 from torch import nn
 
 import sparsekit as sk
 from sparsekit import distributed as D
 from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torch_load
 from sparsekit.bench import benchmark
+from sparsekit.calibration import call_model, eval_mode
 from sparsekit.checkpoint import is_sparsekit_file, load_state_dict
 from sparsekit.config import Config, validate
+from sparsekit.errors import (
+    FileFormatError,
+    ModelCallError,
+    SparsekitError,
+    StorageError,
+    UnsafeFileError,
+    UsageError,
+    storage_errors,
+)
 from sparsekit.data import DataBundle, build_data, cache_root
-from sparsekit.errors import FileFormatError
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
 from sparsekit.runstate import VERSION as RUNSTATE_VERSION
@@ -83,9 +94,18 @@ def baseline_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def write_file(path: str | os.PathLike, write: Any) -> Path:
+    """``atomic_write`` whose failures (permissions, a full disk) are StorageError naming
+    ``path``."""
+    with storage_errors(path):
+        return atomic_write(path, write)
+
+
 def save_weights(model: nn.Module, path: str | os.PathLike) -> Path:
-    """``sk.save`` (portable, compressed; it writes atomically itself)."""
-    sk.save(model, path)
+    """``sk.save`` (portable, compressed; it writes atomically itself); StorageError naming
+    ``path`` when it cannot be written."""
+    with storage_errors(path):
+        sk.save(model, path)
     return Path(path)
 
 
@@ -95,29 +115,122 @@ def file_size(model: nn.Module) -> int:
         return save_weights(model, Path(d) / "m.safetensors").stat().st_size
 
 
-def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
+def load_safetensors(model: nn.Module, path: str | os.PathLike, what: str = "") -> None:
     """Weights from a safetensors file: one ``sk.save`` wrote (compressed tensors expanded), or
-    a plain state dict. A truncated or corrupt file raises FileFormatError naming it."""
-    if is_sparsekit_file(path):
-        model.load_state_dict(load_state_dict(path))
-        return
-    try:  # a plain safetensors state dict
-        load_model(model, os.fspath(path))
-    except SafetensorError as e:
-        raise FileFormatError(f"{path} is not a readable safetensors file: {e}") from None
+    a plain state dict. FileFormatError naming the file when it is truncated or corrupt, or
+    naming ``what`` (default: the file) when its keys or shapes are another architecture's."""
+    what = what or f"file {os.fspath(path)!r}"
+    try:
+        if is_sparsekit_file(path):
+            state = load_state_dict(path)
+        else:  # a plain safetensors state dict
+            state = safetensors_load_file(os.fspath(path))
+    except (SafetensorError, FileFormatError) as e:
+        reason = str(e).removeprefix(f"{path}: ").removeprefix(f"{path} ")
+        raise FileFormatError(f"{what} is not a readable checkpoint: {reason}") from None
+    _load_matching(model, state, what)
 
 
 def load_dense(model: nn.Module, path: str) -> None:
-    """Dense weights from a user file: safetensors, or a torch state dict (``weights_only``)."""
-    if not Path(path).exists():
-        raise ValueError(f"model.checkpoint={path!r} does not exist")
-    if str(path).endswith(".safetensors"):
-        load_safetensors(model, path)
-        return
-    state = safe_torch_load(path)
+    """Dense weights from a user file: safetensors, or a torch state dict (``weights_only``).
+    FileFormatError (UnsafeFileError for a pickle of code) naming the file when it is not a
+    readable checkpoint of this model."""
+    option = f"model.checkpoint={path!r}"
+    if not Path(path).is_file():
+        raise UsageError(f"{option} does not exist or is not a file")
+    try:
+        if str(path).endswith(".safetensors"):
+            load_safetensors(model, path, option)
+            return
+        state = safe_torch_load(path)
+    except UnsafeFileError as e:
+        if option in str(e):
+            raise
+        raise UnsafeFileError(f"{option}: refused to load: {e}") from None
+    except FileFormatError as e:
+        if option in str(e):
+            raise
+        raise FileFormatError(f"{option} is not a readable checkpoint: {e}") from None
+    except SparsekitError:
+        raise
+    except Exception as e:
+        detail = _pickle_detail(e) if isinstance(e, pickle.UnpicklingError) else None
+        if detail is not None and "GLOBAL" in detail:  # weights_only refused to import code
+            raise UnsafeFileError(
+                f"{option}: refused to load, the file pickles Python objects beyond tensors and "
+                f"plain data ({detail}); save a state_dict, or use sk.save"
+            ) from e
+        raise FileFormatError(
+            f"{option} is not a readable checkpoint (safetensors, or a torch.save of a "
+            f"state_dict): {type(e).__name__}: {detail or _first_line(e)}"
+        ) from e
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
-    model.load_state_dict(state)
+    if not isinstance(state, dict):
+        raise FileFormatError(
+            f"{option} holds a {type(state).__name__}, not a state_dict (a dict of tensors)"
+        )
+    _load_matching(model, state, option)
+
+
+def _pickle_detail(err: BaseException) -> str:
+    """The line of torch's weights_only refusal that says what it met (a GLOBAL it would have
+    to import, or a corrupt opcode), not the paragraph around it."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    hits = [ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln or "load key" in ln]
+    return (hits or lines or [type(err).__name__])[0][:300]
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def _load_matching(model: nn.Module, state: dict, option: str) -> None:
+    """``model.load_state_dict(state)``; FileFormatError naming the file when the keys or
+    shapes are those of another architecture."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"{len(missing)} missing key(s) (e.g. {missing[0]})" if missing else "",
+            f"{len(unexpected)} unexpected key(s) (e.g. {unexpected[0]})" if unexpected else "",
+            f"{len(shapes)} shape mismatch(es) (e.g. {shapes[0]})" if shapes else "",
+        ]
+        raise FileFormatError(
+            f"{option} is a checkpoint of another architecture than {type(model).__name__}: "
+            f"{'; '.join(p for p in parts if p)}; check model= and model.kwargs"
+        )
+    try:
+        model.load_state_dict(state)
+    except Exception as e:
+        raise FileFormatError(f"{option}: cannot load it into the model: {_first_line(e)}") from e
+
+
+def check_model_takes_data(model: nn.Module, data: DataBundle, cfg: Config) -> None:
+    """One forward pass on two training inputs, as training calls the model (``model(x)``):
+    ModelCallError naming the model, the data and the layer that fails (an image model on 1-D
+    data, say) before anything is trained or loaded."""
+    n = min(2, len(data.train))
+    if n == 0:
+        raise UsageError(f"data={cfg.data.name} has no training samples")
+    x = get_batch(data.train, torch.arange(n))[0]
+    device = next(model.parameters(), torch.zeros(0)).device
+    x = x.to(device) if isinstance(x, torch.Tensor) else x
+    try:
+        with eval_mode(model):
+            call_model(model, x, calibration_fn=lambda m, b: m(b))
+    except ModelCallError as e:
+        name = cfg.model.name or cfg.model._target_
+        raise ModelCallError(
+            f"model {name!r} cannot take the inputs of data={cfg.data.name}: {e}; pick a model "
+            "and data that fit (model.name, model.kwargs, data=)"
+        ) from e
 
 
 def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tracker) -> tuple:
@@ -125,6 +238,7 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
     here and cached. Returns ``(model, source)``."""
     torch.manual_seed(cfg.train.seed)  # the initial weights too: same config, same baseline
     model = build_model(cfg.model.name, cfg.model._target_, cfg.model.kwargs).to(device)
+    check_model_takes_data(model, data, cfg)
     if cfg.model.checkpoint:
         load_dense(model, cfg.model.checkpoint)
         return model, f"checkpoint {cfg.model.checkpoint}"
@@ -149,7 +263,8 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
             tracker.scalars({f"dense_{k}": v for k, v in metrics.items()}, step)
         if (step + 1) % t.checkpoint_every == 0 and step != t.dense_steps - 1:
             if D.is_main():
-                save_checkpoint(partial, step=step, model=model, optimizer=optimizer)
+                with storage_errors(partial):
+                    save_checkpoint(partial, step=step, model=model, optimizer=optimizer)
             D.barrier()
             if step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -159,7 +274,7 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
         lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=on_step, log_every=t.log_every,
         quiet=is_quiet(t.quiet), desc="dense training")
     if D.is_main():  # every rank trained the same model; one writes the cache
-        atomic_write(path, lambda tmp: save_model(model, tmp))
+        write_file(path, lambda tmp: save_model(model, tmp))
         partial.unlink(missing_ok=True)
         previous_path(partial).unlink(missing_ok=True)
     how = f"resumed at step {start}, " if start else ""
@@ -248,8 +363,8 @@ def sensitivity_stage(
         tracker.text("sensitivity", f"{metric}, one layer pruned at a time:\n\n```\n{table}\n```")
     levels = None if s.target is None else sk.allocate(table, s.target)
     out = {"metric": metric, "table": table.to_dict(), "allocation": levels}
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2) + "\n"))
-    atomic_write(run_dir / "sensitivity.md",
+    write_file(path, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2) + "\n"))
+    write_file(run_dir / "sensitivity.md",
                  lambda tmp: Path(tmp).write_text(f"{metric}:\n\n```\n{table}\n```\n"))
     return levels
 
@@ -302,9 +417,10 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     the error) or ``finished``."""
     validate(cfg)
     run_dir = Path(run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if D.is_main():
-        write_run_state(run_dir, "running")
+    with storage_errors(run_dir, "create the run directory (hydra.run.dir)"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if D.is_main():
+            write_run_state(run_dir, "running")
     try:
         summary = _run(cfg, run_dir, resume)
     except BaseException as e:
@@ -321,9 +437,15 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
 
 def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
+    cache = cache_root(cfg.cache_dir)
+    with storage_errors(cache, "create the cache directory (cache_dir)"):
+        cache.mkdir(parents=True, exist_ok=True)
+        if not os.access(cache, os.W_OK | os.X_OK):
+            raise StorageError(f"cache_dir={str(cache)!r} is not writable: pass a writable "
+                               "cache_dir= or set SPARSEKIT_CACHE")
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
     if D.is_main():  # under torchrun only rank 0 writes files and TensorBoard logs
-        atomic_write(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
+        write_file(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
     t, quiet = cfg.train, is_quiet(cfg.train.quiet)
     device = pick_device(t.device)
     if device.type == "cpu" and t.cpu_threads > 0:
@@ -444,8 +566,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
                                        "done": step == steps - 1, "rng": rng_state(),
                                        "sharded": ckpt_path.with_suffix(".dcp").name}, ckpt_path)
             elif D.is_main():  # replicated state: rank 0's file serves every rank
-                save_checkpoint(ckpt_path, step=step, model=model, optimizer=optimizer,
-                                pruner=pruner, done=step == steps - 1)
+                with storage_errors(ckpt_path):
+                    save_checkpoint(ckpt_path, step=step, model=model, optimizer=optimizer,
+                                    pruner=pruner, done=step == steps - 1)
             D.barrier()
             if step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -546,9 +669,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     tracker.text("summary", markdown, final_step)
     tracker.close()
     if D.is_main():
-        atomic_write(run_dir / "summary.json",
+        write_file(run_dir / "summary.json",
                      lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2) + "\n"))
-        atomic_write(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
+        write_file(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
     summary["table"] = table
     return summary
 

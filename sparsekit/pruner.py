@@ -12,6 +12,7 @@ Typical use inside a training loop (see DESIGN.md):
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -21,8 +22,15 @@ from torch import nn
 
 from sparsekit import distributed as D
 from sparsekit import masks as M
-from sparsekit.calibration import CalibrationFn
-from sparsekit.criteria import CRITERIA, collect_input_norms, magnitude, wanda
+from sparsekit.calibration import CalibrationFn, check_calibration
+from sparsekit.criteria import (
+    CRITERIA,
+    check_finite_weight,
+    collect_input_norms,
+    magnitude,
+    wanda,
+)
+from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.patterns import (
     lowest_k_masks,
     nm_group_cost,
@@ -42,9 +50,9 @@ STATE_VERSION = 1
 
 def _check_level(what: str, level: object) -> float:
     if isinstance(level, bool) or not isinstance(level, (int, float)):
-        raise TypeError(f"{what} must be a number in [0, 1), got {level!r}")
+        raise ConfigTypeError(f"{what} must be a number in [0, 1), got {level!r}")
     if not 0.0 <= float(level) < 1.0 or math.isnan(level):
-        raise ValueError(f"{what} must be in [0, 1) (fraction of weights set to zero), got {level}")
+        raise UsageError(f"{what} must be in [0, 1) (fraction of weights set to zero), got {level}")
     return float(level)
 
 
@@ -94,27 +102,29 @@ class Pruner:
         strict: bool = False,
         process_group: Any = None,
     ):
-        wrapped = D.unwrap(model) is not model
+        # the DDP wrapper, or its .module once wrapped: masks held here, not parametrizations
+        wrapped = D.unwrap(model) is not model or D.ddp_wrapped(model)
         model = D.unwrap(model)
         self.model = model
         self.pattern = pattern
         self.nm = parse_pattern(pattern)
         if criterion not in CRITERIA:
-            raise ValueError(f"unknown criterion {criterion!r}: allowed are {list(CRITERIA)}")
+            raise UsageError(f"unknown criterion {criterion!r}: allowed are {list(CRITERIA)}")
         if scope not in SCOPES:
-            raise ValueError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
+            raise UsageError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
         self.criterion, self.scope = criterion, scope
         self.schedule = OneShot() if schedule is None else schedule
         if not isinstance(self.schedule, Schedule):
-            raise TypeError(f"schedule must be OneShot, Linear or Cubic, got {schedule!r}")
+            raise ConfigTypeError(f"schedule must be OneShot, Linear or Cubic, got {schedule!r}")
         if criterion == "sparsegpt" and not isinstance(self.schedule, OneShot):
-            raise ValueError("criterion 'sparsegpt' is one shot: use schedule=OneShot(...)")
+            raise UsageError("criterion 'sparsegpt' is one shot: use schedule=OneShot(...)")
         if criterion in ("wanda", "sparsegpt") and calibration is None:
-            raise ValueError(f"criterion {criterion!r} needs calibration= (an iterable of batches)")
+            raise UsageError(f"criterion {criterion!r} needs calibration= (an iterable of batches)")
         if criterion == "wanda" and self.nm is None and scope == "global":
-            raise ValueError(
+            raise UsageError(
                 "criterion 'wanda' compares scores within each output row; use scope='layer'"
             )
+        check_calibration(calibration)
         self.calibration, self.calibration_fn = calibration, calibration_fn
 
         selected = select_modules(model, include, exclude)
@@ -127,7 +137,7 @@ class Pruner:
                 reason = "no sparsity level in the mapping matches this layer"
             if reason is not None:
                 if strict:
-                    raise ValueError(f"layer {name!r} cannot be pruned with {pattern!r}: {reason}")
+                    raise UsageError(f"layer {name!r} cannot be pruned with {pattern!r}: {reason}")
                 self.skipped[name] = reason
             else:
                 self.modules[name] = module
@@ -136,12 +146,12 @@ class Pruner:
         sharded = [D.is_sharded(M.original_weight(m)) for m in self.modules.values()]
         self._sharded = any(sharded)
         if self._sharded and not all(sharded):
-            raise ValueError(
+            raise UsageError(
                 "some selected weights are sharded (FSDP2) and some are not: shard "
                 "all selected layers or none"
             )
         if self._sharded and criterion == "sparsegpt":
-            raise ValueError("criterion 'sparsegpt' needs whole weights: prune before fully_shard")
+            raise UsageError("criterion 'sparsegpt' needs whole weights: prune before fully_shard")
         # Masks held here and enforced by zeroing pruned weights at every step() (and, when
         # not sharded, masking their gradients) where a parametrization cannot go: FSDP2 owns
         # sharded Parameters, and parametrizing a Parameter after DDP wrapped it detaches
@@ -150,17 +160,45 @@ class Pruner:
         self._local_masks: dict[str, torch.Tensor] = {}
         self._hooks: list[Any] = []
         for name, module in self.modules.items():
+            wm = M.find_mask(module)
+            owner = None if wm is None or wm.owner is None else wm.owner()
+            if owner is not None or (self._held and wm is not None):
+                # a second Pruner would share (and overwrite) the first one's mask
+                raise UsageError(
+                    f"layer {name!r} already has a pruning mask (another Pruner's): finalize "
+                    "that Pruner first, or exclude the layer from one of them"
+                )
+        self._attached: list[nn.Module] = []  # masks attached here (not prepare_qat_'s)
+        for name, module in self.modules.items():
             if not self._held:
-                M.attach_mask(module)
+                fresh = M.find_mask(module) is None
+                try:
+                    M.attach_mask(module).owner = weakref.ref(self)
+                except Exception:
+                    self._remove_masks()
+                    raise
+                if fresh:
+                    self._attached.append(module)
                 continue
-            if M.find_mask(module) is not None:
-                raise ValueError(f"layer {name!r} already has a pruning mask")
             self._local_masks[name] = torch.ones_like(D.local(module.weight), dtype=torch.bool)
             if not self._sharded:
                 mask = self._local_masks[name]
                 self._hooks.append(module.weight.register_hook(lambda g, mask=mask: g * mask))
         self.progress = 0.0
         self.last_step: int | None = None
+
+    def _remove_masks(self) -> None:
+        """Take this Pruner's masks off again without applying them (the weights keep their
+        values, the state_dict its keys): the rollback of a failed construction or prune_."""
+        for module in self._attached:
+            M.remove_mask(module)
+        for module in self.modules.values():
+            wm = M.find_mask(module)
+            if wm is not None:  # prepare_qat_'s all-ones mask: free for another Pruner again
+                wm.owner = None
+        for hook in self._hooks:
+            hook.remove()
+        self.modules, self._local_masks, self._hooks = {}, {}, []
 
     def _resolve_levels(
         self, sparsity: float | Mapping[str, float] | None, selected: Mapping[str, nn.Module]
@@ -170,20 +208,20 @@ class Pruner:
             if sparsity is not None and (
                 not isinstance(sparsity, (int, float)) or abs(float(sparsity) - implied) > 1e-9
             ):
-                raise ValueError(
+                raise UsageError(
                     f"sparsity is implied by pattern {self.pattern!r} ({implied:g}); "
                     "leave sparsity=None"
                 )
             return {name: None for name in selected}
         if sparsity is None:
-            raise ValueError("sparsity is required for pattern 'unstructured' (a level in [0, 1))")
+            raise UsageError("sparsity is required for pattern 'unstructured' (a level in [0, 1))")
         if isinstance(sparsity, Mapping):
             if self.scope == "global":
-                raise ValueError("a per-layer sparsity mapping needs scope='layer'")
+                raise UsageError("a per-layer sparsity mapping needs scope='layer'")
             levels = {p: _check_level(f"sparsity[{p!r}]", v) for p, v in sparsity.items()}
             for p in levels:
                 if not any(name_matches(n, p) for n in selected):
-                    raise ValueError(f"sparsity pattern {p!r} matches no selected layer")
+                    raise UsageError(f"sparsity pattern {p!r} matches no selected layer")
             return {
                 name: next((v for p, v in levels.items() if name_matches(name, p)), None)
                 for name in selected
@@ -222,7 +260,7 @@ class Pruner:
             self._local_masks[name].copy_(mask)
             D.local(module.weight).detach().masked_fill_(~self._local_masks[name], 0)
         else:
-            M.attach_mask(module, mask)
+            M.attach_mask(module, mask).owner = weakref.ref(self)
             M.zero_pruned(module)
 
     def _allsum(self, counts: list[int]) -> list[int]:
@@ -274,6 +312,8 @@ class Pruner:
             D.verify_masks(self.masks, self._comm)
 
     def _scores(self) -> dict[str, torch.Tensor]:
+        for n, m in self.modules.items():
+            check_finite_weight(n, D.local(m.weight))
         if self.criterion == "magnitude":
             return {n: magnitude(D.local(m.weight)) for n, m in self.modules.items()}
         norms = collect_input_norms(
@@ -328,18 +368,29 @@ class Pruner:
     def _update_sparsegpt(self, progress: float) -> None:
         from sparsekit.sparsegpt import sparsegpt_prune
 
+        # the solver updates weights layer by layer: keep a host copy to undo a failed solve
+        saved = {n: D.local(M.original_weight(m)).detach().to("cpu", copy=True)
+                 for n, m in self.modules.items()}
+        keeps = {n: self._keep(n).clone() for n in self.modules}
         for module in self.modules.values():
             M.fold_mask(module)  # all-ones masks: plain weights for the solver to update
         levels = {n: None if self.nm else self.levels[n] * progress for n in self.modules}
-        new = sparsegpt_prune(
-            self.model,
-            self.modules,
-            levels,
-            self.nm,
-            self.calibration,
-            self.calibration_fn,
-            comm=self._comm,
-        )
+        try:
+            new = sparsegpt_prune(
+                self.model,
+                self.modules,
+                levels,
+                self.nm,
+                self.calibration,
+                self.calibration_fn,
+                comm=self._comm,
+            )
+        except BaseException:
+            for name, module in self.modules.items():
+                D.local(M.original_weight(module)).detach().copy_(saved[name])
+                if not self._held:
+                    M.attach_mask(module, keeps[name]).owner = weakref.ref(self)
+            raise
         for name in self.modules:
             self._set_mask(name, new[name])
         D.verify_masks(self.masks, self._comm)
@@ -384,25 +435,82 @@ class Pruner:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore masks and schedule position saved by :meth:`state_dict`."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"pruner state version {state.get('version')!r} != {STATE_VERSION}")
+        """Restore masks and schedule position saved by :meth:`state_dict`. Every field is
+        checked (UsageError / ConfigTypeError naming it) before anything changes."""
+        if not isinstance(state, Mapping):
+            raise ConfigTypeError(f"pruner state must be a dict, got {type(state).__name__}")
+        version = state.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != STATE_VERSION:
+            raise UsageError(
+                f"pruner state['version'] is {version!r}; this sparsekit reads "
+                f"version {STATE_VERSION}"
+            )
+        missing = [k for k in self.state_dict_keys() if k not in state]
+        if missing:
+            raise UsageError(
+                f"pruner state lacks field(s) {missing}; a state has {list(self.state_dict_keys())}"
+            )
+        for key in ("pattern", "criterion", "scope"):
+            if not isinstance(state[key], str):
+                raise ConfigTypeError(
+                    f"pruner state[{key!r}] must be a string, got {type(state[key]).__name__}"
+                )
         if state["pattern"] != self.pattern:
-            raise ValueError(
-                f"pruner state is for pattern {state['pattern']!r}, not {self.pattern!r}"
+            raise UsageError(
+                f"pruner state['pattern'] is {state['pattern']!r}, this pruner's {self.pattern!r}"
+            )
+        if state["criterion"] not in CRITERIA or state["scope"] not in SCOPES:
+            raise UsageError(
+                f"pruner state criterion={state['criterion']!r} scope={state['scope']!r}: "
+                f"allowed criteria {list(CRITERIA)}, scopes {list(SCOPES)}"
+            )
+        progress, last_step = state["progress"], state["last_step"]
+        if isinstance(progress, bool) or not isinstance(progress, (int, float)) or not (
+            0.0 <= float(progress) <= 1.0
+        ):
+            raise UsageError(
+                f"pruner state['progress'] must be a number in [0, 1] (fraction of the "
+                f"schedule done), got {progress!r}"
+            )
+        if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < -1:
+            raise UsageError(
+                f"pruner state['last_step'] must be an int >= -1 (-1: never stepped), got "
+                f"{last_step!r}"
             )
         saved = state["masks"]
-        if set(saved) != set(self.modules):
-            raise ValueError(
-                f"pruner state covers layers {sorted(saved)}, this pruner {sorted(self.modules)}"
+        if not isinstance(saved, Mapping) or set(saved) != set(self.modules):
+            names = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+            raise UsageError(
+                f"pruner state['masks'] covers layers {names}, this pruner {sorted(self.modules)}"
             )
+        for name, module in self.modules.items():
+            self._check_saved_mask(name, saved[name], tuple(module.weight.shape))
         for name, module in self.modules.items():
             mask = saved[name]
             if self._sharded:
                 mask = D.local_part(mask, module.weight)
             self._set_mask(name, mask.to(self._keep(name).device))
-        self.progress = float(state["progress"])
-        self.last_step = None if state["last_step"] < 0 else int(state["last_step"])
+        self.progress = float(progress)
+        self.last_step = None if last_step < 0 else int(last_step)
+
+    @staticmethod
+    def state_dict_keys() -> tuple[str, ...]:
+        return ("version", "pattern", "criterion", "scope", "progress", "last_step", "masks")
+
+    def _check_saved_mask(self, name: str, mask: Any, shape: tuple[int, ...]) -> None:
+        what = f"pruner state['masks'][{name!r}]"
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ConfigTypeError(f"{what} must be a bool tensor, got {got}")
+        if tuple(mask.shape) != shape:
+            raise UsageError(f"{what} has shape {tuple(mask.shape)}, the weight {shape}")
+        if self.nm is not None:
+            n, m = self.nm
+            kept = mask.reshape(shape[0], -1, m).sum(-1)
+            if bool((kept < n).any()):
+                raise UsageError(
+                    f"{what} keeps fewer than {n} of some group of {m}: not a {self.pattern} mask"
+                )
 
     def finalize(self) -> nn.Module:
         """Fold masks into the weights: a plain module with the state_dict keys it had before
@@ -454,7 +562,11 @@ def prune_(
         calibration_fn,
         strict,
     )
-    pruner.step(0)
+    try:
+        pruner.step(0)
+    except BaseException:
+        pruner._remove_masks()  # leave the model as it was: no masks, the same state_dict keys
+        raise
     report = pruner.report()
     pruner.finalize()
     return report

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sparsekit.errors import ConfigTypeError, UsageError
+
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"schedule {name} must be an integer step, got {value!r}")
+        raise ConfigTypeError(f"schedule {name} must be an integer step, got {value!r}")
     if value < minimum:
-        raise ValueError(f"schedule {name} must be >= {minimum}, got {value}")
+        raise UsageError(f"schedule {name} must be >= {minimum}, got {value}")
 
 
 class Schedule:
@@ -58,7 +60,7 @@ class _Ramp(Schedule):
         _check_int("end", self.end, 0)
         _check_int("every", self.every, 1)
         if self.end < self.start:
-            raise ValueError(
+            raise UsageError(
                 f"schedule end ({self.end}) is before its start ({self.start}); need end >= start"
             )
 

@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from torch import nn
 
+from sparsekit.errors import ConfigTypeError, UsageError
+
 PRUNABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -16,14 +18,33 @@ def _as_list(patterns: str | Iterable[str] | None) -> list[str]:
         return []
     if isinstance(patterns, str):
         return [patterns]
-    return list(patterns)
+    try:
+        out = list(patterns)
+    except TypeError:
+        out = [patterns]
+    bad = [p for p in out if not isinstance(p, str)]
+    if bad:
+        raise ConfigTypeError(
+            f"layer patterns must be strings (fnmatch globs or 're:<regex>'), got {bad[0]!r}"
+        )
+    return out
+
+
+def _regex(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern[3:])
+    except re.error as e:
+        raise UsageError(
+            f"{pattern!r} is not a valid regular expression ({e}); write 're:<python regex>' "
+            "or an fnmatch glob such as 'layers.*.fc1'"
+        ) from None
 
 
 def name_matches(name: str, pattern: str) -> bool:
     """True when qualified module ``name`` matches ``pattern`` (a glob, or ``re:<regex>``
     matched against the whole name)."""
     if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], name) is not None
+        return _regex(pattern).fullmatch(name) is not None
     return fnmatch.fnmatchcase(name, pattern)
 
 
@@ -48,7 +69,7 @@ def select_modules(
         for p in pats:
             if p != "*" and not any(name_matches(n, p) for n in candidates):
                 names = ", ".join(list(candidates)[:8]) + (" ..." if len(candidates) > 8 else "")
-                raise ValueError(
+                raise UsageError(
                     f"{kind} pattern {p!r} matches no selectable layer; layers are: {names}"
                 )
     chosen = {
@@ -58,7 +79,7 @@ def select_modules(
         and not any(name_matches(n, p) for p in exclude_l)
     }
     if not chosen:
-        raise ValueError(
+        raise UsageError(
             f"include={include_l} exclude={exclude_l} select no layer of types "
             f"{[t.__name__ for t in types]}"
         )

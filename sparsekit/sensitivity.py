@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit.errors import UsageError
 from sparsekit.calibration import CalibrationFn
 from sparsekit.patterns import parse_pattern
 from sparsekit.pruner import prune_
@@ -135,7 +136,7 @@ def sensitivity(
     nm = parse_pattern(pattern)
     if nm is not None:
         if sparsities is not None:
-            raise ValueError(
+            raise UsageError(
                 f"pattern {pattern!r} implies the level {1 - nm[0] / nm[1]:g}; "
                 "leave sparsities=None"
             )
@@ -143,7 +144,7 @@ def sensitivity(
     else:
         levels = sorted(float(s) for s in (DEFAULT_LEVELS if sparsities is None else sparsities))
         if not levels or any(not 0 < s < 1 for s in levels) or len(set(levels)) != len(levels):
-            raise ValueError(
+            raise UsageError(
                 f"sparsities must be distinct levels in (0, 1), got {list(sparsities or [])}"
             )
     if calibration is not None and iter(calibration) is calibration:
@@ -228,28 +229,28 @@ def allocate(
     {'a': 0.9, 'b': 0.1}
     """
     if table.pattern != "unstructured":
-        raise ValueError(f"allocate needs an unstructured sensitivity table, not {table.pattern!r}")
+        raise UsageError(f"allocate needs an unstructured sensitivity table, not {table.pattern!r}")
     if not table.metrics:
-        raise ValueError("the sensitivity table has no measured layer")
+        raise UsageError("the sensitivity table has no measured layer")
     if not 0 <= target < 1:
-        raise ValueError(f"target must be an overall sparsity in [0, 1), got {target}")
+        raise UsageError(f"target must be an overall sparsity in [0, 1), got {target}")
     top = max(table.levels) if max_level is None else max_level
     if not 0 < top < 1:
-        raise ValueError(f"max_level must be in (0, 1), got {max_level}")
+        raise UsageError(f"max_level must be in (0, 1), got {max_level}")
     total = sum(table.params.values())
     need = target * total  # weights to prune
     steps = []  # (cost per pruned weight, layer, level from, level to, weights, cost)
     for name, degr in ((n, table.degradation(n)) for n in table.metrics):
         pts = [(0.0, 0.0)] + [(lv, d) for lv, d in zip(table.levels, degr) if lv <= top + 1e-12]
         if any(math.isnan(d) for _, d in pts):
-            raise ValueError(f"layer {name!r} has a NaN metric in the sensitivity table")
+            raise UsageError(f"layer {name!r} has a NaN metric in the sensitivity table")
         hull = _lower_hull(pts)
         p = table.params[name]
         for (l0, d0), (l1, d1) in zip(hull, hull[1:]):
             steps.append(((d1 - d0) / ((l1 - l0) * p), name, l0, l1, (l1 - l0) * p))
     reachable = sum(w for *_, w in steps)
     if need > reachable * (1 + 1e-12):
-        raise ValueError(
+        raise UsageError(
             f"target {target} is above the reachable {reachable / total:.4g} (every layer at its "
             f"highest level, {top}): measure higher sparsities or lower the target"
         )

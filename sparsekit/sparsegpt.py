@@ -31,7 +31,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.calibration import CalibrationFn, check_calibration, run_calibration
+from sparsekit.criteria import check_finite_weight
+from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 from sparsekit.criteria import conv_columns
 from sparsekit.distributed import ShardComm, reduce_hessian
 from sparsekit.patterns import prune_count
@@ -55,7 +57,7 @@ def hessian_spec(module: nn.Module) -> tuple:
             module.groups,
             module.padding_mode,
         )
-    raise TypeError(
+    raise ConfigTypeError(
         f"sparsegpt supports nn.Linear and nn.Conv1d/2d/3d, not {type(module).__name__}"
     )
 
@@ -106,7 +108,7 @@ def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> torch.Tens
             if int(info) == 0:
                 return upper
         damp *= 10.0
-    raise ValueError(
+    raise UsageError(
         f"sparsegpt: the Hessian of layer {name!r} is not positive definite even with damping "
         f"{damp:.3g}; raise percdamp"
     )
@@ -131,19 +133,19 @@ def obs_prune(
     zeros where pruned, and a bool mask (True = kept), both ``(rows, cols)``.
     """
     if (sparsity is None) == (nm is None):
-        raise ValueError(f"layer {name!r}: give exactly one of sparsity (unstructured) or nm")
+        raise UsageError(f"layer {name!r}: give exactly one of sparsity (unstructured) or nm")
     w = weight.detach().float().clone()
     h = hessian.detach().float().clone()
     rows, cols = w.shape
     if nm is not None:
         n, m = nm
         if cols % m:
-            raise ValueError(f"layer {name!r}: input dimension {cols} is not a multiple of M={m}")
+            raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of M={m}")
         if blocksize % m:
-            raise ValueError(f"blocksize {blocksize} must be a multiple of M={m} for N:M")
+            raise UsageError(f"blocksize {blocksize} must be a multiple of M={m} for N:M")
     dead = h.diagonal() == 0
     if bool(dead.all()):
-        raise ValueError(
+        raise UsageError(
             f"sparsegpt: layer {name!r} saw only zero inputs during calibration; exclude it"
         )
     h[dead, dead] = 1.0
@@ -202,7 +204,12 @@ def _solve_layer(
 ) -> torch.Tensor:
     """Prune ``module`` in place from its accumulated Hessian; returns its keep-mask."""
     if hess.h is None:
-        raise ValueError(f"sparsegpt: layer {name!r} received only empty inputs; exclude it")
+        raise UsageError(f"sparsegpt: layer {name!r} received only empty inputs; exclude it")
+    if not bool(torch.isfinite(hess.h).all()):
+        raise NumericsError(
+            f"sparsegpt: the calibration inputs of layer {name!r} contain NaN or inf; check the "
+            "calibration batches and the layers before it"
+        )
     weight = module.weight.detach()
     groups = hess.h.shape[0]
     w2 = weight.reshape(weight.shape[0], -1).float()
@@ -251,7 +258,7 @@ def _call_order(
             handle.remove()
     never = [n for n in modules if n not in calls]
     if never:
-        raise ValueError(
+        raise UsageError(
             f"sparsegpt: layers {never} were never called by the model during calibration (for "
             "example nn.MultiheadAttention.out_proj, whose weight is used functionally); "
             "exclude them"
@@ -304,18 +311,20 @@ def sparsegpt_prune(
     if not modules:
         return {}
     if blocksize < 1:
-        raise ValueError(f"blocksize must be a positive number of columns, got {blocksize}")
+        raise UsageError(f"blocksize must be a positive number of columns, got {blocksize}")
     if not percdamp > 0:
-        raise ValueError(f"percdamp must be > 0 (fraction of mean(diag H)), got {percdamp}")
+        raise UsageError(f"percdamp must be > 0 (fraction of mean(diag H)), got {percdamp}")
     for name, module in modules.items():
         hessian_spec(module)
+        check_finite_weight(name, module.weight)
         if nm is None:
             level = sparsity.get(name)
             if level is None or not 0 <= level < 1:
-                raise ValueError(f"layer {name!r}: sparsity must be in [0, 1), got {level!r}")
+                raise UsageError(f"layer {name!r}: sparsity must be in [0, 1), got {level!r}")
+    check_calibration(calibration)
     batches = list(calibration) if calibration is not None else []
     if not batches:
-        raise ValueError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
+        raise UsageError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
 
     masks: dict[str, torch.Tensor] = {}
     for group in _call_order(model, modules, batches[0], calibration_fn):

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit import distributed as D
 from sparsekit.calibration import _to_device, eval_mode
+from sparsekit.errors import UsageError
 from sparsekit.progress import progress
 
 StepHook = Callable[[int, dict[str, float]], None]
@@ -51,7 +52,7 @@ def make_optimizer(
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    raise ValueError(f"train.optimizer={name!r} is not allowed; choose one of: adam, adamw, sgd")
+    raise UsageError(f"train.optimizer={name!r} is not allowed; choose one of: adam, adamw, sgd")
 
 
 def get_batch(dataset: Dataset, indices: torch.Tensor) -> Any:
@@ -120,10 +121,15 @@ def evaluate(
             ).item()
             correct += (logits.argmax(-1) == y).sum().item()
             count += y.numel()
-    loss = loss_sum / max(1, count)
+    if count == 0:  # an accuracy of 0 / 0 would read as 0%
+        raise UsageError(
+            f"evaluation saw no samples (dataset of {len(dataset)}, max_batches={max_batches}): "
+            "pass max_batches >= 1 or None, and a non-empty evaluation set"
+        )
+    loss = loss_sum / count
     if task == "lm":
         return {"loss": loss, "perplexity": math.exp(loss)}
-    return {"loss": loss, "accuracy": correct / max(1, count)}
+    return {"loss": loss, "accuracy": correct / count}
 
 
 def fit(

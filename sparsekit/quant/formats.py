@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparsekit.errors import UsageError
+
 
 @dataclass(frozen=True)
 class Format:
@@ -54,7 +56,7 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
     if isinstance(scheme, Scheme):
         return scheme
     if not isinstance(scheme, str) or scheme not in SCHEMES:
-        raise ValueError(
+        raise UsageError(
             f"unknown quantization scheme {scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}"
         )
     return SCHEMES[scheme]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.errors import UsageError
 from sparsekit.quant.formats import Scheme
 from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight, unsupported_reason
 from sparsekit.quant.report import QuantLayer, QuantReport
@@ -36,12 +37,12 @@ def select_float_layers(
     chosen = select_modules(model, include, exclude, types=LAYER_TYPES)
     for name, m in chosen.items():
         if isinstance(m, _QuantWeight):
-            raise ValueError(
+            raise UsageError(
                 f"{verb}: layer {name!r} is already quantized ({m.scheme}); quantize a float "
                 "model once (exclude the layer to quantize the others)"
             )
         if qat_scheme(m) is not None:
-            raise ValueError(
+            raise UsageError(
                 f"{verb}: layer {name!r} is already prepared for QAT ({qat_scheme(m)}); call "
                 "convert_(model) to quantize it"
             )
@@ -94,5 +95,5 @@ def plan_layers(
             todo[name] = m
         report.layers.append(layer)
     if strict and report.skipped:
-        raise ValueError(f"{verb}({scheme.name!r}, strict=True) cannot take: {report.skipped}")
+        raise UsageError(f"{verb}({scheme.name!r}, strict=True) cannot take: {report.skipped}")
     return report, todo

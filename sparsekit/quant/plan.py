@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from sparsekit.errors import UsageError
 from sparsekit.quant.formats import get_scheme
 from sparsekit.quant.layers import kind, set_module
 from sparsekit.quant.modules import _QuantWeight, quantized_module
@@ -48,7 +49,7 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
     ready for ``load_state_dict``. ValueError naming the layer when the model does not match."""
     for name, spec in plan.items():
         if spec.get("version") != PLAN_VERSION:
-            raise ValueError(
+            raise UsageError(
                 f"quant plan entry {name!r} has version {spec.get('version')!r}; "
                 f"this sparsekit reads version {PLAN_VERSION}"
             )
@@ -56,11 +57,11 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
         try:
             module = model.get_submodule(name)
         except AttributeError as e:
-            raise ValueError(f"quant plan layer {name!r} is not in the model") from e
+            raise UsageError(f"quant plan layer {name!r} is not in the model") from e
         found = (kind(module), list(module.weight.shape), module.bias is not None)
         expected = (spec["type"], spec["weight_shape"], spec["bias"])
         if isinstance(module, _QuantWeight) or found != expected:
-            raise ValueError(
+            raise UsageError(
                 f"quant plan layer {name!r} expects a float {expected[0]} with weight shape "
                 f"{expected[1]} and bias={expected[2]}; the model has "
                 f"{type(module).__name__} {found[1]} bias={found[2]}"

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.errors import UsageError
 from sparsekit.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
@@ -115,14 +116,14 @@ def convert_(model: nn.Module) -> QuantReport:
     layer is prepared, or a weight carries a parametrization other than a mask."""
     prepared = {n: m for n, m in model.named_modules() if qat_scheme(m) is not None}
     if not prepared:
-        raise ValueError(
+        raise UsageError(
             "convert_: no layer is prepared for QAT; call prepare_qat_(model, scheme) first "
             "(or quantize_ for post-training quantization)"
         )
     for name, m in prepared.items():
         foreign = foreign_parametrizations(m, (WeightMask, WeightFakeQuant))
         if foreign:
-            raise ValueError(
+            raise UsageError(
                 f"convert_: layer {name!r} has parametrizations {foreign} on its weight that "
                 "convert_ cannot fold; remove them first"
             )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit.errors import UsageError
 from sparsekit.calibration import CalibrationFn, run_calibration
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
@@ -51,7 +52,7 @@ def quantize_(
     for name, m in chosen.items():
         foreign = foreign_parametrizations(m)
         if foreign:
-            raise ValueError(
+            raise UsageError(
                 f"quantize_: layer {name!r} has parametrizations {foreign} on its weight (a "
                 "Pruner that is not finalized?): call pruner.finalize() first, or use "
                 "prepare_qat_ to fine-tune under the pruner"
