@@ -27,11 +27,11 @@ def _torchvision_names() -> list[str]:
 
 def check_model_name(name: str, target: str | None = None) -> None:
     """Raise ValueError naming ``model.name`` and the allowed values for an unknown model."""
-    if target is not None or name in BUILTIN_MODELS:
+    if target is not None or name in BUILTIN_MODELS or name == "hf":
         return
     if name.removeprefix("torchvision.") not in _torchvision_names():
         raise ValueError(
-            f"model.name={name!r} is not allowed; choose one of: {', '.join(BUILTIN_MODELS)}, "
+            f"model.name={name!r} is not allowed; choose one of: {', '.join(BUILTIN_MODELS)}, hf, "
             "a torchvision model name (e.g. resnet18), or set model._target_ to a factory"
         )
 
