@@ -308,6 +308,24 @@ def instantiate(spec: dict[str, Any], trusted: tuple[str, ...] = TRUSTED_FACTORI
     return model
 
 
+def build_from_spec(spec: dict[str, Any]) -> nn.Module:
+    """A model from ``{"builder": name, "kwargs": {...}}``: the registered builder ``name``
+    called with the stored JSON kwargs (only allow-listed builders; nothing is imported by a
+    name read from the file)."""
+    try:
+        from sparsekit.models.registry import build_registered
+    except ImportError:  # before the registry: the one builder that writes this spec
+        if spec.get("builder") != "hf" or not isinstance(spec.get("kwargs"), dict):
+            raise ValueError(f"model spec names an unknown builder {spec.get('builder')!r}; "
+                             "allowed: hf") from None
+        from sparsekit.models.hf import hf
+
+        model = hf(**spec["kwargs"])
+        model._sparsekit_spec = dict(spec)
+        return model
+    return build_registered(spec["builder"], spec.get("kwargs", {}))
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module | None = None,
@@ -332,7 +350,11 @@ def load(
                 f"{path} stores no model spec (the model had no _sparsekit_spec): pass "
                 "model=<a freshly built module of the same architecture> to sk.load"
             )
-        model = instantiate(header["model"], TRUSTED_FACTORIES + tuple(trusted_factories))
+        spec = header["model"]
+        if isinstance(spec, dict) and "builder" in spec:
+            model = build_from_spec(spec)
+        else:
+            model = instantiate(spec, TRUSTED_FACTORIES + tuple(trusted_factories))
     if header.get("channels"):
         from sparsekit.channels import apply_channel_plan
 

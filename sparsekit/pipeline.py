@@ -129,7 +129,7 @@ def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
                          "weights)")
     torch.manual_seed(cfg.train.seed)  # model.config: the same random weights every run
     if m.path is not None:
-        model = hf.load_pretrained(m.path, m.task)
+        model = hf.load_pretrained(m.path, m.task, quiet=is_quiet(cfg.train.quiet))
     else:
         model = hf.build_from_config(m.config, m.task)
     source = cfg.data.tokenizer or m.path
@@ -168,13 +168,14 @@ def build_run_data(cfg: Config, hf_model: nn.Module | None, tokenizer: Any) -> D
                      cache_root(cfg.cache_dir) / "data", task=task, **cfg.data.kwargs)
 
 
-def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path) -> dict:
+def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
+              quiet: bool = False) -> dict:
     """``<run>/hf/``: what ``AutoModelFor*.from_pretrained`` and ``AutoTokenizer`` load (the
     compressed weights), plus the sparsekit file (``sparsekit.safetensors``, for ``sk.load``);
     the summary says why there is no compressed-tensors export."""
     from sparsekit.models.hf import compressed_tensors_status, export_pretrained
 
-    out = export_pretrained(model, run_dir / "hf", tokenizer)
+    out = export_pretrained(model, run_dir / "hf", tokenizer, quiet)
     target = out / "sparsekit.safetensors"
     target.unlink(missing_ok=True)
     try:
@@ -544,7 +545,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     if D.is_main():
         save_weights(model, model_path)
         if hf_model is not None:
-            hf_export = export_hf(model, tokenizer, run_dir, model_path)
+            hf_export = export_hf(model, tokenizer, run_dir, model_path, quiet)
     D.barrier()
     sizes = {"dense": file_size(dense), "compressed": model_path.stat().st_size}
     summary: dict[str, Any] = {

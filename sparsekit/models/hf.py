@@ -16,8 +16,10 @@ as JSON; no code is imported from the file).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,23 @@ def transformers_module() -> Any:
             "Hugging Face models need the transformers package: pip install 'sparsekit[hf]'"
         ) from None
     return transformers
+
+
+@contextlib.contextmanager
+def quiet_progress(quiet: bool = False) -> Iterator[None]:
+    """transformers' own progress bars (loading, saving) off inside the block when sparsekit
+    is quiet (``quiet`` or SPARSEKIT_QUIET=1), restored afterwards."""
+    from sparsekit.progress import is_quiet
+
+    tf_logging = transformers_module().utils.logging
+    if not is_quiet(quiet) or not tf_logging.is_progress_bar_enabled():
+        yield
+        return
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tf_logging.enable_progress_bar()
 
 
 def task_from_architectures(architectures: list[str] | None) -> str:
@@ -143,15 +162,17 @@ def check_model_dir(path: str | os.PathLike, option: str = "model.path") -> Path
     return p
 
 
-def load_pretrained(path: str | os.PathLike, task: str | None = None) -> nn.Module:
+def load_pretrained(path: str | os.PathLike, task: str | None = None,
+                    quiet: bool = False) -> nn.Module:
     """The model in local directory ``path`` through the Auto class of ``task`` (None: from
-    its config's ``architectures``), offline."""
+    its config's ``architectures``), offline; ``quiet``: no loading progress bar."""
     p = check_model_dir(path)
     if task is None:
         task = task_from_architectures(_read_config_json(p / "config.json",
                                                          "model.path").get("architectures"))
     try:
-        model = _auto_class(task).from_pretrained(os.fspath(p), local_files_only=True)
+        with quiet_progress(quiet):
+            model = _auto_class(task).from_pretrained(os.fspath(p), local_files_only=True)
     except (OSError, ValueError) as e:
         raise FileFormatError(f"model.path={os.fspath(path)!r}: cannot load a {task} model: "
                               f"{str(e).splitlines()[0]}") from None
@@ -200,13 +221,14 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_pretrained(model: nn.Module, out_dir: str | os.PathLike,
-                      tokenizer: Any = None) -> Path:
+                      tokenizer: Any = None, quiet: bool = False) -> Path:
     """Write ``out_dir`` so that the matching ``AutoModelFor*.from_pretrained`` and
     ``AutoTokenizer.from_pretrained`` load it: config.json, model.safetensors (the pruned
     weights; quantized layers as their dequantized values) and the tokenizer files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(os.fspath(out), state_dict=hf_state_dict(model))
+    with quiet_progress(quiet):
+        model.save_pretrained(os.fspath(out), state_dict=hf_state_dict(model))
     if tokenizer is not None:
         tokenizer.save_pretrained(os.fspath(out))
     return out
