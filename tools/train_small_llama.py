@@ -30,7 +30,7 @@ from llm_common import llama_config, run_recipe, stdlib_corpus, train_tokenizer
 
 from sparsekit.data.hf_text import text_data
 from sparsekit.models.hf import hf
-from sparsekit.train import batch_indices, eval_batches, get_batch, lr_at
+from sparsekit.train import batch_indices, eval_batches, get_batch
 
 RECIPES = ("llm_sparsegpt_24", "llm_sparsegpt_24_fp8", "llm_wanda_24_distill")
 
@@ -87,17 +87,14 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1,
                                   betas=(0.9, 0.95))
     budget = a.minutes * 60
-    # the cosine schedule needs a step count: estimate it from the first 10 steps' speed
-    t0, step, total = time.perf_counter(), 0, None
+    # the schedule runs on the clock: warm-up over 100 steps, cosine to 10% at the deadline
+    t0, step = time.perf_counter(), 0
     model.train()
-    while True:
-        elapsed = time.perf_counter() - t0
-        if total is None and step == 10:
-            total = max(11, int(budget / (elapsed / 10)))
-        if (total is not None and step >= total) or elapsed > budget * 1.2:
-            break
+    while (elapsed := time.perf_counter() - t0) < budget:
+        frac = elapsed / budget
+        lr = a.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, total or 10**9, a.lr, warmup=min(100, (total or 1000) // 10))
+            g["lr"] = lr
         x, y = get_batch(data.train, batch_indices(len(data.train), a.batch_size, 0, step))
         x, y = x.to(device), y.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
