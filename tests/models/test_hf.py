@@ -4,6 +4,7 @@ sequential SparseGPT over the blocks, and the from_pretrained export."""
 from __future__ import annotations
 
 import copy
+import sys
 import json
 
 import pytest
@@ -144,3 +145,9 @@ def test_export_of_a_quantized_model_loads_with_from_pretrained(hf_dirs, tmp_pat
     torch.testing.assert_close(back.model.layers[0].mlp.down_proj.weight,
                                q.dequantized_weight(torch.float32), rtol=0, atol=0)
     assert (back.model.layers[0].mlp.down_proj.weight == 0).float().mean() == 0.5
+
+
+def test_without_transformers_the_error_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    with pytest.raises(UsageError, match=r"pip install 'sparsekit\[hf\]'"):
+        hf.build_from_config(TINY)
