@@ -68,6 +68,10 @@ def _input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return conv_columns(module, x)
 
 
+class _Collected(Exception):
+    """Raised by a Hessian hook to skip the rest of a block's forward pass."""
+
+
 class _Hessian:
     """Running average of ``2 X X^T`` over all inputs seen: ``(groups, cols, cols)`` float32."""
 
@@ -91,6 +95,11 @@ class _Hessian:
     def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook: add the call's input."""
         self.add(_input_rows(module, args[0] if args else kwargs["input"]))
+
+    def hook_then_stop(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """:meth:`hook`, then stop the forward pass: the rest of it cannot change H."""
+        self.hook(module, args, kwargs)
+        raise _Collected
 
 
 def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
@@ -426,7 +435,8 @@ def _prune_blocks(
     """Sequential SparseGPT over the blocks: the inputs of every block are recorded in one pass
     of the model, then each block in turn has its groups solved from its own inputs and is run
     once more to give the next block's inputs (from the pruned block, as the original solver
-    does). Only one block's input activations are alive at a time. Returns False, having pruned
+    does); a group's pass over the block stops at the group's first layer. Only one block's
+    input activations are alive at a time. Returns False, having pruned
     nothing, when the blocks are not each called once per batch (shared blocks)."""
     blocksize, percdamp, comm = solve
     inputs = _BlockInputs(blocks)
@@ -453,9 +463,15 @@ def _prune_blocks(
         items = inputs.items(index, hidden)
         for group in by_block.get(index, []):
             hess = _Hessian()
-            handle = modules[group[0]].register_forward_pre_hook(hess.hook, with_kwargs=True)
+            handle = modules[group[0]].register_forward_pre_hook(hess.hook_then_stop,
+                                                                 with_kwargs=True)
             try:
-                run_calibration(block, items, inputs.feed)
+                with eval_mode(block):
+                    for item in items:
+                        try:
+                            inputs.feed(block, item)
+                        except _Collected:
+                            pass
             finally:
                 handle.remove()
             hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
