@@ -19,8 +19,8 @@ When the layers sit in a transformer's repeated blocks (an ``nn.ModuleList`` of 
 class, found by :func:`find_blocks`), those passes run block by block instead of through the
 whole model: every block's inputs are recorded in one pass, each block is solved from its own
 inputs and then run once to give the next block its inputs (same weights as whole-model passes,
-one block's activations alive at a time, about one model forward per layer group instead of
-one per group *per block*).
+one block's activations alive at a time; a Llama block costs five partial block passes instead
+of four whole-model passes).
 
 Only one layer's Hessian is alive at a time (layers that receive the very same input tensor
 share one, and one calibration pass). Everything runs in float32; weights are written back in
