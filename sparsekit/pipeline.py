@@ -391,7 +391,11 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
                         cfg.data.eval_batches, quiet)
 
     dense_eval = eval_model(model)
-    dense = copy.deepcopy(model).eval()  # teacher for distillation and the speed reference
+    dense_size = file_size(model)
+    # a copy of the dense model only when something reads it: the distillation teacher and the
+    # speed reference (an LLM one-shot run would otherwise hold its weights twice)
+    keep_dense = (t.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
+    dense = copy.deepcopy(model).eval() if keep_dense else None
     tracker.scalars({f"eval/{metric}/dense": dense_eval[metric]}, 0)
     example = next(eval_batches(data.eval, cfg.bench.batch_size, 1))[0]
     example = example.to(device) if isinstance(example, torch.Tensor) else example
@@ -547,7 +551,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         if hf_model is not None:
             hf_export = export_hf(model, tokenizer, run_dir, model_path, quiet)
     D.barrier()
-    sizes = {"dense": file_size(dense), "compressed": model_path.stat().st_size}
+    sizes = {"dense": dense_size, "compressed": model_path.stat().st_size}
     summary: dict[str, Any] = {
         "metric": metric,
         "dense": {**dense_eval, **speed["dense"], "size_bytes": sizes["dense"]},
