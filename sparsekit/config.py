@@ -25,6 +25,7 @@ SCHEDULES = ("oneshot", "linear", "cubic")
 QUANT_SCHEMES = ("none", "int8_weight_only", "int8", "fp8")
 CHANNEL_IMPORTANCE = ("magnitude", "taylor", "lamp")
 TASKS = ("classification", "lm")
+HF_TASKS = ("causal_lm", "masked_lm", "sequence_classification", "feature_extraction")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 TRACKERS = ("tensorboard", "none")
@@ -44,6 +45,12 @@ class ModelConfig:
     _target_: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = None  # dense weights to load instead of training a baseline
+    # model=hf: a local transformers directory (config.json, weights, tokenizer files), or a
+    # config (a dict, or a path to a config.json) to build with random weights; task: one of
+    # HF_TASKS, null = from the config's architectures
+    path: str | None = None
+    config: Any = None
+    task: str | None = None
 
 
 @dataclass
@@ -58,6 +65,11 @@ class DataConfig:
     batch_size: int = 100
     eval_batch_size: int = 500
     eval_batches: int | None = None  # evaluate on at most this many batches; null = all
+    # data=text: local .txt/.jsonl files (a file, a directory or a glob), tokenized by the
+    # tokenizer in ``tokenizer`` (null: model.path) into windows of seq_len tokens
+    path: str | None = None
+    tokenizer: str | None = None
+    seq_len: int = 128
 
 
 @dataclass
@@ -271,6 +283,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"schedule.end={s.end} must be >= schedule.start={s.start}")
     _choice("quant.scheme", cfg.quant.scheme, QUANT_SCHEMES)
     _choice("data.task", cfg.data.task, TASKS)
+    if cfg.model.task is not None:
+        _choice("model.task", cfg.model.task, HF_TASKS)
+    _at_least("data.seq_len", cfg.data.seq_len, 1)
     _at_least("data.batch_size", cfg.data.batch_size, 1)
     _at_least("data.eval_batch_size", cfg.data.eval_batch_size, 1)
     if cfg.data.eval_batches is not None and not cfg.data.eval_batches >= 1:

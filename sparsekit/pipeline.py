@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import tempfile
 import time
@@ -233,9 +234,84 @@ def check_model_takes_data(model: nn.Module, data: DataBundle, cfg: Config) -> N
         ) from e
 
 
-def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tracker) -> tuple:
-    """The dense model: loaded from ``model.checkpoint``, from the baseline cache, or trained
-    here and cached. Returns ``(model, source)``."""
+def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
+    """``model=hf``: the transformers model of ``model.path`` (a local directory) or built
+    from ``model.config`` (random weights), and its tokenizer (from ``data.tokenizer``, else
+    ``model.path``; None when there is none and ``data=text`` does not need one)."""
+    from sparsekit.models import hf
+
+    m = cfg.model
+    if (m.path is None) == (m.config is None):
+        raise UsageError("model=hf needs exactly one of model.path=DIR (a local transformers "
+                         "directory) or model.config=CONFIG (a dict or config.json; random "
+                         "weights)")
+    torch.manual_seed(cfg.train.seed)  # model.config: the same random weights every run
+    if m.path is not None:
+        model = hf.load_pretrained(m.path, m.task, quiet=is_quiet(cfg.train.quiet))
+    else:
+        model = hf.build_from_config(m.config, m.task)
+    source = cfg.data.tokenizer or m.path
+    if source is None:
+        if cfg.data.name == "text":
+            raise UsageError("data=text with model.config needs data.tokenizer=DIR (a directory "
+                             "holding tokenizer files)")
+        return model, None
+    option = "data.tokenizer" if cfg.data.tokenizer else "model.path"
+    try:
+        return model, hf.load_tokenizer(source, option)
+    except FileFormatError:
+        if cfg.data.name == "text":
+            raise
+        return model, None  # exported without tokenizer files
+
+
+def build_run_data(cfg: Config, hf_model: nn.Module | None, tokenizer: Any) -> DataBundle:
+    """The run's data; ``data=text`` is tokenized with the model's tokenizer."""
+    if cfg.data.name != "text" or cfg.data._target_ is not None:
+        return build_data(cfg.data.name, cfg.data._target_, cfg.data.kwargs, cfg.cache_dir)
+    from sparsekit.data.hf_text import text_data
+    from sparsekit.errors import UsageError
+
+    if not cfg.data.path:
+        raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
+    if tokenizer is None:
+        if not cfg.data.tokenizer:
+            raise UsageError("data=text needs a tokenizer: model=hf model.path=DIR, or "
+                             "data.tokenizer=DIR")
+        from sparsekit.models.hf import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer, "data.tokenizer")
+    task = "causal_lm" if hf_model is None else hf_model._sparsekit_spec["kwargs"]["task"]
+    return text_data(cfg.data.path, tokenizer, cfg.data.seq_len,
+                     cache_root(cfg.cache_dir) / "data", task=task, **cfg.data.kwargs)
+
+
+def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
+              quiet: bool = False) -> dict:
+    """``<run>/hf/``: what ``AutoModelFor*.from_pretrained`` and ``AutoTokenizer`` load (the
+    compressed weights), plus the sparsekit file (``sparsekit.safetensors``, for ``sk.load``);
+    the summary says why there is no compressed-tensors export."""
+    from sparsekit.models.hf import compressed_tensors_status, export_pretrained
+
+    out = export_pretrained(model, run_dir / "hf", tokenizer, quiet)
+    target = out / "sparsekit.safetensors"
+    target.unlink(missing_ok=True)
+    try:
+        os.link(model_path, target)
+    except OSError:  # another file system: copy
+        shutil.copyfile(model_path, target)
+    return {"dir": str(out), "compressed_tensors": compressed_tensors_status()}
+
+
+def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tracker,
+                hf_model: nn.Module | None = None) -> tuple:
+    """The dense model: ``hf_model`` (model=hf, never trained here), loaded from
+    ``model.checkpoint``, from the baseline cache, or trained here and cached. Returns
+    ``(model, source)``."""
+    if hf_model is not None:
+        m = cfg.model
+        what = f"hf {m.path}" if m.path else "hf model.config (random weights)"
+        return hf_model.to(device), what
     torch.manual_seed(cfg.train.seed)  # the initial weights too: same config, same baseline
     model = build_model(cfg.model.name, cfg.model._target_, cfg.model.kwargs).to(device)
     check_model_takes_data(model, data, cfg)
@@ -465,20 +541,29 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
                       tb.histograms, purge_step=None if state is None else state["step"] + 1)
     tracker.text("config", f"```yaml\n{resolved}\n```")
 
-    data = build_data(cfg.data.name, cfg.data._target_, cfg.data.kwargs, cfg.cache_dir)
-    model, dense_source = dense_model(cfg, data, device, tracker)
+    hf_model = tokenizer = None
+    if cfg.model.name == "hf":
+        hf_model, tokenizer = load_hf(cfg)
+    data = build_run_data(cfg, hf_model, tokenizer)
+    model, dense_source = dense_model(cfg, data, device, tracker, hf_model)
 
     def eval_model(m: nn.Module) -> dict[str, float]:
         return evaluate(m, data.eval, cfg.data.task, cfg.data.eval_batch_size,
                         cfg.data.eval_batches, quiet)
 
     dense_eval = eval_model(model)
-    dense = copy.deepcopy(model).eval()  # teacher for distillation and the speed reference
+    dense_size = file_size(model)
+    # a copy of the dense model only when something reads it: the distillation teacher and the
+    # speed reference (an LLM one-shot run would otherwise hold its weights twice)
+    keep_dense = (t.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
+    dense = copy.deepcopy(model).eval() if keep_dense else None
     tracker.scalars({f"eval/{metric}/dense": dense_eval[metric]}, 0)
     example = next(eval_batches(data.eval, cfg.bench.batch_size, 1))[0]
     example = example.to(device) if isinstance(example, torch.Tensor) else example
+    calibration_set = data.train if data.calibration is None else data.calibration
     calibration = [
-        b[0] for b in eval_batches(data.train, cfg.data.batch_size, cfg.prune.calibration_batches)
+        b[0]
+        for b in eval_batches(calibration_set, cfg.data.batch_size, cfg.prune.calibration_batches)
     ]
     p, q = cfg.prune, cfg.quant
     sparsity = p.sparsity
@@ -625,10 +710,13 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
         accel_info.update(accelerate(cfg, model, example, device, tracker, quiet))
 
     model_path = run_dir / "model.safetensors"
+    hf_export = None
     if D.is_main():
         save_weights(model, model_path)
+        if hf_model is not None:
+            hf_export = export_hf(model, tokenizer, run_dir, model_path, quiet)
     D.barrier()
-    sizes = {"dense": file_size(dense), "compressed": model_path.stat().st_size}
+    sizes = {"dense": dense_size, "compressed": model_path.stat().st_size}
     summary: dict[str, Any] = {
         "metric": metric,
         "dense": {**dense_eval, **speed["dense"], "size_bytes": sizes["dense"]},
@@ -644,6 +732,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
         "device": str(device),
         "finetune_steps": steps,
         "model_path": str(model_path),
+        "hf": hf_export,
         "run_dir": str(run_dir),
         "tensorboard_logdir": str(tracker.logdir),
         "seconds": round(time.perf_counter() - t0, 1),

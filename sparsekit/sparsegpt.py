@@ -15,6 +15,13 @@ For each selected layer, in the order the model calls them, the solver
    same row (``W[:, j:] -= (w_j / U_jj) U[j, j:]``); updates outside the block are applied once
    per block (the "lazy batch" update).
 
+When the layers sit in a transformer's repeated blocks (an ``nn.ModuleList`` of one block
+class, found by :func:`find_blocks`), those passes run block by block instead of through the
+whole model: every block's inputs are recorded in one pass, each block is solved from its own
+inputs and then run once to give the next block its inputs (same weights as whole-model passes,
+one block's activations alive at a time; a Llama block costs five partial block passes instead
+of four whole-model passes).
+
 Only one layer's Hessian is alive at a time (layers that receive the very same input tensor
 share one, and one calibration pass). Everything runs in float32; weights are written back in
 their own dtype. Conv layers of any dimension, padding mode and group count are supported: the
@@ -31,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import CalibrationFn, check_calibration, run_calibration
+from sparsekit.calibration import CalibrationFn, check_calibration, eval_mode, run_calibration
 from sparsekit.criteria import check_finite_weight
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 from sparsekit.criteria import conv_columns
@@ -70,6 +77,10 @@ def _input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return conv_columns(module, x)
 
 
+class _Collected(Exception):
+    """Raised by a Hessian hook to skip the rest of a block's forward pass."""
+
+
 class _Hessian:
     """Running average of ``2 X X^T`` over all inputs seen: ``(groups, cols, cols)`` float32."""
 
@@ -93,6 +104,11 @@ class _Hessian:
     def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook: add the call's input."""
         self.add(_input_rows(module, args[0] if args else kwargs["input"]))
+
+    def hook_then_stop(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """:meth:`hook`, then stop the forward pass: the rest of it cannot change H."""
+        self.hook(module, args, kwargs)
+        raise _Collected
 
 
 def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
@@ -327,10 +343,38 @@ def sparsegpt_prune(
         raise UsageError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
 
     masks: dict[str, torch.Tensor] = {}
-    for group in _call_order(model, modules, batches[0], calibration_fn):
-        first = modules[group[0]]
+    solve = (blocksize, percdamp, comm)
+    order = _call_order(model, modules, batches[0], calibration_fn)
+    found = find_blocks(model, modules)
+    if found is not None:
+        prefix, blocks = found
+        inside = [all(n.startswith(prefix) for n in g) for g in order]
+        first, last = inside.index(True), len(inside) - 1 - inside[::-1].index(True)
+        if all(inside[first : last + 1]):  # the blocks' layers form one run in call order
+            with torch.no_grad():
+                _prune_full(model, modules, order[:first], sparsity, nm, batches,
+                            calibration_fn, solve, masks)
+                if not _prune_blocks(model, modules, blocks, prefix, order[first : last + 1],
+                                     sparsity, nm, batches, calibration_fn, solve, masks):
+                    _prune_full(model, modules, order[first : last + 1], sparsity, nm, batches,
+                                calibration_fn, solve, masks)
+                _prune_full(model, modules, order[last + 1 :], sparsity, nm, batches,
+                            calibration_fn, solve, masks)
+            return {name: masks[name] for name in modules}
+    _prune_full(model, modules, order, sparsity, nm, batches, calibration_fn, solve, masks)
+    return {name: masks[name] for name in modules}
+
+
+def _prune_full(
+    model: nn.Module, modules: dict[str, nn.Module], groups: list[list[str]],
+    sparsity: dict[str, float | None], nm: tuple[int, int] | None, batches: list,
+    calibration_fn: CalibrationFn | None, solve: tuple, masks: dict[str, torch.Tensor],
+) -> None:
+    """Each group in turn: its Hessian from a pass of every batch through the whole model."""
+    blocksize, percdamp, comm = solve
+    for group in groups:
         hess = _Hessian()
-        handle = first.register_forward_pre_hook(hess.hook, with_kwargs=True)
+        handle = modules[group[0]].register_forward_pre_hook(hess.hook, with_kwargs=True)
         try:
             run_calibration(model, batches, calibration_fn)
         finally:
@@ -339,4 +383,120 @@ def sparsegpt_prune(
         for name in group:
             level = None if nm is not None else sparsity[name]
             masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp)
-    return {name: masks[name] for name in modules}
+
+
+def find_blocks(
+    model: nn.Module, modules: dict[str, nn.Module]
+) -> tuple[str, nn.ModuleList] | None:
+    """The repeated blocks of a transformer (``model.layers`` of a Llama, ``encoder.layer`` of a
+    BERT): the ``nn.ModuleList`` of one block class holding the most of ``modules``, as
+    ``(qualified name + ".", the list)``; None when no such list holds any."""
+    best, best_count = None, 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) == 0 or len({type(c) for c in m}) != 1:
+            continue
+        prefix = f"{name}." if name else ""
+        count = sum(n.startswith(prefix) for n in modules)
+        if count > best_count:
+            best, best_count = (prefix, m), count
+    return best
+
+
+class _BlockInputs:
+    """What each block receives from the model, recorded in one pass over the calibration
+    batches: block 0's hidden states per batch, and every block's other arguments per batch
+    (masks, position embeddings: usually the very same tensors for every block, so recording
+    them costs no memory). A KV cache is never replayed: ``use_cache`` is off."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        self.hidden: list[torch.Tensor] = []
+        self.by_keyword = False
+        self.rest: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
+
+    def hook(self, index: int) -> Callable:
+        def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            kwargs = dict(kwargs)
+            if "past_key_values" in kwargs:
+                kwargs["past_key_values"] = None
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = False
+            if args:
+                hidden, rest = args[0], tuple(args[1:])
+            else:
+                hidden, rest = kwargs.pop("hidden_states"), ()
+                self.by_keyword = True
+            if index == 0:
+                self.hidden.append(hidden.detach())
+            self.rest[index].append((rest, kwargs))
+
+        return record
+
+    def items(self, index: int, hidden: list[torch.Tensor]) -> list[tuple]:
+        """Calibration items for block ``index`` (fed by :meth:`feed`) given its inputs."""
+        return [(h, *r) for h, r in zip(hidden, self.rest[index])]
+
+    def feed(self, block: nn.Module, item: tuple) -> torch.Tensor:
+        hidden, rest, kwargs = item
+        out = block(*rest, hidden_states=hidden, **kwargs) if self.by_keyword else block(
+            hidden, *rest, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _prune_blocks(
+    model: nn.Module, modules: dict[str, nn.Module], blocks: nn.ModuleList, prefix: str,
+    groups: list[list[str]], sparsity: dict[str, float | None], nm: tuple[int, int] | None,
+    batches: list, calibration_fn: CalibrationFn | None, solve: tuple,
+    masks: dict[str, torch.Tensor],
+) -> bool:
+    """Sequential SparseGPT over the blocks: the inputs of every block are recorded in one pass
+    of the model, then each block in turn has its groups solved from its own inputs and is run
+    once more to give the next block's inputs (from the pruned block, as the original solver
+    does); a group's pass over the block stops at the group's first layer. Only one block's
+    input activations are alive at a time. Returns False, having pruned
+    nothing, when the blocks are not each called once per batch (shared blocks)."""
+    blocksize, percdamp, comm = solve
+    inputs = _BlockInputs(blocks)
+    handles = [b.register_forward_pre_hook(inputs.hook(i), with_kwargs=True)
+               for i, b in enumerate(blocks)]
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    try:
+        if use_cache:
+            config.use_cache = False
+        run_calibration(model, batches, calibration_fn)
+    finally:
+        for handle in handles:
+            handle.remove()
+        if use_cache:
+            config.use_cache = use_cache
+    if any(len(r) != len(batches) for r in inputs.rest) or len(inputs.hidden) != len(batches):
+        return False
+    by_block: dict[int, list[list[str]]] = {}
+    for group in groups:
+        by_block.setdefault(int(group[0][len(prefix):].split(".", 1)[0]), []).append(group)
+    hidden = inputs.hidden
+    for index, block in enumerate(blocks):
+        items = inputs.items(index, hidden)
+        for group in by_block.get(index, []):
+            hess = _Hessian()
+            handle = modules[group[0]].register_forward_pre_hook(hess.hook_then_stop,
+                                                                 with_kwargs=True)
+            try:
+                with eval_mode(block):
+                    for item in items:
+                        try:
+                            inputs.feed(block, item)
+                        except _Collected:
+                            pass
+            finally:
+                handle.remove()
+            hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
+            for name in group:
+                level = None if nm is not None else sparsity[name]
+                masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize,
+                                           percdamp)
+        if index + 1 < len(blocks) and by_block.keys() - set(range(index + 1)):
+            with eval_mode(block):
+                hidden = [inputs.feed(block, item) for item in items]
+        del items
+    return True

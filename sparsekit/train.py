@@ -83,8 +83,21 @@ def eval_batches(dataset: Dataset, batch_size: int, max_batches: int | None = No
         yield get_batch(dataset, torch.arange(start, min(n, start + batch_size)))
 
 
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, or ``.logits`` of a transformers
+    ``ModelOutput`` (HF models return one)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"the model returned {type(output).__name__}, neither a tensor nor an "
+                    "output with .logits")
+
+
 def task_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for class logits (B, C) or token logits (B, T, V) with targets (B[, T])."""
+    """Cross-entropy for class logits (B, C) or token logits (B, T, V) with targets (B[, T]);
+    targets of -100 are ignored (the unmasked positions of a masked LM)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
@@ -106,7 +119,8 @@ def evaluate(
     quiet: bool = False,
 ) -> dict[str, float]:
     """``{"loss", "accuracy"}`` for classification, ``{"loss", "perplexity"}`` (per target
-    token, ``exp`` of the mean cross-entropy in nats) for a language model."""
+    token, ``exp`` of the mean cross-entropy in nats; targets of -100 are not counted) for a
+    language model."""
     with eval_mode(model):
         device = next(model.parameters()).device
         loss_sum, correct, count = 0.0, 0, 0
@@ -115,12 +129,12 @@ def evaluate(
         total = total if max_batches is None else min(total, max_batches)
         for x, y in progress(batches, quiet, desc="eval", leave=False, total=total):
             x, y = _to_device(x, device), y.to(device)
-            logits = model(x)
+            logits = logits_of(model(x))
             loss_sum += F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
             ).item()
             correct += (logits.argmax(-1) == y).sum().item()
-            count += y.numel()
+            count += (y != -100).sum().item()
     if count == 0:  # an accuracy of 0 / 0 would read as 0%
         raise UsageError(
             f"evaluation saw no samples (dataset of {len(dataset)}, max_batches={max_batches}): "
@@ -178,11 +192,11 @@ def fit(
         idx = batch_indices(len(dataset), batch_size, seed, step)
         x, y = get_batch(dataset, D.rank_slice(idx) if shard else idx)
         x, y = _to_device(x, device), y.to(device)
-        logits = model(x)
+        logits = logits_of(model(x))
         loss = task_loss(logits, y)
         if use_teacher:
             with torch.no_grad():
-                teacher_logits = teacher(x)
+                teacher_logits = logits_of(teacher(x))
             kd = distill_loss(logits, teacher_logits, temperature)
             loss = (1 - distill_alpha) * loss + distill_alpha * kd
         optimizer.zero_grad(set_to_none=True)

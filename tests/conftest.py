@@ -10,3 +10,47 @@ torch.set_num_threads(int(os.environ.get("SPARSEKIT_TEST_THREADS", "1")))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    """A tiny Llama (causal LM, byte-level BPE tokenizer) and a tiny BERT (masked LM, WordPiece
+    tokenizer), built from configs and saved with tokenizers trained here on 40 KB of the Python
+    standard library's source, plus that text: ``{"llama": dir, "bert": dir, "text": file}``."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from sparsekit.data.text import read_stdlib_source
+
+    root = tmp_path_factory.mktemp("hf")
+    text = read_stdlib_source(40_000).decode("utf-8", "replace")
+    (root / "corpus.txt").write_text(text)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    llama_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.train_from_iterator([text], trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+        show_progress=False))
+    bert_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(llama_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=len(bert_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128))
+    out = {"text": root / "corpus.txt"}
+    for name, model, tok in (("llama", llama, llama_tok), ("bert", bert, bert_tok)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        out[name] = root / name
+    return out

@@ -55,7 +55,7 @@ def run_cli(args: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
     ("args", "expected"),
     [
         (["recipe=nope"], "recipe=nope: unknown option; allowed: "),
-        (["model=nope"], "model=nope: unknown option; allowed: custom, mnist1d_cnn, tiny_lm"),
+        (["model=nope"], "model=nope: unknown option; allowed: custom, hf, mnist1d_cnn, tiny_lm"),
         (["prune=dense"], "prune=dense: unknown option; allowed: "),
         (["model.name=nope"], "model.name='nope' is not allowed; choose one of: mnist1d_cnn"),
         (["prune.pattern=3:2"], "prune.pattern='3:2' is not allowed; choose 'unstructured'"),

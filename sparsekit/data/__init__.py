@@ -17,6 +17,8 @@ from sparsekit.data.mnist1d import mnist1d
 from sparsekit.data.text import stdlib_text
 
 BUILTIN_DATA = {"mnist1d": mnist1d, "stdlib_text": stdlib_text}
+# built by the pipeline with the model's tokenizer (sparsekit.data.hf_text)
+TOKENIZED_DATA = ("text",)
 
 
 @dataclass
@@ -24,6 +26,7 @@ class DataBundle:
     train: Dataset
     eval: Dataset
     info: dict[str, Any] = field(default_factory=dict)  # e.g. num_classes, vocab_size
+    calibration: Dataset | None = None  # its own split for calibration; None: train
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -53,9 +56,10 @@ def import_object(path: str, option: str) -> Any:
 
 def check_data_name(name: str, target: str | None = None) -> None:
     """Raise ValueError naming ``data.name`` and the built-in choices for an unknown name."""
-    if target is None and name not in BUILTIN_DATA:
+    if target is None and name not in BUILTIN_DATA and name not in TOKENIZED_DATA:
+        choices = [*BUILTIN_DATA, *TOKENIZED_DATA]
         raise ValueError(
-            f"data.name={name!r} is not allowed; choose one of: {', '.join(BUILTIN_DATA)} "
+            f"data.name={name!r} is not allowed; choose one of: {', '.join(choices)} "
             "(or set data._target_ to a function returning (train, eval) datasets)"
         )
 

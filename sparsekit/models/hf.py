@@ -1,0 +1,248 @@
+"""Hugging Face transformers models: loaded from a local directory or built from a config.
+
+Nothing here ever reaches the network: a directory must exist locally and every
+``from_pretrained`` call passes ``local_files_only=True`` (no process-wide environment variable
+is touched). Every model built or loaded here carries the rebuild spec
+``model._sparsekit_spec = {"builder": "hf", "kwargs": {"task": ..., "config": {...}}}``, so
+``sk.save`` stores enough to rebuild it through the allow-listed builder :func:`hf` (its config
+as JSON; no code is imported from the file).
+
+>>> m = hf("causal_lm", {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
+...                      "intermediate_size": 32, "num_hidden_layers": 1,
+...                      "num_attention_heads": 2, "num_key_value_heads": 2})
+>>> type(m).__name__, m._sparsekit_spec["kwargs"]["task"]
+('LlamaForCausalLM', 'causal_lm')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsekit.errors import FileFormatError, UsageError
+from sparsekit.models.registry import register_model
+
+# model.task -> the transformers Auto class that builds it
+AUTO_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "masked_lm": "AutoModelForMaskedLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "feature_extraction": "AutoModel",
+}
+# which tasks the perplexity pipeline (data=text) can evaluate
+LM_TASKS = ("causal_lm", "masked_lm")
+
+
+def transformers_module() -> Any:
+    """``import transformers``, or a :class:`UsageError` saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(
+            "Hugging Face models need the transformers package: pip install 'sparsekit[hf]'"
+        ) from None
+    return transformers
+
+
+@contextlib.contextmanager
+def quiet_progress(quiet: bool = False) -> Iterator[None]:
+    """transformers' own progress bars (loading, saving) off inside the block when sparsekit
+    is quiet (``quiet`` or SPARSEKIT_QUIET=1), restored afterwards."""
+    from sparsekit.progress import is_quiet
+
+    tf_logging = transformers_module().utils.logging
+    if not is_quiet(quiet) or not tf_logging.is_progress_bar_enabled():
+        yield
+        return
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tf_logging.enable_progress_bar()
+
+
+def task_from_architectures(architectures: list[str] | None) -> str:
+    """The task a config's ``architectures`` names (``LlamaForCausalLM`` -> ``causal_lm``);
+    ``feature_extraction`` (the bare model) when none is recognised.
+
+    >>> task_from_architectures(["BertForMaskedLM"]), task_from_architectures(None)
+    ('masked_lm', 'feature_extraction')
+    """
+    for arch in architectures or []:
+        if arch.endswith(("ForCausalLM", "LMHeadModel")):
+            return "causal_lm"
+        if arch.endswith("ForMaskedLM"):
+            return "masked_lm"
+        if arch.endswith("ForSequenceClassification"):
+            return "sequence_classification"
+    return "feature_extraction"
+
+
+def _check_task(task: str) -> str:
+    if task not in AUTO_CLASSES:
+        raise UsageError(f"model.task={task!r} is not allowed; choose one of: "
+                         f"{', '.join(AUTO_CLASSES)}")
+    return task
+
+
+def _auto_class(task: str) -> Any:
+    return getattr(transformers_module(), AUTO_CLASSES[_check_task(task)])
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A transformers config as a JSON-ready dict (every field, so a rebuild does not depend on
+    the defaults of the transformers version that reads it)."""
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+def _mark(model: nn.Module, task: str) -> nn.Module:
+    model._sparsekit_spec = {"builder": "hf",
+                             "kwargs": {"task": task, "config": config_dict(model.config)}}
+    return model
+
+
+def hf(task: str, config: dict) -> nn.Module:
+    """The allow-listed builder: a transformers model for ``task`` (one of
+    :data:`AUTO_CLASSES`) built from ``config`` (a config dict with ``model_type``, as
+    ``config.json`` holds it) with freshly initialised weights."""
+    tf = transformers_module()
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise UsageError("model.config must be a dict with a 'model_type' (as in config.json), "
+                         f"got {str(config)[:80]!r}")
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        cfg = tf.AutoConfig.for_model(config["model_type"], **rest)
+    except ValueError as e:
+        raise UsageError(f"model.config: {str(e).splitlines()[0]}") from None
+    return _mark(_auto_class(task).from_config(cfg), task)
+
+
+def _read_config_json(path: Path, option: str) -> dict:
+    if not path.is_file():
+        raise UsageError(f"{option}={os.fspath(path)!r}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FileFormatError(f"{option}={os.fspath(path)!r} is not a JSON config: {e}") from None
+    if not isinstance(data, dict):
+        raise FileFormatError(f"{option}={os.fspath(path)!r} is not a JSON object")
+    return data
+
+
+def build_from_config(config: dict | str | os.PathLike, task: str | None = None) -> nn.Module:
+    """``model.config``: a dict, or the path of a config.json; random weights. ``task`` None:
+    from the config's ``architectures`` (``causal_lm`` when it names none)."""
+    if isinstance(config, (str, os.PathLike)):
+        config = _read_config_json(Path(config).expanduser(), "model.config")
+    config = dict(config)
+    if task is None:
+        archs = config.get("architectures")
+        task = task_from_architectures(archs) if archs else "causal_lm"
+    return hf(task, config)
+
+
+def check_model_dir(path: str | os.PathLike, option: str = "model.path") -> Path:
+    """``path`` as a local directory holding a config.json; a one-line :class:`UsageError`
+    naming ``option`` otherwise (never a hub lookup)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UsageError(f"{option}={os.fspath(path)!r}: no such directory (models are only "
+                         "read from local directories; nothing is downloaded)")
+    if not p.is_dir():
+        raise UsageError(f"{option}={os.fspath(path)!r} is not a directory")
+    if not (p / "config.json").is_file():
+        raise UsageError(f"{option}={os.fspath(path)!r} has no config.json: not a transformers "
+                         "model directory (save one with model.save_pretrained(DIR))")
+    return p
+
+
+def load_pretrained(path: str | os.PathLike, task: str | None = None,
+                    quiet: bool = False) -> nn.Module:
+    """The model in local directory ``path`` through the Auto class of ``task`` (None: from
+    its config's ``architectures``), offline; ``quiet``: no loading progress bar."""
+    p = check_model_dir(path)
+    if task is None:
+        task = task_from_architectures(_read_config_json(p / "config.json",
+                                                         "model.path").get("architectures"))
+    try:
+        with quiet_progress(quiet):
+            model = _auto_class(task).from_pretrained(os.fspath(p), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise FileFormatError(f"model.path={os.fspath(path)!r}: cannot load a {task} model: "
+                              f"{str(e).splitlines()[0]}") from None
+    return _mark(model, task)
+
+
+def load_tokenizer(path: str | os.PathLike, option: str = "model.path") -> Any:
+    """The tokenizer saved in local directory ``path`` (``AutoTokenizer``, offline)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise UsageError(f"{option}={os.fspath(path)!r}: no such directory")
+    tf = transformers_module()
+    try:
+        return tf.AutoTokenizer.from_pretrained(os.fspath(p), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise FileFormatError(
+            f"{option}={os.fspath(path)!r} holds no loadable tokenizer ({str(e).splitlines()[0]});"
+            " save one there with tokenizer.save_pretrained or set data.tokenizer=DIR"
+        ) from None
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under its original transformers keys: sparsekit's quantized layers
+    (``weight`` in int8/fp8 plus ``weight_scale``) become float weights in the model's dtype
+    (the quantized values times their scales), so ``from_pretrained`` of the plain architecture
+    reads them."""
+    from sparsekit.checkpoint import plain_state_dict
+    from sparsekit.quant.modules import _QuantWeight
+
+    dtype = model.get_input_embeddings().weight.dtype
+    sd = plain_state_dict(model)
+    for name, module in model.named_modules():
+        if isinstance(module, _QuantWeight):
+            sd.pop(f"{name}.weight_scale", None)
+            sd[f"{name}.weight"] = module.dequantized_weight(dtype)
+    return sd
+
+
+def export_pretrained(model: nn.Module, out_dir: str | os.PathLike,
+                      tokenizer: Any = None, quiet: bool = False) -> Path:
+    """Write ``out_dir`` so that the matching ``AutoModelFor*.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained`` load it: config.json, model.safetensors (the pruned
+    weights; quantized layers as their dequantized values) and the tokenizer files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with quiet_progress(quiet):
+        model.save_pretrained(os.fspath(out), state_dict=hf_state_dict(model))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.fspath(out))
+    return out
+
+
+def compressed_tensors_status() -> str:
+    """Why ``<run>/hf/`` holds no compressed-tensors export (sparsekit does not write that
+    format yet: compressed-tensors 0.20 ships no sparse compressors to round-trip through)."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        return "skipped: the compressed-tensors package is not installed"
+    return "skipped: sparsekit does not write the compressed-tensors format yet"
+
+
+register_model("hf", hf, doc="a transformers model built from its config (random weights)")

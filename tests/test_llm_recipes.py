@@ -1,0 +1,106 @@
+"""The LLM recipes on the command line with a tiny Llama and a tiny BERT: perplexity before and
+after, <run>/hf/ loading with from_pretrained to the same logits, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparsekit as sk
+from sparsekit.select import select_modules
+from test_cli import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+HEAD = "re:lm_head|cls.predictions.decoder"
+TINY = ["data.seq_len=32", "prune.calibration_batches=2", "data.eval_batches=2",
+        "data.batch_size=4", "train.finetune_steps=3", "train.quiet=true", "tracker=none"]
+
+
+@pytest.mark.parametrize("model", ["llama", "bert"])
+@pytest.mark.parametrize("recipe", ["llm_sparsegpt_24", "llm_sparsegpt_24_fp8",
+                                    "llm_wanda_24_distill"])
+def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
+    code, out, err = run_cli([f"recipe={recipe}", f"model.path={hf_dirs[model]}",
+                              f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
+                              *TINY], tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["metric"] == "perplexity" and s["sparsity"] == 0.5
+    for key in ("dense", "compressed"):  # random tiny models: about the vocabulary size
+        assert 30 < s[key]["perplexity"] < 3000
+    assert s["finetune_steps"] == (3 if "distill" in recipe else 0)
+    assert s["hf"]["compressed_tensors"].startswith("skipped: ")
+    hf_dir = run_dir / "hf"
+    assert (hf_dir / "sparsekit.safetensors").exists()
+    assert transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True).vocab_size
+    cls = (transformers.AutoModelForCausalLM if model == "llama"
+           else transformers.AutoModelForMaskedLM)
+    exported = cls.from_pretrained(hf_dir, local_files_only=True).eval()
+    pruned = sk.load(hf_dir / "sparsekit.safetensors").eval()
+    for name, layer in select_modules(exported, exclude=[HEAD]).items():
+        groups = layer.weight.reshape(layer.weight.shape[0], -1, 4)
+        assert (groups != 0).sum(-1).le(2).all(), name
+    ids = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        got = exported(ids).logits
+        if "fp8" in recipe:  # hf/ holds the fp8 weights dequantized; activations stay float
+            layer = pruned.get_submodule(next(iter(select_modules(exported, exclude=[HEAD]))))
+            assert layer.weight.dtype == torch.float8_e4m3fn
+            name = next(iter(select_modules(exported, exclude=[HEAD])))
+            torch.testing.assert_close(exported.get_submodule(name).weight,
+                                       layer.dequantized_weight(torch.float32), rtol=0, atol=0)
+        else:  # the very model the run pruned, evaluated as from_pretrained gives it
+            torch.testing.assert_close(got, pruned(ids).logits, rtol=0, atol=0)
+
+
+def test_config_built_model_with_a_tokenizer_dir(hf_dirs, tmp_path, capsys):
+    config = ("model.config={model_type:llama,vocab_size:300,hidden_size:32,"
+              "intermediate_size:64,num_hidden_layers:1,num_attention_heads:2,"
+              "num_key_value_heads:2}")
+    code, _, err = run_cli(["recipe=llm_sparsegpt_24", config,
+                            f"data.tokenizer={hf_dirs['llama']}", f"data.path={hf_dirs['text']}",
+                            f"cache_dir={tmp_path / 'c'}", *TINY], tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["dense_source"] == "hf model.config (random weights)" and s["sparsity"] == 0.5
+    back = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert back.config.num_hidden_layers == 1
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["model.path={tmp}/missing"], "no such directory"),
+    (["model.path={tmp}"], "has no config.json"),
+    (["data.path={tmp}/missing.txt"], "no such file or directory"),
+    (["data.path={tmp}/empty.txt"], "holds no text"),
+    (["data.path={tmp}/short.txt"], "is too short"),
+    (["model.path=null"], "model=hf needs exactly one of model.path=DIR"),
+])
+def test_bad_paths_are_one_line(args, expected, hf_dirs, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("def f(): pass\n")
+    defaults = {"model.path": str(hf_dirs["llama"]), "data.path": str(hf_dirs["text"])}
+    given = [a.format(tmp=tmp_path) for a in args]
+    rest = [f"{k}={v}" for k, v in defaults.items() if not any(a.startswith(k) for a in given)]
+    code, _, err = run_cli(["recipe=llm_sparsegpt_24", *given, *rest, *TINY], tmp_path, capsys)
+    assert code in (1, 2)
+    assert err.count("\n") == 1 and err.startswith("sparsekit: error: "), err
+    assert expected in err, err
+
+
+def test_missing_model_dir_from_a_real_process(hf_dirs, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparsekit", "recipe=llm_sparsegpt_24",
+         f"model.path={tmp_path / 'nope'}", f"data.path={hf_dirs['text']}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SPARSEKIT_QUIET": "1"})
+    assert proc.returncode in (1, 2)
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no such directory" in proc.stderr
