@@ -45,7 +45,7 @@ from sparsekit.runstate import (
     set_rng_state,
 )
 from sparsekit.sensitivity import SensitivityTable, log_sensitivity
-from sparsekit.tracking import Tracker
+from sparsekit.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
 from sparsekit.train import eval_batches, evaluate, fit, get_batch, make_optimizer, task_loss
 
 CHECKPOINT = Path("checkpoints") / "last.pt"
@@ -276,7 +276,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     ``run_dir/checkpoints/last.pt`` when it exists. Returns the summary (also written to
     ``summary.json`` and ``summary.md``)."""
     validate(cfg)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), utc_now()
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
@@ -298,8 +298,8 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     if resume and (run_dir / CHECKPOINT).exists():
         state = load_checkpoint(run_dir / CHECKPOINT)
     tb = cfg.tracker
-    tracker = Tracker(run_dir / "tb", tb.kind == "tensorboard" and D.is_main(), tb.flush_secs,
-                      tb.histogram_every,
+    tracker = Tracker(run_logdir(run_dir, resume=state is not None),
+                      tb.kind == "tensorboard" and D.is_main(), tb.flush_secs, tb.histogram_every,
                       tb.histograms, purge_step=None if state is None else state["step"] + 1)
     tracker.text("config", f"```yaml\n{resolved}\n```")
 
@@ -389,8 +389,10 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
             seen_progress[0] = pruner.progress
             if mode != "fsdp2":  # sharded weights get their histograms once gathered
                 tracker.weight_histograms(model, step)
-        if (step + 1) % t.eval_every == 0 and step != steps - 1:
-            tracker.scalars({f"eval/{metric}/compressed": eval_model(model)[metric]}, step)
+                tracker.layer_sparsity(pruner.report().to_dict()["layers"], step)
+        if (step + 1) % t.eval_every == 0 and step != steps - 1:  # dense: the reference line
+            tracker.scalars({f"eval/{metric}/compressed": eval_model(model)[metric],
+                             f"eval/{metric}/dense": dense_eval[metric]}, step)
         if (step + 1) % t.checkpoint_every == 0 or step == steps - 1:
             D.barrier()
             if mode == "fsdp2":  # every rank writes its shards, then rank 0 the pointer to them
@@ -422,7 +424,6 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         channel_report = channel_pruner.report()
         pruner = None
     if channel_report is not None:
-        tracker.scalars(channel_report.scalars(), steps)
         tracker.text("channels", f"```\n{channel_report}\n```", steps)
     if pruner is not None:
         pruner.step(max(steps, cfg.schedule.end))  # the full target, even with few steps
@@ -448,6 +449,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     tracker.scalars({f"eval/{metric}/compressed": comp_eval[metric],
                      f"eval/{metric}/dense": dense_eval[metric]}, final_step)
     tracker.scalars(report.scalars(), final_step)
+    tracker.layer_sparsity(report.to_dict()["layers"], final_step)
 
     speed: dict[str, dict[str, float]] = {"dense": {}, "compressed": {}}
     if cfg.bench.enabled and isinstance(example, torch.Tensor) and D.is_main():
@@ -463,7 +465,12 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         save_weights(model, model_path)
     D.barrier()
     sizes = {"dense": file_size(dense), "compressed": model_path.stat().st_size}
+    overrides = read_overrides(run_dir)
     summary: dict[str, Any] = {
+        "recipe": recipe_of(overrides),
+        "overrides": overrides,
+        "versions": versions(),
+        "started_utc": started,
         "metric": metric,
         "dense": {**dense_eval, **speed["dense"], "size_bytes": sizes["dense"]},
         "compressed": {**comp_eval, **speed["compressed"], "size_bytes": sizes["compressed"]},
@@ -497,16 +504,18 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
     }
     if summary["speedup"] is not None:
         final["final/speedup"] = summary["speedup"]
-    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(cfg)), final, final_step)
+    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(cfg)), final, final_step,
+                    overrides)
     table = summary_table(summary)
     markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{report}\n```\n"
     tracker.text("summary", markdown, final_step)
     tracker.close()
+    summary["ended_utc"] = utc_now()
     if D.is_main():
         atomic_write(run_dir / "summary.json",
                      lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2) + "\n"))
         atomic_write(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
-    summary["table"] = table
+    summary["table"] = f"{table}\n\nSparsity by layer:\n{report}"
     return summary
 
 
