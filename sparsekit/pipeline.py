@@ -312,7 +312,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
 
     dense_eval = eval_model(model)
     dense = copy.deepcopy(model).eval()  # teacher for distillation and the speed reference
-    tracker.scalars({f"eval/{metric}/dense": dense_eval[metric]}, 0)
+    tracker.dense({f"eval/{metric}": dense_eval[metric]}, 0)
     example = next(eval_batches(data.eval, cfg.bench.batch_size, 1))[0]
     example = example.to(device) if isinstance(example, torch.Tensor) else example
     calibration = [
@@ -391,8 +391,8 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
                 tracker.weight_histograms(model, step)
                 tracker.layer_sparsity(pruner.report().to_dict()["layers"], step)
         if (step + 1) % t.eval_every == 0 and step != steps - 1:  # dense: the reference line
-            tracker.scalars({f"eval/{metric}/compressed": eval_model(model)[metric],
-                             f"eval/{metric}/dense": dense_eval[metric]}, step)
+            tracker.scalars({f"eval/{metric}": eval_model(model)[metric]}, step)
+            tracker.dense({f"eval/{metric}": dense_eval[metric]}, step)
         if (step + 1) % t.checkpoint_every == 0 or step == steps - 1:
             D.barrier()
             if mode == "fsdp2":  # every rank writes its shards, then rank 0 the pointer to them
@@ -446,8 +446,8 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
 
     comp_eval = eval_model(model)
     final_step = max(steps, 1)
-    tracker.scalars({f"eval/{metric}/compressed": comp_eval[metric],
-                     f"eval/{metric}/dense": dense_eval[metric]}, final_step)
+    tracker.scalars({f"eval/{metric}": comp_eval[metric]}, final_step)
+    tracker.dense({f"eval/{metric}": dense_eval[metric]}, final_step)
     tracker.scalars(report.scalars(), final_step)
     tracker.layer_sparsity(report.to_dict()["layers"], final_step)
 
@@ -489,11 +489,11 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         "tensorboard_logdir": str(tracker.logdir),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    for name in ("dense", "compressed"):
+    for name, log in (("dense", tracker.dense), ("compressed", tracker.scalars)):
         if speed[name]:
-            tracker.scalars({f"speed/latency_ms/{name}": speed[name]["latency_ms"],
-                             f"speed/throughput/{name}": speed[name]["throughput"]}, final_step)
-        tracker.scalars({f"size/bytes/{name}": sizes[name]}, final_step)
+            log({"speed/latency_ms": speed[name]["latency_ms"],
+                 "speed/throughput": speed[name]["throughput"]}, final_step)
+        log({"size/bytes": sizes[name]}, final_step)
     if summary["speedup"] is not None:
         tracker.scalars({"speed/speedup": summary["speedup"]}, final_step)
     final = {

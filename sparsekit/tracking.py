@@ -1,12 +1,16 @@
 """TensorBoard logging for a run: scalars, weight histograms, figures, hparams, text and a
 custom-scalars layout.
 
-Everything goes into ONE log directory (one TensorBoard run), ``<run_dir>/tb/<label>_<time>``,
-named for what the run is (its recipe or the overrides that matter) so that
-``tensorboard --logdir runs`` lists readable names. The hparams summaries are written with the
-low-level summary API into that same event stream, not through ``SummaryWriter.add_hparams``
-(which opens a timestamped sub-run). The writer flushes on an interval (``flush_secs``), not on
-every call. The layout is written when the run closes and holds only charts whose tags were
+A run's logs go under ``<run_dir>/tb/<label>_<time>/``, named for what the run is (its recipe
+or the overrides that matter) so that ``tensorboard --logdir runs`` lists readable names. In
+it, two TensorBoard runs with the same tags: ``compressed`` (everything: training, the
+compressed model's metrics, figures, text, hparams) and ``dense`` (the dense model's metrics
+only, logged at step 0, at every evaluation and at the end, so it is a reference line across
+the whole run). TensorBoard colours by run, so each chart shows dense and compressed in two
+colours, named in its legend. The hparams summaries are written with the low-level summary API
+into the compressed event stream, not through ``SummaryWriter.add_hparams`` (which opens a
+timestamped sub-run). Writers flush on an interval (``flush_secs``), not on every call. The
+custom-scalars layout is written when the run closes and holds only charts whose tags were
 logged, so a classification run has no perplexity chart.
 """
 
@@ -30,18 +34,14 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from sparsekit import figures
 
-# dense (a reference line over the whole run) and compressed metrics in one chart each
+# one chart per quantity: the dense and compressed runs log the same tag
 LAYOUT = {
     "dense vs compressed": {
-        "accuracy": ["Multiline", ["eval/accuracy/dense", "eval/accuracy/compressed"]],
-        "perplexity": ["Multiline", ["eval/perplexity/dense", "eval/perplexity/compressed"]],
-        "latency (ms, batch 1)": [
-            "Multiline", ["speed/latency_ms/dense", "speed/latency_ms/compressed"]
-        ],
-        "throughput (samples/s)": [
-            "Multiline", ["speed/throughput/dense", "speed/throughput/compressed"]
-        ],
-        "size (bytes)": ["Multiline", ["size/bytes/dense", "size/bytes/compressed"]],
+        "accuracy": ["Multiline", ["eval/accuracy"]],
+        "perplexity": ["Multiline", ["eval/perplexity"]],
+        "latency (ms, batch 1)": ["Multiline", ["speed/latency_ms"]],
+        "throughput (samples/s)": ["Multiline", ["speed/throughput"]],
+        "size (bytes)": ["Multiline", ["size/bytes"]],
     },
     "training": {
         "loss": ["Multiline", ["train/loss"]],
@@ -147,9 +147,10 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class Tracker:
-    """Writes one run's TensorBoard events under ``logdir``. ``enabled=False`` makes every
-    method a no-op, so the pipeline never branches on tracking. ``purge_step`` (on resume)
-    drops events at or after that step left by the interrupted run."""
+    """Writes one run's TensorBoard events under ``logdir``: ``logdir/compressed`` and
+    ``logdir/dense`` (:meth:`dense`, opened on first use). ``enabled=False`` makes every method
+    a no-op, so the pipeline never branches on tracking. ``purge_step`` (on resume) drops
+    events at or after that step left by the interrupted run."""
 
     def __init__(
         self,
@@ -166,8 +167,11 @@ class Tracker:
         self.histogram_every = histogram_every
         self._last_hist: int | None = None
         self._tags: set[str] = set()
+        self._flush_secs, self._purge_step = flush_secs, purge_step
+        self._dense: SummaryWriter | None = None
         self.writer = (
-            SummaryWriter(str(self.logdir), flush_secs=flush_secs, purge_step=purge_step)
+            SummaryWriter(str(self.logdir / "compressed"), flush_secs=flush_secs,
+                          purge_step=purge_step)
             if enabled
             else None
         )
@@ -177,6 +181,18 @@ class Tracker:
             return
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
+            self._tags.add(tag)
+
+    def dense(self, values: Mapping[str, float], step: int) -> None:
+        """The dense model's ``values`` at ``step``, in the ``dense`` run, under the same tags
+        as the compressed model's."""
+        if self.writer is None:
+            return
+        if self._dense is None:
+            self._dense = SummaryWriter(str(self.logdir / "dense"), flush_secs=self._flush_secs,
+                                        purge_step=self._purge_step)
+        for tag, value in values.items():
+            self._dense.add_scalar(tag, float(value), step)
             self._tags.add(tag)
 
     def figure(self, tag: str, fig: Any, step: int) -> bool:
@@ -239,10 +255,12 @@ class Tracker:
         self.scalars(metrics, step)
 
     def close(self) -> None:
-        """Write the custom-scalars layout for the tags logged, and close the writer."""
+        """Write the custom-scalars layout for the tags logged, and close the writers."""
         if self.writer is not None:
             self.writer.add_custom_scalars(layout(self._tags))
             self.writer.close()
+        if self._dense is not None:
+            self._dense.close()
 
 
 def sweep_points(sweep_dir: str | os.PathLike) -> tuple[str, list[dict[str, Any]]]:

@@ -114,7 +114,8 @@ def test_recipe_smoke(recipe, tmp_path, capsys):
         assert (run_dir / name).exists(), name
     (logdir,) = (run_dir / "tb").iterdir()  # tb/<recipe>,<overrides>_<time>
     assert logdir.name.startswith(f"{recipe},") and f"TensorBoard logdir: {logdir}" in out
-    assert list(logdir.glob("events.out.tfevents.*"))
+    assert list((logdir / "compressed").glob("events.out.tfevents.*"))
+    assert list((logdir / "dense").glob("events.out.tfevents.*"))
     if recipe == "mnist1d_cnn_unstructured90_cubic":
         assert summary["sparsity"] == pytest.approx(0.9, abs=0.01)
     elif recipe == "stdlib_lm_24":
@@ -166,11 +167,12 @@ def test_sweep_gives_one_run_and_one_tensorboard_run_each(tmp_path, capsys):
     assert list((tmp_path / "sweep" / "tb" / "sweep").glob("events.out.tfevents.*"))
     got = []
     for r in runs:
-        (logdir,) = (r / "tb").iterdir()  # one TensorBoard run, named for its overrides
+        (logdir,) = (r / "tb").iterdir()  # named for its overrides
         swept = "0.5" if r.name == "0" else "0.75"
         assert logdir.name.startswith(f"prune=unstructured,sparsity={swept},")
-        assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
-        assert [p for p in logdir.iterdir() if p.is_dir()] == []
+        # a compressed and a dense (reference) TensorBoard run, one event file each
+        assert sorted(p.name for p in logdir.iterdir()) == ["compressed", "dense"]
+        assert len(list(logdir.rglob("events.out.tfevents.*"))) == 2
         got.append(json.loads((r / "summary.json").read_text())["sparsity"])
     assert got == pytest.approx([0.5, 0.75], abs=0.01)
 

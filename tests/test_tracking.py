@@ -127,43 +127,51 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
         tags = _get(port, "/data/plugin/scalars/tags")
         layout_ = _get(port, "/data/plugin/custom_scalars/layout")
         points = {(r, t): _get(port, "/data/plugin/scalars/scalars", run=r, tag=t)
-                  for r in runs if r != "tb/sweep"
-                  for t in ("eval/accuracy/dense", "eval/accuracy/compressed", "train/loss",
-                            "sparsity/global")}
+                  for r in runs for t in ("eval/accuracy", "train/loss", "sparsity/global")
+                  if t in tags.get(r, {})}
         by_layer = {r: _get(port, "/data/plugin/images/images", run=r, tag="sparsity/by_layer")
-                    for r in runs if r != "tb/sweep"}
-    # run names say what the run is (recipe, the swept value, ...), then the time
-    assert len(runs) == 3 and "tb/sweep" in runs
+                    for r in runs if r.endswith("/compressed")}
+    # run names say what the run is (recipe, the swept value, ...), then the time; each run
+    # directory holds a compressed and a dense TensorBoard run, the sweep one more
+    assert len(runs) == 5 and "tb/sweep" in runs
     for n, sparsity in (("0", "0.5"), ("1", "0.8")):
-        (name,) = [r for r in runs if r.startswith(f"{n}/tb/")]
-        assert name.startswith(f"{n}/tb/mnist1d_cnn_unstructured90_cubic,sparsity={sparsity},")
-        assert re.search(r"_\d{8}-\d{6}$", name), name
-        assert summaries[int(n)]["tensorboard_logdir"].endswith(name.split("/", 1)[1])
-    for run_name, s in zip(sorted(r for r in runs if r != "tb/sweep"), summaries):
-        names = set(tags[run_name])
-        assert {"train/loss", "train/lr", "eval/accuracy/dense", "eval/accuracy/compressed",
-                "sparsity/global", "sparsity/conv2", "speed/latency_ms/dense",
-                "speed/throughput/compressed", "speed/speedup", "size/bytes/compressed",
-                "final/sparsity"} <= names
-        assert not any(t.startswith(("channels/", "eval/perplexity")) for t in names)
-        comp = points[run_name, "eval/accuracy/compressed"]
-        dense = points[run_name, "eval/accuracy/dense"]
+        mine = sorted(r for r in runs if r.startswith(f"{n}/tb/"))
+        assert [r.rsplit("/", 1)[1] for r in mine] == ["compressed", "dense"]
+        label = mine[0].rsplit("/", 1)[0]
+        assert mine[1] == f"{label}/dense"
+        assert label.startswith(f"{n}/tb/mnist1d_cnn_unstructured90_cubic,sparsity={sparsity},")
+        assert re.search(r"_\d{8}-\d{6}$", label), label
+        assert summaries[int(n)]["tensorboard_logdir"].endswith(label.split("/", 1)[1])
+        comp_run, dense_run, s = mine[0], mine[1], summaries[int(n)]
+        assert {"train/loss", "train/lr", "eval/accuracy", "sparsity/global", "sparsity/conv2",
+                "speed/latency_ms", "speed/throughput", "speed/speedup", "size/bytes",
+                "final/sparsity"} <= set(tags[comp_run])
+        # the dense run: the same tags for the same quantities, nothing else
+        assert set(tags[dense_run]) == {"eval/accuracy", "speed/latency_ms",
+                                        "speed/throughput", "size/bytes"}
+        assert not any(t.startswith(("channels/", "eval/perplexity")) for t in tags[comp_run])
+        comp = points[comp_run, "eval/accuracy"]
+        dense = points[dense_run, "eval/accuracy"]
         assert comp[-1][2] == pytest.approx(s["compressed"]["accuracy"])
         # dense is a reference line over the whole run: at step 0, at every eval, at the end
         assert dense[0][1] == 0 and dense[-1][1] == comp[-1][1]
         assert {p[1] for p in comp} <= {p[1] for p in dense}
         assert [p[2] for p in dense] == pytest.approx([s["dense"]["accuracy"]] * len(dense))
-        assert points[run_name, "sparsity/global"][-1][2] == pytest.approx(s["sparsity"], abs=1e-6)
-        assert [p[1] for p in points[run_name, "train/loss"]] == [0, 10, 19]
+        assert points[comp_run, "sparsity/global"][-1][2] == pytest.approx(s["sparsity"],
+                                                                            abs=1e-6)
+        assert [p[1] for p in points[comp_run, "train/loss"]] == [0, 10, 19]
         # the per-layer figure at each mask update and at the end
-        steps = [im["step"] for im in by_layer[run_name]]
+        steps = [im["step"] for im in by_layer[comp_run]]
         assert len(steps) >= 2 and steps[-1] == comp[-1][1]
-    # only charts for tags that exist (no perplexity here), dense and compressed in one chart
+    # only charts for tags that exist (no perplexity here); one tag per chart, which the
+    # dense and compressed runs both log, so TensorBoard draws them in two colours
     cats = layout_["category"]
     assert [c["title"] for c in cats] == ["dense vs compressed", "training"]
     charts = {c["title"]: c["multiline"]["tag"] for c in cats[0]["chart"]}
-    assert charts["accuracy"] == ["eval/accuracy/dense", "eval/accuracy/compressed"]
-    assert "perplexity" not in charts
+    assert charts == {"accuracy": ["eval/accuracy"],
+                      "latency (ms, batch 1)": ["speed/latency_ms"],
+                      "throughput (samples/s)": ["speed/throughput"],
+                      "size (bytes)": ["size/bytes"]}
     every_tag = set().union(*(set(t) for t in tags.values()))
     for cat in cats:
         for chart in cat["chart"]:
@@ -181,7 +189,7 @@ def test_sweep_writes_a_pareto_png_and_hparams_lead_with_the_swept_key(cli_sweep
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"sweep figure: {png.relative_to(sweep.parent)}" in done.stdout
     (logdir,) = (sweep / "1" / "tb").iterdir()
-    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc = EventAccumulator(str(logdir / "compressed"), size_guidance={"tensors": 0})
     acc.Reload()
     content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]
     exp = plugin_data_pb2.HParamsPluginData.FromString(content).experiment
@@ -244,7 +252,8 @@ def test_without_matplotlib_figures_are_skipped_with_a_message(tmp_path, monkeyp
     tracker.close()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0, "tensors": 0})
+    acc = EventAccumulator(str(tmp_path / "tb" / "compressed"),
+                           size_guidance={"images": 0, "tensors": 0})
     acc.Reload()
     assert [e.step for e in acc.Images("sparsity/by_layer")] == [0]
     assert [e.step for e in acc.Tensors("figures/text_summary")] == [1]  # said once
@@ -261,8 +270,11 @@ def test_one_run_with_hparams_text_and_histograms(tiny_run):
 
     logdir = Path(tiny_run["tensorboard_logdir"])
     event_dirs = {p.parent for p in logdir.rglob("events.out.tfevents.*")}
-    assert event_dirs == {logdir}  # no timestamped hparams sub-run
-    acc = EventAccumulator(str(logdir), size_guidance={"histograms": 0, "tensors": 0})
+    # one file each for the compressed and the dense run; no timestamped hparams sub-run
+    assert event_dirs == {logdir / "compressed", logdir / "dense"}
+    assert len(list(logdir.rglob("events.out.tfevents.*"))) == 2
+    acc = EventAccumulator(str(logdir / "compressed"),
+                           size_guidance={"histograms": 0, "tensors": 0})
     acc.Reload()
     plugins = acc.PluginTagToContent("hparams")
     assert {"_hparams_/experiment", "_hparams_/session_start_info",
@@ -298,9 +310,8 @@ def test_histograms_are_rate_limited(tmp_path):
 def test_flatten_and_layout():
     assert flatten({"a": {"b": {"c": 1}}, "d": None}) == {"a.b.c": 1, "d": "None"}
     tags = [t for cat in LAYOUT.values() for chart in cat.values() for t in chart[1]]
-    assert "eval/accuracy/dense" in tags and "eval/accuracy/compressed" in tags
-    lm = layout(["eval/perplexity/dense", "eval/perplexity/compressed", "train/loss"])
-    ppl = LAYOUT["dense vs compressed"]["perplexity"]
-    assert lm == {"dense vs compressed": {"perplexity": ppl},
+    assert "eval/accuracy" in tags and "eval/perplexity" in tags
+    lm = layout(["eval/perplexity", "train/loss"])  # a language model's run, without bench
+    assert lm == {"dense vs compressed": {"perplexity": ["Multiline", ["eval/perplexity"]]},
                   "training": {"loss": ["Multiline", ["train/loss"]]}}
-    assert layout(["eval/perplexity/dense"]) == {}  # half a chart is no chart
+    assert layout(["final/sparsity"]) == {}
