@@ -237,18 +237,21 @@ class Tracker:
 
     def hparams(self, config: Mapping[str, Any], metrics: Mapping[str, float], step: int,
                 overrides: Sequence[str] = ()) -> None:
-        """One hparams entry for this run: ``run`` (its label), the keys set by ``overrides``
-        (a sweep's swept keys among them), then the rest of the flattened ``config``; and the
-        final ``metrics`` (also written as scalars, which is where the dashboard reads them)."""
+        """One hparams entry for this run: ``recipe`` and the keys set by ``overrides`` (a
+        sweep's swept keys among them) first, then the rest of the flattened ``config``; and
+        the final ``metrics`` (also written as scalars, which is where the dashboard reads
+        them). TensorBoard lists first, and shows by default, the hparams marked as differing
+        between runs, so the overridden ones are marked."""
         if self.writer is None:
             return
-        flat = flatten(config)
-        first = [o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o]
-        order = ["run", *(k for k in first if k in flat), *flat]
-        flat = {"run": run_label(overrides), **flat}
-        hp = {k: flat[k] for k in dict.fromkeys(order)
+        flat = {"recipe": recipe_of(overrides) or "none", **flatten(config)}
+        keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides
+                if "=" in o and not o.lstrip("+~").startswith(_NOT_IN_NAME)]
+        first = ["recipe", *(k for k in keys if k in flat)]
+        hp = {k: flat[k] for k in dict.fromkeys([*first, *flat])
               if isinstance(flat[k], (int, float, str, bool))}
         exp, ssi, sei = hparams_summary(hp, dict(metrics))
+        mark_differing(exp, set(first))
         file_writer = self.writer._get_file_writer()
         for summary in (exp, ssi, sei):
             file_writer.add_summary(summary)
@@ -261,6 +264,17 @@ class Tracker:
             self.writer.close()
         if self._dense is not None:
             self._dense.close()
+
+
+def mark_differing(experiment: Any, names: set[str]) -> None:
+    """Set ``differs`` on the hparams ``names`` of an hparams experiment summary (in place)."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    value = experiment.value[0]
+    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+    for info in data.experiment.hparam_infos:
+        info.differs = info.name in names
+    value.metadata.plugin_data.content = data.SerializeToString()
 
 
 def sweep_points(sweep_dir: str | os.PathLike) -> tuple[str, list[dict[str, Any]]]:

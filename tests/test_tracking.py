@@ -131,6 +131,12 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
                   if t in tags.get(r, {})}
         by_layer = {r: _get(port, "/data/plugin/images/images", run=r, tag="sparsity/by_layer")
                     for r in runs if r.endswith("/compressed")}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/data/plugin/hparams/experiment",
+            data=json.dumps({"experimentName": ""}).encode(),
+            headers={"Content-Type": "application/json", "X-XSRF-Protected": "1"})
+        with urllib.request.urlopen(request, timeout=5) as r:
+            experiment = json.loads(r.read())
     # run names say what the run is (recipe, the swept value, ...), then the time; each run
     # directory holds a compressed and a dense TensorBoard run, the sweep one more
     assert len(runs) == 5 and "tb/sweep" in runs
@@ -176,6 +182,13 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
     for cat in cats:
         for chart in cat["chart"]:
             assert set(chart["multiline"]["tag"]) <= every_tag, chart
+    # hparams: the overridden keys (the swept one among them) first, then the final metrics
+    infos = [h["name"] for h in experiment["hparamInfos"]]
+    marked = [h["name"] for h in experiment["hparamInfos"] if h.get("differs")]
+    assert "prune.sparsity" in marked and infos[:len(marked)] == marked
+    assert [m["name"]["tag"] for m in experiment["metricInfos"]] == [
+        "final/accuracy/dense", "final/accuracy/compressed", "final/sparsity",
+        "final/size_bytes", "final/speedup"]
     assert images["tb/sweep"] == {"sweep/pareto": {
         "displayName": "sweep/pareto", "description": "", "samples": 1}}
 
@@ -194,13 +207,19 @@ def test_sweep_writes_a_pareto_png_and_hparams_lead_with_the_swept_key(cli_sweep
     content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]
     exp = plugin_data_pb2.HParamsPluginData.FromString(content).experiment
     names = [h.name for h in exp.hparam_infos]
-    assert names[:3] == ["run", "prune.sparsity", "data.kwargs.num_samples"]
+    assert names[:3] == ["recipe", "prune.sparsity", "data.kwargs.num_samples"]
+    # the overridden keys (not where caches and logs go) are marked as differing, which
+    # TensorBoard lists first and shows by default
+    marked = {h.name for h in exp.hparam_infos if h.differs}
+    assert marked == {"recipe", "prune.sparsity", "data.kwargs.num_samples", "train.dense_steps",
+                      "train.finetune_steps", "train.log_every", "train.eval_every",
+                      "schedule.end", "schedule.every"}
     assert [m.name.tag for m in exp.metric_infos][:2] == ["final/accuracy/dense",
                                                          "final/accuracy/compressed"]
     start = plugin_data_pb2.HParamsPluginData.FromString(
         acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
     assert start.hparams["prune.sparsity"].number_value == 0.8
-    assert start.hparams["run"].string_value.startswith("mnist1d_cnn_unstructured90_cubic,")
+    assert start.hparams["recipe"].string_value == "mnist1d_cnn_unstructured90_cubic"
 
 
 def test_console_is_clean_off_a_terminal_and_ends_with_the_layer_table(cli_sweep):
