@@ -25,7 +25,7 @@ from sparsekit import figures
 from sparsekit.config import Config
 from sparsekit.pipeline import run
 from sparsekit.progress import progress
-from sparsekit.tracking import LAYOUT, Tracker, flatten, layout, sweep_figures
+from sparsekit.tracking import LAYOUT, Tracker, flatten, layout, run_logdir, sweep_figures
 
 
 def tiny_config(cache: Path) -> Config:
@@ -334,3 +334,16 @@ def test_flatten_and_layout():
     assert lm == {"dense vs compressed": {"perplexity": ["Multiline", ["eval/perplexity"]]},
                   "training": {"loss": ["Multiline", ["train/loss"]]}}
     assert layout(["final/sparsity"]) == {}
+
+
+def test_a_resumed_run_keeps_its_tensorboard_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(
+        "- recipe=mnist1d_cnn_24\n- train.seed=1\n- cache_dir=/tmp/x\n")
+    first = run_logdir(run_dir)
+    assert first.parent == run_dir / "tb"
+    assert re.fullmatch(r"mnist1d_cnn_24,seed=1_\d{8}-\d{6}", first.name)
+    first.mkdir(parents=True)
+    assert run_logdir(run_dir, resume=True) == first  # the interrupted run's directory
+    assert run_logdir(tmp_path / "fresh", resume=True).name.startswith("default_")
