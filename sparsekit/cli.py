@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -315,6 +316,18 @@ def _app(cfg: DictConfig) -> None:
         report_runtime_error(e)
     if is_main():
         print(summary["table"])
+
+
+class SweepFigures(Callback):
+    """Registered in conf/config.yaml: when a sweep (``-m``) ends, its Pareto figure
+    (``<sweep dir>/pareto.png`` and a TensorBoard image in ``<sweep dir>/tb/sweep``)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
+        from sparsekit.tracking import sweep_figures
+
+        png = sweep_figures(config.hydra.sweep.dir)
+        if png is not None:
+            print(f"sweep figure: {png}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

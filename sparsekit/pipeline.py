@@ -62,7 +62,7 @@ from sparsekit.runstate import (
     write_run_state,
 )
 from sparsekit.sensitivity import SensitivityTable, log_sensitivity
-from sparsekit.tracking import Tracker
+from sparsekit.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
 from sparsekit.train import eval_batches, evaluate, fit, get_batch, make_optimizer, task_loss
 
 CHECKPOINT = Path("checkpoints") / "last.pt"
@@ -512,7 +512,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
 
 
 def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), utc_now()
     cache = cache_root(cfg.cache_dir)
     with storage_errors(cache, "create the cache directory (cache_dir)"):
         cache.mkdir(parents=True, exist_ok=True)
@@ -536,8 +536,8 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     metric = _metric(cfg.data.task)
     state = load_latest_checkpoint(run_dir / CHECKPOINT) if resume else None
     tb = cfg.tracker
-    tracker = Tracker(run_dir / "tb", tb.kind == "tensorboard" and D.is_main(), tb.flush_secs,
-                      tb.histogram_every,
+    tracker = Tracker(run_logdir(run_dir, resume=state is not None),
+                      tb.kind == "tensorboard" and D.is_main(), tb.flush_secs, tb.histogram_every,
                       tb.histograms, purge_step=None if state is None else state["step"] + 1)
     tracker.text("config", f"```yaml\n{resolved}\n```")
 
@@ -557,7 +557,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     # speed reference (an LLM one-shot run would otherwise hold its weights twice)
     keep_dense = (t.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
     dense = copy.deepcopy(model).eval() if keep_dense else None
-    tracker.scalars({f"eval/{metric}/dense": dense_eval[metric]}, 0)
+    tracker.dense({f"eval/{metric}": dense_eval[metric]}, 0)
     example = next(eval_batches(data.eval, cfg.bench.batch_size, 1))[0]
     example = example.to(device) if isinstance(example, torch.Tensor) else example
     calibration_set = data.train if data.calibration is None else data.calibration
@@ -639,8 +639,10 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
             seen_progress[0] = pruner.progress
             if mode != "fsdp2":  # sharded weights get their histograms once gathered
                 tracker.weight_histograms(model, step)
-        if (step + 1) % t.eval_every == 0 and step != steps - 1:
-            tracker.scalars({f"eval/{metric}/compressed": eval_model(model)[metric]}, step)
+                tracker.layer_sparsity(pruner.report().to_dict()["layers"], step)
+        if (step + 1) % t.eval_every == 0 and step != steps - 1:  # dense: the reference line
+            tracker.scalars({f"eval/{metric}": eval_model(model)[metric]}, step)
+            tracker.dense({f"eval/{metric}": dense_eval[metric]}, step)
         if (step + 1) % t.checkpoint_every == 0 or step == steps - 1:
             D.barrier()
             if mode == "fsdp2":  # every rank writes its shards, then rank 0 the pointer to them
@@ -673,7 +675,6 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
         channel_report = channel_pruner.report()
         pruner = None
     if channel_report is not None:
-        tracker.scalars(channel_report.scalars(), steps)
         tracker.text("channels", f"```\n{channel_report}\n```", steps)
     if pruner is not None:
         pruner.step(max(steps, cfg.schedule.end))  # the full target, even with few steps
@@ -696,9 +697,10 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
 
     comp_eval = eval_model(model)
     final_step = max(steps, 1)
-    tracker.scalars({f"eval/{metric}/compressed": comp_eval[metric],
-                     f"eval/{metric}/dense": dense_eval[metric]}, final_step)
+    tracker.scalars({f"eval/{metric}": comp_eval[metric]}, final_step)
+    tracker.dense({f"eval/{metric}": dense_eval[metric]}, final_step)
     tracker.scalars(report.scalars(), final_step)
+    tracker.layer_sparsity(report.to_dict()["layers"], final_step)
 
     speed: dict[str, dict[str, float]] = {"dense": {}, "compressed": {}}
     if cfg.bench.enabled and isinstance(example, torch.Tensor) and D.is_main():
@@ -717,7 +719,12 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
             hf_export = export_hf(model, tokenizer, run_dir, model_path, quiet)
     D.barrier()
     sizes = {"dense": dense_size, "compressed": model_path.stat().st_size}
+    overrides = read_overrides(run_dir)
     summary: dict[str, Any] = {
+        "recipe": recipe_of(overrides),
+        "overrides": overrides,
+        "versions": versions(),
+        "started_utc": started,
         "metric": metric,
         "dense": {**dense_eval, **speed["dense"], "size_bytes": sizes["dense"]},
         "compressed": {**comp_eval, **speed["compressed"], "size_bytes": sizes["compressed"]},
@@ -737,11 +744,11 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
         "tensorboard_logdir": str(tracker.logdir),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    for name in ("dense", "compressed"):
+    for name, log in (("dense", tracker.dense), ("compressed", tracker.scalars)):
         if speed[name]:
-            tracker.scalars({f"speed/latency_ms/{name}": speed[name]["latency_ms"],
-                             f"speed/throughput/{name}": speed[name]["throughput"]}, final_step)
-        tracker.scalars({f"size/bytes/{name}": sizes[name]}, final_step)
+            log({"speed/latency_ms": speed[name]["latency_ms"],
+                 "speed/throughput": speed[name]["throughput"]}, final_step)
+        log({"size/bytes": sizes[name]}, final_step)
     if summary["speedup"] is not None:
         tracker.scalars({"speed/speedup": summary["speedup"]}, final_step)
     final = {
@@ -752,16 +759,18 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     }
     if summary["speedup"] is not None:
         final["final/speedup"] = summary["speedup"]
-    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(cfg)), final, final_step)
+    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(cfg)), final, final_step,
+                    overrides)
     table = summary_table(summary)
     markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{report}\n```\n"
     tracker.text("summary", markdown, final_step)
     tracker.close()
+    summary["ended_utc"] = utc_now()
     if D.is_main():
         write_file(run_dir / "summary.json",
                      lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2) + "\n"))
         write_file(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
-    summary["table"] = table
+    summary["table"] = f"{table}\n\nSparsity by layer:\n{report}"
     return summary
 
 

@@ -1,41 +1,131 @@
-"""TensorBoard logging for a run: scalars, weight histograms, hparams, text and a layout.
+"""TensorBoard logging for a run: scalars, weight histograms, figures, hparams, text and a
+custom-scalars layout.
 
-Everything goes into ONE log directory (one TensorBoard run): the hparams summaries are written
-with the low-level summary API into that same event stream, not through
-``SummaryWriter.add_hparams`` (which opens a timestamped sub-run). The writer flushes on an
-interval (``flush_secs``), not on every call.
+A run's logs go under ``<run_dir>/tb/<label>_<time>/``, named for what the run is (its recipe
+or the overrides that matter) so that ``tensorboard --logdir runs`` lists readable names. In
+it, two TensorBoard runs with the same tags: ``compressed`` (everything: training, the
+compressed model's metrics, figures, text, hparams) and ``dense`` (the dense model's metrics
+only, logged at step 0, at every evaluation and at the end, so it is a reference line across
+the whole run). TensorBoard colours by run, so each chart shows dense and compressed in two
+colours, named in its legend. The hparams summaries are written with the low-level summary API
+into the compressed event stream, not through ``SummaryWriter.add_hparams`` (which opens a
+timestamped sub-run). Writers flush on an interval (``flush_secs``), not on every call. The
+custom-scalars layout is written when the run closes and holds only charts whose tags were
+logged, so a classification run has no perplexity chart.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+import platform
+import re
+import time
+from datetime import datetime, timezone
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-# dense and compressed metrics, side by side in the custom-scalars dashboard
+from sparsekit import figures
+
+# one chart per quantity: the dense and compressed runs log the same tag
 LAYOUT = {
     "dense vs compressed": {
-        "accuracy": ["Multiline", ["eval/accuracy/dense", "eval/accuracy/compressed"]],
-        "perplexity": ["Multiline", ["eval/perplexity/dense", "eval/perplexity/compressed"]],
-        "latency (ms, batch 1)": [
-            "Multiline", ["speed/latency_ms/dense", "speed/latency_ms/compressed"]
-        ],
-        "throughput (samples/s)": [
-            "Multiline", ["speed/throughput/dense", "speed/throughput/compressed"]
-        ],
-        "size (bytes)": ["Multiline", ["size/bytes/dense", "size/bytes/compressed"]],
+        "accuracy": ["Multiline", ["eval/accuracy"]],
+        "perplexity": ["Multiline", ["eval/perplexity"]],
+        "latency (ms, batch 1)": ["Multiline", ["speed/latency_ms"]],
+        "throughput (samples/s)": ["Multiline", ["speed/throughput"]],
+        "size (bytes)": ["Multiline", ["size/bytes"]],
     },
     "training": {
         "loss": ["Multiline", ["train/loss"]],
+        "learning rate": ["Multiline", ["train/lr"]],
         "sparsity": ["Multiline", ["sparsity/global"]],
     },
 }
+# overrides that do not change what a run computes: left out of its name
+_NOT_IN_NAME = ("hydra.", "hydra/", "cache_dir", "resume", "train.quiet", "tracker.", "tracker=",
+                "bench.", "bench=")
+
+
+def utc_now() -> str:
+    """The time now, UTC, ISO 8601 to the second (``2026-12-03T01:40:00+00:00``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def versions() -> dict[str, str]:
+    """The versions a run's results depend on: sparsekit, torch, Python."""
+    import sparsekit
+
+    return {"sparsekit": sparsekit.__version__, "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def layout(tags: Iterable[str]) -> dict[str, dict[str, list]]:
+    """:data:`LAYOUT` cut to the charts whose tags were all logged (``tags``); empty
+    categories dropped."""
+    have = set(tags)
+    out = {}
+    for title, charts in LAYOUT.items():
+        kept = {name: chart for name, chart in charts.items() if set(chart[1]) <= have}
+        if kept:
+            out[title] = kept
+    return out
+
+
+def read_overrides(run_dir: str | os.PathLike) -> list[str]:
+    """The command-line overrides Hydra recorded for a run (``.hydra/overrides.yaml``), or []
+    for a run made without Hydra (the API)."""
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path)] if path.exists() else []
+
+
+def recipe_of(overrides: Sequence[str]) -> str | None:
+    """The ``recipe=NAME`` among ``overrides`` (the last one wins), or None."""
+    names = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("recipe=")]
+    return names[-1] if names else None
+
+
+def run_label(overrides: Sequence[str]) -> str:
+    """A short name for what a run is: its recipe, then the overrides that change what it
+    computes (``prune.sparsity=0.5`` as ``sparsity=0.5``); ``default`` for none.
+
+    >>> run_label(["recipe=mnist1d_cnn_24", "prune.sparsity=0.5", "cache_dir=/tmp/c"])
+    'mnist1d_cnn_24,sparsity=0.5'
+    >>> run_label(["prune=unstructured", "train.seed=1", "hydra.run.dir=x"])
+    'prune=unstructured,seed=1'
+    """
+    parts = []
+    for o in overrides:
+        o = o.lstrip("+~")
+        if o.startswith(_NOT_IN_NAME) or "=" not in o:
+            continue
+        key, value = o.split("=", 1)
+        if key == "recipe":
+            parts.insert(0, value)
+        elif "." in key:
+            parts.append(f"{key.rsplit('.', 1)[1]}={value}")
+        else:
+            parts.append(f"{key}={value}")
+    label = re.sub(r"[^A-Za-z0-9_.,=+:-]+", "-", ",".join(parts))[:80]
+    return label or "default"
+
+
+def run_logdir(run_dir: str | os.PathLike, resume: bool = False) -> Path:
+    """``<run_dir>/tb/<label>_<YYYYmmdd-HHMMSS>``; a resumed run continues the log directory
+    it already has."""
+    root = Path(run_dir) / "tb"
+    if resume and root.is_dir():
+        existing = sorted(p for p in root.iterdir() if p.is_dir())
+        if existing:
+            return existing[-1]
+    return root / f"{run_label(read_overrides(run_dir))}_{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -57,9 +147,10 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class Tracker:
-    """Writes one run's TensorBoard events under ``logdir``. ``enabled=False`` makes every
-    method a no-op, so the pipeline never branches on tracking. ``purge_step`` (on resume)
-    drops events at or after that step left by the interrupted run."""
+    """Writes one run's TensorBoard events under ``logdir``: ``logdir/compressed`` and
+    ``logdir/dense`` (:meth:`dense`, opened on first use). ``enabled=False`` makes every method
+    a no-op, so the pipeline never branches on tracking. ``purge_step`` (on resume) drops
+    events at or after that step left by the interrupted run."""
 
     def __init__(
         self,
@@ -75,19 +166,55 @@ class Tracker:
         self.histograms = histograms
         self.histogram_every = histogram_every
         self._last_hist: int | None = None
+        self._tags: set[str] = set()
+        self._flush_secs, self._purge_step = flush_secs, purge_step
+        self._dense: SummaryWriter | None = None
         self.writer = (
-            SummaryWriter(str(self.logdir), flush_secs=flush_secs, purge_step=purge_step)
+            SummaryWriter(str(self.logdir / "compressed"), flush_secs=flush_secs,
+                          purge_step=purge_step)
             if enabled
             else None
         )
-        if self.writer is not None and purge_step is None:
-            self.writer.add_custom_scalars(LAYOUT)
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if self.writer is None:
             return
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
+            self._tags.add(tag)
+
+    def dense(self, values: Mapping[str, float], step: int) -> None:
+        """The dense model's ``values`` at ``step``, in the ``dense`` run, under the same tags
+        as the compressed model's."""
+        if self.writer is None:
+            return
+        if self._dense is None:
+            self._dense = SummaryWriter(str(self.logdir / "dense"), flush_secs=self._flush_secs,
+                                        purge_step=self._purge_step)
+        for tag, value in values.items():
+            self._dense.add_scalar(tag, float(value), step)
+            self._tags.add(tag)
+
+    def figure(self, tag: str, fig: Any, step: int) -> bool:
+        """A matplotlib figure (see :mod:`sparsekit.figures`) as an image; False when there is
+        none (matplotlib missing: the reason goes to the ``figures`` text once)."""
+        if self.writer is None:
+            return False
+        if fig is None:
+            if not figures.available() and "figures" not in self._tags:
+                self.text("figures", figures.MISSING, step)
+                self._tags.add("figures")
+            return False
+        self.writer.add_image(tag, figures.to_rgb(fig), step, dataformats="HWC")
+        return True
+
+    def layer_sparsity(self, layers: Mapping[str, Mapping[str, Any]], step: int) -> bool:
+        """The per-layer sparsity bar chart (``layers`` as in ``SparsityReport.to_dict()``)
+        as image ``sparsity/by_layer`` at ``step``."""
+        if self.writer is None:
+            return False
+        fig = figures.layer_sparsity(layers, f"zero weights by layer, step {step}")
+        return self.figure("sparsity/by_layer", fig, step)
 
     def weight_histograms(self, model: nn.Module, step: int, force: bool = False) -> bool:
         """Histograms of every >=2-D weight, at most once per ``histogram_every`` steps unless
@@ -108,18 +235,85 @@ class Tracker:
         if self.writer is not None:
             self.writer.add_text(tag, markdown, step)
 
-    def hparams(self, config: Mapping[str, Any], metrics: Mapping[str, float], step: int) -> None:
-        """One hparams entry for this run: the flattened ``config`` and final ``metrics``
-        (also written as scalars, which is where the hparams dashboard reads them)."""
+    def hparams(self, config: Mapping[str, Any], metrics: Mapping[str, float], step: int,
+                overrides: Sequence[str] = ()) -> None:
+        """One hparams entry for this run: ``recipe`` and the keys set by ``overrides`` (a
+        sweep's swept keys among them) first, then the rest of the flattened ``config``; and
+        the final ``metrics`` (also written as scalars, which is where the dashboard reads
+        them). TensorBoard lists first, and shows by default, the hparams marked as differing
+        between runs, so the overridden ones are marked."""
         if self.writer is None:
             return
-        hp = {k: v for k, v in flatten(config).items() if isinstance(v, (int, float, str, bool))}
+        flat = {"recipe": recipe_of(overrides) or "none", **flatten(config)}
+        keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides
+                if "=" in o and not o.lstrip("+~").startswith(_NOT_IN_NAME)]
+        first = ["recipe", *(k for k in keys if k in flat)]
+        hp = {k: flat[k] for k in dict.fromkeys([*first, *flat])
+              if isinstance(flat[k], (int, float, str, bool))}
         exp, ssi, sei = hparams_summary(hp, dict(metrics))
+        mark_differing(exp, set(first))
         file_writer = self.writer._get_file_writer()
         for summary in (exp, ssi, sei):
             file_writer.add_summary(summary)
         self.scalars(metrics, step)
 
     def close(self) -> None:
+        """Write the custom-scalars layout for the tags logged, and close the writers."""
         if self.writer is not None:
+            self.writer.add_custom_scalars(layout(self._tags))
             self.writer.close()
+        if self._dense is not None:
+            self._dense.close()
+
+
+def mark_differing(experiment: Any, names: set[str]) -> None:
+    """Set ``differs`` on the hparams ``names`` of an hparams experiment summary (in place)."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    value = experiment.value[0]
+    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+    for info in data.experiment.hparam_infos:
+        info.differs = info.name in names
+    value.metadata.plugin_data.content = data.SerializeToString()
+
+
+def sweep_points(sweep_dir: str | os.PathLike) -> tuple[str, list[dict[str, Any]]]:
+    """The metric and one point per finished run of a sweep (``<sweep_dir>/<n>/summary.json``,
+    labelled by the overrides in which it differs from the others); accuracy in %."""
+    points, metric = [], "accuracy"
+    runs = sorted((p for p in Path(sweep_dir).glob("*/summary.json")),
+                  key=lambda p: (len(p.parent.name), p.parent.name))
+    for path in runs:
+        s = json.loads(path.read_text())
+        metric = s["metric"]
+        scale = 100.0 if metric == "accuracy" else 1.0
+        side = {k: {"value": scale * s[k][metric], "size_bytes": s[k]["size_bytes"],
+                    "latency_ms": s[k].get("latency_ms")} for k in ("dense", "compressed")}
+        points.append({"label": run_label(read_overrides(path.parent)), **side["compressed"],
+                       "dense": side["dense"]})
+    # name each point by what differs between the runs: the swept values
+    parts = [p["label"].split(",") for p in points]
+    common = set.intersection(*map(set, parts)) if parts else set()
+    for p, ps in zip(points, parts):
+        p["label"] = ",".join(x for x in ps if x not in common) or p["label"]
+    return metric, points
+
+
+def sweep_figures(sweep_dir: str | os.PathLike) -> Path | None:
+    """After a sweep: ``<sweep_dir>/pareto.png`` (the metric vs size and latency, one point
+    per run) and the same image in TensorBoard under ``<sweep_dir>/tb/sweep``. Returns the
+    PNG's path, or None (no finished run, or no matplotlib: then it says so)."""
+    metric, points = sweep_points(sweep_dir)
+    fig = figures.pareto(points, metric)
+    if fig is None:
+        if points:
+            print(figures.MISSING)
+        return None
+    png = Path(sweep_dir) / "pareto.png"
+    png.write_bytes(figures.to_png(fig))
+    with SummaryWriter(str(Path(sweep_dir) / "tb" / "sweep")) as writer:
+        writer.add_image("sweep/pareto", figures.to_rgb(fig), 0, dataformats="HWC")
+        writer.add_text("sweep/runs", "\n".join(
+            f"- {p['label']}: {metric} {p['value']:.4g}, {p['size_bytes']:,} bytes"
+            + (f", {p['latency_ms']:.3f} ms" if p.get("latency_ms") else "") for p in points))
+    return png

@@ -444,7 +444,16 @@ def run_recipe(args, tmp_path):
 
 def test_channel_recipes_compose_and_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run_dir = run_recipe(["recipe=mnist1d_channel30", *TINY], tmp_path)
+    run_dir = run_recipe(["recipe=mnist1d_channel30", *TINY, "tracker=tensorboard"], tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (logdir,) = (run_dir / "tb").iterdir()
+    acc = EventAccumulator(str(logdir / "compressed"), size_guidance={"tensors": 0})
+    acc.Reload()
+    # the channel report is text and the per-layer figure, not a group of one-point charts
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("channels/")]
+    assert "channels/text_summary" in acc.Tags()["tensors"]
+    assert "sparsity/by_layer" in acc.Tags()["images"]
     cfg = (run_dir / "config.yaml").read_text()
     assert "ratio: 0.3" in cfg and "alpha: 0.9" in cfg
     state = load_file(run_dir / "model.safetensors")

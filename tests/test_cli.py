@@ -113,8 +113,10 @@ def test_recipe_smoke(recipe, tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     for name in ("config.yaml", "summary.md", "model.safetensors", ".hydra/config.yaml"):
         assert (run_dir / name).exists(), name
-    assert f"TensorBoard logdir: {run_dir / 'tb'}" in out
-    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    (logdir,) = (run_dir / "tb").iterdir()  # tb/<recipe>,<overrides>_<time>
+    assert logdir.name.startswith(f"{recipe},") and f"TensorBoard logdir: {logdir}" in out
+    assert list((logdir / "compressed").glob("events.out.tfevents.*"))
+    assert list((logdir / "dense").glob("events.out.tfevents.*"))
     if recipe == "mnist1d_cnn_unstructured90_cubic":
         assert summary["sparsity"] == pytest.approx(0.9, abs=0.01)
     elif recipe == "stdlib_lm_24":
@@ -159,12 +161,19 @@ def test_sweep_gives_one_run_and_one_tensorboard_run_each(tmp_path, capsys):
             "hydra.sweep.dir=sweep"]
     code, out, err = run_cli(args, tmp_path, capsys)
     assert code == 0, err
-    runs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    runs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir() and p.name != "tb")
     assert [p.name for p in runs] == ["0", "1"]
+    # the sweep's own figure: a PNG and a TensorBoard run of its own
+    assert (tmp_path / "sweep" / "pareto.png").exists()
+    assert list((tmp_path / "sweep" / "tb" / "sweep").glob("events.out.tfevents.*"))
     got = []
     for r in runs:
-        assert len(list((r / "tb").glob("events.out.tfevents.*"))) == 1
-        assert [p for p in (r / "tb").iterdir() if p.is_dir()] == []
+        (logdir,) = (r / "tb").iterdir()  # named for its overrides
+        swept = "0.5" if r.name == "0" else "0.75"
+        assert logdir.name.startswith(f"prune=unstructured,sparsity={swept},")
+        # a compressed and a dense (reference) TensorBoard run, one event file each
+        assert sorted(p.name for p in logdir.iterdir()) == ["compressed", "dense"]
+        assert len(list(logdir.rglob("events.out.tfevents.*"))) == 2
         got.append(json.loads((r / "summary.json").read_text())["sparsity"])
     assert got == pytest.approx([0.5, 0.75], abs=0.01)
 

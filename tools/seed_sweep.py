@@ -3,12 +3,15 @@ then a markdown table of dense and compressed accuracy (per seed, mean, and the 
 
     python tools/seed_sweep.py --out-dir sweep                  # the README's quantization table
     python tools/seed_sweep.py --out-dir sweep --seeds 0 --runs ptq_int8   # a subset
+    python tools/seed_sweep.py --recipes --out-dir sweep        # the README's recipe table
     python tools/seed_sweep.py --smoke --out-dir /tmp/sweep     # seconds (CI)
 
 A seed changes the dense model's initialization and the order of training batches (dense and
 fine-tuning); the data set (MNIST-1D, seed 42) and its 1,000 test samples stay the same, so
 each run is compared with the dense model of its own seed. Runs reuse cached dense baselines
 (one per seed) from ``<out-dir>/cache``. Writes ``seed_sweep.json`` and ``seed_sweep.md``.
+``--recipes`` runs every MNIST-1D recipe of the README's table and writes that table's rows
+(mean and range over the seeds); the table's stdlib LM and ResNet-18 rows are single runs.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ RUNS = {  # name: CLI arguments
     "unstructured90": ["recipe=mnist1d_cnn_unstructured90_cubic"],
     "unstructured80": ["recipe=mnist1d_cnn_unstructured90_cubic", "prune.sparsity=0.8"],
 }
+RECIPES = ["mnist1d_cnn_24", "mnist1d_cnn_unstructured90_cubic", "mnist1d_cnn_24_wanda_oneshot",
+           "mnist1d_24_int8_qat", "mnist1d_24_fp8_qat", "mnist1d_channel30",
+           "mnist1d_channel25_24_int8"]  # the README's MNIST-1D rows, in its order
+RUNS.update({name: [f"recipe={name}"] for name in RECIPES})
 SMOKE = ["data.kwargs.num_samples=300", "train.dense_steps=20", "train.finetune_steps=10",
          "schedule.end=5", "bench=off"]
 
@@ -53,7 +60,37 @@ def run_one(name: str, seed: int, out_dir: Path, smoke: bool) -> dict:
         used.write_text(json.dumps(args))
     s = json.loads(summary.read_text())
     return {"dense": s["dense"]["accuracy"], "compressed": s["compressed"]["accuracy"],
-            "size_bytes": s["compressed"]["size_bytes"]}
+            "size_bytes": s["compressed"]["size_bytes"], "sparsity": s["sparsity"],
+            "seconds": s["seconds"]}
+
+
+def spread(values: list[float], fmt: str = ".1f") -> str:
+    """``mean (min to max)``, or the value where all are the same.
+
+    >>> spread([92.3, 93.1, 92.4]), spread([49.0, 49.0])
+    ('92.6 (92.3 to 93.1)', '49.0')
+    """
+    if len({format(v, fmt) for v in values}) == 1:
+        return format(values[0], fmt)
+    return (f"{format(statistics.mean(values), fmt)} "
+            f"({format(min(values), fmt)} to {format(max(values), fmt)})")
+
+
+def recipe_table(results: dict[str, dict[int, dict]], seeds: list[int]) -> str:
+    """The README's recipe rows: accuracy in %, mean (min to max) over the seeds."""
+    lines = [f"| recipe | dense acc, mean (range) over seeds {'/'.join(map(str, seeds))} | "
+             "compressed acc, mean (range) | difference, mean (range) | sparsity | "
+             "size (bytes) compressed |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, per_seed in results.items():
+        rs = list(per_seed.values())
+        lines.append(
+            f"| `{name}` | {spread([100 * r['dense'] for r in rs])}% | "
+            f"{spread([100 * r['compressed'] for r in rs])}% | "
+            f"{spread([100 * (r['compressed'] - r['dense']) for r in rs], '+.1f')} | "
+            f"{spread([100 * r['sparsity'] for r in rs])}% | "
+            f"{spread([r['size_bytes'] for r in rs], ',.0f')} |")
+    return "\n".join(lines)
 
 
 def table(results: dict[str, dict[int, dict]], seeds: list[int]) -> str:
@@ -76,16 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--recipes", action="store_true",
+                    help="every MNIST-1D recipe of the README's table, and that table")
     ap.add_argument("--smoke", action="store_true", help="tiny data and steps (CI)")
     args = ap.parse_args(argv)
+    if args.recipes:
+        args.runs = RECIPES
     if args.smoke:
-        args.seeds, args.runs = args.seeds[:1], args.runs[:2]
+        args.seeds, args.runs = args.seeds[:1], args.runs[:1 if args.recipes else 2]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    results = {name: {s: run_one(name, s, args.out_dir, args.smoke) for s in args.seeds}
-               for name in args.runs}
-    (args.out_dir / "seed_sweep.json").write_text(json.dumps(results, indent=1))
-    md = table(results, args.seeds)
-    (args.out_dir / "seed_sweep.md").write_text(md + "\n")
+    results: dict[str, dict[int, dict]] = {}
+    for name in args.runs:  # the files grow row by row, so a long sweep shows where it is
+        results[name] = {s: run_one(name, s, args.out_dir, args.smoke) for s in args.seeds}
+        (args.out_dir / "seed_sweep.json").write_text(json.dumps(results, indent=1))
+        md = (recipe_table if args.recipes else table)(results, args.seeds)
+        (args.out_dir / "seed_sweep.md").write_text(md + "\n")
     print(md)
     return 0
 

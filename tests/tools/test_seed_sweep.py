@@ -30,3 +30,19 @@ def test_a_run_is_reused_only_with_the_same_arguments(tmp_path, run_tool):
     run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
     assert summary.stat().st_mtime_ns != first  # made again
     assert "data.kwargs.num_samples=300" in json.loads(args.read_text())
+
+
+def test_recipes_table_gives_mean_and_range_per_recipe(tmp_path, run_tool):
+    """``--recipes`` runs the README's MNIST-1D recipes (smoke: the first, one seed) and
+    prints one row per recipe from its summaries."""
+    done = run_tool("seed_sweep.py", "--smoke", "--recipes", "--out-dir", tmp_path)
+    res = json.loads((tmp_path / "seed_sweep.json").read_text())
+    assert list(res) == ["mnist1d_cnn_24"]
+    for name in res:
+        s = json.loads((tmp_path / "runs" / f"{name}_s0" / "summary.json").read_text())
+        assert s["recipe"] == name
+        row = next(ln for ln in done.stdout.splitlines() if ln.startswith(f"| `{name}` |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        dense, comp = 100 * s["dense"]["accuracy"], 100 * s["compressed"]["accuracy"]
+        assert cells[1:4] == [f"{dense:.1f}%", f"{comp:.1f}%", f"{comp - dense:+.1f}"]
+        assert cells[5] == f"{s['compressed']['size_bytes']:,}"
