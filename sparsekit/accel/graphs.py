@@ -16,6 +16,7 @@ first).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -25,12 +26,20 @@ from torch import nn
 
 
 def tree_map(fn, obj):
+    """``fn`` applied to every tensor in nested lists, tuples (named too), dicts and dataclasses
+    (HF ``ModelOutput`` included), each container rebuilt as its own type."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: tree_map(fn, getattr(obj, f.name))
+                            for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(tree_map(fn, o) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(tree_map(fn, o) for o in obj)
     if isinstance(obj, dict):
-        return {k: tree_map(fn, v) for k, v in obj.items()}
+        out = {k: tree_map(fn, v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
     return obj
 
 
