@@ -183,9 +183,9 @@ class _Planner:
     """Builds variant modules for layers, with alg search and cached timings (auto)."""
 
     def __init__(self, device: torch.device, search_algs: bool, use_cache: bool,
-                 fused_quant: bool):
+                 fused_quant: bool, backend: str):
         self.device, self.search_algs, self.use_cache = device, search_algs, use_cache
-        self.fused_quant = fused_quant
+        self.fused_quant, self.backend = fused_quant, backend
         self.algs: dict[tuple, int] = {}
         self.cache = planner.load() if use_cache else {}
         self.new: dict[str, dict] = {}
@@ -210,19 +210,20 @@ class _Planner:
         return planner.plan_key(self.name, torch.__version__, variant, layer.out_features,
                                 layer.in_features, m)
 
-    def time(self, variant: str, layer: nn.Module, m: int) -> tuple[float, nn.Module | None]:
+    def time(self, variant: str, layer: nn.Module, m: int) -> float:
+        """Microseconds of ``variant`` for ``layer`` at ``m`` tokens, compiled (cached)."""
         key = self._key(variant, layer, m)
         hit = self.cache.get(key)
         if hit is not None and "us" in hit:
-            return float(hit["us"]), None
+            return float(hit["us"])
         mod = self.build(variant, layer, m)
         x = torch.randn(m, layer.in_features, device=self.device, dtype=torch.bfloat16)
-        us = planner.time_module(mod, x)
+        us = planner.time_module(mod, x, self.backend)
         entry = {"us": us}
         if mod.uses_alg:
             entry["alg_id"] = mod.alg_id
         self.cache[key] = self.new[key] = entry
-        return us, mod
+        return us
 
     def save(self) -> None:
         if self.use_cache and self.new:
@@ -325,7 +326,7 @@ def accelerate(
     for name in names:
         if name not in tokens:
             report.skipped[name] = "not called on the example inputs"
-    plan = _Planner(device, search_algs, plan_cache, fused_quant)
+    plan = _Planner(device, search_algs, plan_cache, fused_quant, backend)
     decided: dict[tuple, tuple[str, str, dict]] = {}
     for name in names:
         if name not in tokens:
@@ -343,7 +344,15 @@ def accelerate(
         else:
             key = (layer.out_features, layer.in_features, m, tuple(cands))
             if key not in decided:
-                timings = {v: plan.time(v, layer, m)[0] for v in cands}
+                timings = {}
+                for v in cands:
+                    try:
+                        timings[v] = plan.time(v, layer, m)
+                    except RuntimeError as e:  # a kernel this shape cannot run: not a candidate
+                        if v == BASELINE:
+                            raise
+                        report.notes.append(f"{v} at {layer.out_features}x{layer.in_features}, "
+                                            f"M={m} did not run: {str(e).splitlines()[0][:120]}")
                 variant, why = planner.choose(timings, m, min_speedup)
                 decided[key] = (variant, why, timings)
             decision.variant, why, decision.timings_us = decided[key][0], decided[key][1], \

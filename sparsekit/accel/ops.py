@@ -71,8 +71,9 @@ def sparse24_mm(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
                 out_features: int, alg_id: int, out_dtype: torch.dtype) -> torch.Tensor:
     m = x.shape[0]
     xp = _pad_rows(x, _M_MULTIPLE)
-    y = torch._cslt_sparse_mm(packed, xp.t(), bias, out_dtype=out_dtype, transpose_result=True,
-                              alg_id=alg_id)
+    # cuSPARSELt takes out_dtype for 8-bit inputs only; bf16 in gives bf16 out
+    y = torch._cslt_sparse_mm(packed, xp.t(), bias, transpose_result=True, alg_id=alg_id,
+                              out_dtype=None if x.dtype == out_dtype else out_dtype)
     return y[:m] if xp.shape[0] != m else y
 
 

@@ -94,10 +94,10 @@ def wall_time_us(fn: Callable[[], object], calls: int = 5) -> float:
     return statistics.median(times)
 
 
-def time_module(module: nn.Module, x: torch.Tensor, compiled: bool = True) -> float:
-    """Microseconds per call of ``module(x)`` as it will run: compiled (inductor, no CUDA
+def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor") -> float:
+    """Microseconds per call of ``module(x)`` as it will run: compiled with ``backend`` (no CUDA
     graphs of its own) and timed under CUDA-graph replay on CUDA; wall clock on CPU."""
-    fn = torch.compile(module, dynamic=False) if compiled else module
+    fn = torch.compile(module, dynamic=False, backend=backend)
     with torch.no_grad():
         if x.is_cuda:
             return graph_time_us(lambda: fn(x))
