@@ -233,8 +233,7 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
            ("dense_compiled_ro", {"kind": "dense", "mode": "reduce-overhead",
                                   "backend": backend}),
            ("torchao_fp8_dense", {"kind": "torchao", "mode": "reduce-overhead",
-                                  "backend": backend}),
-           ("stock_2:4", {"kind": "stock", "mode": "reduce-overhead", "backend": backend})]
+                                  "backend": backend})]
     for sparsity in ("2:4", "auto"):
         for precision in ("bf16", "fp8", "int8"):
             out.append((f"sk_{precision}_{sparsity}", {
@@ -243,6 +242,7 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
     out.append(("sk_fp8_2:4_unfused_quant", {"kind": "sk", "precision": "fp8",
                                              "sparsity": "2:4", "backend": backend,
                                              "fused_quant": False}))
+    out.append(("stock_2:4", {"kind": "stock", "mode": "reduce-overhead", "backend": backend}))
     return out
 
 
