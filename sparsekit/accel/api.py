@@ -336,10 +336,25 @@ def accelerate(
         has24 = _weight_24(layer)
         cands, reason = layer_plan(has24, precision, sparsity, layer.in_features,
                                    layer.out_features, dense_precision)
+        quantized = isinstance(layer, QuantLinear) and layer.scheme in _W8A8
+        if quantized:  # only variants with the layer's own numerics: its scheme, dense or 2:4
+            reason = f"quantized ({layer.scheme}): its weights, scales and activation numerics"
+            if layer.in_features % _ALIGN or layer.out_features % _ALIGN:  # quant's forward
+                report.layers.append(LayerDecision(name, layer.out_features, layer.in_features,
+                                                   m, has24, "QuantLinear", reason + "; "
+                                                   "in/out features not multiples of 32: kept"))
+                continue
+            cands = [variant_name(precision, False)] + (
+                [variant_name(precision, True)] if has24 and sparsity != "dense" else [])
         decision = LayerDecision(name, layer.out_features, layer.in_features, m, has24,
                                  BASELINE, reason)
         report.layers.append(decision)
-        if sparsity != "auto" or len(cands) == 1:
+        if quantized and sparsity == "auto" and len(cands) > 1:
+            timings = {v: plan.time(v, layer, m) for v in cands}
+            decision.variant = min(timings, key=timings.get)
+            decision.timings_us = timings
+            decision.reason += f"; faster measured at M={m}"
+        elif sparsity != "auto" or len(cands) == 1:
             decision.variant = cands[-1]
         else:
             key = (layer.out_features, layer.in_features, m, tuple(cands))

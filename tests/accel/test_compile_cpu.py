@@ -218,3 +218,18 @@ def test_planner_cache_is_used(tmp_path, monkeypatch):
     assert {d.name: d.variant for d in fast.report.layers} == {"a": "int8_2:4",
                                                                "b": "int8_dense"}
     assert fast.report.layers[0].timings_us["int8_2:4"] == 1.0
+
+
+def test_quantized_model_keeps_its_numerics_under_auto(tmp_path, monkeypatch):
+    """auto on a quantized model chooses only between its scheme's dense and 2:4 kernels
+    (never a bf16 variant, which would drop its activation quantization)."""
+    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    net = _Net().eval()
+    sk.prune_(net, pattern="2:4", criterion="magnitude", exclude=["b"])
+    sk.quantize_(net, "fp8")
+    fast = sk.accelerate(net, torch.randn(6, 64), precision="fp8", sparsity="auto",
+                         device="cpu", compile=False)
+    by_name = {d.name: d for d in fast.report.layers}
+    assert set(by_name["a"].timings_us) == {"fp8_dense", "fp8_2:4"}
+    assert by_name["a"].variant in ("fp8_dense", "fp8_2:4")
+    assert by_name["b"].variant == "fp8_dense" and not by_name["b"].timings_us  # no 2:4
