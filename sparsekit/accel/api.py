@@ -29,7 +29,6 @@ from sparsekit.accel.convert import (
     conv_skip_reason,
     mha_skip_reason,
 )
-from sparsekit.accel.graphs import CUDAGraphModule, tree_map
 from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checkpoint import is_2to4
@@ -42,15 +41,33 @@ _ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scal
 _W8A8 = {"fp8": "fp8", "int8": "int8"}  # quant scheme -> accel precision that keeps its numerics
 
 
+def tree_map(fn, obj):
+    """``fn`` applied to every tensor in nested lists, tuples (named too), dicts and dataclasses
+    (HF ``ModelOutput`` included), each container rebuilt as its own type."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: tree_map(fn, getattr(obj, f.name))
+                            for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(tree_map(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        out = {k: tree_map(fn, v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
+    return obj
+
+
 def _compile_count() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 class AcceleratedModel(nn.Module):
     """The accelerated model: ``model`` (its linears replaced by kernel modules) run through
-    ``torch.compile`` (or, with ``compile=False, graphs=True``, through sparsekit's own CUDA
-    graphs per input shape; or eagerly). Floating inputs are cast to bfloat16 and moved to the
-    model's device. Outputs keep their types (HF ``ModelOutput``, tuples, dataclasses).
+    ``torch.compile`` (or eagerly with ``compile=False``). Floating inputs are cast to
+    bfloat16 and moved to the model's device. Outputs keep their types (HF ``ModelOutput``,
+    tuples, dataclasses).
 
     ``sparsekit_report`` (also ``report``) is the :class:`AccelReport`; ``report.compiles``
     counts the graphs the compiler built so far (a new input shape may add one; torch's
@@ -63,9 +80,7 @@ class AcceleratedModel(nn.Module):
 
     def __init__(self, model: nn.Module, report: AccelReport, device: torch.device, *,
                  compile: bool = True, mode: str | None = None, dynamic: bool | None = None,
-                 backend: str = "inductor", graphs: bool = False,
-                 batch_buckets: Sequence[int] | None = None, clone_outputs: bool = True,
-                 max_compiles: int = 8):
+                 backend: str = "inductor", clone_outputs: bool = True, max_compiles: int = 8):
         super().__init__()
         self.model = model
         self.sparsekit_report = report
@@ -76,8 +91,6 @@ class AcceleratedModel(nn.Module):
             if mode is None:
                 mode = "reduce-overhead" if device.type == "cuda" else "default"
             runner = torch.compile(model, mode=mode, dynamic=dynamic, backend=backend)
-        elif graphs:
-            runner = CUDAGraphModule(model, batch_buckets, clone_outputs=False)
         else:
             runner = model
         self.compiled = compile
@@ -248,8 +261,6 @@ def accelerate(
     search_algs: bool = True,
     plan_cache: bool = True,
     clone_outputs: bool = True,
-    graphs: bool = False,
-    batch_buckets: Sequence[int] | None = None,
     fuse: bool = False,
 ) -> AcceleratedModel:
     """Run ``model``'s linear layers on sparse / low-precision kernels, the model compiled.
@@ -276,8 +287,8 @@ def accelerate(
     "default" on CPU. Varying input shapes: with ``dynamic=None`` a second shape recompiles
     once with dynamic sizes (torch's automatic dynamic shapes), ``dynamic=True`` compiles
     dynamic from the start; ``report.compiles`` counts what was built, and a warning names a
-    count over 8. ``compile=False, graphs=True``: sparsekit's own CUDA graphs around the eager
-    model, one per input shape (``batch_buckets`` pads dim 0), kept for comparison.
+    count over 8. ``compile=False`` runs the model eagerly (slow on CUDA: cuSPARSELt builds its
+    plan on every call; for tests and debugging).
     ``fused_quant``: activation quantization as plain torch ops the compiler fuses into its
     producer (default) or as the opaque ``sparsekit::quant_rows`` op. ``fuse`` (sibling q/k/v
     fusion) is no longer done: it needed to compare input tensor versions in the forward,
@@ -382,9 +393,8 @@ def accelerate(
     plan.save()
     report.seconds["plan"] = time.perf_counter() - t0
     fast = AcceleratedModel(model, report, device, compile=compile, mode=mode, dynamic=dynamic,
-                            backend=backend, graphs=graphs, batch_buckets=batch_buckets,
-                            clone_outputs=clone_outputs)
-    if compile or graphs:  # first call compiles / captures: its time is part of accelerate's
+                            backend=backend, clone_outputs=clone_outputs)
+    if compile:  # the first call compiles: its time is part of accelerate's
         t1 = time.perf_counter()
         _call(fast, inputs)
         if device.type == "cuda":

@@ -16,7 +16,6 @@ from sparsekit.accel.convert import (
     conv_skip_reason,
     mha_skip_reason,
 )
-from sparsekit.accel.graphs import CUDAGraphModule
 from sparsekit.accel.report import AccelReport, LayerDecision, decide, log_accel_report
 
 # timings recorded on the H200 (us), 4096x11008 weight, 4096 tokens, best alg per variant
@@ -168,16 +167,6 @@ def test_report_bound_is_amdahl_over_timed_linears():
     assert report.to_dict()["bound"]["max_speedup"] == pytest.approx(1.5)
     assert "so at most 1.50x for the model" in report.to_markdown()
     assert report.model_speedup <= b["max_speedup"]
-
-
-def test_graph_buckets_pure_logic():
-    g = CUDAGraphModule(nn.Identity(), batch_buckets=[8, 1, 32])
-    assert [g.bucket(n) for n in (1, 2, 8, 9, 32, 33)] == [1, 8, 8, 32, 32, 33]
-    assert CUDAGraphModule(nn.Identity()).bucket(5) == 5
-    with pytest.raises(ValueError, match="batch_buckets"):
-        CUDAGraphModule(nn.Identity(), batch_buckets=[0, 4])
-    with pytest.raises(ValueError, match="max_graphs"):
-        CUDAGraphModule(nn.Identity(), max_graphs=0)
 
 
 def test_alg_cache_roundtrip(tmp_path, monkeypatch):
