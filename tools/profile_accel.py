@@ -3,9 +3,10 @@
     python tools/profile_accel.py --out-dir out [--tokens 4096]
 
 Builds the Llama-7B-shaped decoder layer of tools/bench_gpu.py with magnitude 2:4 weights,
-accelerates it per (precision, fuse) and profiles a few eager forwards (torch.profiler, CUDA
-kernel time summed by kernel name); also times the whole layer under a CUDA graph. Writes
-profile.json and prints the top kernels of each variant.
+accelerates it per (precision, activation quantization fused by the compiler or as an opaque
+op), compiled (inductor, no CUDA graphs of its own), and profiles a few forwards
+(torch.profiler, CUDA kernel time summed by kernel name); also times the whole layer under a
+CUDA graph. Writes profile.json and prints the top kernels of each variant.
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ def main(argv=None) -> int:
                              "kernels": kernels_of(lambda: dense(x))}
     dense = None
     for precision in ("bf16", "fp8"):
-        for fuse in (False, True):
+        for fused in ((True,) if precision == "bf16" else (False, True)):
             fast = sk.accelerate(copy.deepcopy(master), x, precision=precision, sparsity="2:4",
-                                 fuse=fuse, graphs=False)
+                                 mode="default", fused_quant=fused, clone_outputs=False)
             with torch.no_grad():
-                key = f"{precision}_2:4_{'fused' if fuse else 'unfused'}"
+                key = f"{precision}_2:4_{'fused' if fused else 'unfused'}_quant"
                 out[key] = {"graph_us": graph_time_us(lambda: fast(x), calls=1),  # noqa: B023
                             "kernels": kernels_of(lambda: fast(x))}  # noqa: B023
             fast = None

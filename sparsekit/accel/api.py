@@ -1,61 +1,126 @@
-"""``accelerate``: run a finalized (2:4-zeroed) model's linear layers on sparse / low-precision
-tensor cores, under CUDA graphs, keeping per layer only what measures faster."""
+"""``accelerate``: a finalized (2:4-zeroed, optionally quantized) model with its linear layers on
+sparse / low-precision kernels (``sparsekit::`` custom ops), the whole model compiled.
+
+The default path: layers swapped for :mod:`sparsekit.accel.kernels` modules, then the model
+through ``torch.compile(mode="reduce-overhead")``: inductor fuses the norms, rotary, SiLU*mul,
+residual adds, the per-token activation quantization and the 8-bit scale epilogues around the
+GEMMs, and CUDA graphs remove the host work (cuSPARSELt builds its plan on every call, 0.5-0.9 ms
+of host time, which graph replay skips). On CPU the same modules run the ops' plain-torch
+references (``device="cpu"``): the model structure, the traced graph and the numerics are the
+GPU's, the speed is not.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from sparsekit.accel import algsearch
-from sparsekit.accel import fuse as fuse_mod
+from sparsekit.accel import algsearch, planner
 from sparsekit.accel.convert import (
     Conv1x1AsLinear,
     SplitMultiheadAttention,
     conv_skip_reason,
     mha_skip_reason,
 )
-from sparsekit.accel.graphs import CUDAGraphModule, tree_map
 from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
-from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision, decide
-from sparsekit.accel.timing import graph_time_us
+from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checkpoint import is_2to4
+from sparsekit.quant.modules import QuantLinear
+
+log = logging.getLogger(__name__)
 
 SPARSITIES = ("2:4", "auto", "dense")
 _ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scaled_mm, _int_mm)
+_W8A8 = {"fp8": "fp8", "int8": "int8"}  # quant scheme -> accel precision that keeps its numerics
+
+
+def tree_map(fn, obj):
+    """``fn`` applied to every tensor in nested lists, tuples (named too), dicts and dataclasses
+    (HF ``ModelOutput`` included), each container rebuilt as its own type."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: tree_map(fn, getattr(obj, f.name))
+                            for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(tree_map(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        out = {k: tree_map(fn, v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
+    return obj
+
+
+def _compile_count() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 class AcceleratedModel(nn.Module):
-    """The accelerated model: ``model`` with kernel modules in place of its linears, run
-    through CUDA graphs per input-shape bucket. ``sparsekit_report`` (also ``report``) holds the
-    :class:`~sparsekit.accel.report.AccelReport`. Floating inputs are cast to bfloat16."""
+    """The accelerated model: ``model`` (its linears replaced by kernel modules) run through
+    ``torch.compile`` (or eagerly with ``compile=False``). Floating inputs are cast to
+    bfloat16 and moved to the model's device. Outputs keep their types (HF ``ModelOutput``,
+    tuples, dataclasses).
+
+    ``sparsekit_report`` (also ``report``) is the :class:`AccelReport`; ``report.compiles``
+    counts the graphs the compiler built so far (a new input shape may add one; torch's
+    ``torch._dynamo.config.recompile_limit`` bounds them, after which the frame runs eagerly).
+    ``clone_outputs``: under CUDA graphs an output lives in the graph's memory until the next
+    call; cloning hands out tensors of your own (turn it off when you consume each output
+    before the next call)."""
 
     _sparsekit_accelerated = True
 
-    def __init__(self, model: nn.Module, report: AccelReport, graphs: bool = True,
-                 batch_buckets: Sequence[int] | None = None):
+    def __init__(self, model: nn.Module, report: AccelReport, device: torch.device, *,
+                 compile: bool = True, mode: str | None = None, dynamic: bool | None = None,
+                 backend: str = "inductor", clone_outputs: bool = True, max_compiles: int = 8):
         super().__init__()
         self.model = model
         self.sparsekit_report = report
+        self.device = device
+        self.clone_outputs = clone_outputs
+        self.max_compiles = max_compiles
+        if compile:
+            if mode is None:
+                mode = "reduce-overhead" if device.type == "cuda" else "default"
+            runner = torch.compile(model, mode=mode, dynamic=dynamic, backend=backend)
+        else:
+            runner = model
+        self.compiled = compile
         # kept out of the module tree: the model's tensors are listed once, under ``model.``
-        self.__dict__["runner"] = CUDAGraphModule(model, batch_buckets) if graphs else model
+        self.__dict__["runner"] = runner
 
     @property
     def report(self) -> AccelReport:
         return self.sparsekit_report
 
     def forward(self, *args, **kwargs):
-        args, kwargs = tree_map(_as_input, (args, kwargs))
+        args, kwargs = tree_map(self._as_input, (args, kwargs))
+        before = _compile_count() if self.compiled else 0
         with torch.no_grad():
-            return self.runner(*args, **kwargs)
+            out = self.runner(*args, **kwargs)
+        if self.compiled:
+            new = _compile_count() - before
+            if new:
+                self.report.compiles += new
+                if self.report.compiles > self.max_compiles:
+                    log.warning("sk.accelerate: the model was compiled %d times (input shapes "
+                                "vary); pass dynamic=True or fixed shapes",
+                                self.report.compiles)
+        if self.clone_outputs and self.device.type == "cuda":
+            out = tree_map(torch.clone, out)
+        return out
 
-
-def _as_input(t: torch.Tensor) -> torch.Tensor:
-    t = t.cuda()
-    return t.to(torch.bfloat16) if t.is_floating_point() else t
+    def _as_input(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        return t.to(torch.bfloat16) if t.is_floating_point() else t
 
 
 def _call(model: nn.Module, inputs: Any):
@@ -67,17 +132,17 @@ def _call(model: nn.Module, inputs: Any):
 
 
 def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
-               out_features: int) -> tuple[list[str], str]:
-    """Candidate variants for one linear (bf16 dense always first) and why the list is what it
-    is. Pure; the planner times the candidates when there is more than one to choose from."""
+               out_features: int, dense_precision: str = "bf16") -> tuple[list[str], str]:
+    """Candidate variants for one linear (bf16 dense always first; the last one is what
+    sparsity "2:4"/"dense" installs) and why the list is what it is. Pure."""
     if in_features % _ALIGN or out_features % _ALIGN:
         return [BASELINE], (f"in/out features {in_features}/{out_features} not multiples of "
                             f"{_ALIGN}: stays bf16 dense")
     if sparsity == "dense":
         return list(dict.fromkeys([BASELINE, variant_name(precision, False)])), "sparsity=dense"
     if not has_2to4:
-        return (list(dict.fromkeys([BASELINE, variant_name(precision, False)])),
-                "weight holds no 2:4 pattern")
+        return (list(dict.fromkeys([BASELINE, variant_name(dense_precision, False)])),
+                f"weight holds no 2:4 pattern: {dense_precision} dense")
     if sparsity == "2:4":
         return [BASELINE, variant_name(precision, True)], "2:4 pattern"
     cands = [BASELINE, variant_name(precision, False), "bf16_2:4", variant_name(precision, True)]
@@ -104,84 +169,78 @@ def _convert(model: nn.Module, exclude: Sequence[str], report: AccelReport) -> N
             model.set_submodule(name, new)
 
 
-def _plan_layer(lin: nn.Linear, m: int, cands: list[str], decision: LayerDecision,
-                sparsity: str, min_speedup: float, search_algs: bool,
-                searched: dict[tuple, int]) -> nn.Module | None:
-    """Build and time the candidate variants of one linear at ``m`` tokens (under graph
-    replay), fill ``decision`` and return the module to use, or None to keep the Linear."""
-    x = torch.randn(m, lin.in_features, device="cuda", dtype=torch.bfloat16)
-    built: dict[str, nn.Module] = {}
-    for v in cands:
-        mod = _build(v, lin, m, searched, search_algs)
-        if VARIANTS[v].uses_alg:
-            decision.alg_ids[v] = mod.alg_id
-        built[v] = mod
+def _tokens(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, int]:
+    """One eager forward: the number of input rows each linear ``names`` is first called with."""
+    tokens: dict[str, int] = {}
+    hooks = []
+    for name in names:
+        def hook(m, args, name=name):
+            tokens.setdefault(name, args[0].numel() // m.in_features)
+
+        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    try:
         with torch.no_grad():
-            decision.timings_us[v] = graph_time_us(lambda: mod(x))  # noqa: B023 (called now)
-    if sparsity != "auto":
-        decision.variant = cands[-1]
-        return built[decision.variant]
-    decision.variant, _ = decide(decision.timings_us, min_speedup)
-    if decision.variant == BASELINE:
-        return None
-    # time the winner against dense once more: a noisy first pick must not stay
-    with torch.no_grad():
-        t_new = graph_time_us(lambda: built[decision.variant](x))
-        t_base = graph_time_us(lambda: built[BASELINE](x))
-    decision.confirmed_speedup = t_base / t_new
-    if decision.confirmed_speedup < 1.0:
-        decision.variant = BASELINE
-        decision.reason += "; reverted: slower than dense when re-timed"
-        return None
-    return built[decision.variant]
+            _call(model, inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return tokens
 
 
-def _build(variant: str, lin: nn.Linear, m: int, searched: dict[tuple, int],
-           search_algs: bool) -> nn.Module:
-    key = (variant, lin.out_features, lin.in_features, m)
-    if VARIANTS[variant].uses_alg and search_algs and key not in searched:
-        mod, searched[key], _ = algsearch.search(variant, lin, m)
-        return mod
-    return VARIANTS[variant](lin, alg_id=searched.get(key, 0))
+def _weight_24(layer: nn.Module) -> bool:
+    w = layer.weight if not isinstance(layer, QuantLinear) else layer.weight.float()
+    return is_2to4(w)
 
 
-def _keep_faster_fusion(model: nn.Module, inputs: Any, fused: list, searched: dict,
-                        search_algs: bool, report: AccelReport) -> float:
-    """Fusion is kept where the whole model measures faster with it. A wider GEMM is faster by
-    itself, but its members' outputs are strided slices, and what reads them may slow down (an
-    elementwise SwiGLU on two slices leaves PyTorch's vectorized path). So the groups of one
-    kind (same member names and shapes, e.g. every layer's gate_proj+up_proj) are split back
-    into separate GEMMs together, the model is timed again, and the faster form stays.
-    Returns the time (us) of the model as left."""
-    kinds: dict[tuple, list] = {}
-    for unit, members, decision in fused:
-        kind = (tuple(n.rsplit(".", 1)[-1] for n in unit),
-                tuple((lin.out_features, lin.in_features) for lin in members))
-        kinds.setdefault(kind, []).append((unit, members, decision))
-    with torch.no_grad():
-        t_best = graph_time_us(lambda: _call(model, inputs), calls=1)
-    for kind, groups in kinds.items():
-        slices = {n: model.get_submodule(n) for unit, _, _ in groups for n in unit}
-        for unit, members, decision in groups:
-            for name, lin in zip(unit, members):
-                model.set_submodule(name, _build(decision.variant, lin, decision.tokens,
-                                                 searched, search_algs))
-        with torch.no_grad():
-            t_split = graph_time_us(lambda: _call(model, inputs), calls=1)
-        label = "+".join(kind[0])
-        if t_split < t_best:
-            for _, _, decision in groups:
-                decision.reason += (f"; run as separate GEMMs: the model measured faster so "
-                                    f"({t_split:.1f} us vs {t_best:.1f} us fused)")
-            report.notes.append(f"fusion of {label} ({len(groups)} groups) dropped: model "
-                                f"{t_split:.1f} us split vs {t_best:.1f} us fused")
-            t_best = t_split
-        else:
-            for name, mod in slices.items():
-                model.set_submodule(name, mod)
-            report.notes.append(f"fusion of {label} ({len(groups)} groups) kept: model "
-                                f"{t_best:.1f} us fused vs {t_split:.1f} us split")
-    return t_best
+class _Planner:
+    """Builds variant modules for layers, with alg search and cached timings (auto)."""
+
+    def __init__(self, device: torch.device, search_algs: bool, use_cache: bool,
+                 fused_quant: bool, backend: str):
+        self.device, self.search_algs, self.use_cache = device, search_algs, use_cache
+        self.fused_quant, self.backend = fused_quant, backend
+        self.algs: dict[tuple, int] = {}
+        self.cache = planner.load() if use_cache else {}
+        self.new: dict[str, dict] = {}
+        self.name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+    def build(self, variant: str, layer: nn.Module, m: int) -> nn.Module:
+        cls = VARIANTS[variant]
+        key = (variant, layer.out_features, layer.in_features, m)
+        if cls.uses_alg and self.device.type == "cuda" and self.search_algs:
+            if key not in self.algs:
+                hit = self.cache.get(self._key(variant, layer, m), {})
+                if "alg_id" in hit:
+                    self.algs[key] = int(hit["alg_id"])
+                else:
+                    mod, self.algs[key], _ = algsearch.search(variant, layer, m,
+                                                              use_cache=self.use_cache)
+                    mod.fused_quant = self.fused_quant
+                    return mod
+        return cls(layer, alg_id=self.algs.get(key, 0), fused_quant=self.fused_quant)
+
+    def _key(self, variant: str, layer: nn.Module, m: int) -> str:
+        return planner.plan_key(self.name, torch.__version__, variant, layer.out_features,
+                                layer.in_features, m)
+
+    def time(self, variant: str, layer: nn.Module, m: int) -> float:
+        """Microseconds of ``variant`` for ``layer`` at ``m`` tokens, compiled (cached)."""
+        key = self._key(variant, layer, m)
+        hit = self.cache.get(key)
+        if hit is not None and "us" in hit:
+            return float(hit["us"])
+        mod = self.build(variant, layer, m)
+        x = torch.randn(m, layer.in_features, device=self.device, dtype=torch.bfloat16)
+        us = planner.time_module(mod, x, self.backend)
+        entry = {"us": us}
+        if mod.uses_alg:
+            entry["alg_id"] = mod.alg_id
+        self.cache[key] = self.new[key] = entry
+        return us
+
+    def save(self) -> None:
+        if self.use_cache and self.new:
+            planner.store(self.new)
 
 
 def accelerate(
@@ -192,116 +251,172 @@ def accelerate(
     min_speedup: float = 1.0,
     *,
     exclude: Sequence[str] = (),
-    graphs: bool = True,
-    batch_buckets: Sequence[int] | None = None,
+    dense_precision: str = "bf16",
+    device: str | torch.device | None = None,
+    compile: bool = True,
+    mode: str | None = None,
+    dynamic: bool | None = None,
+    backend: str = "inductor",
+    fused_quant: bool = True,
     search_algs: bool = True,
-    fuse: bool = True,
+    plan_cache: bool = True,
+    clone_outputs: bool = True,
+    fuse: bool = False,
 ) -> AcceleratedModel:
-    """Run ``model``'s linear layers on sparse / low-precision tensor cores.
+    """Run ``model``'s linear layers on sparse / low-precision kernels, the model compiled.
 
     ``model``: weights already hold their 2:4 zeros (after ``Pruner.finalize()``); layers
-    without a 2:4 pattern stay dense. ``example_inputs``: a tensor, tuple (``model(*x)``) or dict
-    (``model(**x)``) of the shape you will serve; per-layer timings are taken at its token count.
-    ``precision``: "bf16" | "fp8" (e4m3) | "int8", W8A8 with dynamic activation scales.
-    ``sparsity``: "2:4" (every 2:4 layer sparse), "dense" (precision only), or "auto" (per layer
-    the fastest measured of bf16 dense, precision dense, bf16 2:4 and precision 2:4, kept only
-    when it beats bf16 dense by ``min_speedup``; the whole model reverts to dense if it ends up
-    slower). Timings are taken once per GEMM shape (N, K, tokens) under CUDA-graph replay and
-    shared by the layers of that shape. ``exclude``: fnmatch globs of module names to leave
-    alone. ``graphs``: run through CUDA graphs, one per input-shape bucket (``batch_buckets``
-    pads dim 0 to fixed sizes). ``fuse``: linears that read the same input tensor (q/k/v,
-    gate/up) and agree on 2:4 run as one wider GEMM (:mod:`sparsekit.accel.fuse`), planned as
-    one unit named "a+b+c" in the report.
+    without a 2:4 pattern run as ``dense_precision`` ("bf16" by default; "fp8" runs e.g. an LM
+    head as fp8 dense). A model quantized with ``sk.quantize_`` or QAT (``QuantLinear`` layers,
+    scheme "fp8" or "int8") is built from its 8-bit weights and scales as they are, and its
+    activations are quantized exactly as quant/ does (per token, same rounding): ``precision``
+    must then be that scheme. ``example_inputs``: a tensor, tuple (``model(*x)``) or dict
+    (``model(**x)``) of the shape you will serve; planning uses its token count.
+    ``precision``: "bf16" | "fp8" (e4m3) | "int8", the 8-bit ones W8A8 with per-token dynamic
+    activation scales. ``sparsity``: "2:4" (every 2:4 layer sparse), "dense" (precision only),
+    or "auto" (per GEMM shape the fastest of bf16 dense, precision dense, bf16 2:4 and precision
+    2:4, each compiled and timed as it will run, kept only when it beats bf16 dense by
+    ``min_speedup``; at decode sizes, M <= 64, 2:4 must also beat the dense variants). Timings
+    and cuSPARSELt algorithms are cached on disk (:mod:`sparsekit.accel.planner`;
+    ``plan_cache=False`` re-measures). ``exclude``: fnmatch globs of module names never touched.
 
-    Modifies ``model`` in place (moved to CUDA, bfloat16, eval) and returns the
+    ``device``: "cuda" (default when a GPU is visible) or "cpu": on CPU the same modules run the
+    ``sparsekit::`` ops' plain-torch reference kernels (for tests, tracing, numerics; not speed).
+    ``compile`` (default): the model runs through ``torch.compile(mode=mode, dynamic=dynamic,
+    backend=backend)``; ``mode`` defaults to "reduce-overhead" (CUDA graphs) on CUDA and
+    "default" on CPU. Varying input shapes: with ``dynamic=None`` a second shape recompiles
+    once with dynamic sizes (torch's automatic dynamic shapes), ``dynamic=True`` compiles
+    dynamic from the start; ``report.compiles`` counts what was built, and a warning names a
+    count over 8. ``compile=False`` runs the model eagerly (slow on CUDA: cuSPARSELt builds its
+    plan on every call; for tests and debugging).
+    ``fused_quant``: activation quantization as plain torch ops the compiler fuses into its
+    producer (default) or as the opaque ``sparsekit::quant_rows`` op. ``fuse`` (sibling q/k/v
+    fusion) is no longer done: it needed to compare input tensor versions in the forward,
+    which the compiler cannot trace; a True value is noted in the report.
+
+    Modifies ``model`` in place (moved to ``device``, bfloat16, eval) and returns the
     :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if dense_precision not in PRECISIONS:
+        raise ValueError(f"dense_precision must be one of {PRECISIONS}, got {dense_precision!r}")
     if sparsity not in SPARSITIES:
         raise ValueError(f"sparsity must be one of {SPARSITIES}, got {sparsity!r}")
     if not min_speedup > 0:
         raise ValueError(f"min_speedup must be > 0, got {min_speedup}")
-    if not torch.cuda.is_available():
-        raise RuntimeError("sk.accelerate needs a CUDA GPU (sparse tensor cores); none is visible")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("sk.accelerate needs a CUDA GPU (sparse tensor cores); none is "
+                               "visible (device='cpu' runs the reference kernels, for tests)")
+        device = "cuda"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
-    report = AccelReport(precision, sparsity, float(min_speedup), torch.cuda.get_device_name())
-    model = model.eval().to("cuda", torch.bfloat16)
-    inputs = tree_map(_as_input, example_inputs)
-    with torch.no_grad():
-        report.model_us["dense"] = graph_time_us(lambda: _call(model, inputs), calls=1)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = AccelReport(precision, sparsity, float(min_speedup), dev_name)
+    if fuse:
+        report.notes.append("fuse=True ignored: sibling fusion is not done on the compiled "
+                            "path (see docs/gpu.md)")
+    t0 = time.perf_counter()
+    model = model.eval().to(device, torch.bfloat16)
+    inputs = tree_map(lambda t: t.to(device).to(torch.bfloat16) if t.is_floating_point()
+                      else t.to(device), example_inputs)
     _convert(model, exclude, report)
     names = [n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
-    tokens, groups = fuse_mod.observe(model, lambda: _call(model, inputs), names)
+             if isinstance(m, (nn.Linear, QuantLinear))
+             and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+    for n in names:
+        q = model.get_submodule(n)
+        if isinstance(q, QuantLinear) and q.scheme in _W8A8 and _W8A8[q.scheme] != precision:
+            raise ValueError(f"layer {n!r} is quantized with {q.scheme!r}: accelerate it with "
+                             f"precision={_W8A8[q.scheme]!r} (its numerics), got {precision!r}")
+    tokens = _tokens(model, inputs, names)
     for name in names:
         if name not in tokens:
             report.skipped[name] = "not called on the example inputs"
-    # units to plan: single linears, and sibling groups (same input) fused into one GEMM
-    units: list[list[str]] = []
-    if fuse:
-        for group in groups:
-            lins = [model.get_submodule(n) for n in group]
-            if len({is_2to4(lin.weight) for lin in lins}) == 1 and all(
-                    lin.out_features % _ALIGN == 0 for lin in lins):
-                units.append(group)
-    grouped = {n for g in units for n in g}
-    units += [[n] for n in names if n in tokens and n not in grouped]
-    units.sort(key=lambda g: names.index(g[0]))
-    originals: dict[str, nn.Module] = {}
-    searched: dict[tuple, int] = {}
-    planned: dict[tuple, LayerDecision] = {}
-    fused: list[tuple[list[str], list[nn.Linear], LayerDecision]] = []
-    for unit in units:
-        members = [model.get_submodule(n) for n in unit]
-        lin = members[0] if len(unit) == 1 else fuse_mod.fused_linear(members)
-        m = tokens[unit[0]]
-        has24 = is_2to4(lin.weight)
-        cands, reason = layer_plan(has24, precision, sparsity, lin.in_features, lin.out_features)
-        if len(unit) > 1:
-            reason = f"{reason}; {len(unit)} siblings (one input) fused into one GEMM"
-        decision = LayerDecision("+".join(unit), lin.out_features, lin.in_features, m, has24,
+    plan = _Planner(device, search_algs, plan_cache, fused_quant, backend)
+    decided: dict[tuple, tuple[str, str, dict]] = {}
+    for name in names:
+        if name not in tokens:
+            continue
+        layer = model.get_submodule(name)
+        m = tokens[name]
+        has24 = _weight_24(layer)
+        cands, reason = layer_plan(has24, precision, sparsity, layer.in_features,
+                                   layer.out_features, dense_precision)
+        quantized = isinstance(layer, QuantLinear) and layer.scheme in _W8A8
+        if quantized:  # only variants with the layer's own numerics: its scheme, dense or 2:4
+            reason = f"quantized ({layer.scheme}): its weights, scales and activation numerics"
+            if layer.in_features % _ALIGN or layer.out_features % _ALIGN:  # quant's forward
+                report.layers.append(LayerDecision(name, layer.out_features, layer.in_features,
+                                                   m, has24, "QuantLinear", reason + "; "
+                                                   "in/out features not multiples of 32: kept"))
+                continue
+            cands = [variant_name(precision, False)] + (
+                [variant_name(precision, True)] if has24 and sparsity != "dense" else [])
+        decision = LayerDecision(name, layer.out_features, layer.in_features, m, has24,
                                  BASELINE, reason)
         report.layers.append(decision)
-        if cands == [BASELINE]:
-            continue
-        shape_key = (lin.out_features, lin.in_features, m, tuple(cands))
-        if shape_key in planned:  # same GEMM shape as an earlier layer: same timings
-            first = planned[shape_key]
-            decision.timings_us, decision.alg_ids = dict(first.timings_us), dict(first.alg_ids)
-            decision.variant, decision.reason = first.variant, first.reason
-            decision.confirmed_speedup = first.confirmed_speedup
-            chosen = None if first.variant == BASELINE else \
-                _build(first.variant, lin, m, searched, search_algs)
+        if quantized and sparsity == "auto" and len(cands) > 1:
+            timings = {v: plan.time(v, layer, m) for v in cands}
+            decision.variant = min(timings, key=timings.get)
+            decision.timings_us = timings
+            decision.reason += f"; faster measured at M={m}"
+        elif sparsity != "auto" or len(cands) == 1:
+            decision.variant = cands[-1]
         else:
-            planned[shape_key] = decision
-            chosen = _plan_layer(lin, m, cands, decision, sparsity, min_speedup, search_algs,
-                                 searched)
-        if chosen is None:
-            continue
-        originals.update(zip(unit, members))
-        if len(unit) == 1:
-            model.set_submodule(unit[0], chosen)
-        else:
-            fuse_mod.install(model, unit, chosen, [mem.out_features for mem in members])
-            fused.append((unit, members, decision))
-    if fused:  # times the model as it leaves it: that is the accelerated time
-        report.model_us["accelerated"] = _keep_faster_fusion(model, inputs, fused, searched,
-                                                             search_algs, report)
-    else:
-        with torch.no_grad():
-            report.model_us["accelerated"] = graph_time_us(lambda: _call(model, inputs), calls=1)
-    if sparsity == "auto" and report.model_us["accelerated"] > report.model_us["dense"]:
-        for name, lin in originals.items():
-            model.set_submodule(name, lin)
-        for d in report.layers:
-            d.variant, d.reason = BASELINE, d.reason + "; model reverted: slower than dense"
-        report.notes.append("auto: the accelerated model was slower than dense, all layers "
-                            "reverted to bf16 dense")
-        with torch.no_grad():
-            report.model_us["accelerated"] = graph_time_us(lambda: _call(model, inputs), calls=1)
-    del originals
-    torch.cuda.empty_cache()
-    return AcceleratedModel(model, report, graphs=graphs, batch_buckets=batch_buckets)
+            key = (layer.out_features, layer.in_features, m, tuple(cands))
+            if key not in decided:
+                timings = {}
+                for v in cands:
+                    try:
+                        timings[v] = plan.time(v, layer, m)
+                    except RuntimeError as e:  # a kernel this shape cannot run: not a candidate
+                        if v == BASELINE:
+                            raise
+                        report.notes.append(f"{v} at {layer.out_features}x{layer.in_features}, "
+                                            f"M={m} did not run: {str(e).splitlines()[0][:120]}")
+                variant, why = planner.choose(timings, m, min_speedup)
+                decided[key] = (variant, why, timings)
+            decision.variant, why, decision.timings_us = decided[key][0], decided[key][1], \
+                dict(decided[key][2])
+            decision.reason = f"{reason}; {why}"
+        if decision.variant == BASELINE and not isinstance(layer, QuantLinear):
+            continue  # a float Linear stays as it is (cuBLAS bf16)
+        mod = plan.build(decision.variant, layer, m)
+        if mod.uses_alg:
+            decision.alg_ids[decision.variant] = mod.alg_id
+        model.set_submodule(name, mod)
+    plan.save()
+    report.seconds["plan"] = time.perf_counter() - t0
+    fast = AcceleratedModel(model, report, device, compile=compile, mode=mode, dynamic=dynamic,
+                            backend=backend, clone_outputs=clone_outputs)
+    if compile:  # the first call compiles: its time is part of accelerate's
+        t1 = time.perf_counter()
+        _call(fast, inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        report.seconds["compile"] = time.perf_counter() - t1
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return fast
 
 
-__all__ = ["AcceleratedModel", "accelerate", "layer_plan"]
+def output_types_equal(a: Any, b: Any) -> bool:
+    """Whether two outputs have the same structure of types (used by tests and tools)."""
+    if type(a) is not type(b):
+        return False
+    if dataclasses.is_dataclass(a):
+        return all(output_types_equal(getattr(a, f.name), getattr(b, f.name))
+                   for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(output_types_equal, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(output_types_equal(a[k], b[k]) for k in a)
+    return True
+
+
+__all__ = ["AcceleratedModel", "accelerate", "layer_plan", "output_types_equal"]

@@ -59,8 +59,9 @@ class LayerDecision:
 
 @dataclass
 class AccelReport:
-    """What ``sk.accelerate`` did: per-layer decisions, skipped modules with reasons, and the
-    whole model timed under CUDA graphs before and after (microseconds per call)."""
+    """What ``sk.accelerate`` did: per-layer decisions, skipped modules with reasons, the
+    whole model's time before and after where measured (microseconds per call), planning and
+    compile seconds, and how many graphs the compiler built (recompiles = compiles - 1)."""
 
     precision: str
     sparsity: str
@@ -70,6 +71,8 @@ class AccelReport:
     skipped: dict[str, str] = field(default_factory=dict)
     model_us: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # "plan", "compile" (first call)
+    compiles: int = 0  # graphs torch.compile built for this model (1 + recompiles)
 
     @property
     def model_speedup(self) -> float | None:

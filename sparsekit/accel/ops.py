@@ -1,0 +1,175 @@
+"""The accelerated layers' kernels as PyTorch custom ops (namespace ``sparsekit::``).
+
+Each op has a CUDA implementation (cuSPARSELt, ``torch._scaled_mm``, ``torch._int_mm``), a CPU
+reference that computes the same numbers in plain torch, and a fake (meta) implementation, so
+``torch.compile`` traces a model that calls them without graph breaks and without running them.
+Nothing in a forward reads tensor data on the host.
+
+- ``sparse24_mm(x, packed, bias, out_features, alg_id, out_dtype)``: ``x @ W.T (+ bias)`` for a
+  2:4 weight W (N, K). On CUDA ``packed`` is W compressed by ``torch._cslt_compress`` (values
+  and metadata, opaque); on CPU it is W itself, dense with its zeros (:func:`pack_24`). ``x``
+  (M, K) is bf16, float8 e4m3fn or int8 with W of the same dtype; the 8-bit products come back
+  unscaled (``out_dtype`` bf16, or int32 for int8 where cuSPARSELt offers it): the scales are
+  applied by the caller in plain torch, where the compiler fuses them into what follows.
+- ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
+  ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
+- ``quant_rows(x, dtype)`` / ``quant_tensor(x, dtype)``: dynamic activation quantization, per
+  token (row) or per tensor, with the numerics of :mod:`sparsekit.quant.numerics` (absmax
+  scales, int8 rounds half to even). The layers call the same plain-torch definitions directly
+  (:func:`act_quant_rows`) so inductor fuses them into the op that produces the activation;
+  the op form is the opaque (unfused) alternative, kept to measure the difference.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from sparsekit.quant.formats import FP8, INT8, Format
+from sparsekit.quant.kernels import scaled_matmul
+from sparsekit.quant.numerics import absmax_scale, quantize, row_scales
+
+_FORMATS = {torch.int8: INT8, torch.float8_e4m3fn: FP8}
+_M_MULTIPLE = 16  # rows the 8-bit and 2:4 CUDA kernels take as they are; fewer are padded
+
+
+def fmt_of(dtype: torch.dtype) -> Format:
+    """The quant :class:`Format` stored as ``dtype`` (int8 or float8 e4m3fn)."""
+    if dtype not in _FORMATS:
+        raise ValueError(f"quantized dtype must be torch.int8 or torch.float8_e4m3fn, got {dtype}")
+    return _FORMATS[dtype]
+
+
+def act_quant_rows(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization of x (M, K): (q (M, K) in ``fmt.dtype``, scale (M, 1) float32),
+    exactly what :class:`~sparsekit.quant.QuantLinear` does to its input. Plain torch ops."""
+    scale = row_scales(x, fmt)
+    return quantize(x, scale, fmt), scale
+
+
+def act_quant_tensor(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor quantization of x: (q in ``fmt.dtype``, scale (1,) float32). Plain torch."""
+    scale = absmax_scale(x.detach().abs().amax(), fmt).reshape(1)
+    return quantize(x, scale, fmt), scale
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    m = x.shape[0]
+    if m % multiple == 0 and m > 0:
+        return x
+    out = torch.zeros((max(multiple, -(-m // multiple) * multiple), x.shape[1]), dtype=x.dtype,
+                      device=x.device)
+    out[:m] = x
+    return out
+
+
+# --- sparse24_mm -------------------------------------------------------------------------------
+
+@torch.library.custom_op("sparsekit::sparse24_mm", mutates_args=(), device_types="cuda")
+def sparse24_mm(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                out_features: int, alg_id: int, out_dtype: torch.dtype) -> torch.Tensor:
+    m = x.shape[0]
+    xp = _pad_rows(x, _M_MULTIPLE)
+    # cuSPARSELt takes out_dtype for 8-bit inputs only; bf16 in gives bf16 out
+    y = torch._cslt_sparse_mm(packed, xp.t(), bias, transpose_result=True, alg_id=alg_id,
+                              out_dtype=None if x.dtype == out_dtype else out_dtype)
+    return y[:m] if xp.shape[0] != m else y
+
+
+@sparse24_mm.register_kernel("cpu")
+def _sparse24_mm_ref(x, packed, bias, out_features, alg_id, out_dtype):
+    if x.dtype == torch.int8:  # exact integer products
+        y = (x.long() @ packed.long().t()).to(torch.int32)
+        return y if out_dtype == torch.int32 else y.float().to(out_dtype)
+    y = F.linear(x.float(), packed.float(), None if bias is None else bias.float())
+    return y.to(out_dtype)
+
+
+@sparse24_mm.register_fake
+def _sparse24_mm_fake(x, packed, bias, out_features, alg_id, out_dtype):
+    return x.new_empty((x.shape[0], out_features), dtype=out_dtype)
+
+
+def pack_24(weight: torch.Tensor) -> torch.Tensor:
+    """A 2:4 weight (N, K) in the form ``sparse24_mm`` takes on its device: cuSPARSELt's
+    compressed buffer on CUDA, the dense weight itself on CPU."""
+    weight = weight.contiguous()
+    return torch._cslt_compress(weight) if weight.is_cuda else weight.clone()
+
+
+@functools.cache
+def int8_acc_dtype(device_index: int) -> torch.dtype:
+    """int32 where this cuSPARSELt writes int8 2:4 products as int32 (exact), else bfloat16."""
+    dev = torch.device("cuda", device_index)
+    w = torch.zeros(32, 64, dtype=torch.int8, device=dev)
+    w[:, 0::4] = 3
+    x = torch.ones(32, 64, dtype=torch.int8, device=dev)
+    try:
+        y = torch._cslt_sparse_mm(torch._cslt_compress(w), x.t(), out_dtype=torch.int32,
+                                  transpose_result=True)
+        return torch.int32 if bool((y == 48).all()) else torch.bfloat16
+    except RuntimeError:
+        return torch.bfloat16
+
+
+# --- scaled_mm (dense W8A8) ------------------------------------------------------------------
+
+@torch.library.custom_op("sparsekit::scaled_mm", mutates_args=(), device_types="cuda")
+def scaled_mm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+              bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    m = xq.shape[0]
+    if xq.dtype == torch.int8:
+        acc = torch._int_mm(_pad_rows(xq, 32), wq.t())[:m]
+        y = acc.float() * x_scale * w_scale
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+    xp = _pad_rows(xq, _M_MULTIPLE)
+    sp = _pad_rows(x_scale, _M_MULTIPLE) if xp.shape[0] != m else x_scale
+    sw = w_scale.reshape(1, -1)
+    try:  # row-wise scales and bias in cuBLAS's epilogue
+        y = torch._scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sw, bias=bias, out_dtype=out_dtype)
+    except RuntimeError:  # a cuBLAS without bias for row-wise scaling: add it after
+        y = torch._scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sw, out_dtype=out_dtype)
+        y = y if bias is None else y + bias
+    return y[:m] if xp.shape[0] != m else y
+
+
+@scaled_mm.register_kernel("cpu")
+def _scaled_mm_ref(xq, wq, x_scale, w_scale, bias, out_dtype):
+    return scaled_matmul(xq, x_scale, wq, w_scale, bias, out_dtype)
+
+
+@scaled_mm.register_fake
+def _scaled_mm_fake(xq, wq, x_scale, w_scale, bias, out_dtype):
+    return xq.new_empty((xq.shape[0], wq.shape[0]), dtype=out_dtype)
+
+
+# --- activation quantization -----------------------------------------------------------------
+
+@torch.library.custom_op("sparsekit::quant_rows", mutates_args=())
+def quant_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = act_quant_rows(x, fmt_of(dtype))
+    return q, s
+
+
+@quant_rows.register_fake
+def _quant_rows_fake(x, dtype):
+    fmt_of(dtype)
+    return (x.new_empty(x.shape, dtype=dtype),
+            x.new_empty((x.shape[0], 1), dtype=torch.float32))
+
+
+@torch.library.custom_op("sparsekit::quant_tensor", mutates_args=())
+def quant_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = act_quant_tensor(x, fmt_of(dtype))
+    return q, s
+
+
+@quant_tensor.register_fake
+def _quant_tensor_fake(x, dtype):
+    fmt_of(dtype)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((1,), dtype=torch.float32)
+
+
+__all__ = ["act_quant_rows", "act_quant_tensor", "fmt_of", "int8_acc_dtype", "pack_24",
+           "quant_rows", "quant_tensor", "scaled_mm", "sparse24_mm"]

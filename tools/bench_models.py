@@ -1,0 +1,450 @@
+"""Whole models: sparsekit against the fastest dense bf16 way to run the same model, one GPU.
+
+    python tools/bench_models.py --out-dir out                     # H200: all sections
+    python tools/bench_models.py --models bert,vit --out-dir out   # some models
+    python tools/bench_models.py --smoke --out-dir /tmp/bm          # tiny configs on CPU (CI)
+
+Models (random weights built on the device; 2:4 by magnitude on every Linear but the LM head /
+classifier head; ViT's classifier head is removed, its features are the output):
+- ``llama``: HF ``LlamaForCausalLM`` with Llama-3-8B shapes (``--llama-layers`` of its 32
+  decoder layers), prefill 2x2048; ``llama_decode``: one decode step of batch 16 (one new token
+  per sequence, no KV cache: the GEMMs are decode-sized, attention spans one token);
+- ``bert``: HF ``BertModel`` BERT-large at 8x512 with an all-ones attention_mask (it keeps SDPA
+  on flash attention under compile and CUDA graphs; see docs/gpu.md);
+- ``vit``: torchvision ViT-B/16 at batch 256.
+Per model, in one run: dense eager, dense ``torch.compile`` (default and reduce-overhead; the
+ratio's reference is the FASTEST dense), torchao fp8 dense (per-row) compiled, torch's stock
+``to_sparse_semi_structured`` compiled, and ``sk.accelerate`` bf16/fp8/int8 x 2:4/auto (fp8 2:4
+also with the activation quantization as an opaque op, the "before fusion" form). Each gives
+the median time (ms, CUDA events around each call, 20 calls after warm-up), its ratio to the
+fastest dense, its relative output error against the fp32 model with the same masks, compile
+seconds (first call) and planning seconds, and the number of graphs compiled. A ``--deadline-s``
+budget skips what would not finish; the JSON and markdown are rewritten after every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.accel.api import _compile_count
+
+TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
+    ("llama", "sk_bf16_2:4"): 1.3, ("llama", "sk_fp8_2:4"): 1.8,
+    ("bert", "sk_bf16_2:4"): 1.2, ("bert", "sk_fp8_2:4"): 1.6,
+    ("vit", "sk_bf16_2:4"): 1.15, ("vit", "sk_fp8_2:4"): 1.4,
+}
+DENSE = ("dense_eager", "dense_compiled", "dense_compiled_ro")
+# smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
+SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_int8_auto", "torchao_fp8_dense", "stock_2:4"]
+
+
+# ---------------------------------------------------------------- models
+
+def magnitude_24_(module: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+    """Keep the 2 largest of every 4 weights along the input dim of each Linear (and
+    MultiheadAttention in_proj) weight not named in ``skip``, in place."""
+    with torch.no_grad():
+        for name, m in module.named_modules():
+            if name in skip or not isinstance(m, (nn.Linear, nn.MultiheadAttention)):
+                continue
+            w = m.weight if isinstance(m, nn.Linear) else m.in_proj_weight
+            if w is None or w.shape[1] % 4:
+                continue
+            g = w.reshape(w.shape[0], -1, 4)
+            keep = g.abs().topk(2, dim=-1).indices
+            mask = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, keep, True)
+            w.copy_((g * mask).reshape(w.shape))
+    return module
+
+
+def build(name: str, smoke: bool, device: torch.device, llama_layers: int):
+    """(model fp32 on device, example inputs (dict or tensor), layers never made 2:4, label)."""
+    import transformers
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    if name.startswith("llama"):
+        if smoke:
+            cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=1, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=128)
+            batch, seq = (2, 16) if name == "llama" else (4, 1)
+        else:
+            cfg = transformers.LlamaConfig(
+                vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=llama_layers, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=8192, rope_theta=500000.0)
+            batch, seq = (2, 2048) if name == "llama" else (16, 1)
+        cfg._attn_implementation = "sdpa"
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+        label = (f"HF LlamaForCausalLM, Llama-3-8B shapes, {cfg.num_hidden_layers} layers, "
+                 f"{'prefill' if name == 'llama' else 'decode step, no KV cache,'} {batch}x{seq}")
+        return model, {"input_ids": ids, "use_cache": False}, ("lm_head",), label
+    if name == "bert":
+        if smoke:
+            cfg = transformers.BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=1, num_attention_heads=4)
+            batch, seq = 2, 16
+        else:
+            cfg = transformers.BertConfig(hidden_size=1024, intermediate_size=4096,
+                                          num_hidden_layers=24, num_attention_heads=16)
+            batch, seq = 8, 512
+        cfg._attn_implementation = "sdpa"
+        with torch.device(device):
+            model = transformers.BertModel(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+        mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+        return model, {"input_ids": ids, "attention_mask": mask}, (), \
+            f"HF BertModel, BERT-large shapes, {batch}x{seq}, all-ones attention_mask"
+    if name == "vit":
+        import torchvision
+
+        if smoke:
+            model = torchvision.models.VisionTransformer(
+                image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=64,
+                mlp_dim=128)
+            batch, size = 2, 32
+        else:
+            model = torchvision.models.vit_b_16()
+            batch, size = 256, 224
+        model.heads = nn.Identity()  # torchvision's head is zero-initialised: compare features
+        model = model.to(device)
+        x = torch.randn(batch, 3, size, size, generator=g).to(device)
+        return model, x, (), f"torchvision ViT-B/16{' (tiny)' if smoke else ''}, batch {batch}"
+    raise ValueError(f"unknown model {name!r}")
+
+
+def call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def main_output(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    for k in ("logits", "last_hidden_state"):
+        if getattr(out, k, None) is not None:
+            return getattr(out, k)
+    return out[0]
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
+    """Median ms of one call: CUDA events around each call on CUDA, perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profile_shares(fn, device: torch.device) -> dict | None:
+    """GPU kernel time of one call by kind (gemm, attention, fused elementwise (triton),
+    other), in percent, plus the kernel count."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kinds = {"gemm": 0.0, "attention": 0.0, "triton": 0.0, "other": 0.0}
+    count = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        n = e.name.lower()
+        t = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        count += 1
+        if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+            kinds["attention"] += t
+        elif any(s in n for s in ("gemm", "cutlass", "sm90", "xmma", "cusparse", "nvjet",
+                                  "cublas", "matmul")):
+            kinds["gemm"] += t
+        elif n.startswith("triton"):
+            kinds["triton"] += t
+        else:
+            kinds["other"] += t
+    total = sum(kinds.values()) or 1.0
+    return {"kernels": count, "gpu_ms": total / 1e3,
+            **{f"{k}_pct": 100.0 * v / total for k, v in kinds.items()}}
+
+
+# ---------------------------------------------------------------- variants
+
+def stock_semi_structured(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
+    from torch.sparse import to_sparse_semi_structured
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name not in skip and m.weight.shape[1] % 64 == 0 \
+                and m.weight.shape[0] % 64 == 0:
+            m.weight = nn.Parameter(to_sparse_semi_structured(m.weight.detach()),
+                                    requires_grad=False)
+    return model
+
+
+def torchao_fp8(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    # set_inductor_config=False: its global inductor flags would change every later variant
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
+                                                               set_inductor_config=False),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn not in skip
+              and not fqn.endswith("self_attention.out_proj"))  # MHA reads .weight directly
+    return model
+
+
+def variants(smoke: bool) -> list[tuple[str, dict]]:
+    """(name, how) in run order: dense baselines first (the reference), peers, then ours."""
+    backend = "aot_eager" if smoke else "inductor"
+    out = [("dense_eager", {"kind": "dense"}),
+           ("dense_compiled", {"kind": "dense", "mode": "default", "backend": backend}),
+           ("dense_compiled_ro", {"kind": "dense", "mode": "reduce-overhead",
+                                  "backend": backend}),
+           ("torchao_fp8_dense", {"kind": "torchao", "mode": "reduce-overhead",
+                                  "backend": backend})]
+    for sparsity in ("2:4", "auto"):
+        for precision in ("bf16", "fp8", "int8"):
+            out.append((f"sk_{precision}_{sparsity}", {
+                "kind": "sk", "precision": precision, "sparsity": sparsity,
+                "backend": backend}))
+    out.append(("sk_fp8_2:4_unfused_quant", {"kind": "sk", "precision": "fp8",
+                                             "sparsity": "2:4", "backend": backend,
+                                             "fused_quant": False}))
+    out.append(("stock_2:4", {"kind": "stock", "mode": "reduce-overhead", "backend": backend}))
+    return out
+
+
+def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
+    """(callable, seconds to compile (first call), planning seconds, compiles, report)."""
+    kind = how["kind"]
+    model = copy.deepcopy(master)
+    report = None
+    plan_s = 0.0
+    if kind == "sk":
+        fast = sk.accelerate(model, inputs, precision=how["precision"],
+                             sparsity=how["sparsity"], device=device, backend=how["backend"],
+                             fused_quant=how.get("fused_quant", True), clone_outputs=False)
+        report = fast.report
+        return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
+            report.seconds.get("plan", 0.0), report.compiles, report
+    if kind == "torchao":
+        model = torchao_fp8(model, skip)
+    elif kind == "stock":
+        model = stock_semi_structured(model, skip)
+    if "mode" not in how:
+        fn = model
+    else:
+        fn = torch.compile(model, mode=how["mode"], backend=how["backend"])
+    before = _compile_count()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        call(fn, inputs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0 if "mode" in how else 0.0
+
+    def go():
+        with torch.no_grad():
+            return call(fn, inputs)
+
+    return go, compile_s, plan_s, _compile_count() - before, report
+
+
+def bench_model(name: str, args, device: torch.device, deadline: float, res: dict, write):
+    t_start = time.perf_counter()
+    master, inputs, skip, label = build(name, args.smoke, device, args.llama_layers)
+    master.eval()
+    magnitude_24_(master, skip)
+    entry = res["models"].setdefault(name, {"label": label, "variants": {}})
+    with torch.no_grad():
+        ref = main_output(call(master, inputs)).float()
+    master.to(torch.bfloat16)
+    binputs = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v)
+               for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(
+                   torch.bfloat16)
+    entry["build_s"] = time.perf_counter() - t_start
+    calls = 3 if args.smoke else args.calls
+    for vname, how in variants(args.smoke):
+        if args.variants and vname not in DENSE and vname not in args.variants \
+                and f"{vname}@{name}" not in args.variants:
+            continue
+        if args.smoke and vname == "dense_compiled_ro":
+            continue
+        left = deadline - time.perf_counter()
+        if left < args.reserve_s:
+            entry["variants"][vname] = {"skipped": f"deadline ({left:.0f} s left)"}
+            continue
+        row: dict = {}
+        try:
+            if args.smoke and how["kind"] in ("torchao", "stock"):
+                raise RuntimeError(f"{how['kind']} needs CUDA (smoke runs on CPU)")
+            fn, compile_s, plan_s, compiles, report = run_variant(
+                how, master, binputs if how["kind"] != "sk" else inputs, skip, device)
+            with torch.no_grad():
+                out = fn()
+                row["rel_err"] = rel_err(main_output(out).float(), ref)
+                row["output_type"] = type(out).__name__
+                del out
+                row["ms"] = time_ms(fn, device, calls)
+                if vname in ("sk_fp8_2:4", "sk_fp8_2:4_unfused_quant", "dense_compiled_ro") \
+                        and not args.smoke:
+                    row["profile"] = profile_shares(fn, device)
+            row.update(compile_s=compile_s, plan_s=plan_s, compiles=compiles)
+            if report is not None:
+                used: dict[str, int] = {}
+                for d in report.layers:
+                    used[d.variant] = used.get(d.variant, 0) + 1
+                row["layer_variants"] = used
+                row["notes"] = report.notes
+        except Exception as e:  # one failing variant is recorded, the run goes on
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) \
+                else type(e).__name__
+            row["trace"] = traceback.format_exc()[-1500:]
+        entry["variants"][vname] = row
+        fn = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        summarize(entry, name)
+        write()
+        print(f"[{name}] {vname}: " + json.dumps({k: v for k, v in row.items()
+                                                  if k not in ("trace", "profile")}), flush=True)
+    del master
+    gc.collect()
+
+
+def summarize(entry: dict, name: str) -> None:
+    v = entry["variants"]
+    dense = {k: v[k]["ms"] for k in DENSE if "ms" in v.get(k, {})}
+    if not dense:
+        return
+    best = min(dense, key=dense.get)
+    entry["fastest_dense"] = best
+    for k, row in v.items():
+        if "ms" in row:
+            row["ratio"] = dense[best] / row["ms"]
+        t = TARGETS.get((name.removesuffix("_decode"), k)) if name != "llama_decode" else None
+        if t is not None and "ratio" in row:
+            row["target"], row["met"] = t, row["ratio"] >= t
+    ao, fp8 = v.get("torchao_fp8_dense", {}), v.get("sk_fp8_2:4", {})
+    if "ms" in ao and "ms" in fp8:
+        entry["sk_fp8_2:4_over_torchao_fp8"] = ao["ms"] / fp8["ms"]
+    autos = [row["ratio"] for k, row in v.items() if k.startswith("sk_") and
+             k.endswith("auto") and "ratio" in row]
+    if autos:
+        entry["auto_min_ratio"] = min(autos)
+
+
+def to_markdown(res: dict) -> str:
+    lines = [f"# bench_models ({res['device']}, torch {res['torch']}, {res['date']})", "",
+             f"`{res['command']}`", ""]
+    for e in res["models"].values():
+        lines += [f"## {e['label']}", "",
+                  f"fastest dense: {e.get('fastest_dense')}; ratios are to it.", "",
+                  "| variant | ms | ratio | target | rel err vs fp32 | compile s | plan s | "
+                  "graphs | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for k, r in e["variants"].items():
+            if "ms" not in r:
+                lines.append(f"| {k} | | | | | | | | {r.get('error') or r.get('skipped')} |")
+                continue
+            tgt = "" if "target" not in r else \
+                f"{r['target']}x {'met' if r['met'] else 'NOT met'}"
+            note = "" if "layer_variants" not in r else json.dumps(r["layer_variants"])
+            lines.append(f"| {k} | {r['ms']:.3f} | {r.get('ratio', 0):.2f}x | {tgt} | "
+                         f"{r['rel_err']:.4f} | {r['compile_s']:.1f} | {r['plan_s']:.1f} | "
+                         f"{r['compiles']} | {note} |")
+        for k in ("sk_fp8_2:4_over_torchao_fp8", "auto_min_ratio"):
+            if k in e:
+                lines.append(f"\n{k}: {e[k]:.2f}x")
+        profs = {k: r["profile"] for k, r in e["variants"].items() if r.get("profile")}
+        if profs:
+            lines += ["", "| profile | kernels | GPU ms | gemm % | attention % | triton % | "
+                      "other % |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            for k, p in profs.items():
+                lines.append(f"| {k} | {p['kernels']} | {p['gpu_ms']:.2f} | {p['gemm_pct']:.0f}"
+                             f" | {p['attention_pct']:.0f} | {p['triton_pct']:.0f} | "
+                             f"{p['other_pct']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default="bench_models_out")
+    ap.add_argument("--models", default="llama,llama_decode,bert,vit")
+    ap.add_argument("--cache-dir", help="sparsekit plan cache (SPARSEKIT_CACHE_DIR)")
+    ap.add_argument("--variants", default="",
+                    help="comma list of variants, VARIANT or VARIANT@MODEL (dense always run)")
+    ap.add_argument("--llama-layers", type=int, default=32)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--deadline-s", type=float, default=560.0, help="wall-clock budget")
+    ap.add_argument("--reserve-s", type=float, default=45.0,
+                    help="no new variant starts with less than this left")
+    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (reference ops)")
+    args = ap.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v] or (SMOKE_VARIANTS if args.smoke
+                                                                 else [])
+    deadline = time.perf_counter() + args.deadline_s
+    if args.cache_dir:
+        os.environ["SPARSEKIT_CACHE_DIR"] = args.cache_dir
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        torch.set_num_threads(1)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = {"command": " ".join(["python tools/bench_models.py", *(argv or sys.argv[1:])]),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "python": platform.python_version(),
+           "smoke": args.smoke, "models": {}}
+
+    def write() -> None:
+        (out_dir / "bench_models.json").write_text(json.dumps(res, indent=1))
+        (out_dir / "bench_models.md").write_text(to_markdown(res))
+
+    for name in [m for m in args.models.split(",") if m]:
+        try:
+            bench_model(name, args, device, deadline, res, write)
+        except Exception as e:
+            res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+        write()
+    return res
+
+
+if __name__ == "__main__":
+    main()
