@@ -8,6 +8,7 @@ from sparsekit.channels import (
     channel_plan,
     prune_channels_,
 )
+from sparsekit.criteria import register_criterion
 from sparsekit.pruner import Pruner, prune_
 from sparsekit.quant import QuantReport, convert_, prepare_qat_, quantize_
 from sparsekit.report import SparsityReport, sparsity_report
@@ -40,6 +41,7 @@ __all__ = [
     "prune_",
     "prune_channels_",
     "quantize_",
+    "register_criterion",
     "register_model",
     "registered_models",
     "sensitivity",

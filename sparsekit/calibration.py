@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.errors import ConfigTypeError, ModelCallError, SparsekitError, UsageError
@@ -214,3 +215,50 @@ def run_calibration(
     if n == 0:
         raise UsageError("calibration yielded no batches: pass at least one batch")
     return n
+
+
+def conv_pads(conv: nn.modules.conv._ConvNd) -> list[int]:
+    """``F.pad`` widths (last spatial dimension first, left then right) equivalent to the
+    conv's padding, ``padding='same'`` included (the extra pixel on the right, as PyTorch)."""
+    pads: list[int] = []
+    for d in reversed(range(len(conv.kernel_size))):
+        if conv.padding == "valid":
+            lo = hi = 0
+        elif conv.padding == "same":
+            total = conv.dilation[d] * (conv.kernel_size[d] - 1)
+            lo, hi = total // 2, total - total // 2
+        else:
+            lo = hi = conv.padding[d]
+        pads += [lo, hi]
+    return pads
+
+
+def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """The conv's input as GEMM rows: ``(groups, n_positions, in/groups * prod(kernel))``,
+    ordered like ``conv.weight[g * out_g:(g + 1) * out_g].flatten(1)``, so that
+    ``conv(x)`` (without bias) equals ``rows @ weight_g.T`` for each group ``g``."""
+    nd = len(conv.kernel_size)
+    if x.dim() == nd + 1:  # unbatched input
+        x = x.unsqueeze(0)
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    x = F.pad(x, conv_pads(conv), mode=mode)
+    for d in range(nd):
+        span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]
+    # x: (B, C, *out_positions, *kernel) -> (B * positions, C, *kernel)
+    b, c = x.shape[:2]
+    x = x.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+    x = x.reshape(-1, conv.groups, c // conv.groups * x.shape[-nd:].numel())
+    return x.transpose(0, 1)
+
+
+def gemm_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's input as GEMM rows ``(tokens, in * prod(kernel))``: Linear treats every
+    leading dimension as a token; a conv's rows are its unfolded patches (im2col, any padding
+    mode, stride, dilation; for ``groups > 1`` the groups' features side by side)."""
+    if isinstance(module, nn.Linear):
+        return x.reshape(-1, x.shape[-1])
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        cols = conv_columns(module, x)  # (groups, tokens, in/groups * prod(kernel))
+        return cols.transpose(0, 1).reshape(cols.shape[1], -1)
+    raise ConfigTypeError(f"no GEMM form for {type(module).__name__}")

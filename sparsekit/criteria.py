@@ -1,36 +1,120 @@
-"""Importance scores for weights (higher = keep), and the calibration statistics they need.
+"""Pruning criteria by name: what decides which weights a mask keeps.
+
+A criterion either *scores* weights (higher = keep; the Pruner turns scores into masks of any
+pattern, scope and schedule) or *solves* for masks and weights together, one shot (SparseGPT).
+Both are plain objects registered by name; the Pruner, the config schema and
+``sparsekit --help`` take the list of names from this registry, never from a list of their own.
 
 - magnitude: ``|W|``.
 - wanda (Sun et al. 2023): ``|W_ij| * ||X_j||_2``, where ``X_j`` is input feature ``j`` over all
   calibration tokens. For a conv, features are the unfolded ``(in, kh, kw)`` patch positions.
+- sparsegpt (Frantar & Alistarh 2023): the OBS solver of :mod:`sparsekit.sparsegpt`.
+
+Adding a criterion is one file and one registration. In code::
+
+    class Smallest:  # keeps the smallest weights (a toy)
+        def score(self, layers):
+            return {n: -layers.weight(n).abs().float() for n in layers.modules}
+
+    sk.register_criterion("smallest", Smallest())
+    sk.Pruner(model, sparsity=0.5, criterion="smallest")
+
+Or from an installed package, without code at the call site (so that the command line can use
+it: ``sparsekit prune.criterion=smallest``), declare an entry point in the group
+``sparsekit.criteria`` of its pyproject.toml::
+
+    [project.entry-points."sparsekit.criteria"]
+    smallest = "my_package.smallest:Smallest"   # an object, or a class called with no arguments
+
+Only installed distributions declare entry points: a run directory or a checkpoint names a
+criterion, never code to import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.calibration import CalibrationFn, run_calibration
-from sparsekit.distributed import ShardComm, all_reduce_dict
+from sparsekit.calibration import CalibrationFn, gemm_inputs, run_calibration
+from sparsekit.distributed import ShardComm, all_reduce_dict, local, reshard
 from sparsekit.errors import ConfigTypeError, ModelCallError, NumericsError, UsageError
+from sparsekit.registry import Registry
+from sparsekit.sparsegpt import SparseGPT
 
-CRITERIA = ("magnitude", "wanda", "sparsegpt")
+
+@dataclass(frozen=True)
+class Layers:
+    """What a criterion sees: the model, the selected layers by qualified name, and the
+    calibration batches (``calibration_fn(model, batch)`` feeds unusual ones). ``comm``: the
+    ranks pruning together (None: one process); statistics summed over it make every rank
+    compute the same scores."""
+
+    model: nn.Module
+    modules: Mapping[str, nn.Module]
+    calibration: Iterable[Any] | None = None
+    calibration_fn: CalibrationFn | None = None
+    comm: ShardComm | None = None
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Layer ``name``'s current (masked) weight; this rank's shard of a sharded one."""
+        return local(self.modules[name].weight)
 
 
-def check_finite_weight(name: str, weight: torch.Tensor) -> None:
-    """NumericsError naming layer ``name`` when its weight holds NaN or inf (no score can rank
-    such weights, and a mask picked from them would be arbitrary)."""
-    w = weight.detach()
-    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
-        bad = int((~torch.isfinite(w)).sum())
-        raise NumericsError(
-            f"layer {name!r} has {bad} non-finite (NaN or inf) weight(s) of {w.numel()}: fix or "
-            "exclude the layer before pruning it"
+@runtime_checkable
+class Criterion(Protocol):
+    """Scores weights: ``score(layers)`` returns one float tensor per layer name, the shape of
+    this rank's weight (:meth:`Layers.weight`), higher = keep.
+
+    Optional attributes (absent = False): ``needs_calibration`` (the Pruner requires
+    ``calibration=``); ``per_row`` (scores compare only within an output row, as Wanda's: an
+    unstructured level is met by every row, and ``scope='global'`` is refused)."""
+
+    def score(self, layers: Layers) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class Solver(Protocol):
+    """Prunes in one shot and may update the kept weights: ``solve(layers, levels, nm)`` writes
+    the new weights in place (zeros where pruned) and returns bool keep-masks by layer name.
+    ``levels[name]`` is the layer's unstructured target in [0, 1) (None under N:M); ``nm`` is
+    ``(N, M)`` or None. A solver needs whole (unsharded) weights and a one-shot schedule;
+    ``needs_calibration`` as for :class:`Criterion`."""
+
+    def solve(
+        self, layers: Layers, levels: Mapping[str, float | None], nm: tuple[int, int] | None
+    ) -> dict[str, torch.Tensor]: ...
+
+
+CRITERIA: Registry[Criterion | Solver] = Registry("criterion", group="sparsekit.criteria")
+
+
+def register_criterion(name: str, criterion: Criterion | Solver) -> None:
+    """Make ``criterion`` (an object with ``score`` or ``solve``, see :class:`Criterion` and
+    :class:`Solver`) available as ``criterion=name`` in :class:`~sparsekit.Pruner`,
+    :func:`~sparsekit.prune_`, :func:`~sparsekit.sensitivity` and ``prune.criterion``."""
+    if not callable(getattr(criterion, "score", None)) and not callable(
+        getattr(criterion, "solve", None)
+    ):
+        raise ConfigTypeError(
+            f"register_criterion({name!r}): a criterion has a score(layers) or a "
+            f"solve(layers, levels, nm) method, got {type(criterion).__name__}"
         )
+    CRITERIA.register(name, criterion)
+
+
+def get_criterion(name: str) -> Criterion | Solver:
+    """The criterion registered as ``name``; UsageError naming the registered ones otherwise."""
+    if not isinstance(name, str):
+        raise ConfigTypeError(f"criterion must be a registered name (a string), got {name!r}")
+    return CRITERIA[name]
+
+
+def is_solver(criterion: Criterion | Solver) -> bool:
+    return callable(getattr(criterion, "solve", None))
 
 
 def magnitude(weight: torch.Tensor) -> torch.Tensor:
@@ -53,53 +137,6 @@ def wanda(weight: torch.Tensor, input_norm: torch.Tensor, groups: int = 1) -> to
         )
     rows = norm.repeat_interleave(w.shape[0] // groups, dim=0)
     return (w * rows).reshape(weight.shape)
-
-
-def conv_pads(conv: nn.modules.conv._ConvNd) -> list[int]:
-    """``F.pad`` widths (last spatial dimension first, left then right) equivalent to the
-    conv's padding, ``padding='same'`` included (the extra pixel on the right, as PyTorch)."""
-    pads: list[int] = []
-    for d in reversed(range(len(conv.kernel_size))):
-        if conv.padding == "valid":
-            lo = hi = 0
-        elif conv.padding == "same":
-            total = conv.dilation[d] * (conv.kernel_size[d] - 1)
-            lo, hi = total // 2, total - total // 2
-        else:
-            lo = hi = conv.padding[d]
-        pads += [lo, hi]
-    return pads
-
-
-def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
-    """The conv's input as GEMM rows: ``(groups, n_positions, in/groups * prod(kernel))``,
-    ordered like ``conv.weight[g * out_g:(g + 1) * out_g].flatten(1)``, so that
-    ``conv(x)`` (without bias) equals ``rows @ weight_g.T`` for each group ``g``."""
-    nd = len(conv.kernel_size)
-    if x.dim() == nd + 1:  # unbatched input
-        x = x.unsqueeze(0)
-    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-    x = F.pad(x, conv_pads(conv), mode=mode)
-    for d in range(nd):
-        span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
-        x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]
-    # x: (B, C, *out_positions, *kernel) -> (B * positions, C, *kernel)
-    b, c = x.shape[:2]
-    x = x.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-    x = x.reshape(-1, conv.groups, c // conv.groups * x.shape[-nd:].numel())
-    return x.transpose(0, 1)
-
-
-def gemm_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's input as GEMM rows ``(tokens, in * prod(kernel))``: Linear treats every
-    leading dimension as a token; a conv's rows are its unfolded patches (im2col, any padding
-    mode, stride, dilation; for ``groups > 1`` the groups' features side by side)."""
-    if isinstance(module, nn.Linear):
-        return x.reshape(-1, x.shape[-1])
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        cols = conv_columns(module, x)  # (groups, tokens, in/groups * prod(kernel))
-        return cols.transpose(0, 1).reshape(cols.shape[1], -1)
-    raise ConfigTypeError(f"no GEMM form for {type(module).__name__}")
 
 
 class InputNormCollector:
@@ -172,3 +209,32 @@ def collect_input_norms(
         collector.check_reached()  # raise before entering the collective, not inside it
         collector.sq = all_reduce_dict(collector.sq, comm)
     return collector.norms()
+
+
+class Magnitude:
+    """``|W|``: keep the largest weights."""
+
+    def score(self, layers: Layers) -> dict[str, torch.Tensor]:
+        return {n: magnitude(layers.weight(n)) for n in layers.modules}
+
+
+class Wanda:
+    """``|W_ij| * ||X_j||_2`` (Sun et al. 2023), compared within each output row."""
+
+    needs_calibration = True
+    per_row = True
+
+    def score(self, layers: Layers) -> dict[str, torch.Tensor]:
+        norms = collect_input_norms(
+            layers.model, layers.modules, layers.calibration, layers.calibration_fn, layers.comm
+        )
+        reshard(layers.model)  # a no-grad forward leaves FSDP2's root module unsharded
+        return {
+            n: wanda(layers.weight(n), norms[n], getattr(m, "groups", 1))
+            for n, m in layers.modules.items()
+        }
+
+
+register_criterion("magnitude", Magnitude())
+register_criterion("wanda", Wanda())
+register_criterion("sparsegpt", SparseGPT())

@@ -14,7 +14,19 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.errors import UsageError
+from sparsekit.errors import NumericsError, UsageError
+
+
+def check_finite_weight(name: str, weight: torch.Tensor) -> None:
+    """NumericsError naming layer ``name`` when its weight holds NaN or inf (no score can rank
+    such weights, and a mask picked from them would be arbitrary)."""
+    w = weight.detach()
+    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise NumericsError(
+            f"layer {name!r} has {bad} non-finite (NaN or inf) weight(s) of {w.numel()}: fix or "
+            "exclude the layer before pruning it"
+        )
 
 
 class WeightMask(nn.Module):

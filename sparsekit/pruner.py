@@ -23,14 +23,9 @@ from torch import nn
 from sparsekit import distributed as D
 from sparsekit import masks as M
 from sparsekit.calibration import CalibrationFn, check_calibration
-from sparsekit.criteria import (
-    CRITERIA,
-    check_finite_weight,
-    collect_input_norms,
-    magnitude,
-    wanda,
-)
+from sparsekit.criteria import CRITERIA, Layers, get_criterion, is_solver
 from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.masks import check_finite_weight
 from sparsekit.patterns import (
     lowest_k_masks,
     nm_group_cost,
@@ -65,8 +60,9 @@ class Pruner:
             mapping from layer name patterns (globs or ``re:``) to levels, first match wins.
             For N:M patterns it is implied (1 - N/M) and may be left None.
         pattern: ``"unstructured"`` or ``"N:M"`` (N kept of every M consecutive inputs).
-        criterion: ``"magnitude"``, ``"wanda"`` (needs ``calibration``) or ``"sparsegpt"``
-            (one shot; needs ``calibration``; updates the kept weights too).
+        criterion: a registered criterion (:func:`~sparsekit.register_criterion`):
+            ``"magnitude"``, ``"wanda"`` (needs ``calibration``) or ``"sparsegpt"`` (a solver:
+            one shot; needs ``calibration``; updates the kept weights too).
         scope: ``"layer"`` (each layer reaches its target) or ``"global"`` (one threshold over
             all selected layers; for N:M, the ramp enforces the cheapest groups model-wide).
         schedule: ``OneShot``, ``Linear`` or ``Cubic``; default ``OneShot(step=0)``.
@@ -108,21 +104,22 @@ class Pruner:
         self.model = model
         self.pattern = pattern
         self.nm = parse_pattern(pattern)
-        if criterion not in CRITERIA:
-            raise UsageError(f"unknown criterion {criterion!r}: allowed are {list(CRITERIA)}")
+        self._criterion = get_criterion(criterion)
+        solver = is_solver(self._criterion)
         if scope not in SCOPES:
             raise UsageError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
         self.criterion, self.scope = criterion, scope
         self.schedule = OneShot() if schedule is None else schedule
         if not isinstance(self.schedule, Schedule):
             raise ConfigTypeError(f"schedule must be OneShot, Linear or Cubic, got {schedule!r}")
-        if criterion == "sparsegpt" and not isinstance(self.schedule, OneShot):
-            raise UsageError("criterion 'sparsegpt' is one shot: use schedule=OneShot(...)")
-        if criterion in ("wanda", "sparsegpt") and calibration is None:
+        if solver and not isinstance(self.schedule, OneShot):
+            raise UsageError(f"criterion {criterion!r} is one shot: use schedule=OneShot(...)")
+        if getattr(self._criterion, "needs_calibration", False) and calibration is None:
             raise UsageError(f"criterion {criterion!r} needs calibration= (an iterable of batches)")
-        if criterion == "wanda" and self.nm is None and scope == "global":
+        if self._per_row and self.nm is None and scope == "global":
             raise UsageError(
-                "criterion 'wanda' compares scores within each output row; use scope='layer'"
+                f"criterion {criterion!r} compares scores within each output row; use "
+                "scope='layer'"
             )
         check_calibration(calibration)
         self.calibration, self.calibration_fn = calibration, calibration_fn
@@ -150,8 +147,10 @@ class Pruner:
                 "some selected weights are sharded (FSDP2) and some are not: shard "
                 "all selected layers or none"
             )
-        if self._sharded and criterion == "sparsegpt":
-            raise UsageError("criterion 'sparsegpt' needs whole weights: prune before fully_shard")
+        if self._sharded and solver:
+            raise UsageError(
+                f"criterion {criterion!r} needs whole weights: prune before fully_shard"
+            )
         # Masks held here and enforced by zeroing pruned weights at every step() (and, when
         # not sharded, masking their gradients) where a parametrization cannot go: FSDP2 owns
         # sharded Parameters, and parametrizing a Parameter after DDP wrapped it detaches
@@ -298,8 +297,8 @@ class Pruner:
 
     @torch.no_grad()
     def _update(self, progress: float) -> None:
-        if self.criterion == "sparsegpt":
-            self._update_sparsegpt(progress)
+        if is_solver(self._criterion):
+            self._update_solver(progress)
             return
         scores = self._scores()
         keeps = {n: self._keep(n) for n in self.modules}
@@ -314,16 +313,23 @@ class Pruner:
     def _scores(self) -> dict[str, torch.Tensor]:
         for n, m in self.modules.items():
             check_finite_weight(n, D.local(m.weight))
-        if self.criterion == "magnitude":
-            return {n: magnitude(D.local(m.weight)) for n, m in self.modules.items()}
-        norms = collect_input_norms(
-            self.model, self.modules, self.calibration, self.calibration_fn, self._comm
-        )
-        D.reshard(self.model)  # a no-grad forward leaves FSDP2's root module unsharded
-        return {
-            n: wanda(D.local(m.weight), norms[n], getattr(m, "groups", 1))
-            for n, m in self.modules.items()
-        }
+        scores = self._criterion.score(self._layers())
+        for n, m in self.modules.items():
+            got = scores.get(n) if isinstance(scores, Mapping) else None
+            if not isinstance(got, torch.Tensor) or got.shape != D.local(m.weight).shape:
+                raise ConfigTypeError(
+                    f"criterion {self.criterion!r} gave layer {n!r} a score of "
+                    f"{getattr(got, 'shape', type(got).__name__)}; expected a tensor of the "
+                    f"weight's shape {tuple(D.local(m.weight).shape)}"
+                )
+        return scores
+
+    def _layers(self) -> Layers:
+        return Layers(self.model, self.modules, self.calibration, self.calibration_fn, self._comm)
+
+    @property
+    def _per_row(self) -> bool:
+        return bool(getattr(self._criterion, "per_row", False))
 
     def _nm_masks(self, scores, keeps, progress: float) -> dict[str, torch.Tensor]:
         n, m = self.nm
@@ -348,7 +354,7 @@ class Pruner:
 
     def _unstructured_masks(self, scores, keeps, progress: float) -> dict[str, torch.Tensor]:
         names = list(self.modules)
-        if self.criterion == "wanda":
+        if self._per_row:
             return {k: row_mask(scores[k], self.levels[k] * progress, keeps[k]) for k in names}
         comm = self._comm if self._sharded else None
         numel = {k: self.modules[k].weight.numel() for k in names}  # DTensors: global numel
@@ -365,9 +371,7 @@ class Pruner:
             for k in names
         }
 
-    def _update_sparsegpt(self, progress: float) -> None:
-        from sparsekit.sparsegpt import sparsegpt_prune
-
+    def _update_solver(self, progress: float) -> None:
         # the solver updates weights layer by layer: keep a host copy to undo a failed solve
         saved = {n: D.local(M.original_weight(m)).detach().to("cpu", copy=True)
                  for n, m in self.modules.items()}
@@ -376,15 +380,7 @@ class Pruner:
             M.fold_mask(module)  # all-ones masks: plain weights for the solver to update
         levels = {n: None if self.nm else self.levels[n] * progress for n in self.modules}
         try:
-            new = sparsegpt_prune(
-                self.model,
-                self.modules,
-                levels,
-                self.nm,
-                self.calibration,
-                self.calibration_fn,
-                comm=self._comm,
-            )
+            new = self._criterion.solve(self._layers(), levels, self.nm)
         except BaseException:
             for name, module in self.modules.items():
                 D.local(M.original_weight(module)).detach().copy_(saved[name])
@@ -462,7 +458,7 @@ class Pruner:
         if state["criterion"] not in CRITERIA or state["scope"] not in SCOPES:
             raise UsageError(
                 f"pruner state criterion={state['criterion']!r} scope={state['scope']!r}: "
-                f"allowed criteria {list(CRITERIA)}, scopes {list(SCOPES)}"
+                f"allowed criteria {list(CRITERIA.names())}, scopes {list(SCOPES)}"
             )
         progress, last_step = state["progress"], state["last_step"]
         if isinstance(progress, bool) or not isinstance(progress, (int, float)) or not (

@@ -38,14 +38,19 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import CalibrationFn, check_calibration, eval_mode, run_calibration
-from sparsekit.criteria import check_finite_weight
+from sparsekit.calibration import (
+    CalibrationFn,
+    check_calibration,
+    conv_columns,
+    eval_mode,
+    run_calibration,
+)
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
-from sparsekit.criteria import conv_columns
 from sparsekit.distributed import ShardComm, reduce_hessian
+from sparsekit.masks import check_finite_weight
 from sparsekit.patterns import prune_count
 
-__all__ = ["conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
+__all__ = ["SparseGPT", "conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
 
 
 def hessian_spec(module: nn.Module) -> tuple:
@@ -363,6 +368,21 @@ def sparsegpt_prune(
             return {name: masks[name] for name in modules}
     _prune_full(model, modules, order, sparsity, nm, batches, calibration_fn, solve, masks)
     return {name: masks[name] for name in modules}
+
+
+class SparseGPT:
+    """The SparseGPT solver as a registered criterion (``criterion="sparsegpt"``): one shot,
+    calibrated, updates the kept weights (see :func:`sparsegpt_prune`)."""
+
+    needs_calibration = True
+
+    def __init__(self, blocksize: int = 128, percdamp: float = 0.01) -> None:
+        self.blocksize, self.percdamp = blocksize, percdamp
+
+    def solve(self, layers: Any, levels: dict[str, float | None],
+              nm: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+        return sparsegpt_prune(layers.model, dict(layers.modules), levels, nm, layers.calibration,
+                               layers.calibration_fn, self.blocksize, self.percdamp, layers.comm)
 
 
 def _prune_full(

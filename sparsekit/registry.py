@@ -1,0 +1,94 @@
+"""Named registries: the extension points (criteria, quantization schemes, accel variants).
+
+A registry maps names to objects registered in code (``registry.register(name, obj)``), plus,
+when it has an entry point ``group``, the entry points of that group declared by *installed*
+distributions (``[project.entry-points."sparsekit.criteria"] toy = "my_pkg.toy:Toy"``). Entry
+point names are listed without importing anything; an entry point is imported the first time
+its name is looked up. Nothing read from a file (a checkpoint, a run directory) is ever passed
+to an import: such files only name registered objects.
+
+Config choices and ``sparsekit --help`` are derived from :meth:`Registry.names`.
+
+>>> colours = Registry("colour")
+>>> colours.register("red", (255, 0, 0))
+>>> colours["red"], "blue" in colours, colours.names()
+((255, 0, 0), False, ('red',))
+>>> colours["blue"]
+Traceback (most recent call last):
+...
+sparsekit.errors.UsageError: unknown colour 'blue'; allowed: red
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from importlib import metadata
+from typing import Generic, TypeVar
+
+from sparsekit.errors import ConfigTypeError, UsageError
+
+T = TypeVar("T")
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    """Objects of one ``kind`` by name; a read-only mapping (``registry[name]``, ``in``, ``len``,
+    iteration in registration order, entry points last). ``kind`` names what is registered in
+    error messages ("criterion", "quantization scheme"); ``group`` is the entry point group
+    scanned for plugins (None: code registrations only)."""
+
+    def __init__(self, kind: str, group: str | None = None):
+        self.kind, self.group = kind, group
+        self._objects: dict[str, T] = {}
+        self._entry_points: dict[str, metadata.EntryPoint] | None = None
+
+    def register(self, name: str, obj: T) -> None:
+        """Make ``obj`` available as ``name`` (registering a name again replaces it)."""
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise ConfigTypeError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+        self._objects[name] = obj
+
+    def unregister(self, name: str) -> None:
+        """Remove a name registered in code (for tests and plugins that replace themselves)."""
+        self._objects.pop(name, None)
+
+    def _plugins(self, rescan: bool = False) -> dict[str, metadata.EntryPoint]:
+        if self.group is None:
+            return {}
+        if self._entry_points is None or rescan:
+            found = metadata.entry_points(group=self.group)
+            self._entry_points = {ep.name: ep for ep in found}
+        return self._entry_points
+
+    def names(self) -> tuple[str, ...]:
+        """Every name: registered in code first, then installed entry points."""
+        return tuple(dict.fromkeys([*self._objects, *self._plugins()]))
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        return name in self._objects or name in self._plugins(rescan=name not in self.names())
+
+    def __getitem__(self, name: str) -> T:
+        if name in self._objects:
+            return self._objects[name]
+        if name not in self:  # rescans the entry points: a plugin installed since
+            raise UsageError(f"unknown {self.kind} {name!r}; allowed: {', '.join(self.names())}")
+        ep = self._plugins()[name]
+        try:
+            obj = ep.load()
+        except Exception as e:
+            raise UsageError(
+                f"{self.kind} {name!r} (entry point {ep.value!r} of group {self.group!r}) cannot "
+                f"be loaded: {type(e).__name__}: {e}"
+            ) from e
+        self._objects[name] = obj() if isinstance(obj, type) else obj
+        return self._objects[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"
