@@ -12,56 +12,130 @@ True
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, ClassVar
 
+from sparsekit import distributed, pruner, schedules
+from sparsekit.accel.kernels import SPARSITIES, precisions
+from sparsekit.channels import IMPORTANCES
+from sparsekit.criteria import CRITERIA, is_solver
 from sparsekit.errors import UsageError
+from sparsekit.models.hf import AUTO_CLASSES
 from sparsekit.patterns import parse_pattern
+from sparsekit.quant.formats import SCHEMES
 
 PATTERN_HELP = "'unstructured', 'none' or 'N:M' with 0 < N < M (e.g. '2:4')"
-CRITERIA = ("magnitude", "wanda", "sparsegpt")
-SCOPES = ("layer", "global")
-SCHEDULES = ("oneshot", "linear", "cubic")
-QUANT_SCHEMES = ("none", "int8_weight_only", "int8", "fp8")
-CHANNEL_IMPORTANCE = ("magnitude", "taylor", "lamp")
-TASKS = ("classification", "lm")
-HF_TASKS = ("causal_lm", "masked_lm", "sequence_classification", "feature_extraction")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-LR_SCHEDULES = ("constant", "cosine")
-TRACKERS = ("tensorboard", "none")
-DEVICES = ("auto", "cpu", "cuda")
-DISTRIBUTED = ("auto", "none", "ddp", "fsdp2")
-ACCEL_PRECISIONS = ("bf16", "fp8", "int8")
-ACCEL_SPARSITY = ("2:4", "auto", "dense")
+
+
+def _choices(name: str, values: Iterable[str], doc: str) -> type[StrEnum]:
+    """A StrEnum whose members are named by their values (what YAML and overrides spell)."""
+    enum = StrEnum(name, [(v, v) for v in values], module=__name__)
+    enum.__doc__ = doc
+    return enum
+
+
+# fixed sets, each taken from the module that implements it
+Scope = _choices("Scope", pruner.SCOPES, "Pruner/ChannelPruner scope: per layer or global.")
+ScheduleKind = _choices("ScheduleKind", schedules.SCHEDULES, "When masks move (schedules.py).")
+Importance = _choices("Importance", IMPORTANCES, "Channel importance (channels.py).")
+HFTask = _choices("HFTask", AUTO_CLASSES, "What a transformers model is built for.")
+Distributed = _choices("Distributed", distributed.MODES, "How ranks share the model.")
+# fixed sets of the run itself (train.py, tracking.py)
+Task = _choices("Task", ("classification", "lm"), "classification (accuracy) | lm (perplexity)")
+Optimizer = _choices("Optimizer", ("adam", "adamw", "sgd"), "train.make_optimizer's names.")
+LRSchedule = _choices("LRSchedule", ("constant", "cosine"), "train.lr_at's schedules.")
+TrackerKind = _choices("TrackerKind", ("tensorboard", "none"), "Where metrics go.")
+Device = _choices("Device", ("auto", "cpu", "cuda"), "auto: cuda when visible.")
+
+
+def quant_schemes() -> tuple[str, ...]:
+    """``quant.scheme`` choices: none and the registered quantization schemes."""
+    return ("none", *SCHEMES.names())
+
+
+class ConfigError(UsageError):
+    """A configuration value outside its allowed set; the message is one line."""
+
+
+class _Checked:
+    """Range and choice checks run by ``__post_init__`` (OmegaConf runs it when it builds the
+    dataclasses; :func:`validate` runs it again after code changed fields). ``_key`` is the
+    section's place in the config tree, so that messages name the full option."""
+
+    _key: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` on the first bad value; coerce strings to enums."""
+
+    def _option(self, name: str) -> str:
+        return f"{self._key}.{name}" if self._key else name
+
+    def _choice(self, name: str, allowed: type[StrEnum] | Iterable[str]) -> None:
+        value = getattr(self, name)
+        values = [str(v) for v in allowed]
+        if isinstance(value, str) and value in values:
+            if isinstance(allowed, type):
+                setattr(self, name, allowed(value))
+            return
+        raise ConfigError(
+            f"{self._option(name)}={value!r} is not allowed; choose one of: {', '.join(values)}"
+        )
+
+    def _at_least(self, *names: str, low: float) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not value >= low:  # NaN too
+                raise ConfigError(f"{self._option(name)}={value!r} must be >= {low}")
+
+    def _fraction(self, name: str, *, closed: bool = False, what: str = "") -> None:
+        """``value`` in [0, 1) ([0, 1] when ``closed``)."""
+        value = getattr(self, name)
+        if not (0.0 <= value <= 1.0 if closed else 0.0 <= value < 1.0):
+            raise ConfigError(
+                f"{self._option(name)}={value!r} must be in [0, 1{']' if closed else ')'}{what}"
+            )
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Checked):
     """Which network to compress. ``_target_`` (an importable factory, ``"pkg.mod.fn"``, typed
     by the user: a saved run never re-imports it) wins over ``name`` (a registered builder such
     as a built-in model, or a torchvision model name); both get ``kwargs``."""
 
+    _key: ClassVar[str] = "model"
     name: str = "mnist1d_cnn"
     _target_: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = None  # dense weights to load instead of training a baseline
     # model=hf: a local transformers directory (config.json, weights, tokenizer files), or a
-    # config (a dict, or a path to a config.json) to build with random weights; task: one of
-    # HF_TASKS, null = from the config's architectures
+    # config (a dict, or a path to a config.json) to build with random weights; task: null =
+    # from the config's architectures
     path: str | None = None
     config: Any = None
-    task: str | None = None
+    task: HFTask | None = None
+
+    def check(self) -> None:
+        if self.task is not None:
+            self._choice("task", HFTask)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Checked):
     """Which data to train and evaluate on. ``_target_`` names a function returning
     ``(train_dataset, eval_dataset)`` whose items are ``(input, target)`` pairs."""
 
+    _key: ClassVar[str] = "data"
     name: str = "mnist1d"
     _target_: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
-    task: str = "classification"  # classification (accuracy) | lm (perplexity)
+    task: Task = Task.classification
     batch_size: int = 100
     eval_batch_size: int = 500
     eval_batches: int | None = None  # evaluate on at most this many batches; null = all
@@ -71,28 +145,47 @@ class DataConfig:
     tokenizer: str | None = None
     seq_len: int = 128
 
+    def check(self) -> None:
+        self._choice("task", Task)
+        self._at_least("seq_len", "batch_size", "eval_batch_size", low=1)
+        if self.eval_batches is not None and not self.eval_batches >= 1:
+            raise ConfigError(
+                f"data.eval_batches={self.eval_batches!r} must be >= 1, or null to evaluate on "
+                "every batch (0 batches would report a meaningless 0% accuracy)"
+            )
+
 
 @dataclass
-class ChannelConfig:
+class ChannelConfig(_Checked):
     """Structured channel pruning before the mask pruner; ratio is the fraction of output
     channels removed per layer (0 disables it)."""
 
+    _key: ClassVar[str] = "prune.channel"
     ratio: float = 0.0
-    importance: str = "magnitude"
-    scope: str = "layer"
+    importance: Importance = Importance.magnitude
+    scope: Scope = Scope.layer
     round_to: int = 8
     steps: int = 1
     ignore: list[str] = field(default_factory=list)
 
+    def check(self) -> None:
+        self._fraction("ratio")
+        self._choice("importance", Importance)
+        self._choice("scope", Scope)
+        self._at_least("round_to", "steps", low=1)
+
 
 @dataclass
-class PruneConfig:
-    """Weight masks. ``sparsity`` is the fraction of zeroed weights (implied by N:M patterns)."""
+class PruneConfig(_Checked):
+    """Weight masks. ``sparsity`` is the fraction of zeroed weights (implied by N:M patterns).
+    ``criterion``: a registered criterion (:func:`sparsekit.register_criterion`, or an installed
+    ``sparsekit.criteria`` entry point)."""
 
+    _key: ClassVar[str] = "prune"
     pattern: str = "2:4"
     sparsity: float | None = None
     criterion: str = "magnitude"
-    scope: str = "layer"
+    scope: Scope = Scope.layer
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
     calibration_batches: int = 8
@@ -100,45 +193,84 @@ class PruneConfig:
     fine_tune: bool = True  # false: one shot, no fine-tuning
     channel: ChannelConfig = field(default_factory=ChannelConfig)
 
+    def check(self) -> None:
+        nm = parse_nm(self.pattern)
+        if self.sparsity is not None:
+            self._fraction("sparsity", what=" or null")
+        if self.pattern == "unstructured" and self.sparsity is None:
+            raise ConfigError("prune.sparsity (a float in [0, 1)) is required for unstructured")
+        if nm is not None and self.sparsity is not None and not math.isclose(
+            self.sparsity, 1 - nm[0] / nm[1], abs_tol=1e-9
+        ):
+            raise ConfigError(
+                f"prune.sparsity={self.sparsity!r} contradicts prune.pattern={self.pattern!r} "
+                f"(which implies {1 - nm[0] / nm[1]:g}); set prune.sparsity=null"
+            )
+        if self.criterion not in CRITERIA:  # looks for newly installed plugins too
+            self._choice("criterion", CRITERIA.names())
+        self._choice("scope", Scope)
+        self._at_least("calibration_batches", low=1)
+
 
 @dataclass
-class ScheduleConfig:
+class ScheduleConfig(_Checked):
     """When masks are updated, in fine-tuning steps: from ``start`` to ``end`` every ``every``."""
 
-    kind: str = "linear"
+    _key: ClassVar[str] = "schedule"
+    kind: ScheduleKind = ScheduleKind.linear
     start: int = 0
     end: int = 500
     every: int = 50
 
+    def check(self) -> None:
+        self._choice("kind", ScheduleKind)
+        self._at_least("start", low=0)
+        self._at_least("every", low=1)
+        if self.end < self.start:
+            raise ConfigError(f"schedule.end={self.end} must be >= schedule.start={self.start}")
+
 
 @dataclass
-class QuantConfig:
+class QuantConfig(_Checked):
+    """``scheme``: none or a registered quantization scheme (:data:`quant.SCHEMES`)."""
+
+    _key: ClassVar[str] = "quant"
     scheme: str = "none"
     qat: bool = False
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
 
+    def check(self) -> None:
+        self._choice("scheme", quant_schemes())
+
 
 @dataclass
-class DistillConfig:
+class DistillConfig(_Checked):
     """Knowledge distillation from the dense teacher: loss = (1 - alpha) * task loss +
     alpha * T^2 * KL(teacher_T || student_T). ``alpha=0`` turns it off."""
 
+    _key: ClassVar[str] = "train.distill"
     alpha: float = 0.0
     temperature: float = 2.0
 
+    def check(self) -> None:
+        self._fraction("alpha", closed=True)
+        if not self.temperature > 0:
+            raise ConfigError(f"train.distill.temperature={self.temperature!r} must be > 0")
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Checked):
     """Dense training and fine-tuning. Steps count optimizer steps (one batch each)."""
 
+    _key: ClassVar[str] = "train"
     dense_steps: int = 6000
     dense_lr: float = 1e-2
     finetune_steps: int = 1000
     finetune_lr: float = 2e-3
-    optimizer: str = "adamw"
+    optimizer: Optimizer = Optimizer.adamw
     weight_decay: float = 0.0
-    lr_schedule: str = "cosine"
+    lr_schedule: LRSchedule = LRSchedule.cosine
     warmup_steps: int = 0
     grad_clip: float = 0.0  # max gradient norm; 0 disables clipping
     log_every: int = 50
@@ -146,54 +278,85 @@ class TrainConfig:
     checkpoint_every: int = 250
     distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = 0
-    device: str = "auto"
+    device: Device = Device.auto
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 keeps torch's default
     # under torchrun: ddp (replicated weights) | fsdp2 (sharded weights, fully_shard) | auto
     # (= ddp under torchrun, else none) | none; see docs/distributed.md
-    distributed: str = "auto"
+    distributed: Distributed = Distributed.auto
     quiet: bool = False  # no progress bars (also: environment SPARSEKIT_QUIET=1)
+
+    def check(self) -> None:
+        self._choice("optimizer", Optimizer)
+        self._choice("lr_schedule", LRSchedule)
+        self._choice("device", Device)
+        self._choice("distributed", Distributed)
+        self._at_least("dense_steps", "finetune_steps", "warmup_steps", "cpu_threads", low=0)
+        self._at_least("log_every", "eval_every", "checkpoint_every", low=1)
 
 
 @dataclass
-class TrackerConfig:
-    kind: str = "tensorboard"
+class TrackerConfig(_Checked):
+    _key: ClassVar[str] = "tracker"
+    kind: TrackerKind = TrackerKind.tensorboard
     flush_secs: int = 10
     histograms: bool = True
     histogram_every: int = 200  # at least this many steps between two sets of weight histograms
 
+    def check(self) -> None:
+        self._choice("kind", TrackerKind)
+        self._at_least("flush_secs", low=1)
+
 
 @dataclass
-class BenchConfig:
+class BenchConfig(_Checked):
+    _key: ClassVar[str] = "bench"
     enabled: bool = True
     batch_size: int = 256  # throughput batch; latency is always measured at batch 1
     warmup: int = 5
     repeats: int = 20
 
+    def check(self) -> None:
+        self._at_least("batch_size", "repeats", low=1)
+
 
 @dataclass
-class AccelConfig:
+class AccelConfig(_Checked):
+    """``precision``: one with dense and 2:4 accel variants registered (accel.kernels)."""
+
+    _key: ClassVar[str] = "accel"
     enabled: bool = False
     precision: str = "bf16"
     sparsity: str = "2:4"
     min_speedup: float = 1.0
     fuse: bool = True
 
+    def check(self) -> None:
+        self._choice("precision", precisions())
+        self._choice("sparsity", SPARSITIES)
+
 
 @dataclass
-class SensitivityConfig:
+class SensitivityConfig(_Checked):
     """A per-layer sensitivity scan of the dense model before pruning (``sk.sensitivity``):
     each selected layer pruned alone (``prune.pattern``, ``prune.criterion``) to each of
     ``sparsities`` (fractions zeroed; unstructured only), the run's metric measured; written to
     sensitivity.json/.md and one TensorBoard chart per layer. ``target`` (optional, an overall
     sparsity): ``sk.allocate`` picks per-layer levels for it, which replace prune.sparsity."""
 
+    _key: ClassVar[str] = "sensitivity"
     enabled: bool = False
     sparsities: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
     target: float | None = None
 
+    def check(self) -> None:
+        if any(not 0.0 < v < 1.0 for v in self.sparsities):
+            raise ConfigError(f"sensitivity.sparsities={list(self.sparsities)} must be in (0, 1)")
+
 
 @dataclass
-class Config:
+class Config(_Checked):
+    """The whole run. Each section checks its own values; this checks how they combine."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
@@ -207,19 +370,23 @@ class Config:
     cache_dir: str | None = None  # null: $SPARSEKIT_CACHE or ~/.cache/sparsekit
     resume: Any = False  # true: continue the latest run directory; a path: continue that one
 
-
-class ConfigError(UsageError):
-    """A configuration value outside its allowed set; the message is one line."""
-
-
-def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
-
-
-def _at_least(key: str, value: float, low: float) -> None:
-    if not value >= low:  # NaN too
-        raise ConfigError(f"{key}={value!r} must be >= {low}")
+    def check(self) -> None:
+        p, sens = self.prune, self.sensitivity
+        if is_solver(CRITERIA[p.criterion]) and p.fine_tune and self.schedule.kind != "oneshot":
+            raise ConfigError(
+                f"prune.criterion={p.criterion} is one shot: set schedule=oneshot (prune at "
+                "schedule.start, then fine-tune) or prune.fine_tune=false"
+            )
+        if sens.enabled and p.pattern == "none":
+            raise ConfigError("sensitivity.enabled=true needs a prune.pattern (not none)")
+        if sens.target is not None and not (
+            sens.enabled and p.pattern == "unstructured" and p.scope == "layer"
+            and 0 <= sens.target < 1
+        ):
+            raise ConfigError(
+                f"sensitivity.target={sens.target!r} needs sensitivity.enabled=true, "
+                "prune.pattern=unstructured, prune.scope=layer and a value in [0, 1)"
+            )
 
 
 def parse_nm(pattern: str) -> tuple[int, int] | None:
@@ -235,81 +402,13 @@ def parse_nm(pattern: str) -> tuple[int, int] | None:
 
 
 def validate(cfg: Config) -> Config:
-    """Check every enumerated option and range; raise :class:`ConfigError` (one line naming the
-    option and its allowed values) on the first bad one. Returns ``cfg``."""
-    p = cfg.prune
-    nm = parse_nm(p.pattern)
-    if p.sparsity is not None and not 0.0 <= p.sparsity < 1.0:
-        raise ConfigError(f"prune.sparsity={p.sparsity!r} must be in [0, 1) or null")
-    if p.pattern == "unstructured" and p.sparsity is None:
-        raise ConfigError("prune.sparsity (a float in [0, 1)) is required for unstructured")
-    if nm is not None and p.sparsity is not None and abs(p.sparsity - 1 + nm[0] / nm[1]) > 1e-9:
-        raise ConfigError(
-            f"prune.sparsity={p.sparsity!r} contradicts prune.pattern={p.pattern!r} "
-            f"(which implies {1 - nm[0] / nm[1]:g}); set prune.sparsity=null"
-        )
-    _choice("prune.criterion", p.criterion, CRITERIA)
-    if p.criterion == "sparsegpt" and p.fine_tune and cfg.schedule.kind != "oneshot":
-        raise ConfigError(
-            "prune.criterion=sparsegpt is one shot: set schedule=oneshot (prune at "
-            "schedule.start, then fine-tune) or prune.fine_tune=false"
-        )
-    _choice("prune.scope", p.scope, SCOPES)
-    sens = cfg.sensitivity
-    if sens.enabled and p.pattern == "none":
-        raise ConfigError("sensitivity.enabled=true needs a prune.pattern (not none)")
-    if any(not 0.0 < v < 1.0 for v in sens.sparsities):
-        raise ConfigError(f"sensitivity.sparsities={list(sens.sparsities)} must be in (0, 1)")
-    if sens.target is not None and not (
-        sens.enabled and p.pattern == "unstructured" and p.scope == "layer" and 0 <= sens.target < 1
-    ):
-        raise ConfigError(
-            f"sensitivity.target={sens.target!r} needs sensitivity.enabled=true, "
-            "prune.pattern=unstructured, prune.scope=layer and a value in [0, 1)"
-        )
-    _at_least("prune.calibration_batches", p.calibration_batches, 1)
-    c = p.channel
-    if not 0.0 <= c.ratio < 1.0:
-        raise ConfigError(f"prune.channel.ratio={c.ratio!r} must be in [0, 1)")
-    _choice("prune.channel.importance", c.importance, CHANNEL_IMPORTANCE)
-    _choice("prune.channel.scope", c.scope, SCOPES)
-    _at_least("prune.channel.round_to", c.round_to, 1)
-    _at_least("prune.channel.steps", c.steps, 1)
-    s = cfg.schedule
-    _choice("schedule.kind", s.kind, SCHEDULES)
-    _at_least("schedule.start", s.start, 0)
-    _at_least("schedule.every", s.every, 1)
-    if s.end < s.start:
-        raise ConfigError(f"schedule.end={s.end} must be >= schedule.start={s.start}")
-    _choice("quant.scheme", cfg.quant.scheme, QUANT_SCHEMES)
-    _choice("data.task", cfg.data.task, TASKS)
-    if cfg.model.task is not None:
-        _choice("model.task", cfg.model.task, HF_TASKS)
-    _at_least("data.seq_len", cfg.data.seq_len, 1)
-    _at_least("data.batch_size", cfg.data.batch_size, 1)
-    _at_least("data.eval_batch_size", cfg.data.eval_batch_size, 1)
-    if cfg.data.eval_batches is not None and not cfg.data.eval_batches >= 1:
-        raise ConfigError(
-            f"data.eval_batches={cfg.data.eval_batches!r} must be >= 1, or null to evaluate on "
-            "every batch (0 batches would report a meaningless 0% accuracy)"
-        )
-    t = cfg.train
-    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
-    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _choice("train.device", t.device, DEVICES)
-    _choice("train.distributed", t.distributed, DISTRIBUTED)
-    for key in ("dense_steps", "finetune_steps", "warmup_steps", "cpu_threads"):
-        _at_least(f"train.{key}", getattr(t, key), 0)
-    for key in ("log_every", "eval_every", "checkpoint_every"):
-        _at_least(f"train.{key}", getattr(t, key), 1)
-    if not 0.0 <= t.distill.alpha <= 1.0:
-        raise ConfigError(f"train.distill.alpha={t.distill.alpha!r} must be in [0, 1]")
-    if not t.distill.temperature > 0:
-        raise ConfigError(f"train.distill.temperature={t.distill.temperature!r} must be > 0")
-    _choice("tracker.kind", cfg.tracker.kind, TRACKERS)
-    _at_least("tracker.flush_secs", cfg.tracker.flush_secs, 1)
-    _at_least("bench.batch_size", cfg.bench.batch_size, 1)
-    _at_least("bench.repeats", cfg.bench.repeats, 1)
-    _choice("accel.precision", cfg.accel.precision, ACCEL_PRECISIONS)
-    _choice("accel.sparsity", cfg.accel.sparsity, ACCEL_SPARSITY)
+    """Check ``cfg`` again after code changed its fields (construction checks it already):
+    every section, then the whole. Raises :class:`ConfigError` (one line naming the option and
+    its allowed values) on the first bad value; strings become their enum members. Returns
+    ``cfg``."""
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if isinstance(section, _Checked):
+            validate(section)
+    cfg.check()
     return cfg

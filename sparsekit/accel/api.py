@@ -29,14 +29,13 @@ from sparsekit.accel.convert import (
     conv_skip_reason,
     mha_skip_reason,
 )
-from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
+from sparsekit.accel.kernels import SPARSITIES, VARIANTS, check_precision, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checkpoint import is_2to4
 from sparsekit.quant.modules import QuantLinear
 
 log = logging.getLogger(__name__)
 
-SPARSITIES = ("2:4", "auto", "dense")
 _ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scaled_mm, _int_mm)
 _W8A8 = {"fp8": "fp8", "int8": "int8"}  # quant scheme -> accel precision that keeps its numerics
 
@@ -296,10 +295,8 @@ def accelerate(
 
     Modifies ``model`` in place (moved to ``device``, bfloat16, eval) and returns the
     :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if dense_precision not in PRECISIONS:
-        raise ValueError(f"dense_precision must be one of {PRECISIONS}, got {dense_precision!r}")
+    check_precision("precision", precision)
+    check_precision("dense_precision", dense_precision)
     if sparsity not in SPARSITIES:
         raise ValueError(f"sparsity must be one of {SPARSITIES}, got {sparsity!r}")
     if not min_speedup > 0:

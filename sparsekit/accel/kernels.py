@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.accel import ops
+from sparsekit.errors import UsageError
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.modules import QuantLinear
 from sparsekit.quant.numerics import channel_scales, quantize
+from sparsekit.registry import Registry
 
 
 def _weights(layer: nn.Module, fmt: Format | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -171,15 +173,29 @@ class Int8Sparse24(_AccelLinear):
         return self._epilogue(acc, sx)
 
 
-VARIANTS: dict[str, type[_AccelLinear]] = {
-    cls.variant: cls
-    for cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, Int8Dense, Int8Sparse24)
-}
-PRECISIONS = ("bf16", "fp8", "int8")
+VARIANTS: Registry[type[_AccelLinear]] = Registry("accel variant")
+for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, Int8Dense, Int8Sparse24):
+    VARIANTS.register(_cls.variant, _cls)
+# what accelerate(sparsity=...) may ask for: the 2:4 variant, the planner's choice, dense only
+SPARSITIES = ("2:4", "auto", "dense")
+
+
+def precisions() -> tuple[str, ...]:
+    """The precisions offering both a dense and a 2:4 variant (``accelerate(precision=...)``,
+    ``accel.precision``), in registration order."""
+    names = VARIANTS.names()
+    found = dict.fromkeys(n.rsplit("_", 1)[0] for n in names)
+    return tuple(p for p in found if f"{p}_dense" in names and f"{p}_2:4" in names)
+
+
+def check_precision(key: str, precision: object) -> str:
+    """``precision`` when it is one of :func:`precisions`; UsageError naming ``key`` else."""
+    if precision not in precisions():
+        raise UsageError(f"{key} must be one of {precisions()}, got {precision!r}")
+    return precision
 
 
 def variant_name(precision: str, sparse: bool) -> str:
     """'bf16' + sparse -> 'bf16_2:4'; 'int8' dense -> 'int8_dense'."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_precision("precision", precision)
     return f"{precision}_{'2:4' if sparse else 'dense'}"

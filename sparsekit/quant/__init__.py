@@ -2,7 +2,7 @@
 quantization (``quantize_``) and quantization-aware training (``prepare_qat_``/``convert_``),
 both composing with pruning masks; the plan a checkpoint needs to rebuild quantized layers."""
 
-from sparsekit.quant.formats import SCHEMES, Scheme, get_scheme
+from sparsekit.quant.formats import SCHEMES, Scheme, get_scheme, register_scheme
 from sparsekit.quant.modules import QuantConv, QuantLinear
 from sparsekit.quant.plan import apply_quant_plan, quant_plan
 from sparsekit.quant.qat import convert_, prepare_qat_
@@ -19,6 +19,7 @@ __all__ = [
     "apply_quant_plan",
     "convert_",
     "get_scheme",
+    "register_scheme",
     "prepare_qat_",
     "quant_plan",
     "quantize_",

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsekit.errors import UsageError
+from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -44,19 +45,27 @@ class Scheme:
     activation: Format | None
 
 
-SCHEMES: dict[str, Scheme] = {
-    "int8_weight_only": Scheme("int8_weight_only", INT8, None),
-    "int8": Scheme("int8", INT8, INT8),
-    "fp8": Scheme("fp8", FP8, FP8),
-}
+SCHEMES: Registry[Scheme] = Registry("quantization scheme")
+
+
+def register_scheme(scheme: Scheme) -> None:
+    """Make ``scheme`` available by its name to ``quantize_``, ``prepare_qat_`` and
+    ``quant.scheme`` (its formats are the ones quant's numerics and kernels know)."""
+    if not isinstance(scheme, Scheme):
+        raise ConfigTypeError(f"register_scheme takes a Scheme, got {type(scheme).__name__}")
+    SCHEMES.register(scheme.name, scheme)
+
+
+for _scheme in (Scheme("int8_weight_only", INT8, None), Scheme("int8", INT8, INT8),
+                Scheme("fp8", FP8, FP8)):
+    register_scheme(_scheme)
 
 
 def get_scheme(scheme: str | Scheme) -> Scheme:
     """The :class:`Scheme` named ``scheme``; ValueError naming the allowed names otherwise."""
     if isinstance(scheme, Scheme):
         return scheme
-    if not isinstance(scheme, str) or scheme not in SCHEMES:
-        raise UsageError(
-            f"unknown quantization scheme {scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}"
-        )
+    if not isinstance(scheme, str):
+        raise UsageError(f"unknown quantization scheme {scheme!r}; allowed: "
+                         f"{', '.join(SCHEMES.names())}")
     return SCHEMES[scheme]
