@@ -8,25 +8,34 @@ the option and the allowed values, with exit code 2.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
 import sys
 import time
 import traceback
+import typing
 from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
-from sparsekit.config import Config, validate
+from sparsekit.config import Config, choices
 from sparsekit.data import check_data_name
 from sparsekit.distributed import is_main, share_run_dir
 from sparsekit.errors import SparsekitError, StorageError, UsageError
@@ -45,8 +54,24 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
+def group_options(group: str) -> list[str]:
+    """The options of config group ``group`` (``recipe``: the recipes)."""
+    if group == "recipe":
+        return recipe_names()
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def choices_help() -> str:
+    """``--help``'s list of the options with a fixed or registered set of values: taken from
+    the schema's enums and the registries (criteria, quantization schemes, accel variants)."""
+    return "\n".join(f"{key}: {', '.join(values)}" for key, values in choices().items())
+
+
 def register_configs() -> None:
-    """The schema as ``sparsekit_schema`` and every recipe file as option ``recipe/<name>``."""
+    """The schema as ``sparsekit_schema``, every recipe file as option ``recipe/<name>``, and
+    the ``sparsekit_choices`` resolver that ``--help`` prints the allowed values with."""
+    OmegaConf.register_new_resolver("sparsekit_choices", choices_help, replace=True,
+                                    use_cache=False)
     cs = ConfigStore.instance()
     cs.store(name="sparsekit_schema", node=Config)
     for name in recipe_names():
@@ -57,54 +82,60 @@ def register_configs() -> None:
 def to_config(cfg: DictConfig) -> Config:
     """The composed Hydra config as the :class:`~sparsekit.config.Config` dataclass, validated."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
-    config = OmegaConf.to_object(cfg)
+    config = OmegaConf.to_object(cfg)  # each dataclass checks its values (__post_init__)
     assert isinstance(config, Config)
-    validate(config)
     check_model_name(config.model.name, config.model._target_)
     check_data_name(config.data.name, config.data._target_)
     return config
 
 
-def one_line(err: BaseException) -> str:
-    """A Hydra/OmegaConf/sparsekit error as one line naming the option and allowed values."""
-    text = str(err)
-    override = getattr(err, "override", None)  # hydra's OverrideParseException
-    if isinstance(override, str):
-        reason = (text.strip().splitlines() or [""])[0].split("; See https://")[0]
-        reason = "" if not reason or reason.startswith("Error parsing override") else f"{reason}; "
-        return f"cannot parse {override!r}: {reason}arguments are key=value or group=option " \
-            "(see --help)"
-    missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
-    if missing:
-        group, option = missing.groups()
-        allowed = recipe_names() if group == "recipe" else sorted(
-            p.stem for p in (conf_dir() / group).glob("*.yaml")
-        )
-        return f"{group}={option}: unknown option; allowed: {', '.join(allowed)}"
-    unknown = re.search(r"Could not override '([^']+)'", text)
-    if unknown:
-        key = unknown.group(1)
-        parent, _, _ = key.rpartition(".")
-        node = Config()
-        for part in filter(None, parent.split(".")):
-            node = getattr(node, part, None)
-        if not dataclasses.is_dataclass(node):  # a free-form dict such as model.kwargs
+def _reason(err: OverrideParseException) -> str:
+    """The parser's own reason for a bad override (its first line), when it says more than
+    "Error parsing override"."""
+    first = (err.message.strip().splitlines() or [""])[0]
+    return "" if first.startswith("Error parsing override") else f"{first}; "
+
+
+def _omegaconf_line(err: OmegaConfBaseException) -> str:
+    """One line from an OmegaConf error's fields: the option (``full_key``), the value, and
+    for an unknown key the keys allowed there, for an enum the values allowed."""
+    key, owner = err.full_key, err.object_type
+    msg = (str(err.msg or "").strip().splitlines() or [""])[0]
+    if isinstance(err, (ConfigAttributeError, ConfigKeyError)) and err.value is None:
+        parent = key.rpartition(".")[0]
+        if not dataclasses.is_dataclass(owner):  # a free-form dict such as model.kwargs
             return f"{key}: not in the config; add a new key with +{key}=VALUE"
-        allowed = ", ".join(f.name for f in dataclasses.fields(node))
+        allowed = ", ".join(f.name for f in dataclasses.fields(owner))
         return f"{key}: unknown key; allowed keys{' in ' + parent if parent else ''}: {allowed}"
-    parse = re.search(
-        r"Error parsing override '([^']*)'|LexerNoViableAltException: ([^;\n]*)", text
-    )
-    if parse:
-        bad = (parse.group(1) or parse.group(2) or "").strip()
-        return f"cannot parse {bad!r}: arguments are key=value or group=option (see --help)"
-    cause = err.__cause__
-    merging = re.search(r"Error merging override (\S+)", text)
-    if merging and cause is not None:
-        return f"{merging.group(1)}: {str(cause).splitlines()[0]}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    lines = [ln for ln in lines if not ln.startswith(("object_type=", "reference_type="))]
-    return "; ".join(lines)
+    field_type = None
+    if dataclasses.is_dataclass(owner) and err.key is not None:
+        field_type = typing.get_type_hints(owner).get(str(err.key))
+    enums = [t for t in (field_type, *typing.get_args(field_type))
+             if isinstance(t, type) and issubclass(t, Enum)]
+    if isinstance(err, ValidationError) and enums:
+        allowed = ", ".join(str(v.value) for v in enums[0])
+        return f"{key}={err.value!r} is not allowed; choose one of: {allowed}"
+    return f"{key}={err.value}: {msg}" if err.value is not None else f"{key}: {msg}"
+
+
+def one_line(err: BaseException) -> str:
+    """A Hydra/OmegaConf/sparsekit error as one line naming the option and allowed values,
+    built from the exceptions' fields (Hydra's ``override``/``options``, OmegaConf's
+    ``full_key``/``value``/``object_type``, anywhere in the chain of causes)."""
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse {err.override!r}: {_reason(err)}arguments are key=value or " \
+            "group=option (see --help)"
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        group, _, option = err.missing_cfg_file.rpartition("/")
+        allowed = err.options if err.options is not None else group_options(group)
+        return f"{group}={option}: unknown option; allowed: {', '.join(allowed)}"
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OmegaConfBaseException) and cause.full_key:
+            return _omegaconf_line(cause)
+        cause = cause.__cause__
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return "; ".join(ln for ln in lines if not ln.startswith(("object_type=", "reference_type=")))
 
 
 def fail(err: BaseException, code: int = EXIT_USAGE) -> None:
@@ -152,35 +183,39 @@ def report_runtime_error(err: BaseException) -> None:
     raise SystemExit(exit_code(err))
 
 
-def _variants(overrides: Sequence[str]) -> list[list[str]]:
-    """Override lists covering every value of every sweep (``a=1,2``) at least once."""
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    base = []
-    sweeps: list[tuple[int, list[str]]] = []
-    for i, o in enumerate(parsed):
-        if o.is_sweep_override():
-            values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-            base.append(values[0])
-            sweeps.append((i, values))
-        else:
-            base.append(overrides[i])
-    out = [base]
-    for i, values in sweeps:
-        for v in values[1:]:
-            out.append([*base[:i], v, *base[i + 1 :]])
-    return out
+def _is_group(override: Override) -> bool:
+    """Whether ``override`` picks a config group option (``prune=nm24``, ``recipe=...``)."""
+    group = override.key_or_group
+    return group == "recipe" or (conf_dir() / group).is_dir()
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
     """Compose and validate the config for ``overrides`` (each sweep value too); on bad input
-    print one line and exit with code 2."""
+    print one line and exit with code 2. The config is composed once, with the first value of
+    each sweep; every other value of a swept key is set on a copy of it (as Hydra applies a
+    ``key=value`` override), and only a swept group option is composed anew."""
     overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
     variant = list(overrides)
     try:
-        variants = _variants(overrides)
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        sweeps = [(i, o) for i, o in enumerate(parsed) if o.is_sweep_override()]
+        base = list(overrides)
+        for i, o in sweeps:
+            base[i] = f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            for variant in variants:
-                to_config(compose("config", overrides=variant))
+            variant = base
+            composed = compose("config", overrides=base)
+            to_config(composed)
+            for i, o in sweeps:
+                values = zip(list(o.sweep_string_iterator())[1:], list(o.sweep_iterator())[1:])
+                for text, value in values:
+                    variant = [*base[:i], f"{o.get_key_element()}={text}", *base[i + 1:]]
+                    if _is_group(o) or o.is_add() or o.is_force_add() or o.is_delete():
+                        to_config(compose("config", overrides=variant))
+                        continue
+                    cfg = copy.deepcopy(composed)
+                    OmegaConf.update(cfg, o.key_or_group, value, merge=True)
+                    to_config(cfg)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
         line = one_line(e)
         keys = [o.split("=", 1)[0].lstrip("+~") for o in variant]

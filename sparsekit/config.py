@@ -13,8 +13,10 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterable
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -52,9 +54,16 @@ TrackerKind = _choices("TrackerKind", ("tensorboard", "none"), "Where metrics go
 Device = _choices("Device", ("auto", "cpu", "cuda"), "auto: cuda when visible.")
 
 
-def quant_schemes() -> tuple[str, ...]:
-    """``quant.scheme`` choices: none and the registered quantization schemes."""
-    return ("none", *SCHEMES.names())
+@functools.cache
+def _enum_fields(cls: type) -> dict[str, type[StrEnum]]:
+    """The fields of dataclass ``cls`` typed with a StrEnum (or an optional one)."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        for t in (hints[f.name], *typing.get_args(hints[f.name])):
+            if isinstance(t, type) and issubclass(t, StrEnum):
+                found[f.name] = t
+    return found
 
 
 class ConfigError(UsageError):
@@ -62,13 +71,21 @@ class ConfigError(UsageError):
 
 
 class _Checked:
-    """Range and choice checks run by ``__post_init__`` (OmegaConf runs it when it builds the
+    """Choice and range checks run by ``__post_init__`` (OmegaConf runs it when it builds the
     dataclasses; :func:`validate` runs it again after code changed fields). ``_key`` is the
-    section's place in the config tree, so that messages name the full option."""
+    section's place in the config tree, so that messages name the full option. Every
+    Enum-typed field is checked against its enum; ``_open`` maps the fields whose set is open
+    (a registry) to a function giving the allowed names."""
 
     _key: ClassVar[str] = ""
+    _open: ClassVar[dict[str, Callable[[], Iterable[str]]]] = {}
 
     def __post_init__(self) -> None:
+        for name, enum in _enum_fields(type(self)).items():
+            if getattr(self, name) is not None:
+                self._choice(name, enum)
+        for name, allowed in self._open.items():
+            self._choice(name, allowed())
         self.check()
 
     def check(self) -> None:
@@ -79,11 +96,11 @@ class _Checked:
 
     def _choice(self, name: str, allowed: type[StrEnum] | Iterable[str]) -> None:
         value = getattr(self, name)
-        values = [str(v) for v in allowed]
-        if isinstance(value, str) and value in values:
+        if isinstance(value, str) and value in allowed:  # a registry looks for new plugins
             if isinstance(allowed, type):
                 setattr(self, name, allowed(value))
             return
+        values = [str(v) for v in allowed]
         raise ConfigError(
             f"{self._option(name)}={value!r} is not allowed; choose one of: {', '.join(values)}"
         )
@@ -121,10 +138,6 @@ class ModelConfig(_Checked):
     config: Any = None
     task: HFTask | None = None
 
-    def check(self) -> None:
-        if self.task is not None:
-            self._choice("task", HFTask)
-
 
 @dataclass
 class DataConfig(_Checked):
@@ -146,7 +159,6 @@ class DataConfig(_Checked):
     seq_len: int = 128
 
     def check(self) -> None:
-        self._choice("task", Task)
         self._at_least("seq_len", "batch_size", "eval_batch_size", low=1)
         if self.eval_batches is not None and not self.eval_batches >= 1:
             raise ConfigError(
@@ -170,8 +182,6 @@ class ChannelConfig(_Checked):
 
     def check(self) -> None:
         self._fraction("ratio")
-        self._choice("importance", Importance)
-        self._choice("scope", Scope)
         self._at_least("round_to", "steps", low=1)
 
 
@@ -182,6 +192,7 @@ class PruneConfig(_Checked):
     ``sparsekit.criteria`` entry point)."""
 
     _key: ClassVar[str] = "prune"
+    _open: ClassVar = {"criterion": lambda: CRITERIA}
     pattern: str = "2:4"
     sparsity: float | None = None
     criterion: str = "magnitude"
@@ -206,9 +217,6 @@ class PruneConfig(_Checked):
                 f"prune.sparsity={self.sparsity!r} contradicts prune.pattern={self.pattern!r} "
                 f"(which implies {1 - nm[0] / nm[1]:g}); set prune.sparsity=null"
             )
-        if self.criterion not in CRITERIA:  # looks for newly installed plugins too
-            self._choice("criterion", CRITERIA.names())
-        self._choice("scope", Scope)
         self._at_least("calibration_batches", low=1)
 
 
@@ -223,7 +231,6 @@ class ScheduleConfig(_Checked):
     every: int = 50
 
     def check(self) -> None:
-        self._choice("kind", ScheduleKind)
         self._at_least("start", low=0)
         self._at_least("every", low=1)
         if self.end < self.start:
@@ -235,13 +242,11 @@ class QuantConfig(_Checked):
     """``scheme``: none or a registered quantization scheme (:data:`quant.SCHEMES`)."""
 
     _key: ClassVar[str] = "quant"
+    _open: ClassVar = {"scheme": lambda: ("none", *SCHEMES.names())}
     scheme: str = "none"
     qat: bool = False
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
-
-    def check(self) -> None:
-        self._choice("scheme", quant_schemes())
 
 
 @dataclass
@@ -286,10 +291,6 @@ class TrainConfig(_Checked):
     quiet: bool = False  # no progress bars (also: environment SPARSEKIT_QUIET=1)
 
     def check(self) -> None:
-        self._choice("optimizer", Optimizer)
-        self._choice("lr_schedule", LRSchedule)
-        self._choice("device", Device)
-        self._choice("distributed", Distributed)
         self._at_least("dense_steps", "finetune_steps", "warmup_steps", "cpu_threads", low=0)
         self._at_least("log_every", "eval_every", "checkpoint_every", low=1)
 
@@ -303,7 +304,6 @@ class TrackerConfig(_Checked):
     histogram_every: int = 200  # at least this many steps between two sets of weight histograms
 
     def check(self) -> None:
-        self._choice("kind", TrackerKind)
         self._at_least("flush_secs", low=1)
 
 
@@ -324,15 +324,12 @@ class AccelConfig(_Checked):
     """``precision``: one with dense and 2:4 accel variants registered (accel.kernels)."""
 
     _key: ClassVar[str] = "accel"
+    _open: ClassVar = {"precision": precisions, "sparsity": lambda: SPARSITIES}
     enabled: bool = False
     precision: str = "bf16"
     sparsity: str = "2:4"
     min_speedup: float = 1.0
     fuse: bool = True
-
-    def check(self) -> None:
-        self._choice("precision", precisions())
-        self._choice("sparsity", SPARSITIES)
 
 
 @dataclass
@@ -389,6 +386,19 @@ class Config(_Checked):
             )
 
 
+def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """Every option with a set of allowed values, and those values (enums, registries), by
+    qualified key: what ``sparsekit --help`` lists."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(choices(hints[f.name], f"{prefix}{f.name}."))
+    out.update({f"{prefix}{n}": tuple(map(str, e)) for n, e in _enum_fields(cls).items()})
+    out.update({f"{prefix}{n}": tuple(names()) for n, names in getattr(cls, "_open", {}).items()})
+    return dict(sorted(out.items()))
+
+
 def parse_nm(pattern: str) -> tuple[int, int] | None:
     """``"2:4" -> (2, 4)``; ``"unstructured"``/``"none"`` -> None; anything else raises
     :class:`ConfigError` naming ``prune.pattern`` and the allowed values."""
@@ -410,5 +420,5 @@ def validate(cfg: Config) -> Config:
         section = getattr(cfg, f.name)
         if isinstance(section, _Checked):
             validate(section)
-    cfg.check()
+    cfg.__post_init__()
     return cfg

@@ -14,7 +14,7 @@ Adding a criterion is one file and one registration. In code::
 
     class Smallest:  # keeps the smallest weights (a toy)
         def score(self, layers):
-            return {n: -layers.weight(n).abs().float() for n in layers.modules}
+            return {n: 1 / (1 + layers.weight(n).abs().float()) for n in layers.modules}
 
     sk.register_criterion("smallest", Smallest())
     sk.Pruner(model, sparsity=0.5, criterion="smallest")
@@ -66,8 +66,8 @@ class Layers:
 
 @runtime_checkable
 class Criterion(Protocol):
-    """Scores weights: ``score(layers)`` returns one float tensor per layer name, the shape of
-    this rank's weight (:meth:`Layers.weight`), higher = keep.
+    """Scores weights: ``score(layers)`` returns one float tensor of scores >= 0 per layer
+    name, the shape of this rank's weight (:meth:`Layers.weight`), higher = keep.
 
     Optional attributes (absent = False): ``needs_calibration`` (the Pruner requires
     ``calibration=``); ``per_row`` (scores compare only within an output row, as Wanda's: an

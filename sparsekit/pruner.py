@@ -322,6 +322,11 @@ class Pruner:
                     f"{getattr(got, 'shape', type(got).__name__)}; expected a tensor of the "
                     f"weight's shape {tuple(D.local(m.weight).shape)}"
                 )
+            if bool((got < 0).any()) or bool(got.isnan().any()):
+                raise UsageError(
+                    f"criterion {self.criterion!r} gave layer {n!r} negative or NaN scores; "
+                    "scores are >= 0, higher = keep"
+                )
         return scores
 
     def _layers(self) -> Layers:

@@ -48,8 +48,10 @@ class Registry(Mapping[str, T], Generic[T]):
         self._objects[name] = obj
 
     def unregister(self, name: str) -> None:
-        """Remove a name registered in code (for tests and plugins that replace themselves)."""
+        """Remove ``name`` (registered in code, or an entry point already loaded) and forget the
+        entry points found so far: the next lookup scans the installed distributions again."""
         self._objects.pop(name, None)
+        self._entry_points = None
 
     def _plugins(self, rescan: bool = False) -> dict[str, metadata.EntryPoint]:
         if self.group is None:
