@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.config import Config, ConfigError, choices, validate
-from sparsekit.criteria import CRITERIA
+from sparsekit.run.config import Config, ConfigError, choices, validate
+from sparsekit.prune.criteria import CRITERIA
 
 # the toy: keep the *smallest* weights (the opposite of magnitude), so its masks are checkable
 TOY = '''

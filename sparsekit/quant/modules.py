@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.calibration import conv_pads
+from sparsekit.prune.calibration import conv_pads
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (

@@ -1,6 +1,6 @@
 """The run configuration: one tree of dataclasses, the schema every YAML file is checked against.
 
-``sparsekit.cli`` registers :class:`Config` in Hydra's ConfigStore; this module stays free of
+``sparsekit.run.cli`` registers :class:`Config` in Hydra's ConfigStore; this module stays free of
 Hydra so the pipeline can be driven from Python with plain dataclasses:
 
 >>> cfg = Config()
@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from sparsekit import distributed, pruner, schedules
 from sparsekit.accel.kernels import SPARSITIES, precisions
-from sparsekit.channels import IMPORTANCES
-from sparsekit.criteria import CRITERIA, is_solver
+from sparsekit.prune import pruner, schedules
+from sparsekit.prune.channels import IMPORTANCES
+from sparsekit.prune.criteria import CRITERIA, is_solver
+from sparsekit.run import distributed
 from sparsekit.errors import UsageError
 from sparsekit.models.hf import AUTO_CLASSES
-from sparsekit.patterns import parse_pattern
+from sparsekit.prune.patterns import parse_pattern
 from sparsekit.quant.formats import SCHEMES
 
 PATTERN_HELP = "'unstructured', 'none' or 'N:M' with 0 < N < M (e.g. '2:4')"

@@ -8,7 +8,7 @@ Both are plain objects registered by name; the Pruner, the config schema and
 - magnitude: ``|W|``.
 - wanda (Sun et al. 2023): ``|W_ij| * ||X_j||_2``, where ``X_j`` is input feature ``j`` over all
   calibration tokens. For a conv, features are the unfolded ``(in, kh, kw)`` patch positions.
-- sparsegpt (Frantar & Alistarh 2023): the OBS solver of :mod:`sparsekit.sparsegpt`.
+- sparsegpt (Frantar & Alistarh 2023): the OBS solver of :mod:`sparsekit.prune.sparsegpt`.
 
 Adding a criterion is one file and one registration. In code::
 
@@ -39,11 +39,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from sparsekit.calibration import CalibrationFn, gemm_inputs, run_calibration
-from sparsekit.distributed import ShardComm, all_reduce_dict, local, reshard
+from sparsekit.prune.calibration import CalibrationFn, gemm_inputs, run_calibration
+from sparsekit.run.distributed import ShardComm, all_reduce_dict, local, reshard
 from sparsekit.errors import ConfigTypeError, ModelCallError, NumericsError, UsageError
 from sparsekit.registry import Registry
-from sparsekit.sparsegpt import SparseGPT
+from sparsekit.prune.sparsegpt import SparseGPT
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def collect_input_norms(
 ) -> dict[str, torch.Tensor]:
     """Run the calibration batches and return each module's input feature L2 norms.
 
-    With ``comm`` (several ranks, see :mod:`sparsekit.distributed`) each rank runs its own share
+    With ``comm`` (several ranks, see :mod:`sparsekit.run.distributed`) each rank runs its own share
     of the calibration data and the squared norms are summed over ranks before the square root,
     so every rank gets the norms of all ranks' data together."""
     with InputNormCollector(modules) as collector:

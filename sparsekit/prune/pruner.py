@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit import distributed as D
-from sparsekit import masks as M
-from sparsekit.calibration import CalibrationFn, check_calibration
-from sparsekit.criteria import CRITERIA, Layers, get_criterion, is_solver
+from sparsekit.run import distributed as D
+from sparsekit.prune import masks as M
+from sparsekit.prune.calibration import CalibrationFn, check_calibration
+from sparsekit.prune.criteria import CRITERIA, Layers, get_criterion, is_solver
 from sparsekit.errors import ConfigTypeError, UsageError
-from sparsekit.masks import check_finite_weight
-from sparsekit.patterns import (
+from sparsekit.prune.masks import check_finite_weight
+from sparsekit.prune.patterns import (
     lowest_k_masks,
     nm_group_cost,
     nm_incompatibility,
@@ -35,9 +35,9 @@ from sparsekit.patterns import (
     prune_count,
     row_mask,
 )
-from sparsekit.report import SparsityReport, build_report
-from sparsekit.schedules import OneShot, Schedule
-from sparsekit.select import name_matches, select_modules
+from sparsekit.prune.report import SparsityReport, build_report
+from sparsekit.prune.schedules import OneShot, Schedule
+from sparsekit.prune.select import name_matches, select_modules
 
 SCOPES = ("layer", "global")
 STATE_VERSION = 1
