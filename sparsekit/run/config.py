@@ -97,9 +97,11 @@ class _Checked:
 
     def _choice(self, name: str, allowed: type[StrEnum] | Iterable[str]) -> None:
         value = getattr(self, name)
-        if isinstance(value, str) and value in allowed:  # a registry looks for new plugins
-            if isinstance(allowed, type):
+        if isinstance(allowed, type):  # an enum: strings become its members
+            if isinstance(value, str) and value in [m.value for m in allowed]:
                 setattr(self, name, allowed(value))
+                return
+        elif isinstance(value, str) and value in allowed:  # a registry looks for new plugins
             return
         values = [str(v) for v in allowed]
         raise ConfigError(
