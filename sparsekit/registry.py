@@ -16,7 +16,7 @@ Config choices and ``sparsekit --help`` are derived from :meth:`Registry.names`.
 >>> colours["blue"]
 Traceback (most recent call last):
 ...
-sparsekit.errors.UsageError: unknown colour 'blue'; allowed: red
+sparsekit.errors.UsageError: unknown colour 'blue'; allowed: 'red'
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class Registry(Mapping[str, T], Generic[T]):
         if name in self._objects:
             return self._objects[name]
         if name not in self:  # rescans the entry points: a plugin installed since
-            raise UsageError(f"unknown {self.kind} {name!r}; allowed: {', '.join(self.names())}")
+            allowed = ", ".join(map(repr, self.names()))
+            raise UsageError(f"unknown {self.kind} {name!r}; allowed: {allowed}")
         ep = self._plugins()[name]
         try:
             obj = ep.load()

@@ -67,5 +67,5 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
         return scheme
     if not isinstance(scheme, str):
         raise UsageError(f"unknown quantization scheme {scheme!r}; allowed: "
-                         f"{', '.join(SCHEMES.names())}")
+                         f"{', '.join(map(repr, SCHEMES.names()))}")
     return SCHEMES[scheme]
