@@ -315,8 +315,7 @@ class ChannelPruner:
             )
         self.model = model
         self.example_inputs = example_inputs
-        self.importance = importance
-        self.scope = scope
+        self.importance, self.scope = str(importance), str(scope)  # plain: saved in plans
         self.schedule = schedule if schedule is not None else OneShot(step=0)
         self.loss_fn = loss_fn
         self.progress = 0.0

@@ -113,8 +113,16 @@ def get_criterion(name: str) -> Criterion | Solver:
     return CRITERIA[name]
 
 
-def is_solver(criterion: Criterion | Solver) -> bool:
+def is_solver(criterion: Criterion | Solver | str) -> bool:
+    """Whether ``criterion`` (an object, or a registered name) is a :class:`Solver`."""
+    criterion = get_criterion(criterion) if isinstance(criterion, str) else criterion
     return callable(getattr(criterion, "solve", None))
+
+
+def needs_calibration(criterion: Criterion | Solver | str) -> bool:
+    """Whether ``criterion`` (an object, or a registered name) reads calibration batches."""
+    criterion = get_criterion(criterion) if isinstance(criterion, str) else criterion
+    return bool(getattr(criterion, "needs_calibration", False))
 
 
 def magnitude(weight: torch.Tensor) -> torch.Tensor:

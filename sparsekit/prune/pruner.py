@@ -23,7 +23,13 @@ from torch import nn
 from sparsekit.run import distributed as D
 from sparsekit.prune import masks as M
 from sparsekit.prune.calibration import CalibrationFn, check_calibration
-from sparsekit.prune.criteria import CRITERIA, Layers, get_criterion, is_solver
+from sparsekit.prune.criteria import (
+    CRITERIA,
+    Layers,
+    get_criterion,
+    is_solver,
+    needs_calibration,
+)
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.prune.masks import check_finite_weight
 from sparsekit.prune.patterns import (
@@ -108,13 +114,14 @@ class Pruner:
         solver = is_solver(self._criterion)
         if scope not in SCOPES:
             raise UsageError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
-        self.criterion, self.scope = criterion, scope
+        # plain strings (a config's enum member would pickle as a class into state_dict)
+        self.criterion, self.scope = str(criterion), str(scope)
         self.schedule = OneShot() if schedule is None else schedule
         if not isinstance(self.schedule, Schedule):
             raise ConfigTypeError(f"schedule must be OneShot, Linear or Cubic, got {schedule!r}")
         if solver and not isinstance(self.schedule, OneShot):
             raise UsageError(f"criterion {criterion!r} is one shot: use schedule=OneShot(...)")
-        if getattr(self._criterion, "needs_calibration", False) and calibration is None:
+        if needs_calibration(self._criterion) and calibration is None:
             raise UsageError(f"criterion {criterion!r} needs calibration= (an iterable of batches)")
         if self._per_row and self.nm is None and scope == "global":
             raise UsageError(

@@ -372,7 +372,7 @@ class Config(_Checked):
 
     def check(self) -> None:
         p, sens = self.prune, self.sensitivity
-        if is_solver(CRITERIA[p.criterion]) and p.fine_tune and self.schedule.kind != "oneshot":
+        if is_solver(p.criterion) and p.fine_tune and self.schedule.kind != "oneshot":
             raise ConfigError(
                 f"prune.criterion={p.criterion} is one shot: set schedule=oneshot (prune at "
                 "schedule.start, then fine-tune) or prune.fine_tune=false"

@@ -37,6 +37,7 @@ from sparsekit.run import distributed as D
 from sparsekit.io.files import atomic_torch_save, atomic_write, move_aside, safe_torch_load
 from sparsekit.run.bench import benchmark
 from sparsekit.prune.calibration import call_model, eval_mode
+from sparsekit.prune.criteria import needs_calibration
 from sparsekit.io.checkpoint import is_sparsekit_file, load_state_dict
 from sparsekit.run.config import Config, validate
 from sparsekit.errors import (
@@ -431,7 +432,7 @@ def sensitivity_stage(
             sparsities=list(s.sparsities) if p.pattern == "unstructured" else None,
             pattern=p.pattern, criterion=p.criterion, include=list(p.include),
             exclude=list(p.exclude),
-            calibration=None if p.criterion == "magnitude" else calibration,
+            calibration=calibration if needs_calibration(p.criterion) else None,
             higher_is_better=metric == "accuracy",
         )
         if tracker.writer is not None:
@@ -603,7 +604,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
         pruner = sk.Pruner(
             model, sparsity=sparsity, pattern=p.pattern, criterion=p.criterion, scope=p.scope,
             schedule=make_schedule(cfg), include=list(p.include), exclude=list(p.exclude),
-            calibration=calibration if p.criterion != "magnitude" else None, strict=p.strict,
+            calibration=calibration if needs_calibration(p.criterion) else None, strict=p.strict,
         )
     steps = t.finetune_steps if p.fine_tune else 0
     optimizer = make_optimizer(model.parameters(), t.optimizer, t.finetune_lr, t.weight_decay)
@@ -759,8 +760,8 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     }
     if summary["speedup"] is not None:
         final["final/speedup"] = summary["speedup"]
-    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(cfg)), final, final_step,
-                    overrides)
+    hparams = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    tracker.hparams(hparams, final, final_step, overrides)
     table = summary_table(summary)
     markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{report}\n```\n"
     tracker.text("summary", markdown, final_step)
