@@ -123,3 +123,62 @@ def test_parse_nm():
     for bad in ("3:2", "0:4", "4:4", "a:b", "2:"):
         with pytest.raises(ConfigError):
             parse_nm(bad)
+
+
+def test_enum_fields_take_strings_and_give_plain_values():
+    from sparsekit.run.config import Scope, TrackerKind, choices
+
+    cfg = Config()
+    cfg.prune.scope, cfg.tracker.kind = "global", "none"
+    cfg.prune.pattern, cfg.prune.sparsity = "unstructured", 0.5
+    validate(cfg)
+    assert cfg.prune.scope is Scope["global"] and cfg.tracker.kind is TrackerKind.none
+    assert cfg.prune.scope == "global" and f"{cfg.prune.scope}" == "global"
+    # every enum of the schema is listed with its values, and so are the registry-backed keys
+    listed = choices()
+    assert listed["prune.scope"] == ("layer", "global")
+    assert listed["schedule.kind"] == ("oneshot", "linear", "cubic")
+    assert listed["quant.scheme"] == ("none", "int8_weight_only", "int8", "fp8")
+    assert listed["accel.precision"] == ("bf16", "fp8", "int8")
+    for key, values in listed.items():  # each value is accepted, and nothing else
+        section, _, name = key.rpartition(".")
+        node = cfg
+        for part in section.split("."):
+            node = getattr(node, part)
+        before = getattr(node, name)
+        setattr(node, name, "no-such-value")
+        with pytest.raises(ConfigError, match=f"{key}='no-such-value' is not allowed; choose "
+                                              f"one of: {', '.join(values)}"):
+            validate(cfg)
+        setattr(node, name, before)
+
+
+def test_range_checks_live_in_the_dataclasses():
+    from sparsekit.run.config import DistillConfig, ScheduleConfig
+
+    with pytest.raises(ConfigError, match=r"train\.distill\.alpha=1\.5 must be in \[0, 1\]"):
+        DistillConfig(alpha=1.5)
+    with pytest.raises(ConfigError, match=r"schedule\.end=1 must be >= schedule\.start=5"):
+        ScheduleConfig(start=5, end=1)
+    with pytest.raises(ConfigError, match=r"schedule\.kind='step' is not allowed"):
+        ScheduleConfig(kind="step")
+    assert ScheduleConfig(kind="cubic").kind == "cubic"
+
+
+def test_a_sweep_composes_the_config_once(monkeypatch, tmp_path):
+    """Swept keys are set on copies of one composed config; a swept group is composed anew."""
+    from sparsekit.run import cli
+
+    calls = []
+    real = cli.compose
+    monkeypatch.setattr(cli, "compose", lambda *a, **k: calls.append(k["overrides"]) or
+                        real(*a, **k))
+    cli.register_configs()
+    cli.check_overrides(["prune=unstructured", "prune.sparsity=0.5,0.7,0.9", "train.seed=1,2"])
+    assert calls == [["prune=unstructured", "prune.sparsity=0.5", "train.seed=1"]]
+    calls.clear()
+    cli.check_overrides(["prune=nm24,none", "schedule.end=10,20"])
+    assert calls == [["prune=nm24", "schedule.end=10"], ["prune=none", "schedule.end=10"]]
+    with pytest.raises(SystemExit) as e:  # a bad later value is still found before any run
+        cli.check_overrides(["prune=unstructured", "prune.sparsity=0.5,0.7,1.5"])
+    assert e.value.code == 2
