@@ -164,21 +164,3 @@ def test_range_checks_live_in_the_dataclasses():
         ScheduleConfig(kind="step")
     assert ScheduleConfig(kind="cubic").kind == "cubic"
 
-
-def test_a_sweep_composes_the_config_once(monkeypatch, tmp_path):
-    """Swept keys are set on copies of one composed config; a swept group is composed anew."""
-    from sparsekit.run import cli
-
-    calls = []
-    real = cli.compose
-    monkeypatch.setattr(cli, "compose", lambda *a, **k: calls.append(k["overrides"]) or
-                        real(*a, **k))
-    cli.register_configs()
-    cli.check_overrides(["prune=unstructured", "prune.sparsity=0.5,0.7,0.9", "train.seed=1,2"])
-    assert calls == [["prune=unstructured", "prune.sparsity=0.5", "train.seed=1"]]
-    calls.clear()
-    cli.check_overrides(["prune=nm24,none", "schedule.end=10,20"])
-    assert calls == [["prune=nm24", "schedule.end=10"], ["prune=none", "schedule.end=10"]]
-    with pytest.raises(SystemExit) as e:  # a bad later value is still found before any run
-        cli.check_overrides(["prune=unstructured", "prune.sparsity=0.5,0.7,1.5"])
-    assert e.value.code == 2
