@@ -35,6 +35,7 @@ from torch.nn.utils import parametrize
 
 from sparsekit.prune.calibration import call_model, eval_mode, model_arguments
 from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.io import checkpoint
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
 from sparsekit.prune.select import name_matches
 
@@ -747,3 +748,6 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
                 v = type(old)(v)  # tuples (kernel_size, normalized_shape) come back as lists
             setattr(m, k, v)
     return model
+
+
+checkpoint.register_plan("channels", channel_plan, apply_channel_plan)

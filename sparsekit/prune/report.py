@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from sparsekit.prune.masks import mask_from_zeros
+from sparsekit.io.zeros import mask_from_zeros
 from sparsekit.prune.patterns import is_nm, nm_incompatibility, parse_pattern
 from sparsekit.prune.select import select_modules
 
