@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Layers, highest first: a module may import from its own layer or a lower one, never a higher.
-# The top-level package (the public API facade) and ``__main__`` sit above everything.
+# The public API (the top-level package, lazy) re-exports accel, quant, prune, io and models and
+# sits between them and the run app, which may use it; ``__main__`` (the command) is on top.
 LAYERS = {
     "sparsekit.run": 5,
     "sparsekit.accel": 4,
@@ -34,7 +35,8 @@ LAYERS = {
     "sparsekit.data": 1,
 }
 CORE = 0  # sparsekit.errors, sparsekit.progress, sparsekit._compat
-FACADE = 6  # sparsekit (the __init__) and sparsekit.__main__
+FACADE = 4.5  # sparsekit (the __init__)
+MAIN = 6  # sparsekit.__main__
 LONG_FUNCTION = 80
 
 
@@ -61,12 +63,17 @@ def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package modules ``name`` imports anywhere in its file (inside functions too; not
     under ``if TYPE_CHECKING``). ``from pkg import sub`` counts the submodule. Importing
-    ``a.b.c`` also runs ``a`` and ``a.b``: those count too, except the importer's own parents."""
+    ``a.b.c`` also runs ``a`` and ``a.b``: those count too, except the importer's own parents.
+    In the top-level package, module names in strings count as well: the lazy public API
+    names the modules it imports on first use that way."""
     tree = ast.parse(path.read_text(), str(path))
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     is_package = path.name == "__init__.py"
     named: set[str] = set()
     for node in ast.walk(tree):
+        if (name == "sparsekit" and isinstance(node, ast.Constant)
+                and isinstance(node.value, str) and node.value in known):
+            named.add(node.value)
         if not isinstance(node, ast.Import | ast.ImportFrom) or _type_checking_only(node, parents):
             continue
         if isinstance(node, ast.Import):
@@ -137,8 +144,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def layer(module: str) -> int:
-    if module in ("sparsekit", "sparsekit.__main__"):
+    if module == "sparsekit":
         return FACADE
+    if module == "sparsekit.__main__":
+        return MAIN
     for prefix, rank in LAYERS.items():
         if module == prefix or module.startswith(prefix + "."):
             return rank
