@@ -206,6 +206,11 @@ class Pruner:
         total = sum(m.weight.numel() for m in self.modules.values())
         return sum(self.levels[n] * m.weight.numel() for n, m in self.modules.items()) / total
 
+    @property
+    def done(self) -> bool:
+        """Whether the schedule's full target is reached: later steps change no mask."""
+        return self.progress >= 1.0
+
     def step(self, step: int) -> bool:
         """Move the masks to the schedule's position at ``step`` (call after optimizer.step()).
         Returns True when the masks changed."""

@@ -27,6 +27,7 @@ import torch
 
 from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torch_load
 from sparsekit.errors import FileFormatError
+from sparsekit.scheduled import follow_parameters
 
 VERSION = 1
 STATE_FILE = "run_state.json"
@@ -168,7 +169,8 @@ def restore(
     """Load ``state`` into freshly built objects (the pruner already attached, so the model's
     parametrized keys exist). Returns the next step to run."""
     if pruner is not None and state["pruner"] is not None:
-        pruner.load_state_dict(state["pruner"])
+        pruner.load_state_dict(state["pruner"])  # channel pruning: reshapes the model
+        follow_parameters(optimizer, model)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])

@@ -328,11 +328,17 @@ TINY_CLI = [
 ]  # fmt: skip
 
 
-def _sparsekit(args: list[str], cwd, nproc: int = 0, **env: str) -> subprocess.Popen:
-    """``python -m sparsekit`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m sparsekit``."""
+def _sparsekit(args: list[str], cwd, nproc: int = 0, kill: tuple[str, int] | None = None
+               ) -> subprocess.Popen:
+    """``python -m sparsekit`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m sparsekit``;
+    ``kill=(phase, step)``: every rank SIGKILLed right after writing that checkpoint
+    (tests/kill_after_checkpoint.py)."""
+    from kill_after_checkpoint import command as kill_command
+
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [sys.executable, *(launcher if nproc else []), "-m", "sparsekit", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1", **env}
+    entry = ["-m", "sparsekit"] if kill is None else kill_command(*kill)
+    cmd = [sys.executable, *(launcher if nproc else []), *entry, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1"}
     return subprocess.Popen(
         cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -355,11 +361,11 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
     tolerance), with one run directory, one TensorBoard writer and one checkpoint writer."""
     from safetensors.torch import load_file
 
-    from sparsekit.pipeline import CHECKPOINT, KILL_ENV
+    from sparsekit.pipeline import CHECKPOINT
     from sparsekit.runstate import load_checkpoint
 
     args = [*TINY_CLI, f"cache_dir={one_process_run / 'cache'}", f"train.distributed={mode}"]
-    killed = _sparsekit(args, tmp_path, nproc=2, **{KILL_ENV: "9"})
+    killed = _sparsekit(args, tmp_path, nproc=2, kill=("finetune", 9))
     _, err = killed.communicate(timeout=300)
     assert killed.returncode != 0
     (run_dir,) = (tmp_path / "runs").iterdir()  # both ranks wrote into rank 0's directory

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sparsekit.pipeline import CHECKPOINT, KILL_DENSE_ENV, KILL_ENV
+from kill_after_checkpoint import command as kill_command  # tests/ is on sys.path
+from sparsekit.pipeline import CHECKPOINT
 from sparsekit.runstate import load_checkpoint
 
 TINY = [
@@ -24,9 +25,12 @@ TINY = [
 ]
 
 
-def sparsekit(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "sparsekit", *args], cwd=cwd, env=full_env,
+def sparsekit(args: list[str], cwd: Path, kill: tuple[str, int] | None = None) -> subprocess.Popen:
+    """``python -m sparsekit ARGS``; ``kill=(phase, step)``: SIGKILLed right after writing that
+    checkpoint (tests/kill_after_checkpoint.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1"}
+    entry = ["-m", "sparsekit"] if kill is None else kill_command(*kill)
+    return subprocess.Popen([sys.executable, *entry, *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -41,7 +45,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
     cache = f"cache_dir={tmp_path / 'cache'}"
     full = sparsekit([*TINY, *extra, cache, "hydra.run.dir=full"], tmp_path)
     killed = sparsekit([*TINY, *extra, cache, "hydra.run.dir=runs/killed"], tmp_path,
-                       **{KILL_ENV: "9"})
+                       kill=("finetune", 9))
     assert full.wait(timeout=300) == 0, full.stderr.read()
     assert killed.wait(timeout=300) == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "killed"
@@ -79,7 +83,7 @@ def test_sigkill_during_dense_training_then_resume(tmp_path):
                      tmp_path)
     cache = tmp_path / "cache"
     killed = sparsekit([*TINY, f"cache_dir={cache}", "hydra.run.dir=runs/killed"], tmp_path,
-                       **{KILL_DENSE_ENV: "19"})
+                       kill=("dense", 19))
     assert full.wait(timeout=300) == 0, full.stderr.read()
     assert killed.wait(timeout=300) == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "killed"
