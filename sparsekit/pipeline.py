@@ -1,9 +1,15 @@
 """One compression run, stage by stage, driven by a :class:`~sparsekit.config.Config`.
 
-dense model (trained and cached by config hash, or loaded) -> evaluate -> channel pruning ->
-QAT preparation -> fine-tune under the pruner (checkpointed, resumable) -> finalize -> quantize
--> evaluate -> benchmark dense vs compressed -> accelerate (GPU) -> save; everything is logged to
+The stages (:data:`STAGES`, each a short ``stage_<name>(ctx)`` over one :class:`RunContext`):
+setup -> dense model (trained and cached by config hash, or loaded; evaluated) -> sensitivity
+-> channel pruning -> QAT preparation -> shard (FSDP2) -> prune (the Pruner, the optimizer,
+resume) -> fine-tune under the pruner -> finalize -> quantize -> evaluate -> benchmark dense vs
+compressed -> accelerate (GPU) -> save -> HF export -> summarize. Everything is logged to
 TensorBoard under ``<run_dir>/tb`` and summarized in ``summary.json`` / ``summary.md``.
+
+What happens during training is callbacks (:class:`Callback`): :class:`Logging`,
+:class:`Evaluation` and :class:`Checkpointing` are built in; ``run(..., callbacks=[...])`` and
+:func:`register_callback` (for runs started through the command line in this process) add more.
 
 The command line (``sparsekit.cli``) is a thin Hydra front end over :func:`run`; Python users
 can call it with a plain ``Config``.

@@ -22,7 +22,9 @@ from torch import nn
 import sparsekit as sk
 from sparsekit import distributed as D
 from sparsekit.criteria import collect_input_norms, wanda
+from sparsekit.masks import find_mask
 from sparsekit.patterns import lowest_k_masks, nm_mask
+from sparsekit.stores import HeldMasks, ParametrizedMasks, ShardedMasks
 
 WORLD = 2
 
@@ -132,6 +134,9 @@ def _ddp_run(rank: int, wrap_first: bool) -> None:
         pruner = sk.Pruner(inner, sparsity=0.5, scope="global", schedule=sched)
         model = nn.parallel.DistributedDataParallel(inner)
     assert set(pruner.masks) == {"0", "2", "4"}
+    # the store is picked once: held for the wrapper, parametrizations on the bare module
+    assert isinstance(pruner._store, HeldMasks if wrap_first else ParametrizedMasks)
+    assert (find_mask(pruner.model[0]) is None) == wrap_first
     ref_pruner = sk.Pruner(ref_model, sparsity=0.5, scope="global", schedule=sched)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
@@ -213,6 +218,7 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
         # root only: a no-grad forward (calibration, evaluation) leaves the weights gathered
         model = sharded(copy.deepcopy(ref_model), root_only=mine is not None)
         pruner = sk.Pruner(model, schedule=sched, calibration=mine, **kwargs)
+        assert isinstance(pruner._store, ShardedMasks)
         ref_pruner = sk.Pruner(ref_model, schedule=sched, calibration=ref_calib, **kwargs)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
