@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from sparsekit.pipeline import Callback, RunContext, register_callback
+from sparsekit.run.pipeline import Callback, RunContext, register_callback
 
 
 def command(phase: str, step: int) -> list[str]:
@@ -28,7 +28,7 @@ class KillAfterCheckpoint(Callback):
 
 
 if __name__ == "__main__":
-    from sparsekit.cli import main
+    from sparsekit.run.cli import main
 
     phase, step, *argv = sys.argv[1:]
     register_callback(KillAfterCheckpoint(phase, int(step)))

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.channels import (
+from sparsekit.prune.channels import (
     ChannelPruner,
     apply_channel_plan,
     channel_plan,
@@ -439,7 +439,7 @@ TINY = [
 
 
 def run_recipe(args, tmp_path):
-    cli = pytest.importorskip("sparsekit.cli")
+    cli = pytest.importorskip("sparsekit.run.cli")
     cli.main([f"cache_dir={tmp_path / 'cache'}", "hydra.run.dir=run", *args])
     return tmp_path / "run"
 
@@ -498,8 +498,9 @@ def test_channel_pruner_and_pruner_share_the_scheduled_protocol(tmp_path):
     """What a run loop drives: step / done / report / state_dict / load_state_dict / finalize.
     A channel pruner restored from its state_dict on a fresh model continues exactly like the
     one that was never interrupted; fit keeps the optimizer on the replaced parameters."""
-    from sparsekit.scheduled import ScheduledPruner, follow_parameters
-    from sparsekit.train import fit
+    from sparsekit.io.runstate import follow_parameters
+    from sparsekit.prune.scheduled import ScheduledPruner
+    from sparsekit.run.train import fit
 
     def make():
         torch.manual_seed(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparsekit.config import Config
-from sparsekit.pipeline import (
+from sparsekit.run.config import Config
+from sparsekit.run.pipeline import (
     CHECKPOINT,
     STAGES,
     Callback,
@@ -16,8 +16,8 @@ from sparsekit.pipeline import (
     register_callback,
     run,
 )
-from sparsekit.pruner import Pruner
-from sparsekit.runstate import load_checkpoint
+from sparsekit.prune.pruner import Pruner
+from sparsekit.io.runstate import load_checkpoint
 
 
 class Recorder(Callback):
@@ -65,7 +65,7 @@ def test_stages_in_order_and_callbacks_after_each_step_and_checkpoint(tmp_path):
 
 
 def test_built_in_callbacks_come_first_and_registration_checks_the_type():
-    from sparsekit.pipeline import default_callbacks
+    from sparsekit.run.pipeline import default_callbacks
 
     kinds = [type(c) for c in default_callbacks()[:3]]
     assert kinds == [Logging, Evaluation, Checkpointing]

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from kill_after_checkpoint import command as kill_command  # tests/ is on sys.path
-from sparsekit.pipeline import CHECKPOINT
-from sparsekit.runstate import load_checkpoint
+from sparsekit.run.pipeline import CHECKPOINT
+from sparsekit.io.runstate import load_checkpoint
 
 TINY = [
     "data.kwargs.num_samples=300", "train.dense_steps=30", "train.finetune_steps=20",

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from sparsekit import distributed as D
-from sparsekit.calibration import _to_device, eval_mode
+from sparsekit.run import distributed as D
+from sparsekit.prune.calibration import _to_device, eval_mode
 from sparsekit.errors import UsageError
 from sparsekit.progress import progress
-from sparsekit.scheduled import follow_parameters
+from sparsekit.io.runstate import follow_parameters
 
 StepHook = Callable[[int, dict[str, float]], None]
 
@@ -171,7 +171,7 @@ def fit(
     log_every: int = 1,
 ) -> None:
     """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
-    ``pruner`` (a :class:`~sparsekit.scheduled.ScheduledPruner`: masks or channels) takes its
+    ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`: masks or channels) takes its
     step (the optimizer follows any parameters the step replaced), then
     ``on_step(step, metrics)`` runs (logging, evaluation, checkpoints happen there).
     ``metrics`` is ``{"train/loss", "train/lr"}`` every ``log_every`` steps and at the last

@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from sparsekit import distributed as D
-from sparsekit import masks as M
+from sparsekit.run import distributed as D
+from sparsekit.prune import masks as M
 from sparsekit.errors import UsageError
-from sparsekit.report import SparsityReport, build_report
+from sparsekit.prune.report import SparsityReport, build_report
 
 
 class MaskStore(Protocol):
