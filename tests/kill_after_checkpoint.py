@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from sparsekit.run.pipeline import Callback, RunContext, register_callback
+from sparsekit.run.context import Callback, RunContext, register_callback
 
 
 def command(phase: str, step: int) -> list[str]:

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 
 from sparsekit.run.config import Config
-from sparsekit.run.pipeline import (
+from sparsekit.run.context import (
     CHECKPOINT,
-    STAGES,
     Callback,
     Checkpointing,
     Evaluation,
     Logging,
+    default_callbacks,
     register_callback,
-    run,
 )
+from sparsekit.run.pipeline import STAGES, run
 from sparsekit.prune.pruner import Pruner
 from sparsekit.io.runstate import load_checkpoint
 
@@ -65,8 +65,6 @@ def test_stages_in_order_and_callbacks_after_each_step_and_checkpoint(tmp_path):
 
 
 def test_built_in_callbacks_come_first_and_registration_checks_the_type():
-    from sparsekit.run.pipeline import default_callbacks
-
     kinds = [type(c) for c in default_callbacks()[:3]]
     assert kinds == [Logging, Evaluation, Checkpointing]
     with pytest.raises(TypeError, match="Callback"):

@@ -42,9 +42,12 @@ CHANNELS = ["prune=channel", "prune.channel.ratio=0.5", "prune.channel.steps=2",
 
 @pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
-    cache = f"cache_dir={tmp_path / 'cache'}"
-    full = sparsekit([*TINY, *extra, cache, "hydra.run.dir=full"], tmp_path)
-    killed = sparsekit([*TINY, *extra, cache, "hydra.run.dir=runs/killed"], tmp_path,
+    # a cache each: both processes train the same baseline at once, and two writers of one
+    # dense checkpoint file race (one removes it as the other replaces it)
+    full = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache_full'}",
+                      "hydra.run.dir=full"], tmp_path)
+    killed = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache'}",
+                        "hydra.run.dir=runs/killed"], tmp_path,
                        kill=("finetune", 9))
     assert full.wait(timeout=300) == 0, full.stderr.read()
     assert killed.wait(timeout=300) == -signal.SIGKILL
