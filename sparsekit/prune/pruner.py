@@ -81,6 +81,12 @@ class Pruner:
             shards. Every rank must call :meth:`step` with the same steps. See
             docs/distributed.md.
 
+    The Pruner computes masks; where they live is one mask store picked at construction
+    (``sparsekit.prune.stores``: parametrizations, held for a DDP wrapper, or sharded for
+    FSDP2). With :class:`~sparsekit.ChannelPruner` it shares the protocol a run loop drives
+    (``sparsekit.prune.scheduled.ScheduledPruner``: step, done, report, state_dict,
+    load_state_dict, finalize).
+
     Wanda compares scores within each output row (Sun et al. 2023): each row of a layer gets
     ``round(level * in_features)`` zeros. N:M under a gradual schedule enforces a growing
     fraction of M-groups, those losing the least score first, and the full pattern at ``end``.
