@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from sparsekit.run import distributed as D
+from sparsekit.prune import shards as D
 from sparsekit.prune import masks as M
 from sparsekit.errors import UsageError
 from sparsekit.prune.report import SparsityReport, build_report
