@@ -24,7 +24,9 @@ from sparsekit.prune import shards as S
 from sparsekit.run import distributed as D
 from sparsekit.prune.criteria import collect_input_norms, wanda
 from sparsekit.prune import sparsegpt
+from sparsekit.prune.masks import find_mask
 from sparsekit.prune.patterns import lowest_k_masks, nm_mask
+from sparsekit.prune.stores import HeldMasks, ParametrizedMasks, ShardedMasks
 
 WORLD = 2
 
@@ -134,6 +136,9 @@ def _ddp_run(rank: int, wrap_first: bool) -> None:
         pruner = sk.Pruner(inner, sparsity=0.5, scope="global", schedule=sched)
         model = nn.parallel.DistributedDataParallel(inner)
     assert set(pruner.masks) == {"0", "2", "4"}
+    # the store is picked once: held for the wrapper, parametrizations on the bare module
+    assert isinstance(pruner._store, HeldMasks if wrap_first else ParametrizedMasks)
+    assert (find_mask(pruner.model[0]) is None) == wrap_first
     ref_pruner = sk.Pruner(ref_model, sparsity=0.5, scope="global", schedule=sched)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
@@ -215,6 +220,7 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
         # root only: a no-grad forward (calibration, evaluation) leaves the weights gathered
         model = sharded(copy.deepcopy(ref_model), root_only=mine is not None)
         pruner = sk.Pruner(model, schedule=sched, calibration=mine, **kwargs)
+        assert isinstance(pruner._store, ShardedMasks)
         ref_pruner = sk.Pruner(ref_model, schedule=sched, calibration=ref_calib, **kwargs)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
@@ -330,11 +336,17 @@ TINY_CLI = [
 ]  # fmt: skip
 
 
-def _sparsekit(args: list[str], cwd, nproc: int = 0, **env: str) -> subprocess.Popen:
-    """``python -m sparsekit`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m sparsekit``."""
+def _sparsekit(args: list[str], cwd, nproc: int = 0, kill: tuple[str, int] | None = None
+               ) -> subprocess.Popen:
+    """``python -m sparsekit`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m sparsekit``;
+    ``kill=(phase, step)``: every rank SIGKILLed right after writing that checkpoint
+    (tests/kill_after_checkpoint.py)."""
+    from kill_after_checkpoint import command as kill_command
+
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [sys.executable, *(launcher if nproc else []), "-m", "sparsekit", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1", **env}
+    entry = ["-m", "sparsekit"] if kill is None else kill_command(*kill)
+    cmd = [sys.executable, *(launcher if nproc else []), *entry, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1"}
     return subprocess.Popen(
         cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -357,11 +369,11 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
     tolerance), with one run directory, one TensorBoard writer and one checkpoint writer."""
     from safetensors.torch import load_file
 
-    from sparsekit.run.pipeline import CHECKPOINT, KILL_ENV
+    from sparsekit.run.pipeline import CHECKPOINT
     from sparsekit.io.runstate import load_checkpoint
 
     args = [*TINY_CLI, f"cache_dir={one_process_run / 'cache'}", f"train.distributed={mode}"]
-    killed = _sparsekit(args, tmp_path, nproc=2, **{KILL_ENV: "9"})
+    killed = _sparsekit(args, tmp_path, nproc=2, kill=("finetune", 9))
     _, err = killed.communicate(timeout=300)
     assert killed.returncode != 0
     (run_dir,) = (tmp_path / "runs").iterdir()  # both ranks wrote into rank 0's directory

@@ -454,6 +454,37 @@ class ChannelPruner:
         apply_channel_plan(self.model, plan)
         self.progress = float(progress)
 
+    @property
+    def done(self) -> bool:
+        """Whether the whole ``ratio`` is removed: later steps change nothing."""
+        return self.progress >= self.ratio
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for a resume checkpoint: the channel plan of the model now (see
+        :func:`channel_plan`) and the fraction of channels removed so far."""
+        return {"plan": channel_plan(self.model), "progress": self.progress}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """:meth:`resume` from what :meth:`state_dict` saved (on a fresh copy of the starting
+        model; load the pruned weights afterwards)."""
+        if not isinstance(state, Mapping) or not {"plan", "progress"} <= set(state):
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise UsageError(f"channel pruner state must hold 'plan' and 'progress', got {got}")
+        progress = state["progress"]
+        if isinstance(progress, bool) or not isinstance(progress, (int, float)) or not (
+            0.0 <= float(progress) <= self.ratio
+        ):
+            raise UsageError(
+                f"channel pruner state['progress'] must be a number in [0, {self.ratio}] (the "
+                f"fraction of channels removed), got {progress!r}"
+            )
+        self.resume(state["plan"], progress)
+
+    def finalize(self) -> nn.Module:
+        """The pruned model: its layers are plain, narrower modules already, so nothing is
+        folded (the protocol shared with :class:`~sparsekit.Pruner`). Returns the model."""
+        return self.model
+
     def _prune_to(self, target: float) -> None:
         tp_pruner = self._tp
         if self.loss_fn is not None:
