@@ -176,7 +176,6 @@ class AccelConfig:
     precision: str = "bf16"
     sparsity: str = "2:4"
     min_speedup: float = 1.0
-    fuse: bool = True
 
 
 @dataclass

@@ -785,7 +785,7 @@ def accelerate(
         return {"skipped": "CUDA is not available"}
     a = cfg.accel
     fast = sk.accelerate(copy.deepcopy(model), example[:1], precision=a.precision,
-                         sparsity=a.sparsity, min_speedup=a.min_speedup, fuse=a.fuse)
+                         sparsity=a.sparsity, min_speedup=a.min_speedup)
     report = fast.sparsekit_report
     if tracker.writer is not None:
         sk.log_accel_report(tracker.writer, report)
