@@ -19,7 +19,8 @@ classifier head; ViT's classifier head is removed, its features are the output):
 Per model, in one run: dense eager, dense ``torch.compile`` (default and reduce-overhead; the
 ratio's reference is the FASTEST dense), torchao fp8 dense (per-row) compiled, torch's stock
 ``to_sparse_semi_structured`` compiled, and ``sk.accelerate`` bf16/fp8/int8 x 2:4/auto (fp8 2:4
-also with the activation quantization as an opaque op, the "before fusion" form). Each gives
+also with the activation quantization as an opaque op, the "before fusion" form; fp8 2:4 and
+dense also under ``mode="max-autotune"`` when named in ``--variants``). Each gives
 the median time (ms, CUDA events around each call, 20 calls after warm-up), its ratio to the
 fastest dense, its relative output error against the fp32 model with the same masks, compile
 seconds (first call) and planning seconds, and the number of graphs compiled. A ``--deadline-s``
@@ -53,6 +54,7 @@ TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("vit", "sk_bf16_2:4"): 1.15, ("vit", "sk_fp8_2:4"): 1.4,
 }
 DENSE = ("dense_eager", "dense_compiled", "dense_compiled_ro")
+OPT_IN = ("sk_fp8_2:4_max_autotune", "dense_compiled_max_autotune")  # minutes of compile each
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
             "sk_fp8_2:4_max_autotune")
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
@@ -357,6 +359,9 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
             continue
         if args.smoke and vname == "dense_compiled_ro":
             continue
+        if vname in OPT_IN and vname not in args.variants \
+                and f"{vname}@{name}" not in args.variants:
+            continue
         left = deadline - time.perf_counter()
         if left < args.reserve_s:
             entry["variants"][vname] = {"skipped": f"deadline ({left:.0f} s left)"}
@@ -440,6 +445,9 @@ def to_markdown(res: dict) -> str:
             tgt = "" if "target" not in r else \
                 f"{r['target']}x {'met' if r['met'] else 'NOT met'}"
             note = "" if "layer_variants" not in r else json.dumps(r["layer_variants"])
+            if r.get("plan"):
+                note += f"; whole-model plan {r['plan']} of " + ", ".join(
+                    f"{p} {t:.3f} ms" for p, t in r["plans_ms"].items())
             lines.append(f"| {k} | {r['ms']:.3f} | {r.get('ratio', 0):.2f}x | {tgt} | "
                          f"{r['rel_err']:.4f} | {r['compile_s']:.1f} | {r['plan_s']:.1f} | "
                          f"{r['compiles']} | {note} |")
