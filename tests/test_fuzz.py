@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.cli import check_overrides, register_configs
+from sparsekit.run.cli import check_overrides, register_configs
 from sparsekit.errors import SparsekitError
 
 COUNTS: Counter = Counter()  # (property, "error" | "ok") -> cases
@@ -139,7 +139,7 @@ def check_pruned(model: nn.Module, report, pattern, criterion, scope, sparsity, 
 
     def level_of(name: str) -> float:
         if isinstance(sparsity, dict):
-            from sparsekit.select import name_matches
+            from sparsekit.prune.select import name_matches
             return next(v for p, v in sparsity.items() if name_matches(name, p))
         return float(sparsity)
 
@@ -317,7 +317,8 @@ def test_fuzz_prune_channels(ratio, importance, scope, round_to, steps, inputs, 
     if report is not None:
         assert sum(p.numel() for p in model.parameters()) <= params
         if isinstance(ratio, float) and ratio >= 0.25 and (round_to or 1) <= 4:
-            assert model[0].out_features < 16  # something was removed, as asked
+            # something was removed, as asked (a global ranking may take it all from one layer)
+            assert model[0].out_features + model[2].out_features < 32
 
 
 @settings(FAST, max_examples=20)
@@ -536,7 +537,7 @@ def _keys(node, prefix=""):
 
 
 def _config_keys() -> list[str]:
-    from sparsekit.config import Config
+    from sparsekit.run.config import Config
 
     return sorted(_keys(Config()))
 

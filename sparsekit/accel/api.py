@@ -33,7 +33,7 @@ from sparsekit.accel.convert import (
 )
 from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
-from sparsekit.checkpoint import is_2to4
+from sparsekit.io.checkpoint import is_2to4
 from sparsekit.quant.modules import QuantLinear
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from sparsekit.masks import mask_from_zeros
-from sparsekit.patterns import is_nm, nm_incompatibility, parse_pattern
-from sparsekit.select import select_modules
+from sparsekit.prune.masks import mask_from_zeros
+from sparsekit.prune.patterns import is_nm, nm_incompatibility, parse_pattern
+from sparsekit.prune.select import select_modules
 
 
 @dataclass

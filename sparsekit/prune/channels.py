@@ -33,10 +33,10 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import call_model, eval_mode, model_arguments
+from sparsekit.prune.calibration import call_model, eval_mode, model_arguments
 from sparsekit.errors import ConfigTypeError, UsageError
-from sparsekit.schedules import Linear, OneShot, Schedule
-from sparsekit.select import name_matches
+from sparsekit.prune.schedules import Linear, OneShot, Schedule
+from sparsekit.prune.select import name_matches
 
 IMPORTANCES = ("magnitude", "taylor", "lamp")
 SCOPES = ("layer", "global")
