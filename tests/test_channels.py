@@ -1,5 +1,6 @@
 """Structured channel pruning: shapes, counts, whole heads, round trips, schedules, errors."""
 
+import copy
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from sparsekit.prune.channels import (
     channel_plan,
     prune_channels_,
 )
+from sparsekit.errors import UsageError
 from sparsekit.models import mnist1d_cnn
 
 torchvision = pytest.importorskip("torchvision")
@@ -490,3 +492,47 @@ def test_channel_recipes_compose_and_run(tmp_path, monkeypatch):
     state = load_file(tmp_path / "run_c" / "model.safetensors")
     assert state["conv1.weight"].shape[0] == 24  # int(32 * 0.75), a multiple of 8
     assert state["conv1.weight"].dtype == torch.int8  # quantized after pruning
+
+
+def test_channel_pruner_and_pruner_share_the_scheduled_protocol(tmp_path):
+    """What a run loop drives: step / done / report / state_dict / load_state_dict / finalize.
+    A channel pruner restored from its state_dict on a fresh model continues exactly like the
+    one that was never interrupted; fit keeps the optimizer on the replaced parameters."""
+    from sparsekit.io.runstate import follow_parameters
+    from sparsekit.prune.scheduled import ScheduledPruner
+    from sparsekit.run.train import fit
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                              nn.Linear(32, 3))
+        pruner = ChannelPruner(model, torch.randn(1, 8), ratio=0.5, round_to=1,
+                               schedule=sk.Linear(start=0, end=4, every=2))
+        return model, pruner, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    train = dict(lr=0.1, batch_size=16, seed=0, lr_schedule="constant", quiet=True)
+    model, pruner, opt = make()
+    assert isinstance(pruner, ScheduledPruner)
+    assert isinstance(sk.Pruner(nn.Sequential(nn.Linear(4, 4)), sparsity=0.5), ScheduledPruner)
+    fit(model, data, opt, steps=3, pruner=pruner, **train)
+    assert not pruner.done and 0 < pruner.progress < 0.5
+    # the optimizer follows the narrower Parameters the channel step made
+    assert list(map(id, opt.param_groups[0]["params"])) == list(map(id, model.parameters()))
+    state = pruner.state_dict()
+    weights, optim = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    json.dumps(state)  # plain data
+    fit(model, data, opt, steps=6, start_step=3, pruner=pruner, **train)
+    assert pruner.done and pruner.finalize() is model
+
+    fresh, again, opt2 = make()  # a resumed run: fresh model, state loaded in this order
+    again.load_state_dict(state)
+    follow_parameters(opt2, fresh)
+    fresh.load_state_dict(weights)
+    opt2.load_state_dict(optim)
+    fit(fresh, data, opt2, steps=6, start_step=3, pruner=again, **train)
+    assert channel_plan(fresh) == channel_plan(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, fresh.state_dict()[k]), k
+    with pytest.raises(UsageError, match="'plan' and 'progress'"):
+        again.load_state_dict({"progress": 0.5})

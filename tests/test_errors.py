@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import sparsekit as sk
+import sparsekit.run.context as context
 import sparsekit.run.pipeline as pipeline
 from sparsekit.prune.calibration import call_model, eval_mode, run_calibration
 from sparsekit.run.cli import check_overrides, main, register_configs
@@ -394,7 +395,7 @@ def test_an_unexpected_error_keeps_its_traceback_and_says_it_is_a_bug(cli_dir, c
     def broken(*_a, **_k):
         raise IndexError("index 3 is out of bounds")
 
-    monkeypatch.setattr(pipeline, "evaluate", broken)
+    monkeypatch.setattr(context, "evaluate", broken)  # RunContext.evaluate calls it
     code, err = cli(["hydra.run.dir=bug"], cli_dir, capsys)
     assert code == 1
     assert "Traceback" in err and "IndexError: index 3 is out of bounds" in err

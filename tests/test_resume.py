@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sparsekit.run.pipeline import CHECKPOINT, KILL_DENSE_ENV, KILL_ENV
+from kill_after_checkpoint import command as kill_command  # tests/ is on sys.path
+from sparsekit.run.pipeline import CHECKPOINT
 from sparsekit.io.runstate import load_checkpoint
 
 TINY = [
@@ -24,9 +25,12 @@ TINY = [
 ]
 
 
-def sparsekit(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "sparsekit", *args], cwd=cwd, env=full_env,
+def sparsekit(args: list[str], cwd: Path, kill: tuple[str, int] | None = None) -> subprocess.Popen:
+    """``python -m sparsekit ARGS``; ``kill=(phase, step)``: SIGKILLed right after writing that
+    checkpoint (tests/kill_after_checkpoint.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1"}
+    entry = ["-m", "sparsekit"] if kill is None else kill_command(*kill)
+    return subprocess.Popen([sys.executable, *entry, *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -38,10 +42,13 @@ CHANNELS = ["prune=channel", "prune.channel.ratio=0.5", "prune.channel.steps=2",
 
 @pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
-    cache = f"cache_dir={tmp_path / 'cache'}"
-    full = sparsekit([*TINY, *extra, cache, "hydra.run.dir=full"], tmp_path)
-    killed = sparsekit([*TINY, *extra, cache, "hydra.run.dir=runs/killed"], tmp_path,
-                       **{KILL_ENV: "9"})
+    # a cache each: both processes train the same baseline at once, and two writers of one
+    # dense checkpoint file race (one removes it as the other replaces it)
+    full = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache_full'}",
+                      "hydra.run.dir=full"], tmp_path)
+    killed = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache'}",
+                        "hydra.run.dir=runs/killed"], tmp_path,
+                       kill=("finetune", 9))
     assert full.wait(timeout=300) == 0, full.stderr.read()
     assert killed.wait(timeout=300) == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "killed"
@@ -79,7 +86,7 @@ def test_sigkill_during_dense_training_then_resume(tmp_path):
                      tmp_path)
     cache = tmp_path / "cache"
     killed = sparsekit([*TINY, f"cache_dir={cache}", "hydra.run.dir=runs/killed"], tmp_path,
-                       **{KILL_DENSE_ENV: "19"})
+                       kill=("dense", 19))
     assert full.wait(timeout=300) == 0, full.stderr.read()
     assert killed.wait(timeout=300) == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "killed"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit import _compat
 from sparsekit.accel import algsearch, planner
 from sparsekit.accel.convert import (
     Conv1x1AsLinear,
@@ -33,7 +34,7 @@ from sparsekit.accel.convert import (
 )
 from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
-from sparsekit.io.checkpoint import is_2to4
+from sparsekit.io.zeros import is_2to4
 from sparsekit.quant.modules import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,6 @@ def tree_map(fn, obj):
         out = {k: tree_map(fn, v) for k, v in obj.items()}
         return out if type(obj) is dict else type(obj)(out)
     return obj
-
-
-def _compile_count() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 class AcceleratedModel(nn.Module):
@@ -105,11 +102,11 @@ class AcceleratedModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._as_input, (args, kwargs))
-        before = _compile_count() if self.compiled else 0
+        before = _compat.compiled_graph_count() if self.compiled else 0
         with torch.no_grad():
             out = self.runner(*args, **kwargs)
         if self.compiled:
-            new = _compile_count() - before
+            new = _compat.compiled_graph_count() - before
             if new:
                 self.report.compiles += new
                 if self.report.compiles > self.max_compiles:

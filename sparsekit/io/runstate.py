@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from sparsekit.io.files import atomic_torch_save, atomic_write, move_aside, safe_torch_load
-from sparsekit.errors import FileFormatError
+from sparsekit.errors import FileFormatError, UsageError
 
 VERSION = 1
 STATE_FILE = "run_state.json"
@@ -168,8 +169,26 @@ def restore(
     """Load ``state`` into freshly built objects (the pruner already attached, so the model's
     parametrized keys exist). Returns the next step to run."""
     if pruner is not None and state["pruner"] is not None:
-        pruner.load_state_dict(state["pruner"])
+        pruner.load_state_dict(state["pruner"])  # channel pruning: reshapes the model
+        follow_parameters(optimizer, model)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
     return int(state["step"]) + 1
+
+
+def follow_parameters(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Point a one-group ``optimizer`` at ``model``'s parameters when pruning replaced them;
+    the per-parameter state (momentum, Adam moments) of the old ones no longer fits and is
+    dropped. No-op while the optimizer holds exactly the model's parameters."""
+    params = list(model.parameters())
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(held) == len(params) and all(a is b for a, b in zip(held, params)):
+        return
+    if len(optimizer.param_groups) != 1:
+        raise UsageError(
+            "pruning replaced the model's parameters and the optimizer has "
+            f"{len(optimizer.param_groups)} parameter groups: rebuild the optimizer yourself"
+        )
+    optimizer.param_groups[0]["params"] = params
+    optimizer.state.clear()

@@ -210,12 +210,11 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (the quantized values times their scales), so ``from_pretrained`` of the plain architecture
     reads them."""
     from sparsekit.io.checkpoint import plain_state_dict
-    from sparsekit.quant.modules import _QuantWeight
 
     dtype = model.get_input_embeddings().weight.dtype
     sd = plain_state_dict(model)
     for name, module in model.named_modules():
-        if isinstance(module, _QuantWeight):
+        if hasattr(module, "dequantized_weight"):  # sparsekit.quant's quantized layers
             sd.pop(f"{name}.weight_scale", None)
             sd[f"{name}.weight"] = module.dequantized_weight(dtype)
     return sd
@@ -233,16 +232,6 @@ def export_pretrained(model: nn.Module, out_dir: str | os.PathLike,
     if tokenizer is not None:
         tokenizer.save_pretrained(os.fspath(out))
     return out
-
-
-def compressed_tensors_status() -> str:
-    """Why ``<run>/hf/`` holds no compressed-tensors export (sparsekit does not write that
-    format yet: compressed-tensors 0.20 ships no sparse compressors to round-trip through)."""
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        return "skipped: the compressed-tensors package is not installed"
-    return "skipped: sparsekit does not write the compressed-tensors format yet"
 
 
 register_model("hf", hf, doc="a transformers model built from its config (random weights)")

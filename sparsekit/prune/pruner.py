@@ -12,15 +12,13 @@ Typical use inside a training loop (see DESIGN.md):
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-from sparsekit.run import distributed as D
+from sparsekit.prune import shards as D
 from sparsekit.prune import masks as M
 from sparsekit.prune.calibration import CalibrationFn, check_calibration
 from sparsekit.prune.criteria import (
@@ -40,9 +38,10 @@ from sparsekit.prune.patterns import (
     prune_count,
     row_mask,
 )
-from sparsekit.prune.report import SparsityReport, build_report
+from sparsekit.prune.report import SparsityReport
 from sparsekit.prune.schedules import OneShot, Schedule
 from sparsekit.prune.select import name_matches, select_modules
+from sparsekit.prune.stores import pick_store
 
 SCOPES = ("layer", "global")
 STATE_VERSION = 1
@@ -81,6 +80,12 @@ class Pruner:
             ``fully_shard``) get masks sharded like them, from thresholds searched over all
             shards. Every rank must call :meth:`step` with the same steps. See
             docs/distributed.md.
+
+    The Pruner computes masks; where they live is one mask store picked at construction
+    (``sparsekit.prune.stores``: parametrizations, held for a DDP wrapper, or sharded for
+    FSDP2). With :class:`~sparsekit.ChannelPruner` it shares the protocol a run loop drives
+    (``sparsekit.prune.scheduled.ScheduledPruner``: step, done, report, state_dict,
+    load_state_dict, finalize).
 
     Wanda compares scores within each output row (Sun et al. 2023): each row of a layer gets
     ``round(level * in_features)`` zeros. N:M under a gradual schedule enforces a growing
@@ -143,62 +148,18 @@ class Pruner:
                 self.modules[name] = module
         self._selected = list(selected)
         self._comm = D.comm(process_group)
-        sharded = [D.is_sharded(M.original_weight(m)) for m in self.modules.values()]
-        self._sharded = any(sharded)
-        if self._sharded and not all(sharded):
-            raise UsageError(
-                "some selected weights are sharded (FSDP2) and some are not: shard "
-                "all selected layers or none"
-            )
-        if self._sharded and criterion == "sparsegpt":
+        self._store = pick_store(self, self.modules, wrapped, self._comm)
+        if criterion == "sparsegpt" and not self._store.whole_weights:
+            self._store.remove()
             raise UsageError("criterion 'sparsegpt' needs whole weights: prune before fully_shard")
-        # Masks held here and enforced by zeroing pruned weights at every step() (and, when
-        # not sharded, masking their gradients) where a parametrization cannot go: FSDP2 owns
-        # sharded Parameters, and parametrizing a Parameter after DDP wrapped it detaches
-        # DDP's gradient hooks (register_parametrization resets its grad accumulator).
-        self._held = self._sharded or wrapped
-        self._local_masks: dict[str, torch.Tensor] = {}
-        self._hooks: list[Any] = []
-        for name, module in self.modules.items():
-            wm = M.find_mask(module)
-            owner = None if wm is None or wm.owner is None else wm.owner()
-            if owner is not None or (self._held and wm is not None):
-                # a second Pruner would share (and overwrite) the first one's mask
-                raise UsageError(
-                    f"layer {name!r} already has a pruning mask (another Pruner's): finalize "
-                    "that Pruner first, or exclude the layer from one of them"
-                )
-        self._attached: list[nn.Module] = []  # masks attached here (not prepare_qat_'s)
-        for name, module in self.modules.items():
-            if not self._held:
-                fresh = M.find_mask(module) is None
-                try:
-                    M.attach_mask(module).owner = weakref.ref(self)
-                except Exception:
-                    self._remove_masks()
-                    raise
-                if fresh:
-                    self._attached.append(module)
-                continue
-            self._local_masks[name] = torch.ones_like(D.local(module.weight), dtype=torch.bool)
-            if not self._sharded:
-                mask = self._local_masks[name]
-                self._hooks.append(module.weight.register_hook(lambda g, mask=mask: g * mask))
         self.progress = 0.0
         self.last_step: int | None = None
 
     def _remove_masks(self) -> None:
         """Take this Pruner's masks off again without applying them (the weights keep their
         values, the state_dict its keys): the rollback of a failed construction or prune_."""
-        for module in self._attached:
-            M.remove_mask(module)
-        for module in self.modules.values():
-            wm = M.find_mask(module)
-            if wm is not None:  # prepare_qat_'s all-ones mask: free for another Pruner again
-                wm.owner = None
-        for hook in self._hooks:
-            hook.remove()
-        self.modules, self._local_masks, self._hooks = {}, {}, []
+        self._store.remove()
+        self.modules = {}
 
     def _resolve_levels(
         self, sparsity: float | Mapping[str, float] | None, selected: Mapping[str, nn.Module]
@@ -241,33 +202,7 @@ class Pruner:
     def masks(self) -> dict[str, torch.Tensor]:
         """Current keep-masks (True = kept) by qualified layer name; live tensors, not copies.
         For sharded (FSDP2) weights, DTensors sharded like the weights."""
-        if self._sharded:
-            D.reshard(self.model)
-            return {n: D.like(self._local_masks[n], m.weight) for n, m in self.modules.items()}
-        if self._held:
-            return dict(self._local_masks)
-        return {name: M.find_mask(m).mask for name, m in self.modules.items()}
-
-    def _keep(self, name: str) -> torch.Tensor:
-        """This rank's part of a layer's mask (all of it for replicated weights)."""
-        if self._held:
-            return self._local_masks[name]
-        return M.find_mask(self.modules[name]).mask
-
-    def _set_mask(self, name: str, mask: torch.Tensor) -> None:
-        module = self.modules[name]
-        if self._held:
-            self._local_masks[name].copy_(mask)
-            D.local(module.weight).detach().masked_fill_(~self._local_masks[name], 0)
-        else:
-            M.attach_mask(module, mask).owner = weakref.ref(self)
-            M.zero_pruned(module)
-
-    def _allsum(self, counts: list[int]) -> list[int]:
-        """Counts summed over ranks for sharded weights (local counts are partial)."""
-        if not self._sharded or self._comm is None:
-            return counts
-        return self._comm.all_reduce_sum(torch.tensor(counts, dtype=torch.int64)).tolist()
+        return self._store.masks()
 
     @property
     def sparsity(self) -> float:
@@ -277,17 +212,17 @@ class Pruner:
         total = sum(m.weight.numel() for m in self.modules.values())
         return sum(self.levels[n] * m.weight.numel() for n, m in self.modules.items()) / total
 
+    @property
+    def done(self) -> bool:
+        """Whether the schedule's full target is reached: later steps change no mask."""
+        return self.progress >= 1.0
+
     def step(self, step: int) -> bool:
         """Move the masks to the schedule's position at ``step`` (call after optimizer.step()).
         Returns True when the masks changed."""
         if not self.modules:
             return False
-        if self._held:  # undo what the optimizer step did to pruned weights
-            if self._sharded:  # FSDP2: the sharded weights, and no stale gathered copies
-                D.reshard(self.model)
-            with torch.no_grad():
-                for name, module in self.modules.items():
-                    D.local(module.weight).masked_fill_(~self._local_masks[name], 0)
+        self._store.enforce()  # undo what the optimizer step did to pruned weights
         target = self.schedule.progress(step)
         self.last_step = step
         if target <= self.progress:
@@ -302,14 +237,13 @@ class Pruner:
             self._update_sparsegpt(progress)
             return
         scores = self._scores()
-        keeps = {n: self._keep(n) for n in self.modules}
+        keeps = {n: self._store.keep(n) for n in self.modules}
         new = self._nm_masks(scores, keeps, progress) if self.nm else None
         if new is None:
             new = self._unstructured_masks(scores, keeps, progress)
         for name in self.modules:
-            self._set_mask(name, new[name])
-        if not self._sharded:
-            D.verify_masks(self.masks, self._comm)
+            self._store.set(name, new[name])
+        self._store.verify()
 
     def _scores(self) -> dict[str, torch.Tensor]:
         for n, m in self.modules.items():
@@ -332,9 +266,9 @@ class Pruner:
         done = [
             (~keeps[k]).reshape(c.shape[0], -1, m).sum(-1) >= m - n for k, c in zip(names, costs)
         ]
-        comm = self._comm if self._sharded else None
-        numels = self._allsum([c.numel() for c in costs])
-        dones = self._allsum([int(d.sum()) for d in done])
+        comm = self._store.search_comm
+        numels = self._store.allsum([c.numel() for c in costs])
+        dones = self._store.allsum([int(d.sum()) for d in done])
         if self.scope == "global":
             k_all = max(round(progress * sum(numels)), sum(dones))
             picked = lowest_k_masks(costs, k_all, [~d for d in done], comm)
@@ -350,7 +284,7 @@ class Pruner:
         names = list(self.modules)
         if self.criterion == "wanda":
             return {k: row_mask(scores[k], self.levels[k] * progress, keeps[k]) for k in names}
-        comm = self._comm if self._sharded else None
+        comm = self._store.search_comm
         numel = {k: self.modules[k].weight.numel() for k in names}  # DTensors: global numel
         if self.scope == "global":
             count = prune_count(sum(numel.values()), self.sparsity * progress)
@@ -371,9 +305,8 @@ class Pruner:
         # the solver updates weights layer by layer: keep a host copy to undo a failed solve
         saved = {n: D.local(M.original_weight(m)).detach().to("cpu", copy=True)
                  for n, m in self.modules.items()}
-        keeps = {n: self._keep(n).clone() for n in self.modules}
-        for module in self.modules.values():
-            M.fold_mask(module)  # all-ones masks: plain weights for the solver to update
+        keeps = {n: self._store.keep(n).clone() for n in self.modules}
+        self._store.release()  # all-ones masks: plain weights for the solver to update
         levels = {n: None if self.nm else self.levels[n] * progress for n in self.modules}
         try:
             new = sparsegpt_prune(
@@ -388,36 +321,18 @@ class Pruner:
         except BaseException:
             for name, module in self.modules.items():
                 D.local(M.original_weight(module)).detach().copy_(saved[name])
-                if not self._held:
-                    M.attach_mask(module, keeps[name]).owner = weakref.ref(self)
+            self._store.reattach(keeps)
             raise
         for name in self.modules:
-            self._set_mask(name, new[name])
-        D.verify_masks(self.masks, self._comm)
+            self._store.set(name, new[name])
+        self._store.verify()
 
     def report(self) -> SparsityReport:
         """Sparsity of every selected layer, with skip reasons and N:M validity."""
         selected = dict(self.model.named_modules())
         modules = {n: selected[n] for n in self._selected}
         pattern = None if self.nm is None else self.pattern
-        if not self._sharded:
-            return build_report(modules, pattern, self.skipped)
-        D.reshard(self.model)
-        # sharded weights: count this rank's shards (whole rows), then sum over the ranks
-        shards = {n: SimpleNamespace(weight=D.local(m.weight)) for n, m in modules.items()}
-        report = build_report(shards, pattern, self.skipped)
-        layers = list(report.layers.values())
-        k = len(layers)
-        counts = self._allsum(
-            [s.numel for s in layers]
-            + [s.zeros for s in layers]
-            + [s.nm_ok is False for s in layers]
-        )
-        for i, s in enumerate(layers):
-            s.numel, s.zeros = counts[i], counts[k + i]
-            if s.nm_ok is not None:
-                s.nm_ok = counts[2 * k + i] == 0
-        return report
+        return self._store.report(modules, pattern, self.skipped)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (tensors, numbers, strings), loadable with torch.load(weights_only=True)."""
@@ -428,10 +343,7 @@ class Pruner:
             "scope": self.scope,
             "progress": self.progress,
             "last_step": -1 if self.last_step is None else self.last_step,
-            "masks": {
-                n: m.detach().clone() if self._sharded else m.detach().cpu().clone()
-                for n, m in self.masks.items()
-            },
+            "masks": self._store.saved(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -485,11 +397,8 @@ class Pruner:
             )
         for name, module in self.modules.items():
             self._check_saved_mask(name, saved[name], tuple(module.weight.shape))
-        for name, module in self.modules.items():
-            mask = saved[name]
-            if self._sharded:
-                mask = D.local_part(mask, module.weight)
-            self._set_mask(name, mask.to(self._keep(name).device))
+        for name in self.modules:
+            self._store.load(name, saved[name])
         self.progress = float(progress)
         self.last_step = None if last_step < 0 else int(last_step)
 
@@ -515,14 +424,8 @@ class Pruner:
     def finalize(self) -> nn.Module:
         """Fold masks into the weights: a plain module with the state_dict keys it had before
         pruning and zeros where pruned. The pruner is done afterwards. Returns the model."""
-        for name, module in self.modules.items():
-            if self._held:
-                self._set_mask(name, self._local_masks[name])
-            else:
-                M.fold_mask(module)
-        for hook in self._hooks:
-            hook.remove()
-        self.modules, self._local_masks, self._hooks = {}, {}, []
+        self._store.finalize()
+        self.modules = {}
         return self.model
 
 

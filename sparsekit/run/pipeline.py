@@ -1,9 +1,15 @@
 """One compression run, stage by stage, driven by a :class:`~sparsekit.run.config.Config`.
 
-dense model (trained and cached by config hash, or loaded) -> evaluate -> channel pruning ->
-QAT preparation -> fine-tune under the pruner (checkpointed, resumable) -> finalize -> quantize
--> evaluate -> benchmark dense vs compressed -> accelerate (GPU) -> save; everything is logged to
+The stages (:data:`STAGES`, each a short ``stage_<name>(ctx)`` over one :class:`RunContext`):
+setup -> dense model (trained and cached by config hash, or loaded; evaluated) -> sensitivity
+-> channel pruning -> QAT preparation -> shard (FSDP2) -> prune (the Pruner, the optimizer,
+resume) -> fine-tune under the pruner -> finalize -> quantize -> evaluate -> benchmark dense vs
+compressed -> accelerate (GPU) -> save -> HF export -> summarize. Everything is logged to
 TensorBoard under ``<run_dir>/tb`` and summarized in ``summary.json`` / ``summary.md``.
+
+What happens during training is callbacks (:class:`Callback`): :class:`Logging`,
+:class:`Evaluation` and :class:`Checkpointing` are built in; ``run(..., callbacks=[...])`` and
+:func:`register_callback` (for runs started through the command line in this process) add more.
 
 The command line (``sparsekit.run.cli``) is a thin Hydra front end over :func:`run`; Python users
 can call it with a plain ``Config``.
@@ -18,10 +24,10 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +40,18 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.run import distributed as D
-from sparsekit.io.files import atomic_torch_save, atomic_write, move_aside, safe_torch_load
+from sparsekit.io.files import atomic_write, move_aside, safe_torch_load
 from sparsekit.run.bench import benchmark
 from sparsekit.prune.calibration import call_model, eval_mode
 from sparsekit.io.checkpoint import is_sparsekit_file, load_state_dict
 from sparsekit.run.config import Config, validate
+from sparsekit.run.context import (  # noqa: F401  (CHECKPOINT, Callback: public here too)
+    CHECKPOINT,
+    Callback,
+    RunContext,
+    default_callbacks,
+    register_callback,
+)
 from sparsekit.errors import (
     FileFormatError,
     ModelCallError,
@@ -51,25 +64,16 @@ from sparsekit.errors import (
 from sparsekit.data import DataBundle, build_data, cache_root
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
-from sparsekit.io.runstate import VERSION as RUNSTATE_VERSION
 from sparsekit.io.runstate import (
     load_latest_checkpoint,
     previous_path,
     restore,
-    rng_state,
-    save_checkpoint,
     set_rng_state,
     write_run_state,
 )
 from sparsekit.prune.sensitivity import SensitivityTable, log_sensitivity
 from sparsekit.run.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
-from sparsekit.run.train import eval_batches, evaluate, fit, get_batch, make_optimizer, task_loss
-
-CHECKPOINT = Path("checkpoints") / "last.pt"
-# test hook: SIGKILL this process right after writing the checkpoint of this fine-tuning step
-KILL_ENV = "SPARSEKIT_TEST_KILL_AT_STEP"
-# the same for the dense baseline's training (its checkpoints sit beside the baseline cache)
-KILL_DENSE_ENV = "SPARSEKIT_TEST_KILL_AT_DENSE_STEP"
+from sparsekit.run.train import eval_batches, fit, get_batch, make_optimizer, task_loss
 
 
 def pick_device(name: str) -> torch.device:
@@ -290,8 +294,10 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
               quiet: bool = False) -> dict:
     """``<run>/hf/``: what ``AutoModelFor*.from_pretrained`` and ``AutoTokenizer`` load (the
     compressed weights), plus the sparsekit file (``sparsekit.safetensors``, for ``sk.load``);
-    the summary says why there is no compressed-tensors export."""
-    from sparsekit.models.hf import compressed_tensors_status, export_pretrained
+    ``<run>/hf-compressed-tensors/`` when compressed-tensors can write the model (the summary
+    says what was written, or why not)."""
+    from sparsekit.quant.compressed_tensors import CT_DIR, export_compressed_tensors
+    from sparsekit.models.hf import export_pretrained
 
     out = export_pretrained(model, run_dir / "hf", tokenizer, quiet)
     target = out / "sparsekit.safetensors"
@@ -300,21 +306,28 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
         os.link(model_path, target)
     except OSError:  # another file system: copy
         shutil.copyfile(model_path, target)
-    return {"dir": str(out), "compressed_tensors": compressed_tensors_status()}
+    return {"dir": str(out), **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
 
 
 def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tracker,
                 hf_model: nn.Module | None = None) -> tuple:
-    """The dense model: ``hf_model`` (model=hf, never trained here), loaded from
-    ``model.checkpoint``, from the baseline cache, or trained here and cached. Returns
-    ``(model, source)``."""
-    if hf_model is not None:
+    """The dense model outside a run (tools): ``hf_model`` (model=hf, never trained here),
+    loaded from ``model.checkpoint``, from the baseline cache, or trained here and cached.
+    Returns ``(model, source)``."""
+    ctx = RunContext(cfg, Path.cwd(), callbacks=default_callbacks(), device=device,
+                     tracker=tracker, data=data, hf_model=hf_model)
+    return _dense_model(ctx)
+
+
+def _dense_model(ctx: RunContext) -> tuple[nn.Module, str]:
+    cfg, device = ctx.cfg, ctx.device
+    if ctx.hf_model is not None:
         m = cfg.model
         what = f"hf {m.path}" if m.path else "hf model.config (random weights)"
-        return hf_model.to(device), what
+        return ctx.hf_model.to(device), what
     torch.manual_seed(cfg.train.seed)  # the initial weights too: same config, same baseline
     model = build_model(cfg.model.name, cfg.model._target_, cfg.model.kwargs).to(device)
-    check_model_takes_data(model, data, cfg)
+    check_model_takes_data(model, ctx.data, cfg)
     if cfg.model.checkpoint:
         load_dense(model, cfg.model.checkpoint)
         return model, f"checkpoint {cfg.model.checkpoint}"
@@ -325,36 +338,30 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
             return model, f"cached {path}"
         except FileFormatError as e:  # a damaged cache entry: keep it for inspection, rebuild
             _discard(path, e)
-    t = cfg.train
-    optimizer = make_optimizer(model.parameters(), t.optimizer, t.dense_lr, t.weight_decay)
-    # a killed dense training continues from its last checkpoint, next to the cache entry
-    # (a damaged one is moved aside with a warning, and training starts over)
-    partial = path.with_name(path.stem + ".partial.pt")
+    return model, train_dense(ctx, model, path)
+
+
+def train_dense(ctx: RunContext, model: nn.Module, path: Path) -> str:
+    """Train the dense baseline and write it to the cache entry ``path``; returns how it
+    came about. A killed dense training continues from its last checkpoint, next to the cache
+    entry (a damaged one is moved aside with a warning, and training starts over)."""
+    t = ctx.cfg.train
+    ctx.model = model
+    ctx.optimizer = make_optimizer(model.parameters(), t.optimizer, t.dense_lr, t.weight_decay)
+    ctx.dense_partial = partial = path.with_name(path.stem + ".partial.pt")
     state = load_latest_checkpoint(partial, discard=True)
-    start = 0 if state is None else restore(state, model, optimizer)
-    kill_at = int(os.environ.get(KILL_DENSE_ENV, "-1"))
-
-    def on_step(step: int, metrics: dict[str, float]) -> None:
-        if metrics:  # fit fills them on logging steps
-            tracker.scalars({f"dense_{k}": v for k, v in metrics.items()}, step)
-        if (step + 1) % t.checkpoint_every == 0 and step != t.dense_steps - 1:
-            if D.is_main():
-                with storage_errors(partial):
-                    save_checkpoint(partial, step=step, model=model, optimizer=optimizer)
-            D.barrier()
-            if step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    fit(model, data.train, optimizer, steps=t.dense_steps, lr=t.dense_lr,
-        batch_size=cfg.data.batch_size, seed=t.seed, start_step=start, warmup=t.warmup_steps,
-        lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, on_step=on_step, log_every=t.log_every,
-        quiet=is_quiet(t.quiet), desc="dense training")
+    start = 0 if state is None else restore(state, model, ctx.optimizer)
+    fit(model, ctx.data.train, ctx.optimizer, steps=t.dense_steps, lr=t.dense_lr,
+        batch_size=ctx.cfg.data.batch_size, seed=t.seed, start_step=start,
+        warmup=t.warmup_steps, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
+        on_step=ctx.step_hook("dense"), log_every=t.log_every, quiet=is_quiet(t.quiet),
+        desc="dense training")
     if D.is_main():  # every rank trained the same model; one writes the cache
         write_file(path, lambda tmp: save_model(model, tmp))
         partial.unlink(missing_ok=True)
         previous_path(partial).unlink(missing_ok=True)
     how = f"resumed at step {start}, " if start else ""
-    return model, f"trained ({how}{t.dense_steps} steps), cached {path}"
+    return f"trained ({how}{t.dense_steps} steps), cached {path}"
 
 
 def _discard(path: Path, err: Exception) -> None:
@@ -366,39 +373,6 @@ def _discard(path: Path, err: Exception) -> None:
             moved = "(already moved)"
         warnings.warn(f"cache entry {path} is damaged and will be rebuilt; moved it to "
                       f"{moved}: {err}", stacklevel=2)
-
-
-class ChannelSteps:
-    """Channel pruning interleaved with fine-tuning, in the Pruner's seat: ``fit`` steps it,
-    checkpoints hold its plain state (the channel plan and progress), and restoring it reshapes
-    a fresh model before its weights load. When widths change, the optimizer's parameters are
-    replaced and its per-parameter state dropped (its shapes no longer match)."""
-
-    def __init__(self, channel_pruner: Any, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.channel_pruner, self.model, self.optimizer = channel_pruner, model, optimizer
-        self.progress = channel_pruner.progress
-
-    def _rebind(self) -> None:
-        self.optimizer.param_groups[0]["params"] = list(self.model.parameters())
-        self.optimizer.state.clear()
-
-    def step(self, step: int) -> bool:
-        changed = self.channel_pruner.step(step)
-        if changed:
-            self._rebind()
-            self.progress = self.channel_pruner.progress
-        return changed
-
-    def report(self) -> Any:
-        return sk.sparsity_report(self.model)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"plan": sk.channel_plan(self.model), "progress": self.channel_pruner.progress}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.channel_pruner.resume(state["plan"], state["progress"])
-        self.progress = self.channel_pruner.progress
-        self._rebind()
 
 
 def taylor_loss(dataset: Any, cfg: Config) -> Any:
@@ -413,7 +387,7 @@ def taylor_loss(dataset: Any, cfg: Config) -> Any:
     return loss_fn
 
 
-def sensitivity_stage(
+def scan_sensitivity(
     cfg: Config, model: nn.Module, eval_model: Any, calibration: list, tracker: Tracker,
     run_dir: Path,
 ) -> dict[str, float] | None:
@@ -485,20 +459,365 @@ def summary_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[str, Any]:
-    """Run every stage of ``cfg`` with outputs under ``run_dir``; ``resume`` continues from
-    ``run_dir/checkpoints/last.pt`` when it exists (from the previous checkpoint, with a
-    warning, when that one is damaged). Returns the summary (also written to ``summary.json``
-    and ``summary.md``). ``run_dir/run_state.json`` records ``running``, then ``failed`` (with
-    the error) or ``finished``."""
+def stage_setup(ctx: RunContext) -> None:
+    """Cache and run directories, the resolved config, device and distributed mode, the
+    resume checkpoint and the TensorBoard tracker."""
+    cfg, t = ctx.cfg, ctx.cfg.train
+    ctx.t0, ctx.started = time.perf_counter(), utc_now()
+    cache = cache_root(cfg.cache_dir)
+    with storage_errors(cache, "create the cache directory (cache_dir)"):
+        cache.mkdir(parents=True, exist_ok=True)
+        if not os.access(cache, os.W_OK | os.X_OK):
+            raise StorageError(f"cache_dir={str(cache)!r} is not writable: pass a writable "
+                               "cache_dir= or set SPARSEKIT_CACHE")
+    ctx.resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    if D.is_main():  # under torchrun only rank 0 writes files and TensorBoard logs
+        write_file(ctx.run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(ctx.resolved))
+    device = pick_device(t.device)
+    if device.type == "cpu" and t.cpu_threads > 0:
+        # tiny models lose more to thread synchronization than they gain from a second thread
+        torch.set_num_threads(t.cpu_threads)
+    ctx.mode = D.resolve_mode(t.distributed)  # none | ddp | fsdp2 (see docs/distributed.md)
+    if ctx.mode == "fsdp2" and cfg.quant.qat:
+        raise ValueError("train.distributed=fsdp2 cannot fine-tune with quant.qat=true; use ddp")
+    if ctx.mode != "none":
+        device = D.init(device=device.type)  # this rank's GPU under torchrun
+        D.split_batch(cfg.data.batch_size, what="data.batch_size")  # fail before any work
+    ctx.device, ctx.metric = device, _metric(cfg.data.task)
+    ctx.state = load_latest_checkpoint(ctx.run_dir / CHECKPOINT) if ctx.resume else None
+    tb = cfg.tracker
+    ctx.tracker = Tracker(run_logdir(ctx.run_dir, resume=ctx.state is not None),
+                          tb.kind == "tensorboard" and D.is_main(), tb.flush_secs,
+                          tb.histogram_every, tb.histograms,
+                          purge_step=None if ctx.state is None else ctx.state["step"] + 1)
+    ctx.tracker.text("config", f"```yaml\n{ctx.resolved}\n```")
+
+
+def stage_dense(ctx: RunContext) -> None:
+    """The data and the dense model (see :func:`dense_model`), evaluated and sized; a copy
+    kept when something reads it later; the example batch and the calibration batches."""
+    cfg = ctx.cfg
+    if cfg.model.name == "hf":
+        ctx.hf_model, ctx.tokenizer = load_hf(cfg)
+    ctx.data = build_run_data(cfg, ctx.hf_model, ctx.tokenizer)
+    ctx.model, ctx.dense_source = _dense_model(ctx)
+    ctx.dense_eval = ctx.evaluate(ctx.model)
+    ctx.dense_size = file_size(ctx.model)
+    # a copy of the dense model only when something reads it: the distillation teacher and the
+    # speed reference (an LLM one-shot run would otherwise hold its weights twice)
+    keep_dense = (cfg.train.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
+    ctx.dense = copy.deepcopy(ctx.model).eval() if keep_dense else None
+    ctx.tracker.dense({f"eval/{ctx.metric}": ctx.dense_eval[ctx.metric]}, 0)
+    example = next(eval_batches(ctx.data.eval, cfg.bench.batch_size, 1))[0]
+    ctx.example = example.to(ctx.device) if isinstance(example, torch.Tensor) else example
+    data = ctx.data
+    calibration_set = data.train if data.calibration is None else data.calibration
+    ctx.calibration = [
+        b[0]
+        for b in eval_batches(calibration_set, cfg.data.batch_size, cfg.prune.calibration_batches)
+    ]
+    ctx.sparsity = cfg.prune.sparsity
+
+
+def stage_sensitivity(ctx: RunContext) -> None:
+    """``sensitivity.enabled``: the scan (:func:`scan_sensitivity`); with ``sensitivity.target``
+    its per-layer levels replace ``prune.sparsity``."""
+    if ctx.cfg.sensitivity.enabled:
+        levels = scan_sensitivity(ctx.cfg, ctx.model, ctx.evaluate, ctx.calibration,
+                                  ctx.tracker, ctx.run_dir)
+        ctx.sparsity = ctx.sparsity if levels is None else levels
+
+
+def stage_channels(ctx: RunContext) -> None:
+    """Channel pruning. Channel-only runs with steps > 1 remove channels in increments on the
+    schedule while fine-tuning (one process: ``ctx.channels`` is what fine-tuning steps);
+    otherwise all increments happen here, before fine-tuning."""
+    cfg = ctx.cfg
+    p, c = cfg.prune, cfg.prune.channel
+    if c.ratio <= 0:
+        return
+    options = dict(
+        ratio=c.ratio, importance=c.importance, scope=c.scope, round_to=c.round_to,
+        ignore=list(c.ignore),
+        loss_fn=taylor_loss(ctx.data.train, cfg) if c.importance == "taylor" else None,
+    )
+    if c.steps > 1 and p.fine_tune and p.pattern == "none" and ctx.mode == "none":
+        s = cfg.schedule
+        every = max(1, -(-(s.end - s.start) // c.steps))  # ceil: exactly `steps` updates
+        ctx.channels = sk.ChannelPruner(
+            ctx.model, ctx.example[:1], schedule=sk.Linear(s.start, s.end, every), **options
+        )
+    else:
+        ctx.channel_report = sk.prune_channels_(ctx.model, ctx.example[:1], steps=c.steps,
+                                                **options)
+
+
+def stage_qat_prep(ctx: RunContext) -> None:
+    """``quant.qat``: fake-quantized layers to fine-tune (converted in the quantize stage)."""
+    q = ctx.cfg.quant
+    if q.scheme != "none" and q.qat:
+        sk.prepare_qat_(ctx.model, q.scheme, include=list(q.include), exclude=list(q.exclude))
+
+
+def stage_shard(ctx: RunContext) -> None:
+    """FSDP2: shard before the Pruner, whose masks then become shards like the weights."""
+    if ctx.mode == "fsdp2":
+        ctx.unsharded = copy.deepcopy(ctx.model)  # a container for the full weights later
+        D.shard_model(ctx.model)
+
+
+def stage_prune(ctx: RunContext) -> None:
+    """The Pruner (``prune.pattern``), the fine-tuning optimizer, and, resuming, the state of
+    the last checkpoint loaded into both (and into the model)."""
+    cfg, p, t = ctx.cfg, ctx.cfg.prune, ctx.cfg.train
+    if p.pattern != "none":
+        ctx.masks = sk.Pruner(
+            ctx.model, sparsity=ctx.sparsity, pattern=p.pattern, criterion=p.criterion,
+            scope=p.scope, schedule=make_schedule(cfg), include=list(p.include),
+            exclude=list(p.exclude),
+            calibration=ctx.calibration if p.criterion != "magnitude" else None, strict=p.strict,
+        )
+    ctx.pruner = ctx.masks if ctx.masks is not None else ctx.channels
+    ctx.steps = t.finetune_steps if p.fine_tune else 0
+    ctx.optimizer = make_optimizer(ctx.model.parameters(), t.optimizer, t.finetune_lr,
+                                   t.weight_decay)
+    ctx.start = resume_finetune(ctx)
+
+
+def resume_finetune(ctx: RunContext) -> int:
+    """Load the resume checkpoint (FSDP2: torch.distributed.checkpoint shards) into the model,
+    optimizer and pruner; returns the first step to run (0 without one, seeding the RNG)."""
+    state, path = ctx.state, ctx.run_dir / CHECKPOINT
+    if state is None:
+        torch.manual_seed(ctx.cfg.train.seed + 1)
+        return 0
+    if not state.get("sharded"):
+        return restore(state, ctx.model, ctx.optimizer, ctx.pruner)
+    if state["sharded"] != CHECKPOINT.with_suffix(".dcp").name:  # a name, never a path
+        raise FileFormatError(f"{path}: unexpected sharded checkpoint {state['sharded']!r}")
+    loaded = D.load_training_state(path.parent / state["sharded"], ctx.model, ctx.optimizer,
+                                   ctx.pruner, step=-1)
+    set_rng_state(state["rng"])
+    return int(loaded["step"]) + 1
+
+
+def stage_fine_tune(ctx: RunContext) -> None:
+    """Fine-tuning under the pruner (which ``fit`` steps), with distillation from the dense
+    copy when ``train.distill.alpha`` > 0; DDP averages gradients over ranks, each training on
+    its slice of every global batch. Without fine-tuning, the pruner's one shot."""
+    cfg, t = ctx.cfg, ctx.cfg.train
+    if ctx.pruner is not None and not cfg.prune.fine_tune:
+        ctx.pruner.step(0)
+    if ctx.steps <= ctx.start:
+        return
+    train_model = D.wrap_ddp(ctx.model, ctx.device) if ctx.mode == "ddp" else ctx.model
+    fit(train_model, ctx.data.train, ctx.optimizer, steps=ctx.steps, lr=t.finetune_lr,
+        batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=ctx.start,
+        warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=ctx.pruner,
+        teacher=ctx.dense if t.distill.alpha > 0 else None, distill_alpha=t.distill.alpha,
+        temperature=t.distill.temperature, on_step=ctx.step_hook("finetune"), quiet=ctx.quiet,
+        desc="fine-tuning", shard=ctx.mode != "none", log_every=t.log_every)
+
+
+def stage_finalize(ctx: RunContext) -> None:
+    """The pruner's full target (even after few steps), its report, then ``finalize``: plain
+    modules from here on. FSDP2: every rank gathers the full weights; the rest runs
+    unsharded."""
+    pruner = ctx.pruner
+    if pruner is not None:
+        pruner.step(max(ctx.steps, ctx.cfg.schedule.end))
+        final = pruner.report()
+        if pruner is ctx.channels:
+            ctx.channel_report = final
+        else:
+            ctx.report = final
+            if ctx.mode != "fsdp2":
+                ctx.tracker.weight_histograms(ctx.model, ctx.steps, force=True)
+        pruner.finalize()
+    if ctx.channel_report is not None:
+        ctx.tracker.text("channels", f"```\n{ctx.channel_report}\n```", ctx.steps)
+    if ctx.report is None:
+        ctx.report = sk.sparsity_report(ctx.model)
+    if ctx.mode == "fsdp2":
+        ctx.model = D.gather_full(ctx.model, ctx.unsharded)
+        ctx.tracker.weight_histograms(ctx.model, ctx.steps, force=True)
+
+
+def stage_quantize(ctx: RunContext) -> None:
+    """``quant.scheme``: QAT layers converted, or post-training quantization on the
+    calibration batches."""
+    q = ctx.cfg.quant
+    if q.scheme == "none":
+        return
+    if q.qat:
+        ctx.quant_report = sk.convert_(ctx.model)
+    else:
+        ctx.quant_report = sk.quantize_(ctx.model, q.scheme, calibration=ctx.calibration,
+                                        include=list(q.include), exclude=list(q.exclude))
+    ctx.tracker.text("quantization", f"```\n{ctx.quant_report}\n```", 0)
+
+
+def stage_evaluate(ctx: RunContext) -> None:
+    """The compressed model on the evaluation set, beside the dense one; its sparsity."""
+    ctx.comp_eval = ctx.evaluate(ctx.model)
+    m, step, tracker = ctx.metric, ctx.final_step, ctx.tracker
+    tracker.scalars({f"eval/{m}": ctx.comp_eval[m]}, step)
+    tracker.dense({f"eval/{m}": ctx.dense_eval[m]}, step)
+    tracker.scalars(ctx.report.scalars(), step)
+    tracker.layer_sparsity(ctx.report.to_dict()["layers"], step)
+
+
+def stage_benchmark(ctx: RunContext) -> None:
+    """Latency and throughput of the dense and the compressed model (rank 0)."""
+    b = ctx.cfg.bench
+    if b.enabled and isinstance(ctx.example, torch.Tensor) and D.is_main():
+        for name, m in (("dense", ctx.dense), ("compressed", ctx.model)):
+            ctx.speed[name] = benchmark(m, ctx.example, b.batch_size, b.warmup, b.repeats, name,
+                                        ctx.quiet)
+
+
+def stage_accelerate(ctx: RunContext) -> None:
+    """``accel.enabled`` (rank 0): ``sk.accelerate`` on a copy, its per-layer report logged to
+    TensorBoard, and a benchmark of its result; skipped (with the reason) without CUDA."""
+    a, b = ctx.cfg.accel, ctx.cfg.bench
+    ctx.accel = {"enabled": a.enabled}
+    if not a.enabled or not D.is_main():
+        return
+    if ctx.device.type != "cuda":
+        print("accel skipped: CUDA is not available")
+        ctx.accel["skipped"] = "CUDA is not available"
+        return
+    fast = sk.accelerate(copy.deepcopy(ctx.model), ctx.example[:1], precision=a.precision,
+                         sparsity=a.sparsity, min_speedup=a.min_speedup)
+    report = fast.sparsekit_report
+    if ctx.tracker.writer is not None:
+        sk.log_accel_report(ctx.tracker.writer, report)
+    ctx.accel["report"] = report.to_dict()
+    if b.enabled:
+        ctx.accel["speed"] = benchmark(fast, ctx.example, b.batch_size, b.warmup, b.repeats,
+                                       "accel", ctx.quiet)
+
+
+def stage_save(ctx: RunContext) -> None:
+    """``<run_dir>/model.safetensors``, portable and compressed (rank 0)."""
+    ctx.model_path = ctx.run_dir / "model.safetensors"
+    if D.is_main():
+        save_weights(ctx.model, ctx.model_path)
+
+
+def stage_export_hf(ctx: RunContext) -> None:
+    """``model=hf``: ``<run_dir>/hf/`` for ``from_pretrained`` (rank 0); see :func:`export_hf`."""
+    if ctx.hf_model is not None and D.is_main():
+        ctx.hf_export = export_hf(ctx.model, ctx.tokenizer, ctx.run_dir, ctx.model_path,
+                                  ctx.quiet)
+
+
+def stage_summarize(ctx: RunContext) -> None:
+    """``summary.json`` / ``summary.md`` and the final TensorBoard values (speed, size,
+    hparams, the summary text), once rank 0's files are written."""
+    D.barrier()
+    s = ctx.summary = run_summary(ctx)
+    step, tracker = ctx.final_step, ctx.tracker
+    for name, log in (("dense", tracker.dense), ("compressed", tracker.scalars)):
+        if ctx.speed[name]:
+            log({"speed/latency_ms": ctx.speed[name]["latency_ms"],
+                 "speed/throughput": ctx.speed[name]["throughput"]}, step)
+        log({"size/bytes": s[name]["size_bytes"]}, step)
+    if s["speedup"] is not None:
+        tracker.scalars({"speed/speedup": s["speedup"]}, step)
+    final = {
+        f"final/{ctx.metric}/dense": ctx.dense_eval[ctx.metric],
+        f"final/{ctx.metric}/compressed": ctx.comp_eval[ctx.metric],
+        "final/sparsity": ctx.report.global_sparsity,
+        "final/size_bytes": s["compressed"]["size_bytes"],
+    }
+    if s["speedup"] is not None:
+        final["final/speedup"] = s["speedup"]
+    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(ctx.cfg)), final, step,
+                    s["overrides"])
+    table = summary_table(s)
+    markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{ctx.report}\n```\n"
+    tracker.text("summary", markdown, step)
+    tracker.close()
+    s["ended_utc"] = utc_now()
+    if D.is_main():
+        write_file(ctx.run_dir / "summary.json",
+                   lambda tmp: Path(tmp).write_text(json.dumps(s, indent=2) + "\n"))
+        write_file(ctx.run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
+    s["table"] = f"{table}\n\nSparsity by layer:\n{ctx.report}"
+
+
+def run_summary(ctx: RunContext) -> dict[str, Any]:
+    """The run summary (the keys of ``summary.json``) from what the stages left in ``ctx``."""
+    speed, report = ctx.speed, ctx.report
+    overrides = read_overrides(ctx.run_dir)
+    return {
+        "recipe": recipe_of(overrides),
+        "overrides": overrides,
+        "versions": versions(),
+        "started_utc": ctx.started,
+        "metric": ctx.metric,
+        "dense": {**ctx.dense_eval, **speed["dense"], "size_bytes": ctx.dense_size},
+        "compressed": {**ctx.comp_eval, **speed["compressed"],
+                       "size_bytes": ctx.model_path.stat().st_size},
+        "sparsity": report.global_sparsity,
+        "skipped_layers": report.skipped,
+        "channels": None if ctx.channel_report is None else ctx.channel_report.to_dict(),
+        "quant": None if ctx.quant_report is None else ctx.quant_report.to_dict(),
+        "speedup": (speed["dense"]["latency_ms"] / speed["compressed"]["latency_ms"]
+                    if speed["compressed"] else None),
+        "accel": ctx.accel,
+        "dense_source": ctx.dense_source,
+        "device": str(ctx.device),
+        "finetune_steps": ctx.steps,
+        "model_path": str(ctx.model_path),
+        "hf": ctx.hf_export,
+        "run_dir": str(ctx.run_dir),
+        "tensorboard_logdir": str(ctx.tracker.logdir),
+        "seconds": round(time.perf_counter() - ctx.t0, 1),
+    }
+
+
+#: the stages of a run, in order; each reads and fills the :class:`RunContext`
+STAGES: tuple[tuple[str, Any], ...] = (
+    ("setup", stage_setup),
+    ("dense", stage_dense),
+    ("sensitivity", stage_sensitivity),
+    ("channels", stage_channels),
+    ("qat_prep", stage_qat_prep),
+    ("shard", stage_shard),
+    ("prune", stage_prune),
+    ("fine_tune", stage_fine_tune),
+    ("finalize", stage_finalize),
+    ("quantize", stage_quantize),
+    ("evaluate", stage_evaluate),
+    ("benchmark", stage_benchmark),
+    ("accelerate", stage_accelerate),
+    ("save", stage_save),
+    ("export_hf", stage_export_hf),
+    ("summarize", stage_summarize),
+)
+
+
+def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False,
+        callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+    """Run every stage of ``cfg`` (:data:`STAGES`) with outputs under ``run_dir``; ``resume``
+    continues from ``run_dir/checkpoints/last.pt`` when it exists (from the previous
+    checkpoint, with a warning, when that one is damaged). ``callbacks`` join the built-in ones
+    (:class:`Callback`). Returns the summary (also written to ``summary.json`` and
+    ``summary.md``). ``run_dir/run_state.json`` records ``running``, then ``failed`` (with the
+    error) or ``finished``."""
     validate(cfg)
     run_dir = Path(run_dir).resolve()
     with storage_errors(run_dir, "create the run directory (hydra.run.dir)"):
         run_dir.mkdir(parents=True, exist_ok=True)
         if D.is_main():
             write_run_state(run_dir, "running")
+    ctx = RunContext(cfg, run_dir, resume, [*default_callbacks(), *callbacks])
     try:
-        summary = _run(cfg, run_dir, resume)
+        for name, stage in STAGES:
+            ctx.emit("on_stage", name)
+            stage(ctx)
     except BaseException as e:
         if D.is_main() and not isinstance(e, KeyboardInterrupt):  # Ctrl-C: can continue
             try:
@@ -508,289 +827,4 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False) -> dict[s
         raise
     if D.is_main():
         write_run_state(run_dir, "finished")
-    return summary
-
-
-def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
-    t0, started = time.perf_counter(), utc_now()
-    cache = cache_root(cfg.cache_dir)
-    with storage_errors(cache, "create the cache directory (cache_dir)"):
-        cache.mkdir(parents=True, exist_ok=True)
-        if not os.access(cache, os.W_OK | os.X_OK):
-            raise StorageError(f"cache_dir={str(cache)!r} is not writable: pass a writable "
-                               "cache_dir= or set SPARSEKIT_CACHE")
-    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
-    if D.is_main():  # under torchrun only rank 0 writes files and TensorBoard logs
-        write_file(run_dir / "config.yaml", lambda tmp: Path(tmp).write_text(resolved))
-    t, quiet = cfg.train, is_quiet(cfg.train.quiet)
-    device = pick_device(t.device)
-    if device.type == "cpu" and t.cpu_threads > 0:
-        # tiny models lose more to thread synchronization than they gain from a second thread
-        torch.set_num_threads(t.cpu_threads)
-    mode = D.resolve_mode(t.distributed)  # none | ddp | fsdp2 (see docs/distributed.md)
-    if mode == "fsdp2" and cfg.quant.qat:
-        raise ValueError("train.distributed=fsdp2 cannot fine-tune with quant.qat=true; use ddp")
-    if mode != "none":
-        device = D.init(device=device.type)  # this rank's GPU under torchrun
-        D.split_batch(cfg.data.batch_size, what="data.batch_size")  # fail before any work
-    metric = _metric(cfg.data.task)
-    state = load_latest_checkpoint(run_dir / CHECKPOINT) if resume else None
-    tb = cfg.tracker
-    tracker = Tracker(run_logdir(run_dir, resume=state is not None),
-                      tb.kind == "tensorboard" and D.is_main(), tb.flush_secs, tb.histogram_every,
-                      tb.histograms, purge_step=None if state is None else state["step"] + 1)
-    tracker.text("config", f"```yaml\n{resolved}\n```")
-
-    hf_model = tokenizer = None
-    if cfg.model.name == "hf":
-        hf_model, tokenizer = load_hf(cfg)
-    data = build_run_data(cfg, hf_model, tokenizer)
-    model, dense_source = dense_model(cfg, data, device, tracker, hf_model)
-
-    def eval_model(m: nn.Module) -> dict[str, float]:
-        return evaluate(m, data.eval, cfg.data.task, cfg.data.eval_batch_size,
-                        cfg.data.eval_batches, quiet)
-
-    dense_eval = eval_model(model)
-    dense_size = file_size(model)
-    # a copy of the dense model only when something reads it: the distillation teacher and the
-    # speed reference (an LLM one-shot run would otherwise hold its weights twice)
-    keep_dense = (t.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
-    dense = copy.deepcopy(model).eval() if keep_dense else None
-    tracker.dense({f"eval/{metric}": dense_eval[metric]}, 0)
-    example = next(eval_batches(data.eval, cfg.bench.batch_size, 1))[0]
-    example = example.to(device) if isinstance(example, torch.Tensor) else example
-    calibration_set = data.train if data.calibration is None else data.calibration
-    calibration = [
-        b[0]
-        for b in eval_batches(calibration_set, cfg.data.batch_size, cfg.prune.calibration_batches)
-    ]
-    p, q = cfg.prune, cfg.quant
-    sparsity = p.sparsity
-    if cfg.sensitivity.enabled:  # per-layer levels from the scan when sensitivity.target is set
-        levels = sensitivity_stage(cfg, model, eval_model, calibration, tracker, run_dir)
-        sparsity = sparsity if levels is None else levels
-
-    # Channel-only runs with steps > 1 remove channels in increments on the schedule while
-    # fine-tuning (one process); otherwise all increments happen before fine-tuning.
-    c = p.channel
-    interleave = (c.ratio > 0 and c.steps > 1 and p.fine_tune and p.pattern == "none"
-                  and mode == "none")
-    channel_report = channel_pruner = None
-    if c.ratio > 0:
-        options = dict(
-            ratio=c.ratio, importance=c.importance, scope=c.scope, round_to=c.round_to,
-            ignore=list(c.ignore),
-            loss_fn=taylor_loss(data.train, cfg) if c.importance == "taylor" else None,
-        )
-        if interleave:
-            s = cfg.schedule
-            every = max(1, -(-(s.end - s.start) // c.steps))  # ceil: exactly `steps` updates
-            channel_pruner = sk.ChannelPruner(
-                model, example[:1], schedule=sk.Linear(s.start, s.end, every), **options
-            )
-        else:
-            channel_report = sk.prune_channels_(model, example[:1], steps=c.steps, **options)
-    quant_report = None
-    if q.scheme != "none" and q.qat:
-        sk.prepare_qat_(model, q.scheme, include=list(q.include), exclude=list(q.exclude))
-    if mode == "fsdp2":  # shard before the Pruner: its masks become shards like the weights
-        unsharded = copy.deepcopy(model)  # a container for the full weights after fine-tuning
-        D.shard_model(model)
-
-    pruner = None
-    if p.pattern != "none":
-        pruner = sk.Pruner(
-            model, sparsity=sparsity, pattern=p.pattern, criterion=p.criterion, scope=p.scope,
-            schedule=make_schedule(cfg), include=list(p.include), exclude=list(p.exclude),
-            calibration=calibration if p.criterion != "magnitude" else None, strict=p.strict,
-        )
-    steps = t.finetune_steps if p.fine_tune else 0
-    optimizer = make_optimizer(model.parameters(), t.optimizer, t.finetune_lr, t.weight_decay)
-    if channel_pruner is not None:  # stepped, checkpointed and restored in the Pruner's place
-        pruner = ChannelSteps(channel_pruner, model, optimizer)
-    start = 0
-    if state is not None and state.get("sharded"):  # FSDP2: torch.distributed.checkpoint
-        if state["sharded"] != CHECKPOINT.with_suffix(".dcp").name:  # a name, never a path
-            raise FileFormatError(f"{run_dir / CHECKPOINT}: unexpected sharded checkpoint "
-                                  f"{state['sharded']!r}")
-        loaded = D.load_training_state(run_dir / CHECKPOINT.parent / state["sharded"], model,
-                                       optimizer, pruner, step=-1)
-        set_rng_state(state["rng"])
-        start = int(loaded["step"]) + 1
-    elif state is not None:
-        start = restore(state, model, optimizer, pruner)
-    else:
-        torch.manual_seed(t.seed + 1)
-    ckpt_path = run_dir / CHECKPOINT
-    kill_at = int(os.environ.get(KILL_ENV, "-1"))
-    # DDP averages gradients over ranks, each training on its slice of every global batch
-    train_model = D.wrap_ddp(model, device) if mode == "ddp" and steps > start else model
-
-    seen_progress = [None if pruner is None else pruner.progress]
-
-    def on_step(step: int, metrics: dict[str, float]) -> None:
-        if metrics:  # fit fills them on logging steps
-            scalars = dict(metrics)
-            if pruner is not None:
-                scalars["sparsity/global"] = pruner.report().global_sparsity
-            tracker.scalars(scalars, step)
-        if pruner is not None and pruner.progress != seen_progress[0]:  # masks just moved
-            seen_progress[0] = pruner.progress
-            if mode != "fsdp2":  # sharded weights get their histograms once gathered
-                tracker.weight_histograms(model, step)
-                tracker.layer_sparsity(pruner.report().to_dict()["layers"], step)
-        if (step + 1) % t.eval_every == 0 and step != steps - 1:  # dense: the reference line
-            tracker.scalars({f"eval/{metric}": eval_model(model)[metric]}, step)
-            tracker.dense({f"eval/{metric}": dense_eval[metric]}, step)
-        if (step + 1) % t.checkpoint_every == 0 or step == steps - 1:
-            D.barrier()
-            if mode == "fsdp2":  # every rank writes its shards, then rank 0 the pointer to them
-                D.save_training_state(ckpt_path.with_suffix(".dcp"), model, optimizer, pruner,
-                                      step=step)
-                if D.is_main():
-                    atomic_torch_save({"version": RUNSTATE_VERSION, "step": step,
-                                       "done": step == steps - 1, "rng": rng_state(),
-                                       "sharded": ckpt_path.with_suffix(".dcp").name}, ckpt_path)
-            elif D.is_main():  # replicated state: rank 0's file serves every rank
-                with storage_errors(ckpt_path):
-                    save_checkpoint(ckpt_path, step=step, model=model, optimizer=optimizer,
-                                    pruner=pruner, done=step == steps - 1)
-            D.barrier()
-            if step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    if pruner is not None and not p.fine_tune:
-        pruner.step(0)
-    if steps > start:
-        teacher = dense if t.distill.alpha > 0 else None
-        fit(train_model, data.train, optimizer, steps=steps, lr=t.finetune_lr,
-            batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=start,
-            warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=pruner,
-            teacher=teacher, distill_alpha=t.distill.alpha, temperature=t.distill.temperature,
-            on_step=on_step, quiet=quiet, desc="fine-tuning", shard=mode != "none",
-            log_every=t.log_every)
-    if channel_pruner is not None:
-        channel_pruner.step(max(steps, cfg.schedule.end))  # the full ratio, even with few steps
-        channel_report = channel_pruner.report()
-        pruner = None
-    if channel_report is not None:
-        tracker.text("channels", f"```\n{channel_report}\n```", steps)
-    if pruner is not None:
-        pruner.step(max(steps, cfg.schedule.end))  # the full target, even with few steps
-        report = pruner.report()
-        if mode != "fsdp2":
-            tracker.weight_histograms(model, steps, force=True)
-        pruner.finalize()
-    else:
-        report = sk.sparsity_report(model)
-    if mode == "fsdp2":  # every rank gathers the full weights; the rest runs unsharded
-        model = D.gather_full(model, unsharded)
-        tracker.weight_histograms(model, steps, force=True)
-    if q.scheme != "none":
-        if q.qat:
-            quant_report = sk.convert_(model)
-        else:
-            quant_report = sk.quantize_(model, q.scheme, calibration=calibration,
-                                        include=list(q.include), exclude=list(q.exclude))
-        tracker.text("quantization", f"```\n{quant_report}\n```", 0)
-
-    comp_eval = eval_model(model)
-    final_step = max(steps, 1)
-    tracker.scalars({f"eval/{metric}": comp_eval[metric]}, final_step)
-    tracker.dense({f"eval/{metric}": dense_eval[metric]}, final_step)
-    tracker.scalars(report.scalars(), final_step)
-    tracker.layer_sparsity(report.to_dict()["layers"], final_step)
-
-    speed: dict[str, dict[str, float]] = {"dense": {}, "compressed": {}}
-    if cfg.bench.enabled and isinstance(example, torch.Tensor) and D.is_main():
-        b = cfg.bench
-        for name, m in (("dense", dense), ("compressed", model)):
-            speed[name] = benchmark(m, example, b.batch_size, b.warmup, b.repeats, name, quiet)
-    accel_info: dict[str, Any] = {"enabled": cfg.accel.enabled}
-    if cfg.accel.enabled and D.is_main():
-        accel_info.update(accelerate(cfg, model, example, device, tracker, quiet))
-
-    model_path = run_dir / "model.safetensors"
-    hf_export = None
-    if D.is_main():
-        save_weights(model, model_path)
-        if hf_model is not None:
-            hf_export = export_hf(model, tokenizer, run_dir, model_path, quiet)
-    D.barrier()
-    sizes = {"dense": dense_size, "compressed": model_path.stat().st_size}
-    overrides = read_overrides(run_dir)
-    summary: dict[str, Any] = {
-        "recipe": recipe_of(overrides),
-        "overrides": overrides,
-        "versions": versions(),
-        "started_utc": started,
-        "metric": metric,
-        "dense": {**dense_eval, **speed["dense"], "size_bytes": sizes["dense"]},
-        "compressed": {**comp_eval, **speed["compressed"], "size_bytes": sizes["compressed"]},
-        "sparsity": report.global_sparsity,
-        "skipped_layers": report.skipped,
-        "channels": None if channel_report is None else channel_report.to_dict(),
-        "quant": None if quant_report is None else quant_report.to_dict(),
-        "speedup": (speed["dense"]["latency_ms"] / speed["compressed"]["latency_ms"]
-                    if speed["compressed"] else None),
-        "accel": accel_info,
-        "dense_source": dense_source,
-        "device": str(device),
-        "finetune_steps": steps,
-        "model_path": str(model_path),
-        "hf": hf_export,
-        "run_dir": str(run_dir),
-        "tensorboard_logdir": str(tracker.logdir),
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    for name, log in (("dense", tracker.dense), ("compressed", tracker.scalars)):
-        if speed[name]:
-            log({"speed/latency_ms": speed[name]["latency_ms"],
-                 "speed/throughput": speed[name]["throughput"]}, final_step)
-        log({"size/bytes": sizes[name]}, final_step)
-    if summary["speedup"] is not None:
-        tracker.scalars({"speed/speedup": summary["speedup"]}, final_step)
-    final = {
-        f"final/{metric}/dense": dense_eval[metric],
-        f"final/{metric}/compressed": comp_eval[metric],
-        "final/sparsity": report.global_sparsity,
-        "final/size_bytes": sizes["compressed"],
-    }
-    if summary["speedup"] is not None:
-        final["final/speedup"] = summary["speedup"]
-    tracker.hparams(OmegaConf.to_container(OmegaConf.structured(cfg)), final, final_step,
-                    overrides)
-    table = summary_table(summary)
-    markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{report}\n```\n"
-    tracker.text("summary", markdown, final_step)
-    tracker.close()
-    summary["ended_utc"] = utc_now()
-    if D.is_main():
-        write_file(run_dir / "summary.json",
-                     lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2) + "\n"))
-        write_file(run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
-    summary["table"] = f"{table}\n\nSparsity by layer:\n{report}"
-    return summary
-
-
-def accelerate(
-    cfg: Config, model: nn.Module, example: Any, device: torch.device, tracker: Tracker,
-    quiet: bool,
-) -> dict[str, Any]:
-    """The GPU stage: ``sk.accelerate``, its per-layer report logged to TensorBoard, and a
-    benchmark of its result; skipped (with the reason recorded) without CUDA."""
-    if device.type != "cuda":
-        print("accel skipped: CUDA is not available")
-        return {"skipped": "CUDA is not available"}
-    a = cfg.accel
-    fast = sk.accelerate(copy.deepcopy(model), example[:1], precision=a.precision,
-                         sparsity=a.sparsity, min_speedup=a.min_speedup)
-    report = fast.sparsekit_report
-    if tracker.writer is not None:
-        sk.log_accel_report(tracker.writer, report)
-    info: dict[str, Any] = {"report": report.to_dict()}
-    if cfg.bench.enabled:
-        b = cfg.bench
-        info["speed"] = benchmark(fast, example, b.batch_size, b.warmup, b.repeats, "accel", quiet)
-    return info
+    return ctx.summary

@@ -21,6 +21,7 @@ from sparsekit.run import distributed as D
 from sparsekit.prune.calibration import _to_device, eval_mode
 from sparsekit.errors import UsageError
 from sparsekit.progress import progress
+from sparsekit.io.runstate import follow_parameters
 
 StepHook = Callable[[int, dict[str, float]], None]
 
@@ -170,10 +171,12 @@ def fit(
     log_every: int = 1,
 ) -> None:
     """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
-    ``pruner`` (anything with ``step(step)``) updates its masks, then ``on_step(step, metrics)``
-    runs (logging, evaluation, checkpoints happen there). ``metrics`` is ``{"train/loss",
-    "train/lr"}`` every ``log_every`` steps and at the last step, and empty otherwise, so the
-    loss is read back from the device (and averaged over ranks) only when it is logged.
+    ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`: masks or channels) takes its
+    step (the optimizer follows any parameters the step replaced), then
+    ``on_step(step, metrics)`` runs (logging, evaluation, checkpoints happen there).
+    ``metrics`` is ``{"train/loss", "train/lr"}`` every ``log_every`` steps and at the last
+    step, and empty otherwise, so the loss is read back from the device (and averaged over
+    ranks) only when it is logged.
 
     ``shard``: under torchrun, with ``model`` wrapped in DDP or FSDP2 (which average gradients
     over ranks), each rank trains on its equal slice of every global batch of ``batch_size``, so
@@ -204,8 +207,8 @@ def fit(
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
-        if pruner is not None:
-            pruner.step(step)
+        if pruner is not None and pruner.step(step):
+            follow_parameters(optimizer, model)  # channel pruning made new, narrower ones
         if on_step is not None:
             metrics = {}
             if step % log_every == 0 or step == steps - 1:
