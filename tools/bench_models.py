@@ -7,15 +7,20 @@
 Models (random weights built on the device; 2:4 by magnitude on every Linear but the LM head /
 classifier head; ViT's classifier head is removed, its features are the output):
 - ``llama``: HF ``LlamaForCausalLM`` with Llama-3-8B shapes (``--llama-layers`` of its 32
-  decoder layers), prefill 2x2048; ``llama_decode``: one decode step of batch 16 (one new token
-  per sequence, no KV cache: the GEMMs are decode-sized, attention spans one token);
+  decoder layers), prefill 2x2048; ``llama_decode``: one decode step of batch 16 with an HF
+  ``StaticCache`` of 2048 positions (one new token per sequence at position 2047: the GEMMs
+  are decode-sized, attention spans the 2048 cached positions; each variant gets a fresh
+  cache, initialised by one eager bf16 call so its tensors have static addresses for CUDA
+  graphs); ``llama_decode_nocache``: the same step without a KV cache (attention over one
+  token), as measured before;
 - ``bert``: HF ``BertModel`` BERT-large at 8x512 with an all-ones attention_mask (it keeps SDPA
   on flash attention under compile and CUDA graphs; see docs/gpu.md);
 - ``vit``: torchvision ViT-B/16 at batch 256.
 Per model, in one run: dense eager, dense ``torch.compile`` (default and reduce-overhead; the
 ratio's reference is the FASTEST dense), torchao fp8 dense (per-row) compiled, torch's stock
 ``to_sparse_semi_structured`` compiled, and ``sk.accelerate`` bf16/fp8/int8 x 2:4/auto (fp8 2:4
-also with the activation quantization as an opaque op, the "before fusion" form). Each gives
+also with the activation quantization as an opaque op, the "before fusion" form; fp8 2:4 and
+dense also under ``mode="max-autotune"`` when named in ``--variants``). Each gives
 the median time (ms, CUDA events around each call, 20 calls after warm-up), its ratio to the
 fastest dense, its relative output error against the fp32 model with the same masks, compile
 seconds (first call) and planning seconds, and the number of graphs compiled. A ``--deadline-s``
@@ -49,6 +54,9 @@ TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("vit", "sk_bf16_2:4"): 1.15, ("vit", "sk_fp8_2:4"): 1.4,
 }
 DENSE = ("dense_eager", "dense_compiled", "dense_compiled_ro")
+OPT_IN = ("sk_fp8_2:4_max_autotune", "dense_compiled_max_autotune")  # minutes of compile each
+PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
+            "sk_fp8_2:4_max_autotune")
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
 SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_int8_auto", "torchao_fp8_dense", "stock_2:4"]
 
@@ -93,9 +101,18 @@ def build(name: str, smoke: bool, device: torch.device, llama_layers: int):
         with torch.device(device):
             model = transformers.LlamaForCausalLM(cfg)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+        if name == "llama_decode":
+            ctx = 16 if smoke else 2048
+            inputs = {"input_ids": ids, "past_key_values": static_cache(cfg, ctx),
+                      "cache_position": torch.tensor([ctx - 1], device=device),
+                      "use_cache": True}
+            what = f"decode step, static KV cache of {ctx},"
+        else:
+            inputs = {"input_ids": ids, "use_cache": False}
+            what = "prefill" if name == "llama" else "decode step, no KV cache,"
         label = (f"HF LlamaForCausalLM, Llama-3-8B shapes, {cfg.num_hidden_layers} layers, "
-                 f"{'prefill' if name == 'llama' else 'decode step, no KV cache,'} {batch}x{seq}")
-        return model, {"input_ids": ids, "use_cache": False}, ("lm_head",), label
+                 f"{what} {batch}x{seq}")
+        return model, inputs, ("lm_head",), label
     if name == "bert":
         if smoke:
             cfg = transformers.BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -128,6 +145,28 @@ def build(name: str, smoke: bool, device: torch.device, llama_layers: int):
         x = torch.randn(batch, 3, size, size, generator=g).to(device)
         return model, x, (), f"torchvision ViT-B/16{' (tiny)' if smoke else ''}, batch {batch}"
     raise ValueError(f"unknown model {name!r}")
+
+
+def static_cache(cfg, max_len: int):
+    """An empty HF StaticCache (its tensors are made by the first call, in that call's dtype)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=cfg, max_cache_len=max_len)
+    cache._sk_args = (cfg, max_len)
+    return cache
+
+
+def fresh_inputs(inputs, model: nn.Module | None = None):
+    """``inputs`` with a new static KV cache (when it holds one), initialised by one eager call
+    of ``model`` (bf16) so that its tensors exist, in bf16, with static addresses, before any
+    compiled call; other inputs unchanged."""
+    if not isinstance(inputs, dict) or "past_key_values" not in inputs:
+        return inputs
+    out = dict(inputs, past_key_values=static_cache(*inputs["past_key_values"]._sk_args))
+    if model is not None:
+        with torch.no_grad():
+            call(model, out)
+    return out
 
 
 def call(model, inputs):
@@ -182,12 +221,16 @@ def profile_shares(fn, device: torch.device) -> dict | None:
         torch.cuda.synchronize()
     kinds = {"gemm": 0.0, "attention": 0.0, "triton": 0.0, "other": 0.0}
     count = 0
+    by_name: dict[str, list] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         n = e.name.lower()
         t = e.device_time if hasattr(e, "device_time") else e.cuda_time
         count += 1
+        k = by_name.setdefault(e.name[:100], [0.0, 0])
+        k[0] += t
+        k[1] += 1
         if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
             kinds["attention"] += t
         elif any(s in n for s in ("gemm", "cutlass", "sm90", "xmma", "cusparse", "nvjet",
@@ -198,8 +241,11 @@ def profile_shares(fn, device: torch.device) -> dict | None:
         else:
             kinds["other"] += t
     total = sum(kinds.values()) or 1.0
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
     return {"kernels": count, "gpu_ms": total / 1e3,
-            **{f"{k}_pct": 100.0 * v / total for k, v in kinds.items()}}
+            **{f"{k}_pct": 100.0 * v / total for k, v in kinds.items()},
+            "top": [{"name": n, "us": t, "calls": c, "pct": 100.0 * t / total}
+                    for n, (t, c) in top]}
 
 
 # ---------------------------------------------------------------- variants
@@ -235,15 +281,24 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
                                   "backend": backend}),
            ("torchao_fp8_dense", {"kind": "torchao", "mode": "reduce-overhead",
                                   "backend": backend})]
-    for sparsity in ("2:4", "auto"):
-        for precision in ("bf16", "fp8", "int8"):
+    torchao = out.pop()  # after ours: a deadline cuts the peers first
+    # fp8 2:4 then fp8 auto (whose whole-model plans then hit inductor's graph cache), ...
+    for precision in ("fp8", "bf16", "int8"):
+        for sparsity in ("2:4", "auto"):
             out.append((f"sk_{precision}_{sparsity}", {
                 "kind": "sk", "precision": precision, "sparsity": sparsity,
                 "backend": backend}))
+    out.append(torchao)
     out.append(("sk_fp8_2:4_unfused_quant", {"kind": "sk", "precision": "fp8",
                                              "sparsity": "2:4", "backend": backend,
                                              "fused_quant": False}))
     out.append(("stock_2:4", {"kind": "stock", "mode": "reduce-overhead", "backend": backend}))
+    # inductor autotunes its fused kernels (and CUDA graphs): compile takes minutes
+    out.append(("sk_fp8_2:4_max_autotune", {"kind": "sk", "precision": "fp8",
+                                            "sparsity": "2:4", "backend": backend,
+                                            "mode": "max-autotune"}))
+    out.append(("dense_compiled_max_autotune", {"kind": "dense", "mode": "max-autotune",
+                                                "backend": backend}))
     return out
 
 
@@ -256,6 +311,7 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
     if kind == "sk":
         fast = sk.accelerate(model, inputs, precision=how["precision"],
                              sparsity=how["sparsity"], device=device, backend=how["backend"],
+                             mode=how.get("mode"),
                              fused_quant=how.get("fused_quant", True), clone_outputs=False)
         report = fast.report
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
@@ -303,6 +359,9 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
             continue
         if args.smoke and vname == "dense_compiled_ro":
             continue
+        if vname in OPT_IN and vname not in args.variants \
+                and f"{vname}@{name}" not in args.variants:
+            continue
         left = deadline - time.perf_counter()
         if left < args.reserve_s:
             entry["variants"][vname] = {"skipped": f"deadline ({left:.0f} s left)"}
@@ -311,16 +370,16 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
         try:
             if args.smoke and how["kind"] in ("torchao", "stock"):
                 raise RuntimeError(f"{how['kind']} needs CUDA (smoke runs on CPU)")
-            fn, compile_s, plan_s, compiles, report = run_variant(
-                how, master, binputs if how["kind"] != "sk" else inputs, skip, device)
+            vin = fresh_inputs(binputs if how["kind"] != "sk" else inputs, master)
+            fn, compile_s, plan_s, compiles, report = run_variant(how, master, vin, skip,
+                                                                  device)
             with torch.no_grad():
                 out = fn()
                 row["rel_err"] = rel_err(main_output(out).float(), ref)
                 row["output_type"] = type(out).__name__
                 del out
                 row["ms"] = time_ms(fn, device, calls)
-                if vname in ("sk_fp8_2:4", "sk_fp8_2:4_unfused_quant", "dense_compiled_ro") \
-                        and not args.smoke:
+                if vname in PROFILED and not args.smoke:
                     row["profile"] = profile_shares(fn, device)
             row.update(compile_s=compile_s, plan_s=plan_s, compiles=compiles)
             if report is not None:
@@ -329,6 +388,8 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
                     used[d.variant] = used.get(d.variant, 0) + 1
                 row["layer_variants"] = used
                 row["notes"] = report.notes
+                if report.plan:  # auto: the whole-model plans timed inside accelerate
+                    row["plan"], row["plans_ms"] = report.plan, report.plans_ms
         except Exception as e:  # one failing variant is recorded, the run goes on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) \
                 else type(e).__name__
@@ -384,6 +445,9 @@ def to_markdown(res: dict) -> str:
             tgt = "" if "target" not in r else \
                 f"{r['target']}x {'met' if r['met'] else 'NOT met'}"
             note = "" if "layer_variants" not in r else json.dumps(r["layer_variants"])
+            if r.get("plan"):
+                note += f"; whole-model plan {r['plan']} of " + ", ".join(
+                    f"{p} {t:.3f} ms" for p, t in r["plans_ms"].items())
             lines.append(f"| {k} | {r['ms']:.3f} | {r.get('ratio', 0):.2f}x | {tgt} | "
                          f"{r['rel_err']:.4f} | {r['compile_s']:.1f} | {r['plan_s']:.1f} | "
                          f"{r['compiles']} | {note} |")

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import gc
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -239,6 +241,88 @@ class _Planner:
             planner.store(self.new)
 
 
+def _signature(model: nn.Module, inputs: Any, chosen: dict, options: dict) -> str:
+    """A hash of everything a whole-model decision depends on (see planner.model_key)."""
+    import hashlib
+    import json
+
+    shapes = []
+    tree_map(lambda t: shapes.append([list(t.shape), str(t.dtype)]) or t, inputs)
+    layers = [[n, d.out_features, d.in_features, d.tokens, d.has_2to4, c, d.variant]
+              for n, (_, _, c, d) in chosen.items()]
+    blob = json.dumps([type(model).__name__, shapes, layers, options], sort_keys=True,
+                      default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:20]
+
+
+def _reset_compiled() -> None:
+    """Drop what torch.compile holds (code caches, CUDA-graph trees and their memory)."""
+    torch._dynamo.reset()
+    try:
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+    except Exception:  # an older/newer torch without it: dynamo's reset is enough  # noqa: BLE001
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan: "_Planner",
+                      report: AccelReport, precision: str, min_speedup: float,
+                      options: dict) -> None:
+    """Time a few whole-model plans as they will run and set each decision to the best one's
+    variant (planner.whole_model_plans / choose_plan; cached on disk)."""
+    layers = {n: (c, d.variant) for n, (_, _, c, d) in chosen.items()}
+    decode = all(d.tokens <= planner.DECODE_TOKENS for _, _, _, d in chosen.values())
+    plans = planner.whole_model_plans(layers, precision, decode)
+    key = planner.model_key(plan.name, torch.__version__,
+                            _signature(model, inputs, chosen,
+                                       {**options, "precision": precision,
+                                        "min_speedup": min_speedup}))
+    hit = plan.cache.get(key, {})
+    if hit.get("plan") in plans and "ms" in hit:
+        ms, best = {k: float(v) for k, v in hit["ms"].items()}, hit["plan"]
+        why = hit.get("why", f"whole model: plan {best} (cached)") + " (cached)"
+    else:
+        ms = {}
+        for pname, assign in plans.items():
+            install(assign)
+            fast = AcceleratedModel(model, AccelReport(precision, "auto", min_speedup,
+                                                       report.device), plan.device,
+                                    compile=options["compile"], mode=options["mode"],
+                                    dynamic=options["dynamic"], backend=options["backend"],
+                                    clone_outputs=False)
+            try:
+                ms[pname] = planner.time_model_ms(lambda f=fast: _call(f, inputs), plan.device)
+            except RuntimeError as e:
+                if pname == "dense":
+                    raise
+                report.notes.append(f"whole-model plan {pname} did not run: "
+                                    f"{str(e).splitlines()[0][:120]}")
+            fast = None
+            if options["compile"]:
+                _reset_compiled()
+        best, why = planner.choose_plan(ms, min_speedup)
+        entry = {"plan": best, "why": why, "ms": ms}
+        plan.cache[key] = plan.new[key] = entry
+    report.plans_ms = dict(ms)
+    report.plan = best
+    report.model_us = {"dense": ms["dense"] * 1e3, "accelerated": ms[best] * 1e3}
+    same = [p for p in plans if p != best and plans[p] == plans[best]]
+    report.notes.append(why + "; plans timed (ms): " +
+                        ", ".join(f"{p} {t:.3f}" for p, t in ms.items()) +
+                        (f"; {best} = {', '.join(same)}" if same else ""))
+    for name, variant in plans[best].items():
+        d = chosen[name][3]
+        if variant != d.variant:
+            d.reason += f"; per-layer choice {d.variant} overridden by whole-model plan {best}"
+            d.variant = variant
+        else:
+            d.reason += f"; whole-model plan {best}"
+
+
 def accelerate(
     model: nn.Module,
     example_inputs: Any,
@@ -257,7 +341,8 @@ def accelerate(
     search_algs: bool = True,
     plan_cache: bool = True,
     clone_outputs: bool = True,
-    fuse: bool = False,
+    whole_model: bool | None = None,
+    fuse: bool | None = None,
 ) -> AcceleratedModel:
     """Run ``model``'s linear layers on sparse / low-precision kernels, the model compiled.
 
@@ -272,9 +357,15 @@ def accelerate(
     activation scales. ``sparsity``: "2:4" (every 2:4 layer sparse), "dense" (precision only),
     or "auto" (per GEMM shape the fastest of bf16 dense, precision dense, bf16 2:4 and precision
     2:4, each compiled and timed as it will run, kept only when it beats bf16 dense by
-    ``min_speedup``; at decode sizes, M <= 64, 2:4 must also beat the dense variants). Timings
-    and cuSPARSELt algorithms are cached on disk (:mod:`sparsekit.accel.planner`;
-    ``plan_cache=False`` re-measures). ``exclude``: fnmatch globs of module names never touched.
+    ``min_speedup``; at decode sizes, M <= 64, 2:4 must also beat the dense variants), then,
+    with ``whole_model`` (default: on CUDA), a few whole-model plans (all dense, the per-layer
+    choice, all precision 2:4, all bf16 2:4, all precision dense) each compiled and timed as the
+    returned model will run, the fastest kept if it beats all-dense by ``min_speedup``, else
+    all dense: "auto" is never measurably slower than the dense model. Comparing plans compiles
+    the model once per plan and resets torch.compile's caches (``torch._dynamo.reset()``)
+    between them. Timings, cuSPARSELt algorithms and the whole-model choice are cached on disk
+    (:mod:`sparsekit.accel.planner`; ``plan_cache=False`` re-measures). ``exclude``: fnmatch
+    globs of module names never touched.
 
     ``device``: "cuda" (default when a GPU is visible) or "cpu": on CPU the same modules run the
     ``sparsekit::`` ops' plain-torch reference kernels (for tests, tracing, numerics; not speed).
@@ -286,9 +377,9 @@ def accelerate(
     count over 8. ``compile=False`` runs the model eagerly (slow on CUDA: cuSPARSELt builds its
     plan on every call; for tests and debugging).
     ``fused_quant``: activation quantization as plain torch ops the compiler fuses into its
-    producer (default) or as the opaque ``sparsekit::quant_rows`` op. ``fuse`` (sibling q/k/v
-    fusion) is no longer done: it needed to compare input tensor versions in the forward,
-    which the compiler cannot trace; a True value is noted in the report.
+    producer (default) or as the opaque ``sparsekit::quant_rows`` op. ``fuse`` is deprecated
+    and ignored (a DeprecationWarning): sibling q/k/v fusion needed to compare input tensor
+    versions in the forward, which the compiler cannot trace.
 
     Modifies ``model`` in place (moved to ``device``, bfloat16, eval) and returns the
     :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
@@ -311,9 +402,10 @@ def accelerate(
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = AccelReport(precision, sparsity, float(min_speedup), dev_name)
-    if fuse:
-        report.notes.append("fuse=True ignored: sibling fusion is not done on the compiled "
-                            "path (see docs/gpu.md)")
+    if fuse is not None:
+        warnings.warn("sk.accelerate(fuse=...) is deprecated and ignored: sibling q/k/v fusion "
+                      "is not done on the compiled path (docs/gpu.md); drop the argument",
+                      DeprecationWarning, stacklevel=2)
     t0 = time.perf_counter()
     model = model.eval().to(device, torch.bfloat16)
     inputs = tree_map(lambda t: t.to(device).to(torch.bfloat16) if t.is_floating_point()
@@ -333,6 +425,7 @@ def accelerate(
             report.skipped[name] = "not called on the example inputs"
     plan = _Planner(device, search_algs, plan_cache, fused_quant, backend)
     decided: dict[tuple, tuple[str, str, dict]] = {}
+    chosen: dict[str, tuple[nn.Module, int, list[str], LayerDecision]] = {}
     for name in names:
         if name not in tokens:
             continue
@@ -354,6 +447,7 @@ def accelerate(
         decision = LayerDecision(name, layer.out_features, layer.in_features, m, has24,
                                  BASELINE, reason)
         report.layers.append(decision)
+        chosen[name] = (layer, m, cands, decision)
         if quantized and sparsity == "auto" and len(cands) > 1:
             timings = {v: plan.time(v, layer, m) for v in cands}
             decision.variant = min(timings, key=timings.get)
@@ -378,12 +472,28 @@ def accelerate(
             decision.variant, why, decision.timings_us = decided[key][0], decided[key][1], \
                 dict(decided[key][2])
             decision.reason = f"{reason}; {why}"
-        if decision.variant == BASELINE and not isinstance(layer, QuantLinear):
-            continue  # a float Linear stays as it is (cuBLAS bf16)
-        mod = plan.build(decision.variant, layer, m)
-        if mod.uses_alg:
+            # a variant that did not run at this shape is no candidate of any plan
+            chosen[name] = (layer, m, [c for c in cands if c in decision.timings_us], decision)
+
+    def install(assign: dict[str, str]) -> None:
+        for name, variant in assign.items():
+            layer, m, _, _ = chosen[name]
+            if variant == BASELINE and not isinstance(layer, QuantLinear):
+                model.set_submodule(name, layer)  # a float Linear stays as it is (cuBLAS bf16)
+            else:
+                model.set_submodule(name, plan.build(variant, layer, m))
+
+    if whole_model is None:
+        whole_model = device.type == "cuda"
+    if sparsity == "auto" and whole_model and chosen:
+        _plan_whole_model(model, inputs, chosen, install, plan, report, precision, min_speedup,
+                          dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend,
+                               fused_quant=fused_quant, dense_precision=dense_precision))
+    install({n: d.variant for n, (_, _, _, d) in chosen.items()})
+    for name, (_, _, _, decision) in chosen.items():
+        mod = model.get_submodule(name)
+        if getattr(mod, "uses_alg", False):
             decision.alg_ids[decision.variant] = mod.alg_id
-        model.set_submodule(name, mod)
     plan.save()
     report.seconds["plan"] = time.perf_counter() - t0
     fast = AcceleratedModel(model, report, device, compile=compile, mode=mode, dynamic=dynamic,

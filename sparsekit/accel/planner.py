@@ -12,6 +12,17 @@ Timings are cached in ``$SPARSEKIT_CACHE_DIR/plans.json`` (default ``~/.cache/sp
 by device name, torch version, variant, weight shape (N, K), tokens M and input dtype, so a
 second ``accelerate`` of the same shapes times nothing. :func:`choose` is the pure decision on
 timings (tested on recorded H200 timings).
+
+A layer timed alone misjudges the model: alone, an 8-bit layer's activation quantization reads
+its input from memory, inside the model it is fused into the norm or activation that produces
+it (on the 8B-shaped Llama the per-layer choice picked bf16 2:4 for 40 of 56 layers and ran at
+1.18x where fp8 2:4 everywhere ran at 1.44x). So on CUDA ``accelerate`` then compares a few
+WHOLE-MODEL plans, each compiled and run as it will run: all layers dense (the floor), the
+per-layer choice, every 2:4 layer at the precision's 2:4, every 2:4 layer at bf16 2:4, every
+layer at the precision's dense (:func:`whole_model_plans`), and keeps the fastest
+(:func:`choose_plan`; a plan other than dense must beat it by ``min_speedup``). The choice and
+the plans' times are cached under a key of the model's layer shapes, input shapes and options
+(:func:`model_key`).
 """
 
 from __future__ import annotations
@@ -88,6 +99,81 @@ def choose(timings_us: dict[str, float], tokens: int, min_speedup: float = 1.0
     return variant, why
 
 
+def whole_model_plans(layers: dict[str, tuple[list[str], str]], precision: str,
+                      decode: bool | None = None) -> dict[str, dict[str, str]]:
+    """The whole-model plans to time, name -> {layer: variant}, from each layer's candidates
+    and its per-layer choice (``layers``: name -> (candidates, choice)). "dense": each layer's
+    first candidate (bf16 dense; a quantized layer's own dense variant); "per_layer": the
+    choices; "<variant>" for the precision's 2:4, bf16 2:4 and the precision's dense: that
+    variant on every layer that has it as a candidate, the per-layer choice elsewhere. Each
+    plan costs a compile of the whole model, so at decode sizes (``decode``) bf16 2:4 is not
+    tried (0.57-0.84x of dense at M <= 64, GPU_NOTES), and at prefill sizes the precision's
+    dense is not (its 2:4 is faster wherever 8-bit pays); the per-layer choice still covers
+    both. A plan equal to an earlier one is left out. Pure."""
+    from sparsekit.accel.kernels import variant_name
+
+    plans: dict[str, dict[str, str]] = {
+        "dense": {n: c[0] for n, (c, _) in layers.items()},
+        "per_layer": {n: ch for n, (_, ch) in layers.items()},
+    }
+    uniform = [variant_name(precision, True), "bf16_2:4", variant_name(precision, False)]
+    if decode is not None:
+        uniform.remove(variant_name(precision, False) if not decode else "bf16_2:4")
+    for v in dict.fromkeys(uniform):
+        plans[v] = {n: (v if v in c else ch) for n, (c, ch) in layers.items()}
+    out: dict[str, dict[str, str]] = {}
+    for name, assign in plans.items():
+        if assign not in out.values():
+            out[name] = assign
+    return out
+
+
+def choose_plan(ms: dict[str, float], min_speedup: float = 1.0) -> tuple[str, str]:
+    """(plan, why) from whole-model times (ms per call, "dense" among them): the fastest plan,
+    unless it is not ``min_speedup`` times faster than "dense", which is then kept. Pure."""
+    if "dense" not in ms:
+        raise ValueError(f"plan times must include 'dense', got {list(ms)}")
+    best = min(ms, key=lambda p: (ms[p], p != "dense"))
+    ratio = ms["dense"] / ms[best]
+    if best == "dense":
+        return "dense", "whole model: no plan faster than dense"
+    if ratio < min_speedup:
+        return "dense", f"whole model: best plan {best} only {ratio:.3f}x dense (< {min_speedup})"
+    return best, f"whole model: plan {best} fastest ({ratio:.2f}x dense)"
+
+
+def model_key(device_name: str, torch_version: str, signature: str) -> str:
+    """The cache key of one whole-model decision (``signature``: a hash of layer shapes, tokens,
+    candidates, per-layer choices, input shapes and accelerate's options)."""
+    return f"model|{device_name}|torch={torch_version}|{signature}"
+
+
+def time_model_ms(fn: Callable[[], object], device: torch.device, calls: int = 10,
+                  warmup: int = 3) -> float:
+    """Median ms of one whole-model call as it will run (the first warm-up call compiles): CUDA
+    events around each call (host time included; a new CUDA-graph step marked before each),
+    wall clock on CPU."""
+    for _ in range(warmup):
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        fn()
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def wall_time_us(fn: Callable[[], object], calls: int = 5) -> float:
     """Median wall time of ``fn()`` on CPU (microseconds)."""
     fn()
@@ -103,10 +189,13 @@ def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor") -
     """Microseconds per call of ``module(x)`` as it will run: compiled with ``backend`` (no CUDA
     graphs of its own) and timed under CUDA-graph replay on CUDA; wall clock on CPU."""
     fn = torch.compile(module, dynamic=False, backend=backend)
-    with torch.no_grad():
+    # every candidate class shares _AccelLinear.forward's code object: without a higher limit
+    # dynamo stops recompiling it after 8 candidates and the rest would be timed eagerly
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 16):
         if x.is_cuda:
             return graph_time_us(lambda: fn(x))
         return wall_time_us(lambda: fn(x))
 
 
-__all__ = ["DECODE_TOKENS", "cache_path", "choose", "load", "plan_key", "store", "time_module"]
+__all__ = ["DECODE_TOKENS", "cache_path", "choose", "choose_plan", "load", "model_key",
+           "plan_key", "store", "time_model_ms", "time_module", "whole_model_plans"]

@@ -73,6 +73,8 @@ class AccelReport:
     notes: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # "plan", "compile" (first call)
     compiles: int = 0  # graphs torch.compile built for this model (1 + recompiles)
+    plan: str = ""  # auto, whole-model planning: the plan kept ("dense", "per_layer", a variant)
+    plans_ms: dict[str, float] = field(default_factory=dict)  # ... and each plan's ms per call
 
     @property
     def model_speedup(self) -> float | None:
@@ -118,6 +120,9 @@ class AccelReport:
         if self.model_speedup is not None:
             head += (f": model {self.model_us['dense']:.1f} us dense -> "
                      f"{self.model_us['accelerated']:.1f} us ({self.model_speedup:.2f}x)")
+        if self.plan:
+            head += "\n\nwhole-model plans (ms): " + ", ".join(
+                f"{p} {t:.3f}" for p, t in self.plans_ms.items()) + f"; kept: {self.plan}"
         b = self.bound
         if b is not None:
             head += (f"\n\nlinears {b['linear_dense_us']:.1f} us dense (timed alone) -> "

@@ -332,7 +332,6 @@ class AccelConfig(_Checked):
     precision: str = "bf16"
     sparsity: str = "2:4"
     min_speedup: float = 1.0
-    fuse: bool = True
 
 
 @dataclass

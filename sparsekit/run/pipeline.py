@@ -690,7 +690,7 @@ def stage_accelerate(ctx: RunContext) -> None:
         ctx.accel["skipped"] = "CUDA is not available"
         return
     fast = sk.accelerate(copy.deepcopy(ctx.model), ctx.example[:1], precision=a.precision,
-                         sparsity=a.sparsity, min_speedup=a.min_speedup, fuse=a.fuse)
+                         sparsity=a.sparsity, min_speedup=a.min_speedup)
     report = fast.sparsekit_report
     if ctx.tracker.writer is not None:
         sk.log_accel_report(ctx.tracker.writer, report)

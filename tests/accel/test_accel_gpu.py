@@ -125,9 +125,17 @@ def test_auto_never_keeps_a_slower_layer():
     torch.manual_seed(0)
     model = make_24_(nn.Sequential(nn.Linear(768, 3072), nn.GELU(), nn.Linear(3072, 768)))
     fast = sk.accelerate(model, torch.randn(64, 768), precision="fp8", sparsity="auto")
-    for d in fast.sparsekit_report.layers:
+    r = fast.sparsekit_report
+    for d in r.layers:
         assert set(d.timings_us) == {"bf16_dense", "fp8_dense", "bf16_2:4", "fp8_2:4"}
-        assert d.timings_us[d.variant] <= d.timings_us["bf16_dense"]
+    # the whole-model plan kept is never slower than the all-dense one it was timed against
+    assert r.plan in r.plans_ms and r.plans_ms[r.plan] <= r.plans_ms["dense"]
+    assert {d.variant for d in r.layers} <= {"bf16_dense", "fp8_dense", "bf16_2:4", "fp8_2:4"}
+    # a second accelerate of the same model and shapes takes its plan from the disk cache
+    model2 = make_24_(nn.Sequential(nn.Linear(768, 3072), nn.GELU(), nn.Linear(3072, 768)))
+    again = sk.accelerate(model2, torch.randn(64, 768), precision="fp8", sparsity="auto")
+    assert again.sparsekit_report.plan == r.plan
+    assert any("(cached)" in n for n in again.sparsekit_report.notes)
 
 
 def test_load_goes_straight_to_accelerated(tmp_path):

@@ -233,3 +233,104 @@ def test_quantized_model_keeps_its_numerics_under_auto(tmp_path, monkeypatch):
     assert set(by_name["a"].timings_us) == {"fp8_dense", "fp8_2:4"}
     assert by_name["a"].variant in ("fp8_dense", "fp8_2:4")
     assert by_name["b"].variant == "fp8_dense" and not by_name["b"].timings_us  # no 2:4
+
+
+# whole-model times of the 8B-shaped Llama (8 layers) on the H200, 2026-12-03 run 2 (ms): the
+# per-layer choice (bf16 2:4 on 40 of 56 layers) lost to fp8 2:4 everywhere
+H200_LLAMA_MS = {"dense": 32.03, "per_layer": 27.14, "fp8_2:4": 22.18, "bf16_2:4": 27.98}
+
+
+def test_whole_model_plans_and_choice():
+    layers = {"q": (["bf16_dense", "fp8_dense", "bf16_2:4", "fp8_2:4"], "bf16_2:4"),
+              "up": (["bf16_dense", "fp8_dense", "bf16_2:4", "fp8_2:4"], "fp8_2:4"),
+              "head": (["bf16_dense"], "bf16_dense")}
+    plans = planner.whole_model_plans(layers, "fp8")
+    assert list(plans) == ["dense", "per_layer", "fp8_2:4", "bf16_2:4", "fp8_dense"]
+    assert plans["dense"] == {"q": "bf16_dense", "up": "bf16_dense", "head": "bf16_dense"}
+    assert plans["fp8_2:4"] == {"q": "fp8_2:4", "up": "fp8_2:4", "head": "bf16_dense"}
+    assert plans["per_layer"] == {"q": "bf16_2:4", "up": "fp8_2:4", "head": "bf16_dense"}
+    # fewer compiles: no all-fp8-dense plan at prefill, no all-bf16-2:4 plan at decode
+    assert list(planner.whole_model_plans(layers, "fp8", decode=False)) == [
+        "dense", "per_layer", "fp8_2:4", "bf16_2:4"]
+    assert list(planner.whole_model_plans(layers, "fp8", decode=True)) == [
+        "dense", "per_layer", "fp8_2:4", "fp8_dense"]
+    # a plan equal to an earlier one is timed once
+    same = planner.whole_model_plans({"q": (["bf16_dense", "bf16_2:4"], "bf16_2:4")}, "bf16")
+    assert list(same) == ["dense", "per_layer"]
+    # a quantized layer's "dense" is its own scheme's dense kernel
+    q = planner.whole_model_plans({"a": (["fp8_dense", "fp8_2:4"], "fp8_2:4")}, "fp8")
+    assert q["dense"] == {"a": "fp8_dense"}
+    assert planner.choose_plan(H200_LLAMA_MS)[0] == "fp8_2:4"
+    # decode: every plan slower than dense: dense stays; and min_speedup is honoured
+    assert planner.choose_plan({"dense": 1.83, "fp8_2:4": 1.9, "per_layer": 2.1})[0] == "dense"
+    assert planner.choose_plan({"dense": 10.0, "fp8_2:4": 9.8}, 1.05)[0] == "dense"
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ms = dict(zip(H200_LLAMA_MS, (torch.rand(4, generator=g) * 10 + 1).tolist()))
+        assert ms[planner.choose_plan(ms)[0]] <= ms["dense"]
+    with pytest.raises(ValueError, match="dense"):
+        planner.choose_plan({"fp8_2:4": 1.0})
+
+
+def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, monkeypatch):
+    """auto with whole_model: per-layer timings prefer bf16 2:4 on one layer, the whole model
+    runs fastest with fp8 2:4 everywhere: that plan is installed; the decision is cached, and a
+    second accelerate times nothing. When every plan is slower than dense, dense stays."""
+    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    master = _Net().eval()
+    sk.prune_(master, pattern="2:4", criterion="magnitude")
+    entries = {}
+    for (n, k), best in (((128, 64), "bf16_2:4"), ((64, 128), "fp8_2:4")):
+        for v in ("bf16_dense", "fp8_dense", "bf16_2:4", "fp8_2:4"):
+            entries[planner.plan_key("cpu", torch.__version__, v, n, k, 6)] = {
+                "us": 1.0 if v == best else 10.0}
+    planner.store(entries)
+    x = torch.randn(6, 64)
+
+    def fake_times(table):
+        def time_model_ms(fn, device, **kw):
+            fn()  # the plan really runs
+            return table[(getattr(cur[0].a, "variant", "bf16_dense"),
+                          getattr(cur[0].b, "variant", "bf16_dense"))]
+        return time_model_ms
+
+    cur = [None]
+    table = {("bf16_dense", "bf16_dense"): 10.0, ("bf16_2:4", "fp8_2:4"): 8.0,
+             ("fp8_2:4", "fp8_2:4"): 5.0, ("bf16_2:4", "bf16_2:4"): 9.0,
+             ("fp8_dense", "fp8_dense"): 7.0}
+    monkeypatch.setattr(planner, "time_model_ms", fake_times(table))
+    net = cur[0] = copy.deepcopy(master)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
+                         compile=False, whole_model=True)
+    r = fast.report
+    # M=6 is decode-sized: no all-bf16-2:4 plan
+    assert r.plan == "fp8_2:4" and r.plans_ms == {"dense": 10.0, "per_layer": 8.0,
+                                                   "fp8_2:4": 5.0, "fp8_dense": 7.0}
+    assert {d.name: d.variant for d in r.layers} == {"a": "fp8_2:4", "b": "fp8_2:4"}
+    assert "overridden" in r.layers[0].reason and r.model_speedup == 2.0
+    assert type(net.a).__name__ == "FP8Sparse24" and type(net.b).__name__ == "FP8Sparse24"
+    torch.testing.assert_close(fast(x).y.float(), master(x).y, atol=0.3, rtol=0.1)
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed despite the cache")
+
+    monkeypatch.setattr(planner, "time_model_ms", no_timing)
+    net = cur[0] = copy.deepcopy(master)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
+                         compile=False, whole_model=True)
+    assert fast.report.plan == "fp8_2:4" and type(net.a).__name__ == "FP8Sparse24"
+    # every plan slower than dense (a decode-like case): the float Linears stay
+    slow = {k: (10.0 if k == ("bf16_dense", "bf16_dense") else 11.0) for k in table}
+    monkeypatch.setattr(planner, "time_model_ms", fake_times(slow))
+    net = cur[0] = copy.deepcopy(master)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
+                         compile=False, whole_model=True, plan_cache=False)
+    assert fast.report.plan == "dense" and isinstance(net.a, nn.Linear)
+    assert {d.variant for d in fast.report.layers} == {"bf16_dense"}
+
+
+def test_fuse_argument_is_deprecated():
+    with pytest.warns(DeprecationWarning, match="fuse"):
+        sk.accelerate(_Net().eval(), torch.randn(6, 64), device="cpu", compile=False,
+                      fuse=True)
