@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,9 +33,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.calibration import call_model, eval_mode, model_arguments
+from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.schedules import Linear, OneShot, Schedule
-from sparsekit.select import name_matches
+from sparsekit.select import PRUNABLE_TYPES, as_patterns, name_matches
 
 IMPORTANCES = ("magnitude", "taylor", "lamp")
 SCOPES = ("layer", "global")
@@ -46,6 +46,9 @@ PLAN_VERSION = 1
 # Integer attributes that hold widths live in a module's __dict__ next to its parameters; these
 # never change with pruning and would only bloat the plan.
 _PLAN_SKIP_ATTRS = ("training", "layer_idx")
+
+
+_RATIO = "the fraction of output channels removed per layer"
 
 
 def _make_importance(name: str) -> tp.importance.Importance:
@@ -68,7 +71,7 @@ class ChannelReport:
     """
 
     ratio: float
-    importance: str
+    criterion: str
     scope: str
     round_to: int
     layers: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -213,24 +216,6 @@ def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     return [m for t, m in produced if any(t is o for o in outputs)]
 
 
-def _check_ratio(ratio: object) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise ConfigTypeError(f"ratio must be a float in [0, 1), got {ratio!r}")
-    if not 0.0 <= float(ratio) < 1.0 or math.isnan(ratio):
-        raise UsageError(
-            f"ratio={ratio!r} must be in [0, 1): the fraction of output channels removed per layer"
-        )
-    return float(ratio)
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigTypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise UsageError(f"{name}={value} must be an integer >= {minimum}")
-    return value
-
-
 class ChannelPruner:
     """Removes ``ratio`` of each layer's output channels, at once or over several steps.
 
@@ -241,13 +226,14 @@ class ChannelPruner:
     tensor cores and 2:4 kernels); a layer that would round to zero keeps its width.
 
     What is never pruned: channels that reach a model output directly (a classifier's classes,
-    an encoder's hidden size), so outputs keep their shapes; modules matching an ``ignore``
-    pattern (fnmatch globs or ``re:<regex>`` over qualified names). Attention loses whole heads:
+    an encoder's hidden size), so outputs keep their shapes; modules matching an ``exclude``
+    pattern and Linear/Conv layers matching no ``include`` pattern (fnmatch globs or
+    ``re:<regex>`` over qualified names, as everywhere in sparsekit). Attention loses whole heads:
     Hugging Face style attention (``query``/``key``/``value`` Linears) per layer, and
     ``nn.MultiheadAttention`` over the width it shares with the residual stream (its embedding
     width is heads x head size, so the same heads go in every block that shares that stream).
 
-    ``importance``: "magnitude" (L2 norm of the coupled weights), "lamp" (layer-adaptive
+    ``criterion``: "magnitude" (L2 norm of the coupled weights), "lamp" (layer-adaptive
     magnitude) or "taylor" (|weight x gradient|, which needs ``loss_fn(model) -> scalar loss`` on
     a few real batches; it is back-propagated before every pruning step).
 
@@ -265,29 +251,38 @@ class ChannelPruner:
     [(False, 64), (True, 48), (False, 48), (True, 32)]
     """
 
+    @positional_until(("ratio", "criterion", "scope", "round_to", "exclude", "schedule",
+                       "loss_fn"), leading=3)
     def __init__(
         self,
         model: nn.Module,
         example_inputs: Any,
+        *,
         ratio: float,
-        importance: str = "magnitude",
+        criterion: str = "magnitude",
         scope: str = "layer",
         round_to: int | None = 8,
-        ignore: str | Sequence[str] = (),
+        include: str | Sequence[str] = ("*",),
+        exclude: str | Sequence[str] = (),
         schedule: Schedule | None = None,
         loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
+        importance: str | None = None,
+        ignore: str | Sequence[str] | None = None,
     ) -> None:
-        self.ratio = _check_ratio(ratio)
-        if importance not in IMPORTANCES:
+        criterion = renamed("ChannelPruner", "importance", "criterion", importance, criterion,
+                            "magnitude")
+        exclude = renamed("ChannelPruner", "ignore", "exclude", ignore, exclude, ())
+        self.ratio = check_fraction("ratio", ratio, _RATIO)
+        if criterion not in IMPORTANCES:
             raise UsageError(
-                f"importance={importance!r} is not allowed; choose one of: {', '.join(IMPORTANCES)}"
+                f"criterion={criterion!r} is not allowed; choose one of: {', '.join(IMPORTANCES)}"
             )
         if scope not in SCOPES:
             raise UsageError(f"scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
-        self.round_to = 1 if round_to is None else _check_int("round_to", round_to, 1)
-        if importance == "taylor" and loss_fn is None:
+        self.round_to = 1 if round_to is None else check_int("round_to", round_to, 1)
+        if criterion == "taylor" and loss_fn is None:
             raise UsageError(
-                "importance='taylor' scores channels by |weight x gradient| and needs "
+                "criterion='taylor' scores channels by |weight x gradient| and needs "
                 "loss_fn=lambda model: <scalar loss on a few real batches>"
             )
         if schedule is not None and not isinstance(schedule, Schedule):
@@ -315,7 +310,7 @@ class ChannelPruner:
             )
         self.model = model
         self.example_inputs = example_inputs
-        self.importance = importance
+        self.criterion = criterion
         self.scope = scope
         self.schedule = schedule if schedule is not None else OneShot(step=0)
         self.loss_fn = loss_fn
@@ -327,7 +322,7 @@ class ChannelPruner:
         with eval_mode(model, grad=True):
             call_model(model, example_inputs, hint=_INPUTS_HINT)  # a clear error, naming the layer
             self._counts0 = _count(model, example_inputs)
-            self._tp = self._build_tp(self._ignored_modules(ignore))
+            self._tp = self._build_tp(self._ignored_modules(include, exclude))
             self._protected, self._mha_groups = self._special_groups()
 
     def _build_tp(self, ignored: list[nn.Module]) -> tp.pruner.BasePruner:
@@ -346,7 +341,7 @@ class ChannelPruner:
                 return tp.pruner.BasePruner(
                     self.model,
                     self.example_inputs,
-                    importance=_make_importance(self.importance),
+                    importance=_make_importance(self.criterion),
                     global_pruning=self.scope == "global",
                     pruning_ratio=self.ratio,
                     iterative_steps=1,
@@ -363,15 +358,23 @@ class ChannelPruner:
                     f"example_inputs: {exc}"
                 ) from exc
 
-    def _ignored_modules(self, ignore: str | Sequence[str]) -> list[nn.Module]:
-        patterns = [ignore] if isinstance(ignore, str) else list(ignore)
-        modules = []
-        for p in patterns:
-            hits = [m for n, m in self.model.named_modules() if n and name_matches(n, p)]
-            if not hits:
-                raise UsageError(f"ignore pattern {p!r} matches no module of the model")
-            modules += hits
-        return modules
+    def _ignored_modules(self, include: str | Sequence[str],
+                         exclude: str | Sequence[str]) -> list[nn.Module]:
+        """What torch-pruning must leave alone: every module an ``exclude`` pattern names (with
+        its submodules), and the Linear/Conv layers no ``include`` pattern names."""
+        include_l, exclude_l = as_patterns(include) or ["*"], as_patterns(exclude)
+        for kind, patterns in (("include", include_l), ("exclude", exclude_l)):
+            for p in patterns:
+                if p != "*" and not any(name_matches(n, p) for n, _ in self.model.named_modules()
+                                        if n):
+                    raise UsageError(f"{kind} pattern {p!r} matches no module of the model")
+        ignored = [m for n, m in self.model.named_modules()
+                   if n and any(name_matches(n, p) for p in exclude_l)]
+        if include_l != ["*"]:
+            ignored += [m for n, m in self.model.named_modules()
+                        if isinstance(m, PRUNABLE_TYPES) and m not in ignored
+                        and not any(name_matches(n, p) for p in include_l)]
+        return ignored
 
     def _special_groups(self) -> tuple[list[str], list[list[nn.MultiheadAttention]]]:
         """Take two kinds of group away from torch-pruning's ranking: groups whose channels
@@ -547,7 +550,7 @@ class ChannelPruner:
             raise UsageError(
                 f"channel pruning cannot handle module '{where}' ({type(module).__name__}): the "
                 f"pruned model fails there with {type(exc).__name__}: {exc}. Keep it unpruned "
-                f"with ignore=['{where}'] (the model was left unchanged)"
+                f"with exclude=['{where}'] (the model was left unchanged)"
             ) from exc
         finally:
             for h in handles:
@@ -559,7 +562,7 @@ class ChannelPruner:
         params, macs = _count(self.model, self.example_inputs)
         return ChannelReport(
             ratio=self.ratio,
-            importance=self.importance,
+            criterion=self.criterion,
             scope=self.scope,
             round_to=self.round_to,
             layers={n: (w, widths[n]) for n, w in self._widths0.items() if n in widths},
@@ -572,16 +575,21 @@ class ChannelPruner:
         )
 
 
+@positional_until(("ratio", "criterion", "scope", "round_to", "exclude", "steps", "loss_fn"))
 def prune_channels_(
     model: nn.Module,
     example_inputs: Any,
+    *,
     ratio: float,
-    importance: str = "magnitude",
+    criterion: str = "magnitude",
     scope: str = "layer",
     round_to: int | None = 8,
-    ignore: str | Sequence[str] = (),
+    include: str | Sequence[str] = ("*",),
+    exclude: str | Sequence[str] = (),
     steps: int = 1,
     loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
+    importance: str | None = None,
+    ignore: str | Sequence[str] | None = None,
 ) -> ChannelReport:
     """Remove ``ratio`` (fraction, per layer) of the output channels of ``model`` in place.
 
@@ -592,16 +600,13 @@ def prune_channels_(
     :class:`ChannelPruner` with a schedule. See :class:`ChannelPruner` for the other options.
     Returns a :class:`ChannelReport`.
     """
-    steps = _check_int("steps", steps, 1)
+    steps = check_int("steps", steps, 1)
+    criterion = renamed("prune_channels_", "importance", "criterion", importance, criterion,
+                        "magnitude")
+    exclude = renamed("prune_channels_", "ignore", "exclude", ignore, exclude, ())
     pruner = ChannelPruner(
-        model,
-        example_inputs,
-        ratio,
-        importance=importance,
-        scope=scope,
-        round_to=round_to,
-        ignore=ignore,
-        schedule=Linear(start=0, end=steps, every=1),
+        model, example_inputs, ratio=ratio, criterion=criterion, scope=scope, round_to=round_to,
+        include=include, exclude=exclude, schedule=Linear(start=0, end=steps, every=1),
         loss_fn=loss_fn,
     )
     for k in range(1, steps + 1):

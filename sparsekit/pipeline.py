@@ -579,8 +579,8 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     channel_report = channel_pruner = None
     if c.ratio > 0:
         options = dict(
-            ratio=c.ratio, importance=c.importance, scope=c.scope, round_to=c.round_to,
-            ignore=list(c.ignore),
+            ratio=c.ratio, criterion=c.importance, scope=c.scope, round_to=c.round_to,
+            exclude=list(c.ignore),
             loss_fn=taylor_loss(data.train, cfg) if c.importance == "taylor" else None,
         )
         if interleave:

@@ -13,7 +13,7 @@ from sparsekit.errors import ConfigTypeError, UsageError
 PRUNABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _as_list(patterns: str | Iterable[str] | None) -> list[str]:
+def as_patterns(patterns: str | Iterable[str] | None) -> list[str]:
     if patterns is None:
         return []
     if isinstance(patterns, str):
@@ -58,8 +58,8 @@ def select_modules(
     """Modules of ``types`` whose qualified name matches an include pattern and no exclude
     pattern, in model order. Raises ValueError when an include or exclude pattern matches no
     module of those types (a typo should not silently prune nothing)."""
-    include_l = _as_list(include) or ["*"]
-    exclude_l = _as_list(exclude)
+    include_l = as_patterns(include) or ["*"]
+    exclude_l = as_patterns(exclude)
     candidates = {
         name: m
         for name, m in model.named_modules()

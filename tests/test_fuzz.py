@@ -306,9 +306,9 @@ def test_fuzz_prune_channels(ratio, importance, scope, round_to, steps, inputs, 
     params = sum(p.numel() for p in model.parameters())
     report = outcome(
         "prune_channels_",
-        lambda: sk.prune_channels_(model, example, ratio, importance, scope, round_to,
-                                   steps=steps, loss_fn=loss_fn),
-        ("ratio", "importance", "scope", "round_to", "steps", "loss_fn", "example_inputs",
+        lambda: sk.prune_channels_(model, example, ratio=ratio, criterion=importance,
+                                   scope=scope, round_to=round_to, steps=steps, loss_fn=loss_fn),
+        ("ratio", "criterion", "scope", "round_to", "steps", "loss_fn", "example_inputs",
          "quantized", "trace", "module", "layer"),
     )
     with torch.no_grad():

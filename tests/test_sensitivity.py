@@ -65,7 +65,8 @@ def test_restores_every_tensor_exactly_and_measures_each_layer_alone(criterion, 
         for level, value in zip(table.levels, values):
             ref = copy.deepcopy(net)
             sparsity = None if pattern != "unstructured" else level
-            sk.prune_(ref, sparsity, pattern, criterion, include=[name], calibration=calib)
+            sk.prune_(ref, sparsity, pattern=pattern, criterion=criterion, include=[name],
+                      calibration=calib)
             assert value == pytest.approx(mse(ref), rel=1e-6), (name, level)
             assert value != pytest.approx(table.baseline)
     assert table.params == {"conv": 96, "fc1": 2048, "fc2": 128}

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     pruned.load_state_dict(dense.state_dict())
     example = example_input(args.model, 1, args.image_size)
     report = sk.prune_channels_(
-        pruned, example, ratio=args.ratio, importance=args.importance, round_to=args.round_to
+        pruned, example, ratio=args.ratio, criterion=args.importance, round_to=args.round_to
     )
 
     if args.fuse:
