@@ -60,7 +60,7 @@ def renamed(where: str, old: str, new: str, old_value: Any, new_value: Any,
         return new_value
     if new_value is not default and new_value != default:
         raise UsageError(f"{where}: pass {new}= only ({old}= is its old name)")
-    warnings.warn(f"{where}: {old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
+    warnings.warn(f"{where}: {old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=4)
     return old_value
 
 

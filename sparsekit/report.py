@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from sparsekit.masks import mask_from_zeros
+from sparsekit.checks import positional_until
 from sparsekit.patterns import is_nm, nm_incompatibility, parse_pattern
 from sparsekit.select import select_modules
 
@@ -83,8 +84,10 @@ class SparsityReport:
         return "\n".join(lines)
 
 
+@positional_until(("include", "exclude", "pattern", "skipped"), leading=1)
 def sparsity_report(
     model: nn.Module,
+    *,
     include: str | Sequence[str] | None = ("*",),
     exclude: str | Sequence[str] | None = (),
     pattern: str | None = None,

@@ -20,6 +20,7 @@ from torch import nn
 
 from sparsekit.errors import UsageError
 from sparsekit.calibration import CalibrationFn
+from sparsekit.checks import positional_until
 from sparsekit.patterns import parse_pattern
 from sparsekit.pruner import prune_
 from sparsekit.select import select_modules
@@ -101,9 +102,12 @@ def _restore(module: nn.Module, snapshot: list[tuple[str, bool, torch.Tensor, to
         tensor.copy_(data)
 
 
+@positional_until(("sparsities", "pattern", "criterion", "include", "exclude", "calibration",
+                   "calibration_fn", "higher_is_better"))
 def sensitivity(
     model: nn.Module,
     evaluate: Callable[[nn.Module], float],
+    *,
     sparsities: Sequence[float] | None = None,
     pattern: str = "unstructured",
     criterion: str = "magnitude",
@@ -207,8 +211,9 @@ def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return hull
 
 
+@positional_until(("max_level",))
 def allocate(
-    table: SensitivityTable, target: float, max_level: float | None = None
+    table: SensitivityTable, target: float, *, max_level: float | None = None
 ) -> dict[str, float]:
     """Per-layer sparsity levels whose parameter-weighted mean is ``target`` (over the table's
     layers), chosen to minimise the predicted loss ``sum_l d_l(s_l)``, where ``d_l`` is layer

@@ -13,10 +13,9 @@ GPU's, the speed is not.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +31,9 @@ from sparsekit.accel.convert import (
 from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checkpoint import is_2to4
+from sparsekit.checks import positional_until
 from sparsekit.quant.modules import QuantLinear
+from sparsekit.select import name_filter
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +150,10 @@ def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
     return list(dict.fromkeys(cands)), "auto: fastest measured"
 
 
-def _convert(model: nn.Module, exclude: Sequence[str], report: AccelReport) -> None:
+def _convert(model: nn.Module, keep: Callable[[str], bool], report: AccelReport) -> None:
     """Replace convertible MultiheadAttention and 1x1 convs (skip reasons into the report)."""
     for name, module in list(model.named_modules()):
-        if not name or any(fnmatch.fnmatchcase(name, p) for p in exclude):
+        if not name or not keep(name):
             continue
         new = None
         if isinstance(module, nn.MultiheadAttention):
@@ -243,14 +244,16 @@ class _Planner:
             planner.store(self.new)
 
 
+@positional_until(("precision", "sparsity", "min_speedup"))
 def accelerate(
     model: nn.Module,
     example_inputs: Any,
+    *,
     precision: str = "bf16",
     sparsity: str = "2:4",
     min_speedup: float = 1.0,
-    *,
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = ("*",),
+    exclude: str | Sequence[str] = (),
     dense_precision: str = "bf16",
     device: str | torch.device | None = None,
     compile: bool = True,
@@ -278,7 +281,8 @@ def accelerate(
     2:4, each compiled and timed as it will run, kept only when it beats bf16 dense by
     ``min_speedup``; at decode sizes, M <= 64, 2:4 must also beat the dense variants). Timings
     and cuSPARSELt algorithms are cached on disk (:mod:`sparsekit.accel.planner`;
-    ``plan_cache=False`` re-measures). ``exclude``: fnmatch globs of module names never touched.
+    ``plan_cache=False`` re-measures). ``include``/``exclude``: the modules (linears, attention,
+    1x1 convs) it may touch, by qualified name: fnmatch globs or ``re:<regex>``, as everywhere.
 
     ``device``: "cuda" (default when a GPU is visible) or "cpu": on CPU the same modules run the
     ``sparsekit::`` ops' plain-torch reference kernels (for tests, tracing, numerics; not speed).
@@ -314,7 +318,7 @@ def accelerate(
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
-    exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+    keep = name_filter([n for n, _ in model.named_modules() if n], include, exclude)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = AccelReport(precision, sparsity, float(min_speedup), dev_name)
     if fuse:
@@ -324,10 +328,9 @@ def accelerate(
     model = model.eval().to(device, torch.bfloat16)
     inputs = tree_map(lambda t: t.to(device).to(torch.bfloat16) if t.is_floating_point()
                       else t.to(device), example_inputs)
-    _convert(model, exclude, report)
+    _convert(model, keep, report)
     names = [n for n, m in model.named_modules()
-             if isinstance(m, (nn.Linear, QuantLinear))
-             and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+             if isinstance(m, (nn.Linear, QuantLinear)) and keep(n)]
     for n in names:
         q = model.get_submodule(n)
         if isinstance(q, QuantLinear) and q.scheme in _W8A8 and _W8A8[q.scheme] != precision:
