@@ -1,6 +1,15 @@
-"""sparsekit: pruning, N:M sparsity and quantization for PyTorch models."""
+"""sparsekit: pruning, N:M sparsity and quantization for PyTorch models.
 
-from sparsekit.accel import AccelReport, accelerate, log_accel_report
+What is exported here: the verbs (``prune_``, ``quantize_``, ``accelerate``, ...), the pruners
+and schedules, the five report types (each with ``to_dict()``, ``to_markdown()`` and
+``log(writer, step)``: :mod:`sparsekit.reporting`), the two JSON plans a checkpoint stores
+(``channel_plan``/``apply_channel_plan``, ``quant_plan``/``apply_quant_plan``), ``save``/``load``
+and the model registry.
+"""
+
+import warnings as _warnings
+
+from sparsekit.accel import AccelReport, accelerate
 from sparsekit.channels import (
     ChannelPruner,
     ChannelReport,
@@ -9,7 +18,14 @@ from sparsekit.channels import (
     prune_channels_,
 )
 from sparsekit.pruner import Pruner, prune_
-from sparsekit.quant import QuantReport, convert_, prepare_qat_, quantize_
+from sparsekit.quant import (
+    QuantReport,
+    apply_quant_plan,
+    convert_,
+    prepare_qat_,
+    quant_plan,
+    quantize_,
+)
 from sparsekit.report import SparsityReport, sparsity_report
 from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
 from sparsekit.checkpoint import load, save
@@ -20,7 +36,6 @@ __all__ = [
     "AccelReport",
     "accelerate",
     "load",
-    "log_accel_report",
     "save",
     "ChannelPruner",
     "ChannelReport",
@@ -34,11 +49,13 @@ __all__ = [
     "SparsityReport",
     "allocate",
     "apply_channel_plan",
+    "apply_quant_plan",
     "channel_plan",
     "convert_",
     "prepare_qat_",
     "prune_",
     "prune_channels_",
+    "quant_plan",
     "quantize_",
     "register_model",
     "registered_models",
@@ -46,3 +63,13 @@ __all__ = [
     "sparsity_report",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "log_accel_report":  # before the report protocol: report.log(writer, step)
+        _warnings.warn("sk.log_accel_report is deprecated; use report.log(writer, step)",
+                       DeprecationWarning, stacklevel=2)
+        from sparsekit.accel.report import log_accel_report
+
+        return log_accel_report
+    raise AttributeError(f"module 'sparsekit' has no attribute {name!r}")

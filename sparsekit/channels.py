@@ -25,7 +25,7 @@ import io
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch_pruning as tp
@@ -35,6 +35,7 @@ from torch.nn.utils import parametrize
 from sparsekit.calibration import call_model, eval_mode, model_arguments
 from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.reporting import Report, markdown_table
 from sparsekit.schedules import Linear, OneShot, Schedule
 from sparsekit.select import PRUNABLE_TYPES, as_patterns, name_matches
 
@@ -60,7 +61,7 @@ def _make_importance(name: str) -> tp.importance.Importance:
 
 
 @dataclass
-class ChannelReport:
+class ChannelReport(Report):
     """What channel pruning removed.
 
     ``layers`` maps each Conv/Linear/MultiheadAttention name to ``(width before, width after)``
@@ -69,6 +70,8 @@ class ChannelReport:
     element; ``macs_*`` are multiply-accumulates of one forward pass over ``example_inputs``
     (torch_pruning.utils.count_ops_and_params). Fractions are removed / before, in [0, 1].
     """
+
+    tag: ClassVar[str] = "channels"
 
     ratio: float
     criterion: str
@@ -128,16 +131,24 @@ class ChannelReport:
         )
         return d
 
+    def _summary(self) -> str:
+        return (
+            f"channels removed {self.channels_removed:.1%}, parameters removed "
+            f"{self.params_removed:.1%} ({self.params_before} -> {self.params_after}), MACs "
+            f"removed {self.macs_removed:.1%} ({self.macs_before} -> {self.macs_after})"
+        )
+
+    def to_markdown(self) -> str:
+        rows = [[n, b, a] for n, (b, a) in self.layers.items()]
+        rows += [[f"{n} (heads)", b, a] for n, (b, a) in self.heads.items()]
+        return markdown_table(["layer", "before", "after"], rows) + "\n\n" + self._summary()
+
     def __str__(self) -> str:
         width = max([len(n) for n in self.layers] + [5])
         rows = [f"{'layer':<{width}}  {'before':>7}  {'after':>7}"]
         rows += [f"{n:<{width}}  {b:>7}  {a:>7}" for n, (b, a) in self.layers.items()]
         rows += [f"{n + ' (heads)':<{width}}  {b:>7}  {a:>7}" for n, (b, a) in self.heads.items()]
-        rows.append(
-            f"channels removed {self.channels_removed:.1%}, parameters removed "
-            f"{self.params_removed:.1%} ({self.params_before} -> {self.params_after}), MACs "
-            f"removed {self.macs_removed:.1%} ({self.macs_before} -> {self.macs_after})"
-        )
+        rows.append(self._summary())
         return "\n".join(rows)
 
 

@@ -61,7 +61,7 @@ from sparsekit.runstate import (
     set_rng_state,
     write_run_state,
 )
-from sparsekit.sensitivity import SensitivityTable, log_sensitivity
+from sparsekit.sensitivity import SensitivityTable
 from sparsekit.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
 from sparsekit.train import eval_batches, evaluate, fit, get_batch, make_optimizer, task_loss
 
@@ -435,7 +435,7 @@ def sensitivity_stage(
             higher_is_better=metric == "accuracy",
         )
         if tracker.writer is not None:
-            log_sensitivity(tracker.writer, table)
+            table.log(tracker.writer)
         tracker.text("sensitivity", f"{metric}, one layer pruned at a time:\n\n```\n{table}\n```")
     levels = None if s.target is None else sk.allocate(table, s.target)
     out = {"metric": metric, "table": table.to_dict(), "allocation": levels}
@@ -788,7 +788,7 @@ def accelerate(
                          sparsity=a.sparsity, min_speedup=a.min_speedup, fuse=a.fuse)
     report = fast.sparsekit_report
     if tracker.writer is not None:
-        sk.log_accel_report(tracker.writer, report)
+        report.log(tracker.writer)
     info: dict[str, Any] = {"report": report.to_dict()}
     if cfg.bench.enabled:
         b = cfg.bench

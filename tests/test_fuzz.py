@@ -375,7 +375,8 @@ JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_n
                                               "unstructured", "2:4"])))
 def test_fuzz_pruner_load_state_dict(pattern, field, value):
     torch.manual_seed(0)
-    src = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None, pattern)
+    src = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None,
+                     pattern=pattern)
     src.step(0)
     state = dict(src.state_dict())
     if field == "drop":
@@ -384,7 +385,8 @@ def test_fuzz_pruner_load_state_dict(pattern, field, value):
         state["masks"] = {**state["masks"], "0": value}
     elif field != "none":
         state[field] = value
-    dst = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None, pattern)
+    dst = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None,
+                     pattern=pattern)
     before = {n: m.clone() for n, m in dst.masks.items()}
     done = outcome("Pruner.load_state_dict", lambda: dst.load_state_dict(state) or True,
                    ("pruner state", "masks", "version", "progress", "last_step", "pattern",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.sensitivity import SensitivityTable, log_sensitivity
+from sparsekit.sensitivity import SensitivityTable
 
 
 class Net(nn.Module):
@@ -185,7 +185,7 @@ def test_log_sensitivity_one_chart_per_layer(tmp_path):
         [0.5, 0.9], 2.0, {"a": [2.5, 4.0], "b.c": [2.1, 2.2]}, {"a": 1, "b.c": 1}
     )
     with SummaryWriter(str(tmp_path)) as writer:
-        log_sensitivity(writer, table)
+        table.log(writer)
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["sensitivity/a", "sensitivity/b.c"]
