@@ -10,14 +10,14 @@ and the model registry.
 import warnings as _warnings
 
 from sparsekit.accel import AccelReport, accelerate
-from sparsekit.channels import (
+from sparsekit.prune.channels import (
     ChannelPruner,
     ChannelReport,
     apply_channel_plan,
     channel_plan,
     prune_channels_,
 )
-from sparsekit.pruner import Pruner, prune_
+from sparsekit.prune.pruner import Pruner, prune_
 from sparsekit.quant import (
     QuantReport,
     apply_quant_plan,
@@ -26,11 +26,11 @@ from sparsekit.quant import (
     quant_plan,
     quantize_,
 )
-from sparsekit.report import SparsityReport, sparsity_report
-from sparsekit.schedules import Cubic, Linear, OneShot, Schedule
-from sparsekit.checkpoint import load, save
+from sparsekit.prune.report import SparsityReport, sparsity_report
+from sparsekit.prune.schedules import Cubic, Linear, OneShot, Schedule
+from sparsekit.io.checkpoint import load, save
 from sparsekit.models.registry import register_model, registered_models
-from sparsekit.sensitivity import SensitivityTable, allocate, sensitivity
+from sparsekit.prune.sensitivity import SensitivityTable, allocate, sensitivity
 
 __all__ = [
     "AccelReport",

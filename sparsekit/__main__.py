@@ -1,6 +1,6 @@
 """``python -m sparsekit``: the same as the ``sparsekit`` command."""
 
-from sparsekit.cli import main
+from sparsekit.run.cli import main
 
 if __name__ == "__main__":
     main()

@@ -153,7 +153,7 @@ def test_every_report_follows_one_protocol():
 
 
 def test_deprecated_log_functions_still_log_the_same():
-    from sparsekit.sensitivity import log_sensitivity
+    from sparsekit.prune.sensitivity import log_sensitivity
 
     table = _reports()["sensitivity"]
     new, old = _Writer(), _Writer()

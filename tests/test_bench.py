@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from sparsekit.bench import benchmark, time_call
+from sparsekit.run.bench import benchmark, time_call
 
 
 def test_time_call_is_the_median_after_warmup():

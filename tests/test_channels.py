@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.channels import (
+from sparsekit.prune.channels import (
     ChannelPruner,
     apply_channel_plan,
     channel_plan,
@@ -437,7 +437,7 @@ TINY = [
 
 
 def run_recipe(args, tmp_path):
-    cli = pytest.importorskip("sparsekit.cli")
+    cli = pytest.importorskip("sparsekit.run.cli")
     cli.main([f"cache_dir={tmp_path / 'cache'}", "hydra.run.dir=run", *args])
     return tmp_path / "run"
 

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import sparsekit as sk
-from sparsekit import checkpoint as ck
+from sparsekit.io import checkpoint as ck
 from sparsekit.errors import UnsafeFileError
 
 

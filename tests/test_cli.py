@@ -14,10 +14,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import sparsekit as sk
-from sparsekit.cli import main, recipe_names
+from sparsekit.run.cli import main, recipe_names
 from sparsekit.data import build_data
-from sparsekit.runstate import read_run_state, write_run_state
-from sparsekit.train import evaluate
+from sparsekit.io.runstate import read_run_state, write_run_state
+from sparsekit.run.train import evaluate
 
 # tiny sizes so that every recipe runs end to end in a few seconds
 TINY_MNIST = [
@@ -227,8 +227,8 @@ def test_latest_run_is_the_newest_unfinished(tmp_path):
     """resume=true: a run finished later does not shadow one that was killed."""
     import os
 
-    from sparsekit.cli import latest_run
-    from sparsekit.pipeline import CHECKPOINT
+    from sparsekit.run.cli import latest_run
+    from sparsekit.run.pipeline import CHECKPOINT
 
     def make(name, files, mtime):
         d = tmp_path / name
@@ -264,7 +264,7 @@ def test_latest_run_is_the_newest_unfinished(tmp_path):
 
 def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, capsys,
                                                                     monkeypatch):
-    import sparsekit.cli as cli
+    import sparsekit.run.cli as cli
 
     monkeypatch.setattr(cli.time, "strftime", lambda fmt, *a: "2026-01-01_00-00-00")
     args = [f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "train.finetune_steps=0",
@@ -310,7 +310,7 @@ def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
 
     import sparsekit as sk
     from sparsekit.models import build_model
-    from sparsekit.pipeline import load_dense
+    from sparsekit.run.pipeline import load_dense
 
     torch.manual_seed(0)
     src = build_model("mnist1d_cnn")
@@ -325,7 +325,7 @@ def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
 
 
 def test_imports_code_flags_everything_beyond_registered_choices():
-    from sparsekit.cli import imports_code
+    from sparsekit.run.cli import imports_code
 
     safe = ["model=tiny_lm", "recipe=mnist1d_cnn_24", "prune.sparsity=0.5",
             "+model.kwargs.width=3", "data=stdlib_text", "model@x=mnist1d_cnn"]

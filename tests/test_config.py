@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 from hydra import compose, initialize_config_dir
 
-from sparsekit.cli import recipe_names, register_configs, to_config
-from sparsekit.config import Config, ConfigError, parse_nm, validate
-from sparsekit.resources import conf_dir, recipes_dir
+from sparsekit.run.cli import recipe_names, register_configs, to_config
+from sparsekit.run.config import Config, ConfigError, parse_nm, validate
+from sparsekit.run.resources import conf_dir, recipes_dir
 
 GROUPS = ("model", "data", "prune", "schedule", "quant", "train", "tracker", "bench", "accel")
 

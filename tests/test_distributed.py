@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import sparsekit as sk
-from sparsekit import distributed as D
-from sparsekit.criteria import collect_input_norms, wanda
-from sparsekit.patterns import lowest_k_masks, nm_mask
+from sparsekit.run import distributed as D
+from sparsekit.prune.criteria import collect_input_norms, wanda
+from sparsekit.prune.patterns import lowest_k_masks, nm_mask
 
 WORLD = 2
 
@@ -303,7 +303,7 @@ def test_distributed_mode_outside_torchrun():
         D.resolve_mode("ddp")
     with pytest.raises(ValueError, match="train.distributed='mpi' is not allowed"):
         D.resolve_mode("mpi")
-    from sparsekit.config import Config, ConfigError, validate
+    from sparsekit.run.config import Config, ConfigError, validate
 
     cfg = Config()
     cfg.train.distributed = "horovod"
@@ -355,8 +355,8 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
     tolerance), with one run directory, one TensorBoard writer and one checkpoint writer."""
     from safetensors.torch import load_file
 
-    from sparsekit.pipeline import CHECKPOINT, KILL_ENV
-    from sparsekit.runstate import load_checkpoint
+    from sparsekit.run.pipeline import CHECKPOINT, KILL_ENV
+    from sparsekit.io.runstate import load_checkpoint
 
     args = [*TINY_CLI, f"cache_dir={one_process_run / 'cache'}", f"train.distributed={mode}"]
     killed = _sparsekit(args, tmp_path, nproc=2, **{KILL_ENV: "9"})

@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import sparsekit as sk
-import sparsekit.pipeline as pipeline
-from sparsekit.calibration import call_model, eval_mode, run_calibration
-from sparsekit.cli import check_overrides, main, register_configs
+import sparsekit.run.pipeline as pipeline
+from sparsekit.prune.calibration import call_model, eval_mode, run_calibration
+from sparsekit.run.cli import check_overrides, main, register_configs
 from sparsekit.errors import (
     ConfigTypeError,
     FileFormatError,
@@ -28,7 +28,7 @@ from sparsekit.errors import (
     UsageError,
     storage_errors,
 )
-from sparsekit.train import evaluate
+from sparsekit.run.train import evaluate
 
 
 def mlp() -> nn.Sequential:

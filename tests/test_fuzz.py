@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.cli import check_overrides, register_configs
+from sparsekit.run.cli import check_overrides, register_configs
 from sparsekit.errors import SparsekitError
 
 COUNTS: Counter = Counter()  # (property, "error" | "ok") -> cases
@@ -139,7 +139,7 @@ def check_pruned(model: nn.Module, report, pattern, criterion, scope, sparsity, 
 
     def level_of(name: str) -> float:
         if isinstance(sparsity, dict):
-            from sparsekit.select import name_matches
+            from sparsekit.prune.select import name_matches
             return next(v for p, v in sparsity.items() if name_matches(name, p))
         return float(sparsity)
 
@@ -538,7 +538,7 @@ def _keys(node, prefix=""):
 
 
 def _config_keys() -> list[str]:
-    from sparsekit.config import Config
+    from sparsekit.run.config import Config
 
     return sorted(_keys(Config()))
 

@@ -4,10 +4,16 @@ import pytest
 import torch
 from torch import nn
 
-from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torch_load, unique_dir
-from sparsekit.calibration import call_model, run_calibration
+from sparsekit.io.files import (
+    atomic_torch_save,
+    atomic_write,
+    move_aside,
+    safe_torch_load,
+    unique_dir,
+)
+from sparsekit.prune.calibration import call_model, run_calibration
 from sparsekit.errors import FileFormatError, UnsafeFileError
-from sparsekit.select import select_modules
+from sparsekit.prune.select import select_modules
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sparsekit as sk
-from sparsekit.select import select_modules
+from sparsekit.prune.select import select_modules
 from test_cli import run_cli
 
 transformers = pytest.importorskip("transformers")

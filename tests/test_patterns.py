@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sparsekit.patterns import (
+from sparsekit.prune.patterns import (
     is_nm,
     lowest_k_masks,
     nm_mask,

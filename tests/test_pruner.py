@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.patterns import is_nm, prune_count
+from sparsekit.prune.patterns import is_nm, prune_count
 
 
 def mlp():

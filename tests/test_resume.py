@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sparsekit.pipeline import CHECKPOINT, KILL_DENSE_ENV, KILL_ENV
-from sparsekit.runstate import load_checkpoint
+from sparsekit.run.pipeline import CHECKPOINT, KILL_DENSE_ENV, KILL_ENV
+from sparsekit.io.runstate import load_checkpoint
 
 TINY = [
     "data.kwargs.num_samples=300", "train.dense_steps=30", "train.finetune_steps=20",

@@ -11,7 +11,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.errors import FileFormatError
-from sparsekit.runstate import (
+from sparsekit.io.runstate import (
     load_checkpoint,
     load_latest_checkpoint,
     previous_path,

@@ -17,12 +17,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.cli import latest_run, main, resume_argv
-from sparsekit.config import Config
+from sparsekit.run.cli import latest_run, main, resume_argv
+from sparsekit.run.config import Config
 from sparsekit.errors import FileFormatError, UnsafeFileError
 from sparsekit.models import build_model
-from sparsekit.pipeline import CHECKPOINT, baseline_key, load_dense, run
-from sparsekit.runstate import (
+from sparsekit.run.pipeline import CHECKPOINT, baseline_key, load_dense, run
+from sparsekit.io.runstate import (
     STATE_FILE,
     load_latest_checkpoint,
     previous_path,
@@ -304,7 +304,7 @@ def test_pickled_sharded_checkpoint(tmp_path):
     items with no restriction by default; sparsekit's reader refuses both."""
     import torch.distributed.checkpoint as dcp
 
-    from sparsekit.distributed import load_sharded, save_sharded
+    from sparsekit.run.distributed import load_sharded, save_sharded
 
     marker = tmp_path / "pwned"
     with warnings.catch_warnings():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.sensitivity import SensitivityTable
+from sparsekit.prune.sensitivity import SensitivityTable
 
 
 class Net(nn.Module):
@@ -200,10 +200,10 @@ def test_pipeline_sensitivity_stage_sets_per_layer_levels(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from sparsekit.cli import register_configs, to_config
-    from sparsekit.patterns import prune_count
-    from sparsekit.pipeline import run
-    from sparsekit.resources import conf_dir
+    from sparsekit.run.cli import register_configs, to_config
+    from sparsekit.prune.patterns import prune_count
+    from sparsekit.run.pipeline import run
+    from sparsekit.run.resources import conf_dir
 
     overrides = [
         "recipe=stdlib_lm_24",
@@ -242,7 +242,7 @@ def test_pipeline_sensitivity_stage_sets_per_layer_levels(tmp_path):
 
 
 def test_config_rejects_inconsistent_sensitivity_options():
-    from sparsekit.config import Config, ConfigError, validate
+    from sparsekit.run.config import Config, ConfigError, validate
 
     cfg = Config()  # prune.pattern 2:4: no per-layer levels to allocate
     cfg.sensitivity.enabled, cfg.sensitivity.target = True, 0.5

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.patterns import is_nm, prune_count
-from sparsekit.sparsegpt import conv_columns, obs_prune, sparsegpt_prune
+from sparsekit.prune.patterns import is_nm, prune_count
+from sparsekit.prune.sparsegpt import conv_columns, obs_prune, sparsegpt_prune
 
 
 def structured_inputs(n: int, d: int, rank: int = 6, seed: int = 0) -> torch.Tensor:
@@ -253,7 +253,7 @@ def test_bad_input():
 def _ranks_entry(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from sparsekit import distributed as D
+    from sparsekit.run import distributed as D
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -284,7 +284,7 @@ def test_data_parallel_ranks_share_hessians():
 
 
 def test_config_needs_a_oneshot_schedule_for_sparsegpt():
-    from sparsekit.config import Config, ConfigError, validate
+    from sparsekit.run.config import Config, ConfigError, validate
 
     cfg = Config()
     cfg.prune.criterion = "sparsegpt"  # default schedule: linear, with fine-tuning

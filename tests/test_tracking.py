@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 import sparsekit
-from sparsekit import figures
-from sparsekit.config import Config
-from sparsekit.pipeline import run
+from sparsekit.run import figures
+from sparsekit.run.config import Config
+from sparsekit.run.pipeline import run
 from sparsekit.progress import progress
-from sparsekit.tracking import LAYOUT, Tracker, flatten, layout, run_logdir, sweep_figures
+from sparsekit.run.tracking import LAYOUT, Tracker, flatten, layout, run_logdir, sweep_figures
 
 
 def tiny_config(cache: Path) -> Config:

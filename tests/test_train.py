@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import sparsekit as sk
-from sparsekit.train import (
+from sparsekit.run.train import (
     batch_indices,
     distill_loss,
     eval_batches,

@@ -29,7 +29,7 @@ from torch import nn
 from torch.fx.experimental.optimization import fuse
 
 import sparsekit as sk
-from sparsekit.bench import time_call
+from sparsekit.run.bench import time_call
 from sparsekit.models import build_model
 
 

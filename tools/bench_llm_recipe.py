@@ -30,10 +30,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from llm_common import llama_config, stdlib_corpus, train_tokenizer
 
-import sparsekit.sparsegpt as sparsegpt
-from sparsekit.cli import register_configs, to_config
-from sparsekit.pipeline import run
-from sparsekit.resources import conf_dir
+import sparsekit.prune.sparsegpt as sparsegpt
+from sparsekit.run.cli import register_configs, to_config
+from sparsekit.run.pipeline import run
+from sparsekit.run.resources import conf_dir
 
 
 def peak_rss_bytes() -> int:

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 
 import sparsekit as sk
-from sparsekit.config import Config
+from sparsekit.run.config import Config
 from sparsekit.data import build_data
-from sparsekit.pipeline import dense_model
-from sparsekit.tracking import Tracker
-from sparsekit.train import eval_batches, evaluate
+from sparsekit.run.pipeline import dense_model
+from sparsekit.run.tracking import Tracker
+from sparsekit.run.train import eval_batches, evaluate
 
 CRITERIA = ("magnitude", "wanda", "sparsegpt")
 SETTINGS = (("50% unstructured", "unstructured", 0.5), ("2:4", "2:4", None))
@@ -63,8 +63,8 @@ def recipe_config(overrides: list[str]) -> Config:
     """The composed, validated config of ``recipe=stdlib_lm_24`` plus ``overrides``."""
     from hydra import compose, initialize_config_dir
 
-    from sparsekit.cli import register_configs, to_config
-    from sparsekit.resources import conf_dir
+    from sparsekit.run.cli import register_configs, to_config
+    from sparsekit.run.resources import conf_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
-from sparsekit import distributed as D
-from sparsekit._io import atomic_torch_save, atomic_write, safe_torch_load
+from sparsekit.run import distributed as D
+from sparsekit.io.files import atomic_torch_save, atomic_write, safe_torch_load
 
 os.environ.update(D.NO_MULTICAST_ENV)  # before any NCCL communicator exists, in every process
 

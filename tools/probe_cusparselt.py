@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from sparsekit.accel import kernels
 from sparsekit.quant.formats import FP8 as FP8_FORMAT
 from sparsekit.accel.timing import graph_time_us
-from sparsekit.patterns import nm_mask
+from sparsekit.prune.patterns import nm_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import geomean, rel_err  # noqa: E402

@@ -30,7 +30,7 @@ from llm_common import llama_config, run_recipe, stdlib_corpus, train_tokenizer
 
 from sparsekit.data.hf_text import text_data
 from sparsekit.models.hf import hf
-from sparsekit.train import batch_indices, eval_batches, get_batch
+from sparsekit.run.train import batch_indices, eval_batches, get_batch
 
 RECIPES = ("llm_sparsegpt_24", "llm_sparsegpt_24_fp8", "llm_wanda_24_distill")
 

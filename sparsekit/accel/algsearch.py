@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sparsekit._io import atomic_write
+from sparsekit.io.files import atomic_write
 from sparsekit.accel.kernels import VARIANTS
 from sparsekit.accel.timing import graph_time_us
 

@@ -30,10 +30,10 @@ from sparsekit.accel.convert import (
 )
 from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
-from sparsekit.checkpoint import is_2to4
+from sparsekit.io.checkpoint import is_2to4
 from sparsekit.checks import positional_until
 from sparsekit.quant.modules import QuantLinear
-from sparsekit.select import name_filter
+from sparsekit.prune.select import name_filter
 
 log = logging.getLogger(__name__)
 

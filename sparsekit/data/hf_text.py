@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sparsekit._io import atomic_write
+from sparsekit.io.files import atomic_write
 from sparsekit.data.text import ByteWindows
 from sparsekit.errors import FileFormatError, UsageError
 

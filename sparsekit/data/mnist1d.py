@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from sparsekit._io import atomic_write
+from sparsekit.io.files import atomic_write
 
 
 def generate(num_samples: int = 5000, seed: int = 42, train_split: float = 0.8) -> dict:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sparsekit._io import atomic_write
+from sparsekit.io.files import atomic_write
 
 
 def read_stdlib_source(max_bytes: int) -> bytes:

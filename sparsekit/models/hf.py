@@ -209,7 +209,7 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (``weight`` in int8/fp8 plus ``weight_scale``) become float weights in the model's dtype
     (the quantized values times their scales), so ``from_pretrained`` of the plain architecture
     reads them."""
-    from sparsekit.checkpoint import plain_state_dict
+    from sparsekit.io.checkpoint import plain_state_dict
     from sparsekit.quant.modules import _QuantWeight
 
     dtype = model.get_input_embeddings().weight.dtype

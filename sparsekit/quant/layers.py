@@ -11,7 +11,7 @@ from sparsekit.errors import UsageError
 from sparsekit.quant.formats import Scheme
 from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight, unsupported_reason
 from sparsekit.quant.report import QuantLayer, QuantReport
-from sparsekit.select import PRUNABLE_TYPES, select_modules
+from sparsekit.prune.select import PRUNABLE_TYPES, select_modules
 
 LAYER_TYPES = (*PRUNABLE_TYPES, QuantLinear, QuantConv)
 # Set on a layer by prepare_qat_ (the scheme name) and cleared by convert_. An attribute rather

@@ -6,9 +6,9 @@ weight and, for W8A8 schemes, a forward pre-hook that fake-quantizes the layer's
 same per-token / per-sample scales the quantized layer uses. The fake quantization always comes
 after the pruning mask in the parametrization chain, so it sees the masked weight and the pruner
 keeps updating its masks in the same loop. That holds in either order: on a layer without a mask
-``prepare_qat_`` first attaches an all-ones mask (:func:`sparsekit.masks.attach_mask`), which a
-Pruner created later updates in place. ``convert_`` folds the masks (pruned zeros stay exactly
-zero) and swaps in the quantized layers; ``pruner.finalize()`` before it is the tidy order.
+``prepare_qat_`` first attaches an all-ones mask (:func:`sparsekit.prune.masks.attach_mask`),
+which a Pruner created later updates in place. ``convert_`` folds the masks (pruned zeros stay
+exactly zero) and swaps in the quantized layers; ``pruner.finalize()`` before it is the tidy order.
 
 >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 >>> _ = prepare_qat_(model, "fp8")
@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from sparsekit.errors import UsageError
 from sparsekit.checks import positional_until
-from sparsekit.masks import WeightMask, attach_mask, find_mask, zero_pruned
+from sparsekit.prune.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
     QAT_ATTR,

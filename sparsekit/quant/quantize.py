@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
-from sparsekit.calibration import CalibrationFn, run_calibration
+from sparsekit.prune.calibration import CalibrationFn, run_calibration
 from sparsekit.checks import positional_until
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
@@ -41,7 +41,7 @@ def quantize_(
     values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
     cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
     Activation scales are dynamic, so no calibration is needed; ``calibration`` batches (fed as
-    in :func:`sparsekit.calibration.call_model`) only measure each layer's output error, which
+    in :func:`sparsekit.prune.calibration.call_model`) only measure each layer's output error, which
     the report lists. Raises ValueError for an unknown scheme, a layer that is already
     quantized or prepared for QAT, or one under a live pruning mask (finalize the pruner).
 

@@ -34,7 +34,7 @@ def test_bench_gpu_helpers():
     import torch
     from torch import nn
 
-    from sparsekit.checkpoint import is_2to4
+    from sparsekit.io.checkpoint import is_2to4
 
     model = bench_gpu.magnitude_24_(nn.Sequential(nn.Linear(16, 8), nn.MultiheadAttention(8, 2)))
     assert is_2to4(model[0].weight) and is_2to4(model[1].in_proj_weight)

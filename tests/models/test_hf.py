@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import sparsekit as sk
-from sparsekit import sparsegpt
+from sparsekit.prune import sparsegpt
 from sparsekit.errors import UsageError
-from sparsekit.select import select_modules
+from sparsekit.prune.select import select_modules
 
 transformers = pytest.importorskip("transformers")
 from sparsekit.models import hf  # noqa: E402

@@ -10,7 +10,7 @@ from torch import nn
 import sparsekit as sk
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.models import build_model, build_registered, check_model_name
-from sparsekit.patterns import nm_incompatibility
+from sparsekit.prune.patterns import nm_incompatibility
 
 
 def test_mnist1d_cnn_shapes_and_24_compatibility():

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit import distributed as D
-from sparsekit import masks as M
-from sparsekit.calibration import CalibrationFn, check_calibration
-from sparsekit.criteria import (
+from sparsekit.run import distributed as D
+from sparsekit.prune import masks as M
+from sparsekit.prune.calibration import CalibrationFn, check_calibration
+from sparsekit.prune.criteria import (
     CRITERIA,
     check_finite_weight,
     collect_input_norms,
@@ -31,7 +31,7 @@ from sparsekit.criteria import (
 )
 from sparsekit.checks import check_fraction, positional_until
 from sparsekit.errors import ConfigTypeError, UsageError
-from sparsekit.patterns import (
+from sparsekit.prune.patterns import (
     lowest_k_masks,
     nm_group_cost,
     nm_incompatibility,
@@ -40,9 +40,9 @@ from sparsekit.patterns import (
     prune_count,
     row_mask,
 )
-from sparsekit.report import SparsityReport, build_report
-from sparsekit.schedules import OneShot, Schedule
-from sparsekit.select import name_matches, select_modules
+from sparsekit.prune.report import SparsityReport, build_report
+from sparsekit.prune.schedules import OneShot, Schedule
+from sparsekit.prune.select import name_matches, select_modules
 
 SCOPES = ("layer", "global")
 STATE_VERSION = 1
@@ -362,7 +362,7 @@ class Pruner:
         }
 
     def _update_sparsegpt(self, progress: float) -> None:
-        from sparsekit.sparsegpt import sparsegpt_prune
+        from sparsekit.prune.sparsegpt import sparsegpt_prune
 
         # the solver updates weights layer by layer: keep a host copy to undo a failed solve
         saved = {n: D.local(M.original_weight(m)).detach().to("cpu", copy=True)

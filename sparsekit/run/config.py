@@ -1,6 +1,6 @@
 """The run configuration: one tree of dataclasses, the schema every YAML file is checked against.
 
-``sparsekit.cli`` registers :class:`Config` in Hydra's ConfigStore; this module stays free of
+``sparsekit.run.cli`` registers :class:`Config` in Hydra's ConfigStore; this module stays free of
 Hydra so the pipeline can be driven from Python with plain dataclasses:
 
 >>> cfg = Config()
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparsekit.errors import UsageError
-from sparsekit.patterns import parse_pattern
+from sparsekit.prune.patterns import parse_pattern
 
 PATTERN_HELP = "'unstructured', 'none' or 'N:M' with 0 < N < M (e.g. '2:4')"
 CRITERIA = ("magnitude", "wanda", "sparsegpt")

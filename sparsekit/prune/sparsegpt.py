@@ -38,12 +38,12 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import CalibrationFn, check_calibration, eval_mode, run_calibration
-from sparsekit.criteria import check_finite_weight
+from sparsekit.prune.calibration import CalibrationFn, check_calibration, eval_mode, run_calibration
+from sparsekit.prune.criteria import check_finite_weight
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
-from sparsekit.criteria import conv_columns
-from sparsekit.distributed import ShardComm, reduce_hessian
-from sparsekit.patterns import prune_count
+from sparsekit.prune.criteria import conv_columns
+from sparsekit.run.distributed import ShardComm, reduce_hessian
+from sparsekit.prune.patterns import prune_count
 
 __all__ = ["conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
 
@@ -310,11 +310,11 @@ def sparsegpt_prune(
     ``sparsity[name]`` is the layer's unstructured target in [0, 1) (exactly
     ``prune_count(numel, sparsity)`` weights are pruned); with ``nm=(N, M)`` every group of ``M``
     consecutive inputs keeps ``N`` weights and ``sparsity`` is ignored. ``calibration`` is an
-    iterable of model inputs, fed as :func:`sparsekit.calibration.call_model` does (or through
+    iterable of model inputs, fed as :func:`sparsekit.prune.calibration.call_model` does (or through
     ``calibration_fn(model, batch)``); it is read into a list and replayed once per layer group.
     Each layer's weight is overwritten with the OBS-compensated weights (zeros where pruned).
     Returns bool keep-masks (True = kept) of each weight's shape. With ``comm`` (data-parallel
-    ranks, each calibrating on its own batches; see :func:`sparsekit.distributed.comm`) every
+    ranks, each calibrating on its own batches; see :func:`sparsekit.run.distributed.comm`) every
     Hessian is averaged over all ranks' inputs, so every rank computes the same weights.
 
     >>> torch.manual_seed(0) and None

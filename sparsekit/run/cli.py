@@ -26,12 +26,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparsekit.config import Config, validate
+from sparsekit.run.config import Config, validate
 from sparsekit.data import check_data_name
-from sparsekit.distributed import is_main, share_run_dir
+from sparsekit.run.distributed import is_main, share_run_dir
 from sparsekit.errors import SparsekitError, StorageError, UsageError
 from sparsekit.models import check_model_name
-from sparsekit.resources import conf_dir, recipes_dir
+from sparsekit.run.resources import conf_dir, recipes_dir
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
@@ -55,7 +55,8 @@ def register_configs() -> None:
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """The composed Hydra config as the :class:`~sparsekit.config.Config` dataclass, validated."""
+    """The composed Hydra config as the :class:`~sparsekit.run.config.Config` dataclass,
+    validated."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, Config)
@@ -126,7 +127,8 @@ def _raised_by_sparsekit(err: BaseException) -> bool:
     while tb is not None:
         last = tb.tb_frame.f_code.co_filename
         tb = tb.tb_next
-    return last is not None and Path(last).resolve().is_relative_to(Path(__file__).parent.resolve())
+    package = Path(__file__).parents[1].resolve()
+    return last is not None and Path(last).resolve().is_relative_to(package)
 
 
 def report_runtime_error(err: BaseException) -> None:
@@ -230,8 +232,8 @@ def latest_run(root: Path = RUNS) -> Path | None:
     run, one that failed before its first checkpoint, or one whose recorded overrides import
     code (:func:`imports_code`: name such a run with ``resume=DIR``). Runs from before
     ``run_state.json`` count when they have no summary.json."""
-    from sparsekit.pipeline import CHECKPOINT
-    from sparsekit.runstate import previous_path, read_run_state
+    from sparsekit.run.pipeline import CHECKPOINT
+    from sparsekit.io.runstate import previous_path, read_run_state
 
     def written(run_dir: Path) -> float | None:
         checkpoints = [f for f in (run_dir / CHECKPOINT, previous_path(run_dir / CHECKPOINT))
@@ -288,8 +290,8 @@ def unique_run_dir(argv: list[str]) -> list[str]:
     ``os.mkdir`` (``runs/<date_time>``, then ``_1``, ``_2``, ... when taken), so two runs started
     in the same second never share one. Unchanged when argv names the directory already, asks
     for help, or runs under torchrun (rank 0 names it: ``distributed.share_run_dir``)."""
-    from sparsekit._io import unique_dir
-    from sparsekit.distributed import launched_by_torchrun
+    from sparsekit.io.files import unique_dir
+    from sparsekit.run.distributed import launched_by_torchrun
 
     sweep = any(a in ("-m", "--multirun") for a in argv)
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
@@ -303,7 +305,7 @@ def unique_run_dir(argv: list[str]) -> list[str]:
 
 
 def _app(cfg: DictConfig) -> None:
-    from sparsekit.pipeline import run
+    from sparsekit.run.pipeline import run
 
     try:
         config = to_config(cfg)
@@ -323,7 +325,7 @@ class SweepFigures(Callback):
     (``<sweep dir>/pareto.png`` and a TensorBoard image in ``<sweep dir>/tb/sweep``)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
-        from sparsekit.tracking import sweep_figures
+        from sparsekit.run.tracking import sweep_figures
 
         png = sweep_figures(config.hydra.sweep.dir)
         if png is not None:

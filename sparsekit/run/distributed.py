@@ -11,9 +11,9 @@ How masks agree across ranks (see docs/distributed.md):
   if any rank disagrees. Nothing of the size of a mask crosses the network.
 - Sharded weights (FSDP2, ``fully_shard``: parameters are DTensors): each rank scores and masks
   only its local shard. Thresholds that span a whole tensor (or, for ``scope="global"``, every
-  selected tensor) come from :func:`sparsekit.patterns.lowest_k_masks` with a :class:`ShardComm`:
-  the radix-select histograms are summed over ranks, so every rank uses the same threshold and
-  no rank ever holds another's weights.
+  selected tensor) come from :func:`sparsekit.prune.patterns.lowest_k_masks` with a
+  :class:`ShardComm`: the radix-select histograms are summed over ranks, so every rank uses the
+  same threshold and no rank ever holds another's weights.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def share_run_dir(argv: list[str], pattern: str = "runs/%Y-%m-%d_%H-%M-%S") -> l
     if any(a in ("-m", "--multirun") for a in argv):
         return argv
     init()
-    from sparsekit._io import unique_dir  # made at once: a run started in the same second
+    from sparsekit.io.files import unique_dir  # made at once: a run started in the same second
 
     box = [str(unique_dir(time.strftime(pattern))) if is_main() else None]
     if is_distributed():
@@ -487,7 +487,7 @@ def _safe_planner(path: str) -> Any:
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from sparsekit._io import safe_torch_load
+    from sparsekit.io.files import safe_torch_load
     from sparsekit.errors import FileFormatError
 
     class SafeLoadPlanner(DefaultLoadPlanner):

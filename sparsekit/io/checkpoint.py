@@ -4,7 +4,7 @@ The file holds tensors and one JSON metadata entry (key ``"sparsekit"``)::
 
     {"format": "sparsekit", "version": 1,
      "model": {"builder": NAME, "kwargs": {...}} | null,  # registered builder to rebuild it
-     "channels": plan | null,      # sparsekit.channels.channel_plan(model), applied before load
+     "channels": plan | null,      # sparsekit.prune.channels.channel_plan(model), applied first
      "quant": plan | null,         # sparsekit.quant.quant_plan(model), applied before load
      "sparse": {key: {"shape": [...]}},   # tensors stored as 2:4 kept values + metadata
      "bitmask": {key: {"shape": [...]}},  # tensors stored as non-zeros + a 1-bit mask
@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit._io import atomic_write
+from sparsekit.io.files import atomic_write
 from sparsekit.errors import (
     ConfigTypeError,
     FileFormatError,
@@ -56,7 +56,7 @@ from sparsekit.errors import (
     UsageError,
     file_errors,
 )
-from sparsekit.masks import mask_from_zeros
+from sparsekit.prune.masks import mask_from_zeros
 
 FORMAT = "sparsekit"
 VERSION = 1
@@ -242,7 +242,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
         "format": FORMAT,
         "version": VERSION,
         "model": getattr(model, "_sparsekit_spec", None),
-        "channels": _optional_plan("sparsekit.channels", "channel_plan", model),
+        "channels": _optional_plan("sparsekit.prune.channels", "channel_plan", model),
         "quant": _optional_plan("sparsekit.quant", "quant_plan", model),
         "sparse": sparse,
         "bitmask": bitmask,
@@ -386,7 +386,7 @@ def load(
             )
         model = model_from_spec(header["model"], path)
     if header.get("channels"):
-        from sparsekit.channels import apply_channel_plan
+        from sparsekit.prune.channels import apply_channel_plan
 
         apply_channel_plan(model, header["channels"])
     if header.get("quant"):

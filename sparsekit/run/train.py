@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from sparsekit import distributed as D
-from sparsekit.calibration import _to_device, eval_mode
+from sparsekit.run import distributed as D
+from sparsekit.prune.calibration import _to_device, eval_mode
 from sparsekit.errors import UsageError
 from sparsekit.progress import progress
 

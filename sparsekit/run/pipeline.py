@@ -1,11 +1,11 @@
-"""One compression run, stage by stage, driven by a :class:`~sparsekit.config.Config`.
+"""One compression run, stage by stage, driven by a :class:`~sparsekit.run.config.Config`.
 
 dense model (trained and cached by config hash, or loaded) -> evaluate -> channel pruning ->
 QAT preparation -> fine-tune under the pruner (checkpointed, resumable) -> finalize -> quantize
 -> evaluate -> benchmark dense vs compressed -> accelerate (GPU) -> save; everything is logged to
 TensorBoard under ``<run_dir>/tb`` and summarized in ``summary.json`` / ``summary.md``.
 
-The command line (``sparsekit.cli``) is a thin Hydra front end over :func:`run`; Python users
+The command line (``sparsekit.run.cli``) is a thin Hydra front end over :func:`run`; Python users
 can call it with a plain ``Config``.
 """
 
@@ -33,12 +33,12 @@ from safetensors.torch import save_model
 from torch import nn
 
 import sparsekit as sk
-from sparsekit import distributed as D
-from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torch_load
-from sparsekit.bench import benchmark
-from sparsekit.calibration import call_model, eval_mode
-from sparsekit.checkpoint import is_sparsekit_file, load_state_dict
-from sparsekit.config import Config, validate
+from sparsekit.run import distributed as D
+from sparsekit.io.files import atomic_torch_save, atomic_write, move_aside, safe_torch_load
+from sparsekit.run.bench import benchmark
+from sparsekit.prune.calibration import call_model, eval_mode
+from sparsekit.io.checkpoint import is_sparsekit_file, load_state_dict
+from sparsekit.run.config import Config, validate
 from sparsekit.errors import (
     FileFormatError,
     ModelCallError,
@@ -51,8 +51,8 @@ from sparsekit.errors import (
 from sparsekit.data import DataBundle, build_data, cache_root
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
-from sparsekit.runstate import VERSION as RUNSTATE_VERSION
-from sparsekit.runstate import (
+from sparsekit.io.runstate import VERSION as RUNSTATE_VERSION
+from sparsekit.io.runstate import (
     load_latest_checkpoint,
     previous_path,
     restore,
@@ -61,9 +61,9 @@ from sparsekit.runstate import (
     set_rng_state,
     write_run_state,
 )
-from sparsekit.sensitivity import SensitivityTable
-from sparsekit.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
-from sparsekit.train import eval_batches, evaluate, fit, get_batch, make_optimizer, task_loss
+from sparsekit.prune.sensitivity import SensitivityTable
+from sparsekit.run.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
+from sparsekit.run.train import eval_batches, evaluate, fit, get_batch, make_optimizer, task_loss
 
 CHECKPOINT = Path("checkpoints") / "last.pt"
 # test hook: SIGKILL this process right after writing the checkpoint of this fine-tuning step

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-from sparsekit import figures
+from sparsekit.run import figures
 
 # one chart per quantity: the dense and compressed runs log the same tag
 LAYOUT = {
@@ -196,7 +196,7 @@ class Tracker:
             self._tags.add(tag)
 
     def figure(self, tag: str, fig: Any, step: int) -> bool:
-        """A matplotlib figure (see :mod:`sparsekit.figures`) as an image; False when there is
+        """A matplotlib figure (see :mod:`sparsekit.run.figures`) as an image; False when there is
         none (matplotlib missing: the reason goes to the ``figures`` text once)."""
         if self.writer is None:
             return False

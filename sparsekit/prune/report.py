@@ -8,11 +8,11 @@ from typing import ClassVar
 
 from torch import nn
 
-from sparsekit.masks import mask_from_zeros
+from sparsekit.prune.masks import mask_from_zeros
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.checks import positional_until
-from sparsekit.patterns import is_nm, nm_incompatibility, parse_pattern
-from sparsekit.select import select_modules
+from sparsekit.prune.patterns import is_nm, nm_incompatibility, parse_pattern
+from sparsekit.prune.select import select_modules
 
 
 @dataclass

@@ -32,12 +32,12 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.calibration import call_model, eval_mode, model_arguments
+from sparsekit.prune.calibration import call_model, eval_mode, model_arguments
 from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.reporting import Report, markdown_table
-from sparsekit.schedules import Linear, OneShot, Schedule
-from sparsekit.select import PRUNABLE_TYPES, as_patterns, name_matches
+from sparsekit.prune.schedules import Linear, OneShot, Schedule
+from sparsekit.prune.select import PRUNABLE_TYPES, as_patterns, name_matches
 
 IMPORTANCES = ("magnitude", "taylor", "lamp")
 SCOPES = ("layer", "global")

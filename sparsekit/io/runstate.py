@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparsekit._io import atomic_torch_save, atomic_write, move_aside, safe_torch_load
+from sparsekit.io.files import atomic_torch_save, atomic_write, move_aside, safe_torch_load
 from sparsekit.errors import FileFormatError
 
 VERSION = 1

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sparsekit.calibration import eval_mode
+from sparsekit.prune.calibration import eval_mode
 from sparsekit.progress import progress
 
 

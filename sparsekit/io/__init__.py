@@ -1,0 +1,1 @@
+"""Storage: the portable checkpoint, safe (atomic) file writes, run state for resuming."""

@@ -1,0 +1,1 @@
+"""The app: the sparsekit command (Hydra), config schema, pipeline, training loop, tracking."""
