@@ -30,9 +30,10 @@ from sparsekit.accel.convert import (
 )
 from sparsekit.accel.kernels import PRECISIONS, VARIANTS, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
-from sparsekit.io.checkpoint import is_2to4
 from sparsekit.checks import positional_until
 from sparsekit.quant.modules import QuantLinear
+from sparsekit.prune.calibration import feed, tree_map
+from sparsekit.prune.patterns import is_nm
 from sparsekit.prune.select import name_filter
 
 log = logging.getLogger(__name__)
@@ -40,24 +41,6 @@ log = logging.getLogger(__name__)
 SPARSITIES = ("2:4", "auto", "dense")
 _ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scaled_mm, _int_mm)
 _W8A8 = {"fp8": "fp8", "int8": "int8"}  # quant scheme -> accel precision that keeps its numerics
-
-
-def tree_map(fn, obj):
-    """``fn`` applied to every tensor in nested lists, tuples (named too), dicts and dataclasses
-    (HF ``ModelOutput`` included), each container rebuilt as its own type."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: tree_map(fn, getattr(obj, f.name))
-                            for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(tree_map(fn, o) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tree_map(fn, o) for o in obj)
-    if isinstance(obj, dict):
-        out = {k: tree_map(fn, v) for k, v in obj.items()}
-        return out if type(obj) is dict else type(obj)(out)
-    return obj
 
 
 def _compile_count() -> int:
@@ -124,14 +107,6 @@ class AcceleratedModel(nn.Module):
         return t.to(torch.bfloat16) if t.is_floating_point() else t
 
 
-def _call(model: nn.Module, inputs: Any):
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(*inputs)
-
-
 def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
                out_features: int, dense_precision: str = "bf16") -> tuple[list[str], str]:
     """Candidate variants for one linear (bf16 dense always first; the last one is what
@@ -181,7 +156,7 @@ def _tokens(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, int]:
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
-            _call(model, inputs)
+            feed(model, inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -190,7 +165,7 @@ def _tokens(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, int]:
 
 def _weight_24(layer: nn.Module) -> bool:
     w = layer.weight if not isinstance(layer, QuantLinear) else layer.weight.float()
-    return is_2to4(w)
+    return is_nm(w.detach(), 2, 4)
 
 
 class _Planner:
@@ -399,7 +374,7 @@ def accelerate(
                             backend=backend, clone_outputs=clone_outputs)
     if compile:  # the first call compiles: its time is part of accelerate's
         t1 = time.perf_counter()
-        _call(fast, inputs)
+        feed(fast, inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         report.seconds["compile"] = time.perf_counter() - t1

@@ -57,6 +57,7 @@ from sparsekit.errors import (
     file_errors,
 )
 from sparsekit.prune.masks import mask_from_zeros
+from sparsekit.prune.patterns import is_nm
 
 FORMAT = "sparsekit"
 VERSION = 1
@@ -92,11 +93,8 @@ def is_2to4(t: torch.Tensor) -> bool:
     (shape[0], rest)) has at most 2 non-zeros."""
     if t.dim() < 2 or t.dtype not in _COMPRESSIBLE or t.numel() == 0:
         return False
-    cols = t.numel() // t.shape[0]
-    if cols % 4:
-        return False
-    nz = t.detach().reshape(t.shape[0], cols // 4, 4).float().ne(0)
-    return bool(nz.sum(-1).le(2).all())
+    t = t.detach()
+    return is_nm(t.float() if t.element_size() == 1 else t, 2, 4)  # float8 has no ne()
 
 
 def pack_2to4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

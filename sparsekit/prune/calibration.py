@@ -8,6 +8,7 @@ the batch's shapes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -25,14 +26,30 @@ _HOW = (
 )
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
+def tree_map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``fn`` applied to every tensor in nested lists, tuples (named too), dicts and dataclasses
+    (HF ``ModelOutput`` included), each container rebuilt as its own type; other leaves as
+    they are. The one tree-map of sparsekit (batches, example inputs, model outputs)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: tree_map(fn, getattr(obj, f.name))
+                            for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(tree_map(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        out = {k: tree_map(fn, v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
+    if isinstance(obj, Mapping):
+        return {k: tree_map(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """Every tensor of ``batch`` moved to ``device`` (see :func:`tree_map`)."""
+    return tree_map(lambda t: t.to(device), batch)
 
 
 def describe(batch: Any) -> str:
@@ -101,6 +118,13 @@ def model_arguments(model: nn.Module, batch: Any, hint: str = _HOW) -> tuple[tup
     return args, kwargs
 
 
+def feed(model: nn.Module, batch: Any, hint: str = _HOW) -> Any:
+    """``model`` called on one batch as :func:`model_arguments` says (no device move, no error
+    wrapping, no hooks: safe on a compiled model). :func:`call_model` adds those."""
+    args, kwargs = model_arguments(model, batch, hint)
+    return model(*args, **kwargs)
+
+
 class _LayerTrace:
     """Forward pre-/post-hooks on every submodule keeping the stack of layers being called: a
     layer that raises never runs its post-hook, so the top of the stack names it."""
@@ -146,7 +170,7 @@ def call_model(
             device = next(model.parameters()).device
         except StopIteration:
             device = torch.device("cpu")
-        batch = _to_device(batch, device)
+        batch = to_device(batch, device)
         args, kwargs = model_arguments(model, batch, hint)
         call = model
     with _LayerTrace(model) as trace:

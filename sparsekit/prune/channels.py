@@ -32,7 +32,7 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.prune.calibration import call_model, eval_mode, model_arguments
+from sparsekit.prune.calibration import call_model, eval_mode, feed
 from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.reporting import Report, markdown_table
@@ -203,11 +203,6 @@ _INPUTS_HINT = (
 )
 
 
-def _forward(model: nn.Module, example_inputs: Any) -> Any:
-    args, kwargs = model_arguments(model, example_inputs, _INPUTS_HINT)
-    return model(*args, **kwargs)
-
-
 def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     """Leaf modules whose output tensor is returned by the model as it is. (torch-pruning marks
     an output only when an operation, not a module, produced it.)"""
@@ -220,7 +215,7 @@ def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     handles = [m.register_forward_hook(record) for m in leaves]
     try:
         with torch.no_grad():
-            outputs = tp.utils.flatten_as_list(_forward(model, example_inputs))
+            outputs = tp.utils.flatten_as_list(feed(model, example_inputs, _INPUTS_HINT))
     finally:
         for h in handles:
             h.remove()
@@ -554,7 +549,7 @@ class ChannelPruner:
             handles.append(m.register_forward_hook(leave))
         try:
             with torch.no_grad():
-                _forward(self.model, self.example_inputs)
+                feed(self.model, self.example_inputs, _INPUTS_HINT)
         except Exception as exc:
             where = stack[-1] if stack else "<top level>"
             module = self.model.get_submodule(where) if stack else self.model

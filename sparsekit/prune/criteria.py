@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,13 +80,23 @@ def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor
         x = x.unsqueeze(0)
     mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
     x = F.pad(x, conv_pads(conv), mode=mode)
+    return im2col(x, conv.kernel_size, conv.stride, conv.dilation, conv.groups)
+
+
+def im2col(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int],
+           dilation: Sequence[int], groups: int = 1) -> torch.Tensor:
+    """The one im2col of sparsekit (criteria, SparseGPT, quantized convs): an already padded
+    batched input ``(B, C, *spatial)`` as ``(groups, B * positions, C/groups * prod(kernel))``,
+    rows ordered by sample then output position (row-major), columns by channel then kernel
+    position, as ``weight.flatten(1)``; any number of spatial dimensions."""
+    nd = len(kernel_size)
     for d in range(nd):
-        span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
-        x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]
+        span = dilation[d] * (kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, stride[d])[..., :: dilation[d]]
     # x: (B, C, *out_positions, *kernel) -> (B * positions, C, *kernel)
-    b, c = x.shape[:2]
+    c = x.shape[1]
     x = x.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-    x = x.reshape(-1, conv.groups, c // conv.groups * x.shape[-nd:].numel())
+    x = x.reshape(-1, groups, c // groups * x.shape[-nd:].numel())
     return x.transpose(0, 1)
 
 

@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from sparsekit.prune.calibration import CalibrationFn, check_calibration, eval_mode, run_calibration
 from sparsekit.prune.criteria import check_finite_weight
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 from sparsekit.prune.criteria import conv_columns
+from sparsekit.prune.masks import original_weight
 from sparsekit.run.distributed import ShardComm, reduce_hessian
 from sparsekit.prune.patterns import prune_count
 
@@ -202,13 +202,6 @@ def obs_prune(
     return w, keep
 
 
-def _weight_tensor(module: nn.Module) -> torch.Tensor:
-    """The stored weight to write: the original under a parametrization, else ``weight``."""
-    if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations.weight.original
-    return module.weight
-
-
 def _solve_layer(
     name: str,
     module: nn.Module,
@@ -244,7 +237,7 @@ def _solve_layer(
             name=name,
         )
     with torch.no_grad():
-        target = _weight_tensor(module)
+        target = original_weight(module)
         target.copy_(new.reshape(weight.shape).to(target.dtype))
     return keep.reshape(weight.shape)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.prune.criteria import conv_pads
+from sparsekit.prune.criteria import conv_pads, im2col
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (
@@ -183,13 +183,10 @@ class QuantConv(_QuantWeight):
         """im2col + one 8-bit matmul; ``x`` is the padded batched input."""
         x_scale = sample_scales(x, fmt)
         q = quantize(x, x_scale, fmt).float()  # exact: every int8/e4m3 value is a float32
-        kernel, stride, dilation = self.kernel_size, self.stride, self.dilation
-        if self.dims == 1:  # unfold is 2-D only: view (B, C, L) as (B, C, 1, L)
-            q = q.unsqueeze(2)
-            kernel, stride, dilation = (1, *kernel), (1, *stride), (1, *dilation)
-        cols = F.unfold(q, kernel, dilation=dilation, stride=stride)  # (B, C*prod(k), L)
-        batch, _, positions = cols.shape
-        cols = cols.transpose(1, 2).reshape(batch * positions, -1).to(fmt.dtype)
+        cols = im2col(q, self.kernel_size, self.stride, self.dilation)[0]  # (B * L, C*prod(k))
+        batch = x.shape[0]
+        positions = cols.shape[0] // batch
+        cols = cols.to(fmt.dtype)
         rows_scale = x_scale.reshape(batch, 1).expand(batch, positions).reshape(-1, 1)
         w = self.weight.reshape(self.out_channels, -1)
         y = scaled_matmul(cols, rows_scale, w, self.weight_scale, self.bias, x.dtype)
