@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="bench_models_out")
     ap.add_argument("--models", default="llama,llama_decode,bert,vit")
-    ap.add_argument("--cache-dir", help="sparsekit plan cache (SPARSEKIT_CACHE_DIR)")
+    ap.add_argument("--cache-dir", help="sparsekit plan cache (SPARSEKIT_CACHE)")
     ap.add_argument("--variants", default="",
                     help="comma list of variants, VARIANT or VARIANT@MODEL (dense always run)")
     ap.add_argument("--llama-layers", type=int, default=32)
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  else [])
     deadline = time.perf_counter() + args.deadline_s
     if args.cache_dir:
-        os.environ["SPARSEKIT_CACHE_DIR"] = args.cache_dir
+        os.environ["SPARSEKIT_CACHE"] = args.cache_dir
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         torch.set_num_threads(1)

@@ -8,7 +8,7 @@ token count of the example input. 2:4 candidates are timed with their best cuSPA
 (:mod:`sparsekit.accel.algsearch`). On CPU (reference ops) the same candidates are timed by
 wall clock, so the code path is the same everywhere; only CUDA timings mean anything for speed.
 
-Timings are cached in ``$SPARSEKIT_CACHE_DIR/plans.json`` (default ``~/.cache/sparsekit``) keyed
+Timings are cached in ``$SPARSEKIT_CACHE/plans.json`` (default ``~/.cache/sparsekit``) keyed
 by device name, torch version, variant, weight shape (N, K), tokens M and input dtype, so a
 second ``accelerate`` of the same shapes times nothing. :func:`choose` is the pure decision on
 timings (tested on recorded H200 timings).
@@ -17,7 +17,6 @@ timings (tested on recorded H200 timings).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from torch import nn
 
 from sparsekit.io.files import atomic_write
 from sparsekit.accel.report import BASELINE, decide
+from sparsekit.io.cache import cache_root
 from sparsekit.accel.timing import graph_time_us
 
 DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (GPU_NOTES)
@@ -35,8 +35,7 @@ DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one 
 
 
 def cache_path() -> Path:
-    root = os.environ.get("SPARSEKIT_CACHE_DIR") or Path.home() / ".cache" / "sparsekit"
-    return Path(root) / "plans.json"
+    return cache_root() / "plans.json"
 
 
 def plan_key(device_name: str, torch_version: str, variant: str, out_features: int,

@@ -35,7 +35,6 @@ True
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import warnings
@@ -48,6 +47,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.imports import load_internal
 from sparsekit.io.files import atomic_write
 from sparsekit.errors import (
     ConfigTypeError,
@@ -177,11 +177,11 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _optional_plan(module_name: str, fn_name: str, model: nn.Module) -> dict | None:
+def _optional_plan(key: str, fn_name: str, model: nn.Module) -> dict | None:
     """A helper package's plan of ``model`` when that package exists; None when it does not or
     the plan is empty (nothing to rebuild)."""
     try:
-        mod = importlib.import_module(module_name)
+        mod = load_internal(key)
     except ImportError:
         return None
     fn = getattr(mod, fn_name, None)
@@ -240,8 +240,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
         "format": FORMAT,
         "version": VERSION,
         "model": getattr(model, "_sparsekit_spec", None),
-        "channels": _optional_plan("sparsekit.prune.channels", "channel_plan", model),
-        "quant": _optional_plan("sparsekit.quant", "quant_plan", model),
+        "channels": _optional_plan("channels", "channel_plan", model),
+        "quant": _optional_plan("quant", "quant_plan", model),
         "sparse": sparse,
         "bitmask": bitmask,
         "aliases": aliases,

@@ -48,7 +48,8 @@ from sparsekit.errors import (
     UsageError,
     storage_errors,
 )
-from sparsekit.data import DataBundle, build_data, cache_root
+from sparsekit.data import DataBundle, build_data
+from sparsekit.io.cache import cache_root
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
 from sparsekit.io.runstate import VERSION as RUNSTATE_VERSION

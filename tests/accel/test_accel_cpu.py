@@ -170,7 +170,7 @@ def test_report_bound_is_amdahl_over_timed_linears():
 
 
 def test_alg_cache_roundtrip(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     key = algsearch.cache_key("bf16_2:4", 11008, 4096, 4096, "NVIDIA H200", "2.11.0", 800)
     assert key == "NVIDIA H200|torch=2.11.0|cusparselt=800|bf16_2:4|N=11008|K=4096|M=4096"
     assert algsearch.load_cache() == {}

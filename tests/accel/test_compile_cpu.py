@@ -55,7 +55,7 @@ def _as_bf16(x):
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -198,7 +198,7 @@ def test_planner_choices_on_recorded_timings():
 
 def test_planner_cache_is_used(tmp_path, monkeypatch):
     """auto reads its timings from the disk cache: recorded timings decide, nothing re-timed."""
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     net = _Net().eval()
     sk.prune_(net, pattern="2:4", criterion="magnitude")
     entries = {}
@@ -223,7 +223,7 @@ def test_planner_cache_is_used(tmp_path, monkeypatch):
 def test_quantized_model_keeps_its_numerics_under_auto(tmp_path, monkeypatch):
     """auto on a quantized model chooses only between its scheme's dense and 2:4 kernels
     (never a bf16 variant, which would drop its activation quantization)."""
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     net = _Net().eval()
     sk.prune_(net, pattern="2:4", criterion="magnitude", exclude=["b"])
     sk.quantize_(net, "fp8")
