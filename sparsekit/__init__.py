@@ -5,6 +5,24 @@ and schedules, the five report types (each with ``to_dict()``, ``to_markdown()``
 ``log(writer, step)``: :mod:`sparsekit.reporting`), the two JSON plans a checkpoint stores
 (``channel_plan``/``apply_channel_plan``, ``quant_plan``/``apply_quant_plan``), ``save``/``load``
 and the model registry.
+
+What sparsekit writes on your modules (nothing else; the process environment is never changed
+by a library call):
+
+- ``Pruner``: a ``WeightMask`` parametrization on each selected layer's ``weight``
+  (``torch.nn.utils.parametrize``); ``finalize()``/``prune_`` fold it, leaving a plain
+  ``weight`` Parameter in its original place in the state_dict.
+- ``prepare_qat_``: a ``WeightFakeQuant`` parametrization, for W8A8 schemes a forward pre-hook,
+  and the attribute ``sparsekit_qat_scheme`` (the scheme name) on each prepared layer;
+  ``convert_`` removes all three and swaps in the quantized layer.
+- ``quantize_``, ``convert_``, ``accelerate``: replace selected submodules (QuantLinear,
+  QuantConv, the accel layers); ``accelerate`` also moves the model to its device in bf16.
+- ``prune_channels_``/``ChannelPruner``/``apply_channel_plan``: replace pruned tensors and update
+  the width attributes the modules already have (``out_features``, ``in_channels``,
+  ``num_heads``, ``num_attention_heads``, ``all_head_size``, ``attention_head_size``,
+  ``hidden_dim``, ...) so that their forward matches the new shapes.
+- Models built by :mod:`sparsekit.models` builders (and ``model=hf``) carry
+  ``_sparsekit_spec`` (builder name and keyword arguments), read by ``save`` to rebuild them.
 """
 
 import warnings as _warnings

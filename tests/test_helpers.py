@@ -1,6 +1,7 @@
 """The one helper per concern: cache directory, import by name, im2col, tree-map, timing."""
 
 import collections
+import os
 import dataclasses
 import warnings
 
@@ -96,3 +97,21 @@ def test_feed_calls_a_model_the_way_calibration_does():
     assert feed(m, torch.ones(1)).item() == 1
     assert feed(m, (torch.ones(1), 2)).item() == 3
     assert feed(m, {"a": torch.ones(1), "b": 4}).item() == 5
+
+
+def test_only_the_command_line_sets_nccl_variables(monkeypatch):
+    from sparsekit.run import distributed as D
+
+    for key in D.NO_MULTICAST_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    D.set_launch_env()  # not under torchrun: nothing to set
+    assert not any(k in os.environ for k in D.NO_MULTICAST_ENV)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the user's own choice is kept
+    D.set_launch_env()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"
+    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+    import inspect
+
+    assert "os.environ" not in inspect.getsource(D.init)

@@ -30,7 +30,7 @@ from sparsekit.accel.report import BASELINE, decide
 from sparsekit.io.cache import cache_root
 from sparsekit.accel.timing import graph_time_us
 
-DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (GPU_NOTES)
+DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (docs/gpu.md)
 DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one by 5%
 
 

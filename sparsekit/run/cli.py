@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparsekit.run.config import Config, validate
 from sparsekit.data import check_data_name
-from sparsekit.run.distributed import is_main, share_run_dir
+from sparsekit.run.distributed import is_main, set_launch_env, share_run_dir
 from sparsekit.errors import SparsekitError, StorageError, UsageError
 from sparsekit.models import check_model_name
 from sparsekit.run.resources import conf_dir, recipes_dir
@@ -339,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
     argv = resume_argv(argv)
+    set_launch_env()  # torchrun: NCCL multicast off unless the user exported otherwise
     argv = share_run_dir(argv)  # torchrun: every rank writes into rank 0's run directory
     if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
         check_overrides([a for a in argv if not a.startswith("-")])
