@@ -31,7 +31,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -41,6 +40,7 @@ import torch
 from torch import nn
 
 import sparsekit as sk
+from sparsekit.accel import timing
 from sparsekit.accel.api import _compile_count
 
 TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
@@ -148,24 +148,14 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
-    """Median ms of one call: CUDA events around each call on CUDA, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
+    """Median ms of one call (:func:`sparsekit.accel.timing.time_ms`); on CUDA each call starts
+    a new cudagraph step, as serving does."""
+    def step():
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return fn()
+
+    return timing.time_ms(step, device, warmup=warmup, repeats=calls)
 
 
 def profile_shares(fn, device: torch.device) -> dict | None:

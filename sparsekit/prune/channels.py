@@ -583,19 +583,7 @@ class ChannelPruner:
 
 @positional_until(("ratio", "criterion", "scope", "round_to", "exclude", "steps", "loss_fn"))
 def prune_channels_(
-    model: nn.Module,
-    example_inputs: Any,
-    *,
-    ratio: float,
-    criterion: str = "magnitude",
-    scope: str = "layer",
-    round_to: int | None = 8,
-    include: str | Sequence[str] = ("*",),
-    exclude: str | Sequence[str] = (),
-    steps: int = 1,
-    loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
-    importance: str | None = None,
-    ignore: str | Sequence[str] | None = None,
+    model: nn.Module, example_inputs: Any, *, ratio: float, steps: int = 1, **options: Any
 ) -> ChannelReport:
     """Remove ``ratio`` (fraction, per layer) of the output channels of ``model`` in place.
 
@@ -603,18 +591,13 @@ def prune_channels_(
     arguments or a dict of keyword arguments); it is traced to find coupled channels and used
     to count MACs. ``steps > 1`` prunes in that many equal increments (ratio x k / steps), each
     re-scoring the channels that remain. For pruning interleaved with fine-tuning use
-    :class:`ChannelPruner` with a schedule. See :class:`ChannelPruner` for the other options.
+    :class:`ChannelPruner` with a schedule. ``options`` are :class:`ChannelPruner`'s:
+    ``criterion``, ``scope``, ``round_to``, ``include``, ``exclude``, ``loss_fn``.
     Returns a :class:`ChannelReport`.
     """
     steps = check_int("steps", steps, 1)
-    criterion = renamed("prune_channels_", "importance", "criterion", importance, criterion,
-                        "magnitude")
-    exclude = renamed("prune_channels_", "ignore", "exclude", ignore, exclude, ())
-    pruner = ChannelPruner(
-        model, example_inputs, ratio=ratio, criterion=criterion, scope=scope, round_to=round_to,
-        include=include, exclude=exclude, schedule=Linear(start=0, end=steps, every=1),
-        loss_fn=loss_fn,
-    )
+    pruner = ChannelPruner(model, example_inputs, ratio=ratio,
+                           schedule=Linear(start=0, end=steps, every=1), **options)
     for k in range(1, steps + 1):
         pruner.step(k)
     return pruner.report()

@@ -23,6 +23,7 @@ input value is quantized once, before it is copied into the overlapping patches.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,14 @@ class _QuantWeight(nn.Module):
         else:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
+    @classmethod
+    def from_float(cls, layer: nn.Module, scheme: str | Scheme) -> Any:
+        """Quantize the float ``layer``'s current weight (per output channel) into a new module
+        of this class."""
+        q = cls(layer, scheme)
+        q._fill(layer.weight)
+        return q
+
     @torch.no_grad()
     def _fill(self, weight: torch.Tensor) -> None:
         fmt = get_scheme(self.scheme).weight
@@ -113,13 +122,6 @@ class QuantLinear(_QuantWeight):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
 
-    @classmethod
-    def from_float(cls, linear: nn.Linear, scheme: str | Scheme) -> QuantLinear:
-        """Quantize ``linear``'s current weight (per output channel) into a new module."""
-        q = cls(linear, scheme)
-        q._fill(linear.weight)
-        return q
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self._activation_format()
         if fmt is None:
@@ -153,13 +155,6 @@ class QuantConv(_QuantWeight):
         self.padding = conv.padding if isinstance(conv.padding, str) else tuple(conv.padding)
         self.padding_mode = conv.padding_mode
         self.pads = tuple(conv_pads(conv))
-
-    @classmethod
-    def from_float(cls, conv: nn.Module, scheme: str | Scheme) -> QuantConv:
-        """Quantize ``conv``'s current weight (per output channel) into a new module."""
-        q = cls(conv, scheme)
-        q._fill(conv.weight)
-        return q
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         if not any(self.pads):
