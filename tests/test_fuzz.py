@@ -317,7 +317,8 @@ def test_fuzz_prune_channels(ratio, importance, scope, round_to, steps, inputs, 
     if report is not None:
         assert sum(p.numel() for p in model.parameters()) <= params
         if isinstance(ratio, float) and ratio >= 0.25 and (round_to or 1) <= 4:
-            assert model[0].out_features < 16  # something was removed, as asked
+            # something was removed, as asked (a global ranking may take it all from one layer)
+            assert model[0].out_features + model[2].out_features < 32
 
 
 @settings(FAST, max_examples=20)

@@ -52,6 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--minutes", type=float, default=5.0, help="training time")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="train this many steps instead of --minutes (the same on any machine)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=688)
@@ -68,7 +70,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model, seconds")
     a = ap.parse_args()
     if a.smoke:
-        a.minutes, a.hidden, a.layers, a.intermediate, a.heads = 0.05, 32, 2, 64, 2
+        a.steps, a.hidden, a.layers, a.intermediate, a.heads = 60, 32, 2, 64, 2
+        a.lr = 1e-2
         a.vocab, a.seq_len, a.batch_size, a.text_bytes = 300, 32, 8, 60_000
         a.finetune_steps, a.eval_batches = 3, 2
     if a.threads:
@@ -87,12 +90,15 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1,
                                   betas=(0.9, 0.95))
     budget = a.minutes * 60
-    # the schedule runs on the clock: warm-up over 100 steps, cosine to 10% at the deadline
+    # the schedule runs on the clock (or on --steps): warm-up over 100 steps (a tenth of
+    # --steps if fewer), cosine to 10% at the deadline
+    warmup = min(100, max(1, a.steps // 10)) if a.steps else 100
     t0, step = time.perf_counter(), 0
     model.train()
-    while (elapsed := time.perf_counter() - t0) < budget:
-        frac = elapsed / budget
-        lr = a.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+    while (a.steps and step < a.steps) or (
+            not a.steps and (elapsed := time.perf_counter() - t0) < budget):
+        frac = step / a.steps if a.steps else elapsed / budget
+        lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         for g in optimizer.param_groups:
             g["lr"] = lr
         x, y = get_batch(data.train, batch_indices(len(data.train), a.batch_size, 0, step))
