@@ -271,8 +271,10 @@ def test_fuzz_quantize(kind, scheme, include, exclude, calib, strict):
     x = torch.randn(5, *input_shape(kind))
     with torch.no_grad():
         ref = model(x)
-    report = outcome("quantize_", lambda: sk.quantize_(model, scheme, include, exclude,
-                                                       batches(kind, calib), strict=strict),
+    report = outcome("quantize_", lambda: sk.quantize_(model, scheme, include=include,
+                                                       exclude=exclude,
+                                                       calibration=batches(kind, calib),
+                                                       strict=strict),
                      ("scheme", "include", "exclude", "calibration", "layer", "batch",
                       "calling the model", "re:", "nope"))
     if report is None:
@@ -331,7 +333,7 @@ def test_fuzz_sparsity_report(kind, fraction, pattern, include):
     with torch.no_grad():
         for p in model.parameters():
             p.masked_fill_(torch.rand_like(p) < fraction, 0)
-    report = outcome("sparsity_report", lambda: sk.sparsity_report(model, include,
+    report = outcome("sparsity_report", lambda: sk.sparsity_report(model, include=include,
                                                                    pattern=pattern),
                      ("pattern", "include", "re:", "nope"))
     if report is None:
