@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sparsekit as sk
+from sparsekit.models.compressed_tensors import ct_available as compressed_tensors_available
 from sparsekit.prune.select import select_modules
 from test_cli import run_cli
 
@@ -36,7 +37,16 @@ def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
     for key in ("dense", "compressed"):  # random tiny models: about the vocabulary size
         assert 30 < s[key]["perplexity"] < 3000
     assert s["finetune_steps"] == (3 if "distill" in recipe else 0)
-    assert s["hf"]["compressed_tensors"].startswith("skipped: ")
+    ct = s["hf"]["compressed_tensors"]
+    if "fp8" in recipe and compressed_tensors_available():
+        assert ct.startswith("written: float-quantized (fp8, ") and ct.endswith(
+            "sparsity_config dense 2:4 (0.500)"), ct
+        assert s["hf"]["compressed_tensors_dir"] == str(run_dir / "hf-compressed-tensors")
+    else:
+        why = ("compressed-tensors package is not installed" if "fp8" in recipe
+               else "model is not quantized")
+        assert ct.startswith(f"skipped: the {why}"), ct
+        assert not (run_dir / "hf-compressed-tensors").exists()
     hf_dir = run_dir / "hf"
     assert (hf_dir / "sparsekit.safetensors").exists()
     assert transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True).vocab_size
@@ -56,6 +66,11 @@ def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
             name = next(iter(select_modules(exported, exclude=[HEAD])))
             torch.testing.assert_close(exported.get_submodule(name).weight,
                                        layer.dequantized_weight(torch.float32), rtol=0, atol=0)
+            if compressed_tensors_available():  # the same fp8 values and scales, run as W8A8
+                ct = cls.from_pretrained(run_dir / "hf-compressed-tensors",
+                                         local_files_only=True).eval()
+                torch.testing.assert_close(ct(ids).logits, pruned(ids).logits,
+                                           rtol=1e-5, atol=1e-5)
         else:  # the very model the run pruned, evaluated as from_pretrained gives it
             torch.testing.assert_close(got, pruned(ids).logits, rtol=0, atol=0)
 

@@ -235,14 +235,4 @@ def export_pretrained(model: nn.Module, out_dir: str | os.PathLike,
     return out
 
 
-def compressed_tensors_status() -> str:
-    """Why ``<run>/hf/`` holds no compressed-tensors export (sparsekit does not write that
-    format yet: compressed-tensors 0.20 ships no sparse compressors to round-trip through)."""
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        return "skipped: the compressed-tensors package is not installed"
-    return "skipped: sparsekit does not write the compressed-tensors format yet"
-
-
 register_model("hf", hf, doc="a transformers model built from its config (random weights)")

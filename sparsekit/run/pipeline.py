@@ -291,8 +291,10 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
               quiet: bool = False) -> dict:
     """``<run>/hf/``: what ``AutoModelFor*.from_pretrained`` and ``AutoTokenizer`` load (the
     compressed weights), plus the sparsekit file (``sparsekit.safetensors``, for ``sk.load``);
-    the summary says why there is no compressed-tensors export."""
-    from sparsekit.models.hf import compressed_tensors_status, export_pretrained
+    ``<run>/hf-compressed-tensors/`` when compressed-tensors can write the model (the summary
+    says what was written, or why not)."""
+    from sparsekit.models.compressed_tensors import CT_DIR, export_compressed_tensors
+    from sparsekit.models.hf import export_pretrained
 
     out = export_pretrained(model, run_dir / "hf", tokenizer, quiet)
     target = out / "sparsekit.safetensors"
@@ -301,7 +303,7 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
         os.link(model_path, target)
     except OSError:  # another file system: copy
         shutil.copyfile(model_path, target)
-    return {"dir": str(out), "compressed_tensors": compressed_tensors_status()}
+    return {"dir": str(out), **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
 
 
 def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tracker,
