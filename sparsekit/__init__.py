@@ -1,7 +1,11 @@
 """sparsekit: pruning, N:M sparsity and quantization for PyTorch models.
 
-What is exported here: the verbs (``prune_``, ``quantize_``, ``accelerate``, ...), the pruners
-and schedules, the five report types (each with ``to_dict()``, ``to_markdown()`` and
+The public API, loaded lazily: ``import sparsekit`` imports no submodule (nor torch-pruning,
+safetensors, triton, Hydra or transformers); ``sparsekit.Pruner`` imports the module that
+defines it on first use.
+
+What is exported: the verbs (``prune_``, ``quantize_``, ``accelerate``, ...), the pruners and
+schedules, the five report types (each with ``to_dict()``, ``to_markdown()`` and
 ``log(writer, step)``: :mod:`sparsekit.reporting`), the two JSON plans a checkpoint stores
 (``channel_plan``/``apply_channel_plan``, ``quant_plan``/``apply_quant_plan``), ``save``/``load``
 and the model registry.
@@ -25,69 +29,73 @@ by a library call):
   ``_sparsekit_spec`` (builder name and keyword arguments), read by ``save`` to rebuild them.
 """
 
-import warnings as _warnings
+from __future__ import annotations
 
-from sparsekit.accel import AccelReport, accelerate
-from sparsekit.prune.channels import (
-    ChannelPruner,
-    ChannelReport,
-    apply_channel_plan,
-    channel_plan,
-    prune_channels_,
-)
-from sparsekit.prune.pruner import Pruner, prune_
-from sparsekit.quant import (
-    QuantReport,
-    apply_quant_plan,
-    convert_,
-    prepare_qat_,
-    quant_plan,
-    quantize_,
-)
-from sparsekit.prune.report import SparsityReport, sparsity_report
-from sparsekit.prune.schedules import Cubic, Linear, OneShot, Schedule
-from sparsekit.io.checkpoint import load, save
-from sparsekit.models.registry import register_model, registered_models
-from sparsekit.prune.sensitivity import SensitivityTable, allocate, sensitivity
+import importlib
+import warnings
+from typing import Any
 
-__all__ = [
-    "AccelReport",
-    "accelerate",
-    "load",
-    "save",
-    "ChannelPruner",
-    "ChannelReport",
-    "Cubic",
-    "Linear",
-    "OneShot",
-    "Pruner",
-    "QuantReport",
-    "Schedule",
-    "SensitivityTable",
-    "SparsityReport",
-    "allocate",
-    "apply_channel_plan",
-    "apply_quant_plan",
-    "channel_plan",
-    "convert_",
-    "prepare_qat_",
-    "prune_",
-    "prune_channels_",
-    "quant_plan",
-    "quantize_",
-    "register_model",
-    "registered_models",
-    "sensitivity",
-    "sparsity_report",
-]
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_EXPORTS = {
+    "AccelReport": "sparsekit.accel",
+    "accelerate": "sparsekit.accel",
+    "ChannelPruner": "sparsekit.prune.channels",
+    "ChannelReport": "sparsekit.prune.channels",
+    "apply_channel_plan": "sparsekit.prune.channels",
+    "channel_plan": "sparsekit.prune.channels",
+    "prune_channels_": "sparsekit.prune.channels",
+    "Pruner": "sparsekit.prune.pruner",
+    "prune_": "sparsekit.prune.pruner",
+    "QuantReport": "sparsekit.quant",
+    "apply_quant_plan": "sparsekit.quant",
+    "quant_plan": "sparsekit.quant",
+    "convert_": "sparsekit.quant",
+    "prepare_qat_": "sparsekit.quant",
+    "quantize_": "sparsekit.quant",
+    "SparsityReport": "sparsekit.prune.report",
+    "sparsity_report": "sparsekit.prune.report",
+    "Cubic": "sparsekit.prune.schedules",
+    "Linear": "sparsekit.prune.schedules",
+    "OneShot": "sparsekit.prune.schedules",
+    "Schedule": "sparsekit.prune.schedules",
+    "load": "sparsekit.io.checkpoint",
+    "save": "sparsekit.io.checkpoint",
+    "register_model": "sparsekit.models.registry",
+    "registered_models": "sparsekit.models.registry",
+    "SensitivityTable": "sparsekit.prune.sensitivity",
+    "allocate": "sparsekit.prune.sensitivity",
+    "sensitivity": "sparsekit.prune.sensitivity",
+}
+# sk.save / sk.load store and rebuild channel-pruned and quantized models and accelerate them:
+# the modules that own those register their handlers with the checkpoint when imported
+_CHECKPOINT_HANDLERS = ("sparsekit.prune.channels", "sparsekit.quant", "sparsekit.accel")
 
-def __getattr__(name: str):
+# ``sparsekit.quant.quantize_`` after a plain ``import sparsekit`` works as it did when the
+# package imported its subpackages eagerly
+_SUBPACKAGES = ("accel", "data", "io", "models", "prune", "quant", "run")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"sparsekit.{name}")
     if name == "log_accel_report":  # before the report protocol: report.log(writer, step)
-        _warnings.warn("sk.log_accel_report is deprecated; use report.log(writer, step)",
-                       DeprecationWarning, stacklevel=2)
-        from sparsekit.accel.report import log_accel_report
+        warnings.warn("sk.log_accel_report is deprecated; use report.log(writer, step)",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module("sparsekit.accel.report").log_accel_report
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sparsekit' has no attribute {name!r}")
+    if name in ("save", "load"):
+        for module in _CHECKPOINT_HANDLERS:
+            importlib.import_module(module)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
 
-        return log_accel_report
-    raise AttributeError(f"module 'sparsekit' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+

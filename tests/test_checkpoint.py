@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from torch import nn
 import sparsekit as sk
 from sparsekit.io import checkpoint as ck
 from sparsekit.errors import UnsafeFileError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def random_24(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -218,3 +221,48 @@ def test_damaged_file_names_itself(tmp_path, keep):
     (tmp_path / "bad.safetensors").write_bytes(data[:keep])
     with pytest.raises(FileFormatError, match="bad.safetensors"):
         sk.load(tmp_path / "bad.safetensors", model=mlp(64))
+
+
+_FRESH = """
+import sys, torch
+from torch import nn
+model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+if sys.argv[1] == "save":
+    import sparsekit as sk
+    sk.prune_channels_(model, torch.randn(2, 16), 0.5, round_to=None, ignore=["2"])
+    sk.quantize_(model, "int8_weight_only")
+    sk.save(model, sys.argv[2])
+    torch.save(model(torch.ones(1, 16)), sys.argv[2] + ".out")
+elif sys.argv[1] == "sk.load":
+    import sparsekit as sk
+    back = sk.load(sys.argv[2], model=model)
+    assert torch.equal(back(torch.ones(1, 16)), torch.load(sys.argv[2] + ".out"))
+    print(type(back[0]).__name__, back[0].weight.shape[0])
+else:
+    from sparsekit.io.checkpoint import load
+    load(sys.argv[2], model=model)
+"""
+
+
+def test_load_in_a_fresh_process_rebuilds_channels_and_quantized_layers(tmp_path):
+    """The checkpoint imports neither channels nor quant: they register their rebuild
+    functions, and sk.load makes sure they have (a fresh interpreter has imported nothing)."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "m.safetensors")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", _FRESH, *args], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    assert run("save", path).returncode == 0
+    header = ck.read_header(path)
+    assert header["channels"] and header["quant"]
+    loaded = run("sk.load", path)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["QuantLinear", "4"]  # 8 outputs pruned to 4, int8
+    direct = run("direct", path)
+    assert direct.returncode != 0
+    assert ("holds a channels plan and nothing is registered to rebuild it: load it with "
+            "sparsekit.load, or import sparsekit.prune.channels first") in direct.stderr

@@ -20,8 +20,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import sparsekit as sk
+from sparsekit.prune import shards as S
 from sparsekit.run import distributed as D
 from sparsekit.prune.criteria import collect_input_norms, wanda
+from sparsekit.prune import sparsegpt
 from sparsekit.prune.patterns import lowest_k_masks, nm_mask
 
 WORLD = 2
@@ -57,7 +59,7 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _full(mask: torch.Tensor) -> torch.Tensor:
     """A DTensor bool mask gathered whole (through int64: gloo has no bool collectives)."""
-    return D.like(D.local(mask).long(), mask).full_tensor().bool()
+    return S.like(S.local(mask).long(), mask).full_tensor().bool()
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -85,7 +87,7 @@ def _train(model, pruner, opt, step, x, y) -> torch.Tensor:
 def check_threshold(rank: int, out_dir: str) -> None:
     """Distributed lowest-k over shards == single-process lowest-k on the whole tensors,
     with many ties and entries already pruned, and a tensor whose second shard is empty."""
-    c = D.comm()
+    c = S.comm()
     g = torch.Generator().manual_seed(7)
     full = [
         torch.randint(0, 5, (9, 6), generator=g).float(),  # few values: ties everywhere
@@ -116,7 +118,7 @@ def check_ddp(rank: int, out_dir: str) -> None:
     bad = {"0": torch.ones(4, 4, dtype=torch.bool), "2": torch.ones(3, dtype=torch.bool)}
     bad["2"][rank] = False  # same count of kept entries on both ranks, different positions
     with pytest.raises(RuntimeError, match=r"masks differ across ranks for layer\(s\) \['2'\]"):
-        D.verify_masks(bad, D.comm())
+        S.verify_masks(bad, S.comm())
 
 
 def _ddp_run(rank: int, wrap_first: bool) -> None:
@@ -159,7 +161,7 @@ def check_wanda(rank: int, out_dir: str) -> None:
     calib = [torch.randn(5, 16, generator=g) for _ in range(WORLD)]
     layers = {"0": model[0], "2": model[2]}
     ref_norms = collect_input_norms(model, layers, calib)
-    norms = collect_input_norms(model, layers, [calib[rank]], comm=D.comm())
+    norms = collect_input_norms(model, layers, [calib[rank]], comm=S.comm())
     for name in layers:
         torch.testing.assert_close(norms[name], ref_norms[name], rtol=1e-6, atol=1e-6)
     ref = {n: nm_mask(wanda(m.weight, ref_norms[n]), 2, 4) for n, m in layers.items()}
@@ -183,7 +185,7 @@ def check_wanda(rank: int, out_dir: str) -> None:
         )
 
     h, n = torch.full((1, 3, 3), float(rank + 1)), 2 + rank  # rank 0: 2 rows of H=1, rank 1: 3 of 2
-    hh, nn_ = D.reduce_hessian(h, n, D.comm())
+    hh, nn_ = sparsegpt.reduce_hessian(h, n, S.comm())
     assert nn_ == 5
     torch.testing.assert_close(hh, torch.full((1, 3, 3), (2 * 1 + 3 * 2) / 5))
 
@@ -230,10 +232,10 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
         report, ref_report = pruner.report(), ref_pruner.report()  # counts summed over shards
         assert report.to_dict() == ref_report.to_dict(), kwargs
         for name, mask in pruner.masks.items():
-            assert D.is_sharded(mask)
+            assert S.is_sharded(mask)
             assert torch.equal(_full(mask), ref_pruner.masks[name]), (kwargs, name)
             weight = pruner.modules[name].weight
-            assert not bool((D.local(weight)[~D.local(mask)] != 0).any())
+            assert not bool((S.local(weight)[~S.local(mask)] != 0).any())
             torch.testing.assert_close(
                 weight.full_tensor(), ref_pruner.modules[name].weight, rtol=1e-4, atol=1e-5
             )
@@ -247,12 +249,12 @@ def check_fsdp2(rank: int, out_dir: str) -> None:
     other.load_state_dict(state["pruner"])
     assert other.progress == pruner.progress and other.last_step == pruner.last_step
     for name, mask in pruner.masks.items():
-        assert torch.equal(D.local(other.masks[name]), D.local(mask))
-        assert not bool((D.local(other.modules[name].weight)[~D.local(mask)] != 0).any())
+        assert torch.equal(S.local(other.masks[name]), S.local(mask))
+        assert not bool((S.local(other.modules[name].weight)[~S.local(mask)] != 0).any())
     # the full (unsharded) masks of a single-process state load into shards as well
     other.load_state_dict(ref_pruner.state_dict())
     for name, mask in pruner.masks.items():
-        assert torch.equal(D.local(other.masks[name]), D.local(mask))
+        assert torch.equal(S.local(other.masks[name]), S.local(mask))
 
 
 # ---- pytest entry points --------------------------------------------------------------------
@@ -279,12 +281,12 @@ def test_fsdp2_sharded_masks():
 
 
 def test_single_process_helpers_are_identities():
-    assert D.rank() == 0 and D.world_size() == 1 and D.is_main() and D.comm() is None
+    assert S.rank() == 0 and S.world_size() == 1 and D.is_main() and S.comm() is None
     model = nn.Linear(4, 4)
-    assert D.unwrap(model) is model and D.local(model.weight) is model.weight
-    D.verify_masks({"w": torch.ones(2, dtype=torch.bool)}, None)
+    assert S.unwrap(model) is model and S.local(model.weight) is model.weight
+    S.verify_masks({"w": torch.ones(2, dtype=torch.bool)}, None)
     h = torch.eye(2)[None]
-    assert D.reduce_hessian(h, 3, None) == (h, 3)
+    assert sparsegpt.reduce_hessian(h, 3, None) == (h, 3)
 
 
 def test_split_batch_and_init_errors():
@@ -314,8 +316,8 @@ def test_distributed_mode_outside_torchrun():
 def test_mask_checksum_sees_moved_entries():
     a = torch.tensor([True, False, False, True])
     b = torch.tensor([False, True, True, False])  # same count, same position sum
-    assert D.mask_checksum(a) != D.mask_checksum(b)
-    assert D.mask_checksum(a) == D.mask_checksum(a.clone())
+    assert S.mask_checksum(a) != S.mask_checksum(b)
+    assert S.mask_checksum(a) == S.mask_checksum(a.clone())
 
 
 # ---- the command line under torchrun --------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sparsekit as sk
-from sparsekit.models.compressed_tensors import ct_available as compressed_tensors_available
+from sparsekit.quant.compressed_tensors import ct_available as compressed_tensors_available
 from sparsekit.prune.select import select_modules
 from test_cli import run_cli
 

@@ -253,7 +253,7 @@ def test_bad_input():
 def _ranks_entry(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from sparsekit.run import distributed as D
+    from sparsekit.prune import shards as S
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -264,7 +264,7 @@ def _ranks_entry(rank: int, init_file: str, out_dir: str) -> None:
         batches = [structured_inputs(12 + 8 * r, 16, seed=r) for r in range(2)]  # unequal sizes
         mods = {"0": net[0], "2": net[2]}
         levels = {"0": 0.5, "2": 0.5}
-        sparsegpt_prune(net, mods, levels, None, [batches[rank]], comm=D.comm())
+        sparsegpt_prune(net, mods, levels, None, [batches[rank]], comm=S.comm())
         sparsegpt_prune(ref, {"0": ref[0], "2": ref[2]}, levels, None, batches)  # all batches
         torch.testing.assert_close(net[0].weight, ref[0].weight, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(net[2].weight, ref[2].weight, rtol=1e-4, atol=1e-5)

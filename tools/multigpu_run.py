@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
+from sparsekit.prune import shards as S
 from sparsekit.run import distributed as D
 from sparsekit.io.files import atomic_torch_save, atomic_write, safe_torch_load
 
@@ -94,7 +95,7 @@ class Logits(nn.Module):
 def batch(data, step: int, micro: int, seed: int, device: torch.device):
     """This rank's slice of the global batch of ``step`` (a pure function of seed and step, so
     a resumed run sees the batches the killed one would have)."""
-    world, rank = D.world_size(), D.rank()
+    world, rank = S.world_size(), S.rank()
     idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed * 100003 + step))
     mine = idx[: micro * world][rank * micro : (rank + 1) * micro]
     x, y = zip(*(data[int(i)] for i in mine))
@@ -103,27 +104,27 @@ def batch(data, step: int, micro: int, seed: int, device: torch.device):
 
 def _total(pruner: sk.Pruner, local_count: int) -> int:
     """A count over the whole masks: summed over ranks when they hold shards."""
-    sharded = any(D.is_sharded(m) for m in pruner.masks.values())
-    if not sharded or D.comm() is None:
+    sharded = any(S.is_sharded(m) for m in pruner.masks.values())
+    if not sharded or S.comm() is None:
         return local_count
-    return int(D.comm().all_reduce_sum(torch.tensor([local_count]))[0])
+    return int(S.comm().all_reduce_sum(torch.tensor([local_count]))[0])
 
 
 def nm_violations(pruner: sk.Pruner) -> int:
     """Groups of 4 consecutive inputs holding more than 2 kept weights (rows are whole on every
     rank, and every pruned layer's input dimension is a multiple of 4)."""
     masks = pruner.masks.values()
-    return _total(pruner, sum(int((D.local(m).reshape(-1, 4).sum(-1) > 2).sum()) for m in masks))
+    return _total(pruner, sum(int((S.local(m).reshape(-1, 4).sum(-1) > 2).sum()) for m in masks))
 
 
 def kept_fraction(pruner: sk.Pruner) -> float:
-    kept = _total(pruner, sum(int(D.local(m).sum()) for m in pruner.masks.values()))
+    kept = _total(pruner, sum(int(S.local(m).sum()) for m in pruner.masks.values()))
     return kept / sum(m.numel() for m in pruner.masks.values())
 
 
 def mask_checksum(pruner: sk.Pruner) -> int:
     """Sum of every layer's whole-mask checksum (equal for equal masks, however sharded)."""
-    return sum(D.global_mask_checksum(m) for m in pruner.masks.values()) % (1 << 62)
+    return sum(S.global_mask_checksum(m) for m in pruner.masks.values()) % (1 << 62)
 
 
 def save(mode, path, step, model, opt, pruner) -> None:
@@ -173,7 +174,7 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         # on CPU name the mesh: left to itself fully_shard builds a CUDA one if CUDA is visible
-        kw = {"mp_policy": mp} if cuda else {"mesh": init_device_mesh("cpu", (D.world_size(),))}
+        kw = {"mp_policy": mp} if cuda else {"mesh": init_device_mesh("cpu", (S.world_size(),))}
         for layer in model.model.layers:
             fully_shard(layer, **kw)
         wrapped = fully_shard(model, **kw)
@@ -211,9 +212,9 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
         opt.step()
         updates += pruner.step(step)  # DDP: raises if any rank's masks differ
         mean = loss.detach().clone()
-        if D.is_distributed():
+        if S.is_distributed():
             dist.all_reduce(mean)
-        losses[step] = mean / D.world_size()
+        losses[step] = mean / S.world_size()
         if step == kill:
             flush()
             if D.is_main():
@@ -226,16 +227,16 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
     elapsed = time.perf_counter() - t0 if t0 is not None else None
     flush()
     steps_timed = a.steps - timed_from
-    tokens = steps_timed * a.micro * D.world_size() * a.seq
+    tokens = steps_timed * a.micro * S.world_size() * a.seq
     result = {
         "mode": mode,
-        "world": D.world_size(),
+        "world": S.world_size(),
         "size": a.size,
         "parameters": params,
         "pruned_layers": len(pruner.masks),
         "steps": a.steps,
         "resumed_from": start if start else None,
-        "global_batch": a.micro * D.world_size(),
+        "global_batch": a.micro * S.world_size(),
         "seq_len": a.seq,
         "mask_updates_this_launch": updates,
         "final_loss": losses[a.steps - 1].item() if a.steps - 1 in losses else None,
@@ -248,8 +249,8 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
     }
     if mode == "ddp":
         # every update was already checked by the pruner; state it once more at the end
-        sums = [0] * D.world_size()
-        if D.is_distributed():
+        sums = [0] * S.world_size()
+        if S.is_distributed():
             dist.all_gather_object(sums, result["mask_checksum"])
         else:
             sums = [result["mask_checksum"]]
@@ -264,7 +265,7 @@ def run_mode(a, mode: str, device: torch.device, data) -> dict:
             atomic_write(rundir / "result.json", lambda tmp: Path(tmp).write_text(text))
 
     write()
-    if a.accelerate and mode == "ddp" and cuda and D.world_size() == 1:
+    if a.accelerate and mode == "ddp" and cuda and S.world_size() == 1:
         del opt
         result["accelerate"] = accelerate(pruner, model, data, device, a)
         write()

@@ -3,6 +3,9 @@ search, CUDA graphs per input-shape bucket, and the speed-aware planner (``accel
 
 from sparsekit.accel.api import AcceleratedModel, accelerate, layer_plan
 from sparsekit.accel.report import AccelReport, LayerDecision, decide, log_accel_report
+from sparsekit.io import checkpoint
+
+checkpoint.register_accelerator(accelerate)
 
 __all__ = [
     "AccelReport",

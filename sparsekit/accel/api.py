@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit import _compat
 from sparsekit.accel import algsearch, planner
 from sparsekit.accel.convert import (
     Conv1x1AsLinear,
@@ -43,8 +44,6 @@ _ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scal
 _W8A8 = {"fp8": "fp8", "int8": "int8"}  # quant scheme -> accel precision that keeps its numerics
 
 
-def _compile_count() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 class AcceleratedModel(nn.Module):
@@ -87,11 +86,11 @@ class AcceleratedModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._as_input, (args, kwargs))
-        before = _compile_count() if self.compiled else 0
+        before = _compat.compiled_graph_count() if self.compiled else 0
         with torch.no_grad():
             out = self.runner(*args, **kwargs)
         if self.compiled:
-            new = _compile_count() - before
+            new = _compat.compiled_graph_count() - before
             if new:
                 self.report.compiles += new
                 if self.report.compiles > self.max_compiles:

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from sparsekit import _compat
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import absmax_scale, quantize, row_scales
@@ -72,7 +73,7 @@ def sparse24_mm(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
     m = x.shape[0]
     xp = _pad_rows(x, _M_MULTIPLE)
     # cuSPARSELt takes out_dtype for 8-bit inputs only; bf16 in gives bf16 out
-    y = torch._cslt_sparse_mm(packed, xp.t(), bias, transpose_result=True, alg_id=alg_id,
+    y = _compat.cslt_sparse_mm(packed, xp.t(), bias, transpose_result=True, alg_id=alg_id,
                               out_dtype=None if x.dtype == out_dtype else out_dtype)
     return y[:m] if xp.shape[0] != m else y
 
@@ -95,7 +96,7 @@ def pack_24(weight: torch.Tensor) -> torch.Tensor:
     """A 2:4 weight (N, K) in the form ``sparse24_mm`` takes on its device: cuSPARSELt's
     compressed buffer on CUDA, the dense weight itself on CPU."""
     weight = weight.contiguous()
-    return torch._cslt_compress(weight) if weight.is_cuda else weight.clone()
+    return _compat.cslt_compress(weight) if weight.is_cuda else weight.clone()
 
 
 @functools.cache
@@ -106,7 +107,7 @@ def int8_acc_dtype(device_index: int) -> torch.dtype:
     w[:, 0::4] = 3
     x = torch.ones(32, 64, dtype=torch.int8, device=dev)
     try:
-        y = torch._cslt_sparse_mm(torch._cslt_compress(w), x.t(), out_dtype=torch.int32,
+        y = _compat.cslt_sparse_mm(_compat.cslt_compress(w), x.t(), out_dtype=torch.int32,
                                   transpose_result=True)
         return torch.int32 if bool((y == 48).all()) else torch.bfloat16
     except RuntimeError:
@@ -120,16 +121,16 @@ def scaled_mm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
               bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     m = xq.shape[0]
     if xq.dtype == torch.int8:
-        acc = torch._int_mm(_pad_rows(xq, 32), wq.t())[:m]
+        acc = _compat.int_mm(_pad_rows(xq, 32), wq.t())[:m]
         y = acc.float() * x_scale * w_scale
         return (y if bias is None else y + bias.float()).to(out_dtype)
     xp = _pad_rows(xq, _M_MULTIPLE)
     sp = _pad_rows(x_scale, _M_MULTIPLE) if xp.shape[0] != m else x_scale
     sw = w_scale.reshape(1, -1)
     try:  # row-wise scales and bias in cuBLAS's epilogue
-        y = torch._scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sw, bias=bias, out_dtype=out_dtype)
+        y = _compat.scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sw, bias=bias, out_dtype=out_dtype)
     except RuntimeError:  # a cuBLAS without bias for row-wise scaling: add it after
-        y = torch._scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sw, out_dtype=out_dtype)
+        y = _compat.scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sw, out_dtype=out_dtype)
         y = y if bias is None else y + bias
     return y[:m] if xp.shape[0] != m else y
 

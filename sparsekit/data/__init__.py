@@ -6,27 +6,21 @@ Every dataset yields ``(input, target)`` pairs. :func:`build_data` returns a :cl
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.data import Dataset
-
+from sparsekit.data.bundle import DataBundle
 from sparsekit.data.mnist1d import mnist1d
 from sparsekit.imports import import_object
 from sparsekit.io.cache import cache_root
 from sparsekit.data.text import stdlib_text
+
+__all__ = ["DataBundle", "build_data", "cache_root", "check_data_name", "import_object"]
 
 BUILTIN_DATA = {"mnist1d": mnist1d, "stdlib_text": stdlib_text}
 # built by the pipeline with the model's tokenizer (sparsekit.data.hf_text)
 TOKENIZED_DATA = ("text",)
 
 
-@dataclass
-class DataBundle:
-    train: Dataset
-    eval: Dataset
-    info: dict[str, Any] = field(default_factory=dict)  # e.g. num_classes, vocab_size
-    calibration: Dataset | None = None  # its own split for calibration; None: train
 
 
 def check_data_name(name: str, target: str | None = None) -> None:

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sparsekit.io.files import atomic_write
+from sparsekit.data.bundle import DataBundle
 from sparsekit.data.text import ByteWindows
 from sparsekit.errors import FileFormatError, UsageError
+from sparsekit.io.files import atomic_write
 
 SUFFIXES = (".txt", ".jsonl")
 VERSION = 1
@@ -165,11 +166,9 @@ def text_data(
     mlm_probability: float = 0.15,
     seed: int = 0,
 ):
-    """A :class:`~sparsekit.data.DataBundle` (train, eval, calibration) of the text in
+    """A :class:`~sparsekit.data.bundle.DataBundle` (train, eval, calibration) of the text in
     ``path`` for a ``causal_lm`` or ``masked_lm`` model; one-line errors for missing, empty
     or too short text."""
-    from sparsekit.data import DataBundle
-
     if task not in ("causal_lm", "masked_lm"):
         raise UsageError(f"data=text evaluates perplexity, which needs model.task=causal_lm or "
                          f"masked_lm, not {task!r}")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from sparsekit.data.bundle import DataBundle
 from sparsekit.io.files import atomic_write
 
 
@@ -43,11 +44,9 @@ def mnist1d(
     seed: int = 42,
     train_split: float = 0.8,
 ):
-    """MNIST-1D as a :class:`~sparsekit.data.DataBundle` of TensorDatasets: inputs (N, 1, 40)
+    """MNIST-1D as a :class:`~sparsekit.data.bundle.DataBundle` of TensorDatasets: inputs (N, 1, 40)
     float32 (one channel for Conv1d), labels (N,) int64. Default sizes give the paper's
     4000/1000 split."""
-    from sparsekit.data import DataBundle
-
     spec = {"num_samples": num_samples, "seed": seed, "train_split": train_split, "v": 1}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"mnist1d_{key}.npz"

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from sparsekit.data.bundle import DataBundle
 from sparsekit.io.files import atomic_write
 
 
@@ -63,10 +64,8 @@ def stdlib_text(
     max_bytes: int = 2_000_000,
     eval_fraction: float = 0.1,
 ):
-    """The corpus as a :class:`~sparsekit.data.DataBundle` of :class:`ByteWindows`
+    """The corpus as a :class:`~sparsekit.data.bundle.DataBundle` of :class:`ByteWindows`
     (vocabulary 256: raw bytes)."""
-    from sparsekit.data import DataBundle
-
     spec = {"max_bytes": max_bytes, "python": sys.version.split()[0], "v": 1}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"stdlib_text_{key}.npy"

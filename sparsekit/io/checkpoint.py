@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,6 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.imports import load_internal
 from sparsekit.io.files import atomic_write
 from sparsekit.errors import (
     ConfigTypeError,
@@ -56,8 +56,7 @@ from sparsekit.errors import (
     UsageError,
     file_errors,
 )
-from sparsekit.prune.masks import mask_from_zeros
-from sparsekit.prune.patterns import is_nm
+from sparsekit.io.zeros import COMPRESSIBLE, is_2to4, mask_from_zeros
 
 FORMAT = "sparsekit"
 VERSION = 1
@@ -71,30 +70,12 @@ _PAIRS = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]])
 _CODE = torch.full((4, 4), -1, dtype=torch.uint8)
 _CODE[_PAIRS[:, 0], _PAIRS[:, 1]] = torch.arange(6, dtype=torch.uint8)
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_COMPRESSIBLE = {
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int8,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-}
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """View ``t`` as raw integers of its item size, shape (shape[0], rest): packing moves bits
     only, so it is exact for every dtype (float8 included)."""
     return t.contiguous().view(_RAW[t.element_size()]).reshape(t.shape[0], -1)
-
-
-def is_2to4(t: torch.Tensor) -> bool:
-    """True when every group of 4 consecutive entries of each row of ``t`` (flattened to
-    (shape[0], rest)) has at most 2 non-zeros."""
-    if t.dim() < 2 or t.dtype not in _COMPRESSIBLE or t.numel() == 0:
-        return False
-    t = t.detach()
-    return is_nm(t.float() if t.element_size() == 1 else t, 2, 4)  # float8 has no ne()
 
 
 def pack_2to4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +136,7 @@ def unpack_bitmask(nonzeros: torch.Tensor, bits: torch.Tensor, shape: list[int])
 
 def _bitmask_pays(t: torch.Tensor) -> bool:
     """Non-zeros plus one bit per entry take less than 0.9x of the dense bytes."""
-    if t.dtype not in _COMPRESSIBLE or t.numel() < 64:
+    if t.dtype not in COMPRESSIBLE or t.numel() < 64:
         return False
     nnz = int(mask_from_zeros(t).sum())
     return nnz * t.element_size() + t.numel() / 8 < 0.9 * t.numel() * t.element_size()
@@ -177,18 +158,46 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _optional_plan(key: str, fn_name: str, model: nn.Module) -> dict | None:
-    """A helper package's plan of ``model`` when that package exists; None when it does not or
+# Structure a model carries beyond what its builder makes: pruned channel widths, quantized
+# layers. The layer that owns it (sparsekit.prune.channels, sparsekit.quant) registers how to
+# describe it (``plan(model)``, JSON data) and how to rebuild it on a fresh model
+# (``apply(model, plan)``), so storage imports nothing above it. Rebuilt in this order.
+SECTIONS = ("channels", "quant")
+_OWNERS = {"channels": "sparsekit.prune.channels", "quant": "sparsekit.quant"}
+_PLANS: dict[str, tuple[Callable[[nn.Module], Any], Callable[[nn.Module, Any], Any]]] = {}
+# ``load(accelerate=...)`` hands the loaded model to sparsekit.accel, which registers itself
+_ACCELERATE: list[Callable[..., nn.Module]] = []
+
+
+def register_plan(section: str, plan: Callable[[nn.Module], Any],
+                  apply: Callable[[nn.Module, Any], Any]) -> None:
+    """Store ``plan(model)`` under ``section`` in every file :func:`save` writes, and call
+    ``apply(model, plan)`` on the fresh model before :func:`load` reads the weights."""
+    if section not in SECTIONS:
+        raise UsageError(f"checkpoint section {section!r} is not one of {SECTIONS}")
+    _PLANS[section] = (plan, apply)
+
+
+def register_accelerator(accelerate: Callable[..., nn.Module]) -> None:
+    """The function ``load(accelerate=kwargs)`` calls as ``accelerate(model, **kwargs)``."""
+    _ACCELERATE[:] = [accelerate]
+
+
+def _plan(section: str, model: nn.Module) -> Any:
+    """The registered plan of ``model`` for ``section``; None when nothing is registered or
     the plan is empty (nothing to rebuild)."""
-    try:
-        mod = load_internal(key)
-    except ImportError:
+    if section not in _PLANS:
         return None
-    fn = getattr(mod, fn_name, None)
-    if fn is None:
-        return None
-    plan = fn(model)
-    return plan or None
+    return _PLANS[section][0](model) or None
+
+
+def _handler(section: str, path: str | os.PathLike) -> Callable[[nn.Module, Any], Any]:
+    if section not in _PLANS:
+        raise FileFormatError(
+            f"{path} holds a {section} plan and nothing is registered to rebuild it: load it "
+            f"with sparsekit.load, or import {_OWNERS[section]} first"
+        )
+    return _PLANS[section][1]
 
 
 def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) -> None:
@@ -240,8 +249,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
         "format": FORMAT,
         "version": VERSION,
         "model": getattr(model, "_sparsekit_spec", None),
-        "channels": _optional_plan("channels", "channel_plan", model),
-        "quant": _optional_plan("quant", "quant_plan", model),
+        **{section: _plan(section, model) for section in SECTIONS},
         "sparse": sparse,
         "bitmask": bitmask,
         "aliases": aliases,
@@ -383,14 +391,9 @@ def load(
                 "model=<a freshly built module of the same architecture> to sk.load"
             )
         model = model_from_spec(header["model"], path)
-    if header.get("channels"):
-        from sparsekit.prune.channels import apply_channel_plan
-
-        apply_channel_plan(model, header["channels"])
-    if header.get("quant"):
-        from sparsekit.quant import apply_quant_plan
-
-        apply_quant_plan(model, header["quant"])
+    for section in SECTIONS:
+        if header.get(section):
+            _handler(section, path)(model, header[section])
     sd = load_state_dict(path)
     current = model.state_dict(keep_vars=True)
     for key, t in sd.items():
@@ -405,7 +408,8 @@ def load(
                 "sk.load(accelerate=...): no CUDA device, returning the dense model", stacklevel=2
             )
             return model
-        from sparsekit.accel import accelerate as _accelerate
-
-        return _accelerate(model.cuda(), **accelerate)
+        if not _ACCELERATE:
+            raise UsageError("sk.load(accelerate=...) needs sparsekit.accel: call sparsekit.load, "
+                             "or import sparsekit.accel first")
+        return _ACCELERATE[0](model.cuda(), **accelerate)
     return model

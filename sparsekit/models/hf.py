@@ -210,12 +210,11 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (the quantized values times their scales), so ``from_pretrained`` of the plain architecture
     reads them."""
     from sparsekit.io.checkpoint import plain_state_dict
-    from sparsekit.quant.modules import _QuantWeight
 
     dtype = model.get_input_embeddings().weight.dtype
     sd = plain_state_dict(model)
     for name, module in model.named_modules():
-        if isinstance(module, _QuantWeight):
+        if hasattr(module, "dequantized_weight"):  # sparsekit.quant's quantized layers
             sd.pop(f"{name}.weight_scale", None)
             sd[f"{name}.weight"] = module.dequantized_weight(dtype)
     return sd

@@ -33,8 +33,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.prune.calibration import call_model, eval_mode, feed
+from sparsekit import _compat
 from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.io import checkpoint
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
 from sparsekit.prune.select import PRUNABLE_TYPES, as_patterns, name_matches
@@ -387,21 +389,18 @@ class ChannelPruner:
         reach a model output (pruning them would change the output shape) and groups holding
         nn.MultiheadAttention (pruned here as whole heads). Returns the protected layer names
         and the attention groups."""
-        dg = self._tp.DG
+        dg = _compat.tp_graph(self._tp)
         protected: list[str] = []
         mha_groups: list[list[nn.MultiheadAttention]] = []
         output_modules = _output_modules(self.model, self.example_inputs)
-        groups = dg.get_all_groups(
-            ignored_layers=self._tp.ignored_layers, root_module_types=self._tp.root_module_types
-        )
-        for group in list(groups):
+        for group in list(_compat.tp_groups(self._tp)):
             outs = [d.target.module for d, _ in group if dg.is_out_channel_pruning_fn(d.handler)]
-            reaches_output = any(d.target.type == tp.ops.OPTYPE.OUTPUT for d, _ in group) or any(
+            reaches_output = any(_compat.tp_is_output(d) for d, _ in group) or any(
                 m in output_modules for m in outs
             )
             mhas = [m for m in dict.fromkeys(outs) if isinstance(m, nn.MultiheadAttention)]
             if reaches_output or mhas:
-                self._tp.ignored_layers.extend(m for m in outs if isinstance(m, nn.Module))
+                _compat.tp_ignore(self._tp, (m for m in outs if isinstance(m, nn.Module)))
             if reaches_output:
                 protected += [self._names[m] for m in outs if m in self._names]
             elif mhas:
@@ -441,7 +440,7 @@ class ChannelPruner:
         """UsageError when nothing was removed although ``target`` asks for at least
         ``round_to`` channels of some prunable layer: rounding the kept widths to multiples of
         ``round_to`` would have emptied the layers, and a silent no-op would read as success."""
-        ignored = set(map(id, self._tp.ignored_layers))
+        ignored = set(map(id, _compat.tp_ignored(self._tp)))
         wanted = [
             n for n, w in self._widths0.items()
             if n not in self._protected and id(self.model.get_submodule(n)) not in ignored
@@ -470,18 +469,14 @@ class ChannelPruner:
         if self.loss_fn is not None:
             self.model.zero_grad()
             self.loss_fn(self.model).backward()
-        # torch-pruning ranks against the widths at its first step, so passing the cumulative
-        # target as the ratio of one step reproduces its iterative schedule with ours.
-        tp_pruner.current_step = 0
-        tp_pruner.per_step_pruning_ratio = [0.0, target]
-        tp_pruner.per_step_head_pruning_ratio = [0.0, target]
+        _compat.tp_set_target(tp_pruner, target)
         # Its per-layer head count is relative to the heads left, not the initial ones.
         for att in self._hf_attention if self.scope == "layer" else ():
-            now = tp_pruner.num_heads[att.query]
-            keep = max(1, int(tp_pruner.init_num_heads[att.query] * (1 - target)))
+            now, initial = _compat.tp_heads(tp_pruner, att.query)
+            keep = max(1, int(initial * (1 - target)))
             r = max(0.0, (now - keep) / now - 1e-9)
             for lin in (att.query, att.key, att.value):
-                tp_pruner.head_pruning_ratio_dict[lin] = [0.0, r]
+                _compat.tp_set_head_ratio(tp_pruner, lin, r)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="torch_pruning")
             for group in tp_pruner.step(interactive=True):
@@ -494,12 +489,12 @@ class ChannelPruner:
         if self.loss_fn is not None:
             self.model.zero_grad(set_to_none=True)  # the scoring gradients are not training's
         for att in self._hf_attention:
-            att.num_attention_heads = tp_pruner.num_heads[att.query]
+            att.num_attention_heads = _compat.tp_heads(tp_pruner, att.query)[0]
 
     def _empties_a_layer(self, group: Any) -> bool:
         """True when rounding would remove every channel of the group's root layer."""
         dep, idxs = group[0]
-        dg = self._tp.DG
+        dg = _compat.tp_graph(self._tp)
         if dg.is_out_channel_pruning_fn(dep.handler):
             width = dg.get_out_channels(dep.target.module)
         else:
@@ -519,7 +514,7 @@ class ChannelPruner:
         n_remove = first.num_heads - keep
         if n_remove <= 0:
             return
-        dg = self._tp.DG
+        dg = _compat.tp_graph(self._tp)
         prune_fn = tp.prune_multihead_attention_out_channels
         head_dim = first.head_dim
         full = dg.get_pruning_group(first, prune_fn, list(range(first.embed_dim)))
@@ -741,3 +736,6 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
                 v = type(old)(v)  # tuples (kernel_size, normalized_shape) come back as lists
             setattr(m, k, v)
     return model
+
+
+checkpoint.register_plan("channels", channel_plan, apply_channel_plan)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.prune.calibration import CalibrationFn, run_calibration
-from sparsekit.run.distributed import ShardComm, all_reduce_dict
+from sparsekit.prune.shards import ShardComm, all_reduce_dict
 from sparsekit.errors import ConfigTypeError, ModelCallError, NumericsError, UsageError
 
 CRITERIA = ("magnitude", "wanda", "sparsegpt")
@@ -173,7 +173,7 @@ def collect_input_norms(
 ) -> dict[str, torch.Tensor]:
     """Run the calibration batches and return each module's input feature L2 norms.
 
-    With ``comm`` (several ranks, see :mod:`sparsekit.run.distributed`) each rank runs its own share
+    With ``comm`` (several ranks, see :mod:`sparsekit.prune.shards`) each rank runs its own share
     of the calibration data and the squared norms are summed over ranks before the square root,
     so every rank gets the norms of all ranks' data together."""
     with InputNormCollector(modules) as collector:

@@ -114,9 +114,3 @@ def remove_mask(module: nn.Module) -> None:
     ]
     module._parameters = {k: params[k] for k in order}
 
-
-def mask_from_zeros(weight: torch.Tensor) -> torch.Tensor:
-    """Bool keep-mask of the nonzero entries of ``weight`` (int8 / float8 weights, which support
-    few ops, are compared in float32)."""
-    w = weight.detach()
-    return (w.float() if w.element_size() == 1 else w) != 0

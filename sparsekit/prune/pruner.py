@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit.run import distributed as D
+from sparsekit.prune import shards as D
 from sparsekit.prune import masks as M
 from sparsekit.prune.calibration import CalibrationFn, check_calibration
 from sparsekit.prune.criteria import (

@@ -8,11 +8,20 @@ from typing import ClassVar
 
 from torch import nn
 
-from sparsekit.prune.masks import mask_from_zeros
+from sparsekit.io.zeros import mask_from_zeros
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.checks import positional_until
 from sparsekit.prune.patterns import is_nm, nm_incompatibility, parse_pattern
-from sparsekit.prune.select import select_modules
+from sparsekit.prune.select import PRUNABLE_TYPES, select_modules
+
+# The layer types the report counts: the prunable ones, and those that higher layers register
+# (sparsekit.quant registers its quantized layers, which keep their zeros too).
+_REPORTED: list[type[nn.Module]] = list(PRUNABLE_TYPES)
+
+
+def register_reported_types(*types: type[nn.Module]) -> None:
+    """Count layers of ``types`` in :func:`sparsity_report` too."""
+    _REPORTED.extend(t for t in types if t not in _REPORTED)
 
 
 @dataclass
@@ -120,10 +129,8 @@ def sparsity_report(
     >>> sparsity_report(torch.nn.Sequential(layer)).global_sparsity
     0.5
     """
-    from sparsekit.quant.layers import LAYER_TYPES  # quantized layers keep their zeros too
-
-    return build_report(select_modules(model, include, exclude, types=LAYER_TYPES), pattern,
-                        skipped)
+    chosen = select_modules(model, include, exclude, types=tuple(_REPORTED))
+    return build_report(chosen, pattern, skipped)
 
 
 def _zeros(weight) -> int:

@@ -42,10 +42,23 @@ from sparsekit.prune.criteria import check_finite_weight
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 from sparsekit.prune.criteria import conv_columns
 from sparsekit.prune.masks import original_weight
-from sparsekit.run.distributed import ShardComm, reduce_hessian
+from sparsekit.prune.shards import ShardComm
 from sparsekit.prune.patterns import prune_count
 
 __all__ = ["conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
+
+
+def reduce_hessian(h: torch.Tensor, n: int, c: ShardComm | None) -> tuple[torch.Tensor, int]:
+    """Combine SparseGPT Hessians averaged over ``n`` input rows on each rank into the average
+    over all ranks' rows: ``H = sum_r n_r H_r / sum_r n_r``. Returns ``(H, total rows)``;
+    identity when ``c`` is None. ``h`` is ``(groups, cols, cols)`` float32."""
+    if c is None:
+        return h, n
+    weighted = c.all_reduce_sum(h.double() * n)
+    total = int(c.all_reduce_sum(torch.tensor([n], dtype=torch.int64)).item())
+    if total == 0:
+        raise ValueError("sparsegpt: no calibration rows on any rank")
+    return (weighted / total).to(h.dtype), total
 
 
 def hessian_spec(module: nn.Module) -> tuple:
@@ -307,7 +320,7 @@ def sparsegpt_prune(
     ``calibration_fn(model, batch)``); it is read into a list and replayed once per layer group.
     Each layer's weight is overwritten with the OBS-compensated weights (zeros where pruned).
     Returns bool keep-masks (True = kept) of each weight's shape. With ``comm`` (data-parallel
-    ranks, each calibrating on its own batches; see :func:`sparsekit.run.distributed.comm`) every
+    ranks, each calibrating on its own batches; see :func:`sparsekit.prune.shards.comm`) every
     Hessian is averaged over all ranks' inputs, so every rank computes the same weights.
 
     >>> torch.manual_seed(0) and None

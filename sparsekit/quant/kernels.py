@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sparsekit import _compat
+
 _INT_MM_MIN_M = 17  # torch._int_mm needs more than 16 rows
 _INT_MM_MULTIPLE = 8  # ... and K, N multiples of 8
 _SCALED_MM_MULTIPLE = 16  # torch._scaled_mm needs K, N multiples of 16 (M padded too: cheap)
@@ -51,7 +53,7 @@ def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     m, k = a.shape
     n = w.shape[0]
     if int_mm_applies(m, k, n):
-        return torch._int_mm(a.contiguous(), w.contiguous().t())
+        return _compat.int_mm(a.contiguous(), w.contiguous().t())
     if a.device.type == "cpu":
         return a.int() @ w.int().t()
     mp, kp, np_ = (
@@ -59,7 +61,7 @@ def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         _round_up(k, _INT_MM_MULTIPLE),
         _round_up(n, _INT_MM_MULTIPLE),
     )
-    out = torch._int_mm(_pad2d(a, mp, kp), _pad2d(w, np_, kp).t())
+    out = _compat.int_mm(_pad2d(a, mp, kp), _pad2d(w, np_, kp).t())
     return out[:m, :n]
 
 
@@ -75,7 +77,7 @@ def scaled_mm_fp8(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     mp, kp, np_ = (_round_up(d, _SCALED_MM_MULTIPLE) for d in (m, k, n))
     one = torch.ones((), dtype=torch.float32, device=a.device)
-    out = torch._scaled_mm(
+    out = _compat.scaled_mm(
         _pad2d(a, mp, kp).contiguous(),
         _pad2d(w, np_, kp).contiguous().t(),  # column-major, as the kernel requires
         scale_a=one,

@@ -11,9 +11,11 @@ from sparsekit.errors import UsageError
 from sparsekit.quant.formats import Scheme
 from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight, unsupported_reason
 from sparsekit.quant.report import QuantLayer, QuantReport
+from sparsekit.prune.report import register_reported_types
 from sparsekit.prune.select import PRUNABLE_TYPES, select_modules
 
 LAYER_TYPES = (*PRUNABLE_TYPES, QuantLinear, QuantConv)
+register_reported_types(QuantLinear, QuantConv)
 # Set on a layer by prepare_qat_ (the scheme name) and cleared by convert_. An attribute rather
 # than the parametrization itself: folding a pruning mask folds the fake quantization too.
 QAT_ATTR = "sparsekit_qat_scheme"

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparsekit import _compat
 from sparsekit.prune.criteria import conv_pads, im2col
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
@@ -62,6 +63,9 @@ def unsupported_reason(module: nn.Module, scheme: str | Scheme) -> str | None:
             "int8_weight_only can take it"
         )
     return None
+
+
+_compat.check_module_apply()  # _QuantWeight overrides nn.Module._apply(fn, recurse)
 
 
 class _QuantWeight(nn.Module):

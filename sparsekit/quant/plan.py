@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from sparsekit.errors import UsageError
+from sparsekit.io import checkpoint
 from sparsekit.quant.formats import get_scheme
 from sparsekit.quant.layers import kind, set_module
 from sparsekit.quant.modules import _QuantWeight, quantized_module
@@ -67,3 +68,6 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
                 f"{type(module).__name__} {found[1]} bias={found[2]}"
             )
         set_module(model, name, quantized_module(module, scheme, fill=False))
+
+
+checkpoint.register_plan("quant", quant_plan, apply_quant_plan)

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -28,8 +29,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparsekit.run.config import Config, validate
 from sparsekit.data import check_data_name
-from sparsekit.run.distributed import is_main, set_launch_env, share_run_dir
+from sparsekit.prune.shards import is_distributed
+from sparsekit.run.distributed import init, is_main, launched_by_torchrun, set_launch_env
 from sparsekit.errors import SparsekitError, StorageError, UsageError
+from sparsekit.io.files import unique_dir
 from sparsekit.models import check_model_name
 from sparsekit.run.resources import conf_dir, recipes_dir
 
@@ -289,10 +292,7 @@ def unique_run_dir(argv: list[str]) -> list[str]:
     """Give this run (a sweep: its parent directory) a directory of its own, created now with
     ``os.mkdir`` (``runs/<date_time>``, then ``_1``, ``_2``, ... when taken), so two runs started
     in the same second never share one. Unchanged when argv names the directory already, asks
-    for help, or runs under torchrun (rank 0 names it: ``distributed.share_run_dir``)."""
-    from sparsekit.io.files import unique_dir
-    from sparsekit.run.distributed import launched_by_torchrun
-
+    for help, or runs under torchrun (rank 0 names it: :func:`share_run_dir`)."""
     sweep = any(a in ("-m", "--multirun") for a in argv)
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
     if (any(a.lstrip("+").startswith(key + "=") for a in argv)
@@ -330,6 +330,23 @@ class SweepFigures(Callback):
         png = sweep_figures(config.hydra.sweep.dir)
         if png is not None:
             print(f"sweep figure: {png}")
+
+
+def share_run_dir(argv: list[str], pattern: str = "runs/%Y-%m-%d_%H-%M-%S") -> list[str]:
+    """Under torchrun, every rank's Hydra run directory is rank 0's (``hydra.run.dir``; each
+    rank's clock would otherwise name its own), created by rank 0 with a suffix when taken.
+    Initializes the process group. ``argv`` is
+    returned unchanged outside torchrun, for sweeps, or when it already names the directory."""
+    if not launched_by_torchrun() or any(a.startswith("hydra.run.dir=") for a in argv):
+        return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    init()
+    # made at once: a run started in the same second gets a suffix
+    box = [str(unique_dir(time.strftime(pattern))) if is_main() else None]
+    if is_distributed():
+        dist.broadcast_object_list(box, src=0)
+    return [*argv, f"hydra.run.dir={box[0]}"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -293,7 +293,7 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
     compressed weights), plus the sparsekit file (``sparsekit.safetensors``, for ``sk.load``);
     ``<run>/hf-compressed-tensors/`` when compressed-tensors can write the model (the summary
     says what was written, or why not)."""
-    from sparsekit.models.compressed_tensors import CT_DIR, export_compressed_tensors
+    from sparsekit.quant.compressed_tensors import CT_DIR, export_compressed_tensors
     from sparsekit.models.hf import export_pretrained
 
     out = export_pretrained(model, run_dir / "hf", tokenizer, quiet)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
+from sparsekit import _compat
 from sparsekit.run import figures
 
 # one chart per quantity: the dense and compressed runs log the same tag
@@ -252,7 +253,7 @@ class Tracker:
               if isinstance(flat[k], (int, float, str, bool))}
         exp, ssi, sei = hparams_summary(hp, dict(metrics))
         mark_differing(exp, set(first))
-        file_writer = self.writer._get_file_writer()
+        file_writer = _compat.summary_file_writer(self.writer)
         for summary in (exp, ssi, sei):
             file_writer.add_summary(summary)
         self.scalars(metrics, step)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.models import compressed_tensors as skct
+from sparsekit.quant import compressed_tensors as skct
 from sparsekit.quant.modules import _QuantWeight
 
 transformers = pytest.importorskip("transformers")
