@@ -117,6 +117,23 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def recompile_limit(limit: int) -> Any:
+    """A context manager raising dynamo's recompile limit per frame to ``limit``."""
+    return torch._dynamo.config.patch(recompile_limit=limit)
+
+
+def reset_compiled() -> None:
+    """Drop what torch.compile holds: dynamo's code caches and inductor's CUDA-graph trees
+    (when this torch has them)."""
+    torch._dynamo.reset()
+    try:
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+    except Exception:  # a torch without it: dynamo's reset is enough  # noqa: BLE001
+        pass
+
+
 def check_module_apply() -> None:
     """``nn.Module._apply(fn, recurse)``, which sparsekit's quantized layers override so that
     ``.to(dtype)`` moves their 8-bit weights without converting them: the signature must hold."""

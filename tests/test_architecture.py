@@ -52,8 +52,10 @@ def test_only_the_core_helpers_sit_outside_the_layer_folders(graph):
     core = {name for name in graph if arch.layer(name) == arch.CORE}
     assert {"sparsekit.errors", "sparsekit.progress"} <= core
     # the registry class is the one extension mechanism prune/, quant/ and accel/ share
+    # and the shared helpers: number checks, import by name, the report protocol
     assert core <= {"sparsekit.errors", "sparsekit.progress", "sparsekit._compat",
-                    "sparsekit.registry"}
+                    "sparsekit.registry", "sparsekit.checks", "sparsekit.imports",
+                    "sparsekit.reporting"}
 
 
 def test_import_sparsekit_loads_no_heavy_optional_modules():

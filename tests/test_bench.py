@@ -7,10 +7,11 @@ import time
 import torch
 from torch import nn
 
-from sparsekit.run.bench import benchmark, time_call
+from sparsekit.accel.timing import time_ms
+from sparsekit.run.bench import benchmark
 
 
-def test_time_call_is_the_median_after_warmup():
+def test_time_ms_is_the_median_after_warmup():
     durations = iter([0.05, 0.05] + [0.001, 0.004, 0.002])  # two slow warm-up calls
     calls = []
 
@@ -18,7 +19,7 @@ def test_time_call_is_the_median_after_warmup():
         calls.append(1)
         time.sleep(next(durations))
 
-    ms = time_call(fn, torch.device("cpu"), warmup=2, repeats=3, quiet=True)
+    ms = time_ms(fn, torch.device("cpu"), warmup=2, repeats=3)
     assert len(calls) == 5
     assert 2.0 <= ms < 3.9  # the median of 1, 4, 2 ms (plus sleep overshoot), warm-up excluded
 

@@ -258,7 +258,7 @@ def test_importances_and_scopes(importance, scope):
         return nn.functional.cross_entropy(m(x), y)
 
     report = prune_channels_(
-        model, x, ratio=0.5, importance=importance, scope=scope, loss_fn=loss_fn
+        model, x, ratio=0.5, criterion=importance, scope=scope, loss_fn=loss_fn
     )
     assert run(model, x)[0].shape == (2, 10)
     # global ranking removes the same fraction overall, unevenly; rounding takes a little more
@@ -280,7 +280,7 @@ def test_pruning_leaves_training_mode_and_batchnorm_statistics_alone():
 def test_ignore_and_round_to():
     model = torchvision.models.resnet18(num_classes=10)
     x = torch.randn(1, 3, 32, 32)
-    report = prune_channels_(model, x, ratio=0.3, round_to=16, ignore=["layer4.*"])
+    report = prune_channels_(model, x, ratio=0.3, round_to=16, exclude=["layer4.*"])
     assert model.layer4[1].conv1.out_channels == 512
     for layer, (_, after) in report.layers.items():
         assert after % 16 == 0 or layer == "fc"
@@ -376,7 +376,7 @@ def test_unhandled_module_is_named_and_model_left_unchanged():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"module '1' \(_Scale\)") as info:
         prune_channels_(model, x, ratio=0.5)
-    assert "ignore=['1']" in str(info.value)
+    assert "exclude=['1']" in str(info.value)
     assert model[0].out_channels == 16
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     run(model, x)
@@ -388,13 +388,13 @@ def test_unhandled_module_is_named_and_model_left_unchanged():
         ({"ratio": 1.0}, ValueError, r"ratio=1.0 must be in \[0, 1\)"),
         ({"ratio": -0.1}, ValueError, "fraction of output channels"),
         ({"ratio": float("nan")}, ValueError, "ratio"),
-        ({"ratio": "0.5"}, TypeError, "ratio must be a float"),
-        ({"ratio": 0.5, "importance": "l1"}, ValueError, "magnitude, taylor, lamp"),
+        ({"ratio": "0.5"}, TypeError, "ratio must be a number"),
+        ({"ratio": 0.5, "criterion": "l1"}, ValueError, "magnitude, taylor, lamp"),
         ({"ratio": 0.5, "scope": "model"}, ValueError, "layer, global"),
         ({"ratio": 0.5, "round_to": 0}, ValueError, "round_to=0"),
         ({"ratio": 0.5, "steps": 0}, ValueError, "steps=0"),
-        ({"ratio": 0.5, "importance": "taylor"}, ValueError, "loss_fn"),
-        ({"ratio": 0.5, "ignore": ["conv9"]}, ValueError, "'conv9' matches no module"),
+        ({"ratio": 0.5, "criterion": "taylor"}, ValueError, "loss_fn"),
+        ({"ratio": 0.5, "exclude": ["conv9"]}, ValueError, "'conv9' matches no module"),
     ],
 )
 def test_bad_options_raise_clear_errors(kwargs, error, match):

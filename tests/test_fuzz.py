@@ -271,8 +271,10 @@ def test_fuzz_quantize(kind, scheme, include, exclude, calib, strict):
     x = torch.randn(5, *input_shape(kind))
     with torch.no_grad():
         ref = model(x)
-    report = outcome("quantize_", lambda: sk.quantize_(model, scheme, include, exclude,
-                                                       batches(kind, calib), strict=strict),
+    report = outcome("quantize_", lambda: sk.quantize_(model, scheme, include=include,
+                                                       exclude=exclude,
+                                                       calibration=batches(kind, calib),
+                                                       strict=strict),
                      ("scheme", "include", "exclude", "calibration", "layer", "batch",
                       "calling the model", "re:", "nope"))
     if report is None:
@@ -306,9 +308,9 @@ def test_fuzz_prune_channels(ratio, importance, scope, round_to, steps, inputs, 
     params = sum(p.numel() for p in model.parameters())
     report = outcome(
         "prune_channels_",
-        lambda: sk.prune_channels_(model, example, ratio, importance, scope, round_to,
-                                   steps=steps, loss_fn=loss_fn),
-        ("ratio", "importance", "scope", "round_to", "steps", "loss_fn", "example_inputs",
+        lambda: sk.prune_channels_(model, example, ratio=ratio, criterion=importance,
+                                   scope=scope, round_to=round_to, steps=steps, loss_fn=loss_fn),
+        ("ratio", "criterion", "scope", "round_to", "steps", "loss_fn", "example_inputs",
          "quantized", "trace", "module", "layer"),
     )
     with torch.no_grad():
@@ -331,7 +333,7 @@ def test_fuzz_sparsity_report(kind, fraction, pattern, include):
     with torch.no_grad():
         for p in model.parameters():
             p.masked_fill_(torch.rand_like(p) < fraction, 0)
-    report = outcome("sparsity_report", lambda: sk.sparsity_report(model, include,
+    report = outcome("sparsity_report", lambda: sk.sparsity_report(model, include=include,
                                                                    pattern=pattern),
                      ("pattern", "include", "re:", "nope"))
     if report is None:
@@ -376,7 +378,8 @@ JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_n
                                               "unstructured", "2:4"])))
 def test_fuzz_pruner_load_state_dict(pattern, field, value):
     torch.manual_seed(0)
-    src = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None, pattern)
+    src = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None,
+                     pattern=pattern)
     src.step(0)
     state = dict(src.state_dict())
     if field == "drop":
@@ -385,7 +388,8 @@ def test_fuzz_pruner_load_state_dict(pattern, field, value):
         state["masks"] = {**state["masks"], "0": value}
     elif field != "none":
         state[field] = value
-    dst = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None, pattern)
+    dst = sk.Pruner(make_model("mlp8"), 0.5 if pattern == "unstructured" else None,
+                     pattern=pattern)
     before = {n: m.clone() for n, m in dst.masks.items()}
     done = outcome("Pruner.load_state_dict", lambda: dst.load_state_dict(state) or True,
                    ("pruner state", "masks", "version", "progress", "last_step", "pattern",

@@ -87,7 +87,7 @@ def test_header_naming_load_state_dict_from_url(tmp_path):
 
 
 @pytest.mark.parametrize("spec", [
-    {"_target_": "sparsekit.data.import_object", "path": "evil_mod.build", "option": "x"},
+    {"_target_": "sparsekit.imports.import_object", "path": "evil_mod.build", "option": "x"},
     {"_target_": "evil_mod.build"},
     {"_target_": "sparsekit.models.cnn1d.evil_mod"},
     {"builder": "evil_mod.build", "kwargs": {}},

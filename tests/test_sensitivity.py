@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.prune.sensitivity import SensitivityTable, log_sensitivity
+from sparsekit.prune.sensitivity import SensitivityTable
 
 
 class Net(nn.Module):
@@ -65,7 +65,8 @@ def test_restores_every_tensor_exactly_and_measures_each_layer_alone(criterion, 
         for level, value in zip(table.levels, values):
             ref = copy.deepcopy(net)
             sparsity = None if pattern != "unstructured" else level
-            sk.prune_(ref, sparsity, pattern, criterion, include=[name], calibration=calib)
+            sk.prune_(ref, sparsity, pattern=pattern, criterion=criterion, include=[name],
+                      calibration=calib)
             assert value == pytest.approx(mse(ref), rel=1e-6), (name, level)
             assert value != pytest.approx(table.baseline)
     assert table.params == {"conv": 96, "fc1": 2048, "fc2": 128}
@@ -184,7 +185,7 @@ def test_log_sensitivity_one_chart_per_layer(tmp_path):
         [0.5, 0.9], 2.0, {"a": [2.5, 4.0], "b.c": [2.1, 2.2]}, {"a": 1, "b.c": 1}
     )
     with SummaryWriter(str(tmp_path)) as writer:
-        log_sensitivity(writer, table)
+        table.log(writer)
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["sensitivity/a", "sensitivity/b.c"]

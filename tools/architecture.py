@@ -34,7 +34,7 @@ LAYERS = {
     "sparsekit.models": 1,
     "sparsekit.data": 1,
 }
-CORE = 0  # sparsekit.errors, sparsekit.progress, sparsekit._compat
+CORE = 0  # sparsekit.errors, progress, _compat, registry, checks, imports, reporting
 FACADE = 4.5  # sparsekit (the __init__)
 MAIN = 6  # sparsekit.__main__
 LONG_FUNCTION = 80

@@ -29,7 +29,7 @@ from torch import nn
 from torch.fx.experimental.optimization import fuse
 
 import sparsekit as sk
-from sparsekit.run.bench import time_call
+from sparsekit.accel.timing import time_ms
 from sparsekit.models import build_model
 
 
@@ -57,8 +57,8 @@ def latency_ms(
     cpu = torch.device("cpu")
     d, p = [], []
     for _ in range(rounds):
-        d.append(time_call(lambda: dense(x), cpu, warmup, repeats, quiet=True))
-        p.append(time_call(lambda: pruned(x), cpu, warmup, repeats, quiet=True))
+        d.append(time_ms(lambda: dense(x), cpu, warmup=warmup, repeats=repeats))
+        p.append(time_ms(lambda: pruned(x), cpu, warmup=warmup, repeats=repeats))
     return statistics.median(d), statistics.median(p)
 
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     pruned.load_state_dict(dense.state_dict())
     example = example_input(args.model, 1, args.image_size)
     report = sk.prune_channels_(
-        pruned, example, ratio=args.ratio, importance=args.importance, round_to=args.round_to
+        pruned, example, ratio=args.ratio, criterion=args.importance, round_to=args.round_to
     )
 
     if args.fuse:

@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -47,6 +46,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit._compat import compiled_graph_count
+from sparsekit.accel import timing
 
 TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("llama", "sk_bf16_2:4"): 1.3, ("llama", "sk_fp8_2:4"): 1.8,
@@ -187,24 +187,14 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
-    """Median ms of one call: CUDA events around each call on CUDA, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
+    """Median ms of one call (:func:`sparsekit.accel.timing.time_ms`); on CUDA each call starts
+    a new cudagraph step, as serving does."""
+    def step():
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return fn()
+
+    return timing.time_ms(step, device, warmup=warmup, repeats=calls)
 
 
 def profile_shares(fn, device: torch.device) -> dict | None:
@@ -470,7 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="bench_models_out")
     ap.add_argument("--models", default="llama,llama_decode,bert,vit")
-    ap.add_argument("--cache-dir", help="sparsekit plan cache (SPARSEKIT_CACHE_DIR)")
+    ap.add_argument("--cache-dir", help="sparsekit plan cache (SPARSEKIT_CACHE)")
     ap.add_argument("--variants", default="",
                     help="comma list of variants, VARIANT or VARIANT@MODEL (dense always run)")
     ap.add_argument("--llama-layers", type=int, default=32)
@@ -484,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  else [])
     deadline = time.perf_counter() + args.deadline_s
     if args.cache_dir:
-        os.environ["SPARSEKIT_CACHE_DIR"] = args.cache_dir
+        os.environ["SPARSEKIT_CACHE"] = args.cache_dir
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         torch.set_num_threads(1)

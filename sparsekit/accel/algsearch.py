@@ -5,13 +5,12 @@ cuSPARSELt's default algorithm (alg_id=0) is often slower than dense bf16 on the
 0 up (until the op raises) is timed under graph replay, and the fastest is kept. Results are
 cached in a JSON file keyed by GPU name, torch and cuSPARSELt versions, variant, weight shape,
 token count and dtype, so a second run does not search again. The cache lives in
-``$SPARSEKIT_CACHE_DIR`` (default ``~/.cache/sparsekit``).
+``$SPARSEKIT_CACHE`` (default ``~/.cache/sparsekit``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -19,15 +18,15 @@ from torch import nn
 
 from sparsekit.io.files import atomic_write
 from sparsekit.accel.kernels import VARIANTS
+from sparsekit.io.cache import cache_root
 from sparsekit.accel.timing import graph_time_us
 
 MAX_ALG_ID = 64
 
 
 def cache_path() -> Path:
-    """The algorithm cache file (``$SPARSEKIT_CACHE_DIR/cusparselt_algs.json``)."""
-    root = os.environ.get("SPARSEKIT_CACHE_DIR") or Path.home() / ".cache" / "sparsekit"
-    return Path(root) / "cusparselt_algs.json"
+    """The algorithm cache file (``$SPARSEKIT_CACHE/cusparselt_algs.json``)."""
+    return cache_root() / "cusparselt_algs.json"
 
 
 def cache_key(variant: str, out_features: int, in_features: int, tokens: int,

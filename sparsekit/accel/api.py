@@ -13,12 +13,11 @@ GPU's, the speed is not.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import gc
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,8 +33,11 @@ from sparsekit.accel.convert import (
 )
 from sparsekit.accel.kernels import SPARSITIES, VARIANTS, check_precision, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
-from sparsekit.io.zeros import is_2to4
+from sparsekit.checks import positional_until
 from sparsekit.quant.modules import QuantLinear
+from sparsekit.prune.calibration import feed, tree_map
+from sparsekit.prune.patterns import is_nm
+from sparsekit.prune.select import name_filter
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +45,6 @@ _ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scal
 _W8A8 = {"fp8": "fp8", "int8": "int8"}  # quant scheme -> accel precision that keeps its numerics
 
 
-def tree_map(fn, obj):
-    """``fn`` applied to every tensor in nested lists, tuples (named too), dicts and dataclasses
-    (HF ``ModelOutput`` included), each container rebuilt as its own type."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: tree_map(fn, getattr(obj, f.name))
-                            for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(tree_map(fn, o) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tree_map(fn, o) for o in obj)
-    if isinstance(obj, dict):
-        out = {k: tree_map(fn, v) for k, v in obj.items()}
-        return out if type(obj) is dict else type(obj)(out)
-    return obj
 
 
 class AcceleratedModel(nn.Module):
@@ -121,14 +107,6 @@ class AcceleratedModel(nn.Module):
         return t.to(torch.bfloat16) if t.is_floating_point() else t
 
 
-def _call(model: nn.Module, inputs: Any):
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(*inputs)
-
-
 def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
                out_features: int, dense_precision: str = "bf16") -> tuple[list[str], str]:
     """Candidate variants for one linear (bf16 dense always first; the last one is what
@@ -147,10 +125,10 @@ def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
     return list(dict.fromkeys(cands)), "auto: fastest measured"
 
 
-def _convert(model: nn.Module, exclude: Sequence[str], report: AccelReport) -> None:
+def _convert(model: nn.Module, keep: Callable[[str], bool], report: AccelReport) -> None:
     """Replace convertible MultiheadAttention and 1x1 convs (skip reasons into the report)."""
     for name, module in list(model.named_modules()):
-        if not name or any(fnmatch.fnmatchcase(name, p) for p in exclude):
+        if not name or not keep(name):
             continue
         new = None
         if isinstance(module, nn.MultiheadAttention):
@@ -178,7 +156,7 @@ def _tokens(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, int]:
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
-            _call(model, inputs)
+            feed(model, inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -187,7 +165,7 @@ def _tokens(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, int]:
 
 def _weight_24(layer: nn.Module) -> bool:
     w = layer.weight if not isinstance(layer, QuantLinear) else layer.weight.float()
-    return is_2to4(w)
+    return is_nm(w.detach(), 2, 4)
 
 
 class _Planner:
@@ -257,13 +235,7 @@ def _signature(model: nn.Module, inputs: Any, chosen: dict, options: dict) -> st
 
 def _reset_compiled() -> None:
     """Drop what torch.compile holds (code caches, CUDA-graph trees and their memory)."""
-    torch._dynamo.reset()
-    try:
-        from torch._inductor import cudagraph_trees
-
-        cudagraph_trees.reset_cudagraph_trees()
-    except Exception:  # an older/newer torch without it: dynamo's reset is enough  # noqa: BLE001
-        pass
+    _compat.reset_compiled()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -295,7 +267,7 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
                                     dynamic=options["dynamic"], backend=options["backend"],
                                     clone_outputs=False)
             try:
-                ms[pname] = planner.time_model_ms(lambda f=fast: _call(f, inputs), plan.device)
+                ms[pname] = planner.time_model_ms(lambda f=fast: feed(f, inputs), plan.device)
             except RuntimeError as e:
                 if pname == "dense":
                     raise
@@ -323,14 +295,16 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
             d.reason += f"; whole-model plan {best}"
 
 
+@positional_until(("precision", "sparsity", "min_speedup"))
 def accelerate(
     model: nn.Module,
     example_inputs: Any,
+    *,
     precision: str = "bf16",
     sparsity: str = "2:4",
     min_speedup: float = 1.0,
-    *,
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = ("*",),
+    exclude: str | Sequence[str] = (),
     dense_precision: str = "bf16",
     device: str | torch.device | None = None,
     compile: bool = True,
@@ -364,8 +338,9 @@ def accelerate(
     all dense: "auto" is never measurably slower than the dense model. Comparing plans compiles
     the model once per plan and resets torch.compile's caches (``torch._dynamo.reset()``)
     between them. Timings, cuSPARSELt algorithms and the whole-model choice are cached on disk
-    (:mod:`sparsekit.accel.planner`; ``plan_cache=False`` re-measures). ``exclude``: fnmatch
-    globs of module names never touched.
+    (:mod:`sparsekit.accel.planner`; ``plan_cache=False`` re-measures). ``include``/``exclude``:
+    the modules (linears, attention, 1x1 convs) it may touch, by qualified name: fnmatch globs or
+    ``re:<regex>``, as everywhere.
 
     ``device``: "cuda" (default when a GPU is visible) or "cpu": on CPU the same modules run the
     ``sparsekit::`` ops' plain-torch reference kernels (for tests, tracing, numerics; not speed).
@@ -399,7 +374,7 @@ def accelerate(
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
-    exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+    keep = name_filter([n for n, _ in model.named_modules() if n], include, exclude)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = AccelReport(precision, sparsity, float(min_speedup), dev_name)
     if fuse is not None:
@@ -410,10 +385,9 @@ def accelerate(
     model = model.eval().to(device, torch.bfloat16)
     inputs = tree_map(lambda t: t.to(device).to(torch.bfloat16) if t.is_floating_point()
                       else t.to(device), example_inputs)
-    _convert(model, exclude, report)
+    _convert(model, keep, report)
     names = [n for n, m in model.named_modules()
-             if isinstance(m, (nn.Linear, QuantLinear))
-             and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+             if isinstance(m, (nn.Linear, QuantLinear)) and keep(n)]
     for n in names:
         q = model.get_submodule(n)
         if isinstance(q, QuantLinear) and q.scheme in _W8A8 and _W8A8[q.scheme] != precision:
@@ -500,7 +474,7 @@ def accelerate(
                             backend=backend, clone_outputs=clone_outputs)
     if compile:  # the first call compiles: its time is part of accelerate's
         t1 = time.perf_counter()
-        _call(fast, inputs)
+        feed(fast, inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         report.seconds["compile"] = time.perf_counter() - t1

@@ -8,7 +8,7 @@ token count of the example input. 2:4 candidates are timed with their best cuSPA
 (:mod:`sparsekit.accel.algsearch`). On CPU (reference ops) the same candidates are timed by
 wall clock, so the code path is the same everywhere; only CUDA timings mean anything for speed.
 
-Timings are cached in ``$SPARSEKIT_CACHE_DIR/plans.json`` (default ``~/.cache/sparsekit``) keyed
+Timings are cached in ``$SPARSEKIT_CACHE/plans.json`` (default ``~/.cache/sparsekit``) keyed
 by device name, torch version, variant, weight shape (N, K), tokens M and input dtype, so a
 second ``accelerate`` of the same shapes times nothing. :func:`choose` is the pure decision on
 timings (tested on recorded H200 timings).
@@ -28,7 +28,6 @@ the plans' times are cached under a key of the model's layer shapes, input shape
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -37,17 +36,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sparsekit import _compat
 from sparsekit.io.files import atomic_write
 from sparsekit.accel.report import BASELINE, decide
+from sparsekit.io.cache import cache_root
 from sparsekit.accel.timing import graph_time_us
 
-DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (GPU_NOTES)
+DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (docs/gpu.md)
 DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one by 5%
 
 
 def cache_path() -> Path:
-    root = os.environ.get("SPARSEKIT_CACHE_DIR") or Path.home() / ".cache" / "sparsekit"
-    return Path(root) / "plans.json"
+    return cache_root() / "plans.json"
 
 
 def plan_key(device_name: str, torch_version: str, variant: str, out_features: int,
@@ -191,7 +191,7 @@ def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor") -
     fn = torch.compile(module, dynamic=False, backend=backend)
     # every candidate class shares _AccelLinear.forward's code object: without a higher limit
     # dynamo stops recompiling it after 8 candidates and the rest would be timed eagerly
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 16):
+    with torch.no_grad(), _compat.recompile_limit(1 << 16):
         if x.is_cuda:
             return graph_time_us(lambda: fn(x))
         return wall_time_us(lambda: fn(x))

@@ -13,8 +13,11 @@ under CUDA-graph replay at the example input's shape; tests feed it recorded tim
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from sparsekit.reporting import Report
 
 BASELINE = "bf16_dense"
 
@@ -58,10 +61,12 @@ class LayerDecision:
 
 
 @dataclass
-class AccelReport:
+class AccelReport(Report):
     """What ``sk.accelerate`` did: per-layer decisions, skipped modules with reasons, the
     whole model's time before and after where measured (microseconds per call), planning and
     compile seconds, and how many graphs the compiler built (recompiles = compiles - 1)."""
+
+    tag: ClassVar[str] = "accel"
 
     precision: str
     sparsity: str
@@ -130,18 +135,23 @@ class AccelReport:
                      f"{b['rest_us']:.1f} us; so at most {b['max_speedup']:.2f}x for the model")
         return "\n".join([head, "", *rows, *[f"\nnote: {n}" for n in self.notes]])
 
+    def scalars(self) -> dict[str, float]:
+        """``accel/speedup/<layer>`` (measured layers), ``accel/model_speedup`` and
+        ``accel/model_us/<dense|accelerated>`` where the model was timed."""
+        out = {f"accel/speedup/{d.name}": d.speedup for d in self.layers
+               if d.speedup is not None and math.isfinite(d.speedup)}
+        if self.model_speedup is not None:
+            out["accel/model_speedup"] = self.model_speedup
+            out.update({f"accel/model_us/{k}": v for k, v in self.model_us.items()})
+        return out
+
     def __str__(self) -> str:
         return self.to_markdown()
 
 
-def log_accel_report(writer, report: AccelReport, step: int = 0) -> None:
-    """Log ``report`` to a TensorBoard ``SummaryWriter``: per-layer and model speedups as
-    scalars under ``accel/``, the decision table as text."""
-    for layer in report.layers:
-        if layer.speedup is not None and math.isfinite(layer.speedup):
-            writer.add_scalar(f"accel/speedup/{layer.name}", layer.speedup, step)
-    if report.model_speedup is not None:
-        writer.add_scalar("accel/model_speedup", report.model_speedup, step)
-        for k, v in report.model_us.items():
-            writer.add_scalar(f"accel/model_us/{k}", v, step)
-    writer.add_text("accel/report", report.to_markdown(), step)
+def log_accel_report(writer: Any, report: AccelReport, step: int = 0) -> None:
+    """Deprecated: ``report.log(writer, step)`` (the report protocol,
+    :mod:`sparsekit.reporting`)."""
+    warnings.warn("log_accel_report(writer, report) is deprecated; use report.log(writer, step)",
+                  DeprecationWarning, stacklevel=2)
+    report.log(writer, step)

@@ -1,12 +1,54 @@
-"""GPU timing under CUDA-graph replay: the only honest clock for cuSPARSELt through torch,
-whose per-call host work (plan building) would otherwise dominate small GEMMs."""
+"""The one timing loop of sparsekit: :func:`time_ms` (CUDA events on a GPU, ``perf_counter`` on
+CPU, the median over repeats after warm-up). :func:`eager_time_us` and :func:`graph_time_us`
+time GPU calls with it; the benchmark of whole models (:mod:`sparsekit.run.bench`) too.
+
+CUDA-graph replay is the only honest clock for cuSPARSELt through torch, whose per-call host
+work (plan building) would otherwise dominate small GEMMs. ``graph_time_us`` captures at most
+10 calls per graph rather than using ``triton.testing.do_bench_cudagraph``, which captures
+``rep`` milliseconds of calls (thousands for a small GEMM): every captured call keeps its own
+output allocation alive in the graph's pool, so large layers would run out of memory.
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 import torch
+
+
+def time_ms(fn: Callable[[], object], device: torch.device | str = "cuda", *, warmup: int = 3,
+            repeats: int = 20,
+            wrap: Callable[[range], Iterable[int]] | None = None) -> float:
+    """Median time of one ``fn()`` in milliseconds over ``repeats`` calls after ``warmup``
+    calls: between CUDA events (host overhead included) on a CUDA ``device``, with
+    ``time.perf_counter`` elsewhere. ``wrap`` (e.g. a progress bar) wraps the repeat range.
+
+    >>> time_ms(lambda: sum(range(100)), "cpu", warmup=1, repeats=3) >= 0
+    True
+    """
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    steps = range(repeats) if wrap is None else wrap(range(repeats))
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in steps:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in steps:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def graph_time_us(fn: Callable[[], object], *, calls: int | None = None, replays: int = 15,
@@ -14,51 +56,26 @@ def graph_time_us(fn: Callable[[], object], *, calls: int | None = None, replays
     """Median time of one ``fn()`` in microseconds: ``calls`` calls are captured into one CUDA
     graph (default 10, fewer for calls over 2 ms), the graph is replayed ``replays`` times
     between CUDA events."""
+    device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+        one_ms = time_ms(fn, device, warmup=warmup, repeats=1)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     if calls is None:  # 10 calls per replay, fewer once one eager call exceeds 2 ms
-        calls = max(1, min(10, int(20.0 / max(start.elapsed_time(end), 1e-3))))
+        calls = max(1, min(10, int(20.0 / max(one_ms, 1e-3))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    del graph
-    return statistics.median(times)
+    try:
+        return time_ms(graph.replay, device, warmup=1, repeats=replays) * 1000.0 / calls
+    finally:
+        del graph
 
 
 def eager_time_us(fn: Callable[[], object], *, calls: int = 20, warmup: int = 3) -> float:
     """Median wall time of one eager ``fn()`` (host overhead included) in microseconds."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return time_ms(fn, device, warmup=warmup, repeats=calls) * 1000.0

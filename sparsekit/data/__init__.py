@@ -5,13 +5,13 @@ Every dataset yields ``(input, target)`` pairs. :func:`build_data` returns a :cl
 
 from __future__ import annotations
 
-import importlib
 import os
-from pathlib import Path
 from typing import Any
 
 from sparsekit.data.bundle import DataBundle
 from sparsekit.data.mnist1d import mnist1d
+from sparsekit.imports import import_object
+from sparsekit.io.cache import cache_root
 from sparsekit.data.text import stdlib_text
 
 __all__ = ["DataBundle", "build_data", "cache_root", "check_data_name", "import_object"]
@@ -21,29 +21,6 @@ BUILTIN_DATA = {"mnist1d": mnist1d, "stdlib_text": stdlib_text}
 TOKENIZED_DATA = ("text",)
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where datasets and trained baselines are cached: ``cache_dir``, else the environment
-    variable SPARSEKIT_CACHE, else ``~/.cache/sparsekit``."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    return Path(os.environ.get("SPARSEKIT_CACHE", "~/.cache/sparsekit")).expanduser()
-
-
-def import_object(path: str, option: str) -> Any:
-    """Import ``"package.module.attr"``; a ValueError names ``option`` when it cannot.
-
-    Only for a value the user typed (``model._target_``/``data._target_`` on the command line or
-    in a Config built in code): never call it with anything read from a file (checkpoint
-    headers name registered builders, and ``resume=true`` skips runs that import code)."""
-    module_name, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except ImportError as e:
-        raise ValueError(
-            f"{option}={path!r} cannot be imported: {e} (is its directory on PYTHONPATH?)"
-        ) from None
-    except (AttributeError, ValueError) as e:
-        raise ValueError(f"{option}={path!r} cannot be imported: {e}") from None
 
 
 def check_data_name(name: str, target: str | None = None) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from sparsekit.data import import_object
+from sparsekit.imports import import_object
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.models.cnn1d import mnist1d_cnn
 from sparsekit.models.lm import tiny_lm

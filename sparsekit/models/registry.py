@@ -19,7 +19,6 @@ sparsekit.errors.UsageError: model builder 'doc_mlp' takes no argument 'depth'; 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -27,11 +26,12 @@ from typing import Any
 from torch import nn
 
 from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.imports import load_internal
 
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {}
 _DOCS: dict[str, str] = {}
-# built-in names whose module registers them on import (hard-coded: never read from a file)
-_LAZY = {"hf": "sparsekit.models.hf"}
+# built-in names whose module registers them on import (keys of sparsekit.imports.INTERNAL)
+_LAZY = ("hf",)
 # torchvision builder arguments that download weights: never taken from a spec
 _DOWNLOADS = ("weights", "progress")
 
@@ -56,7 +56,7 @@ def registered_models() -> list[str]:
 def _builder(name: str) -> Callable[..., nn.Module]:
     if name not in _BUILDERS and name in _LAZY:
         try:
-            importlib.import_module(_LAZY[name])
+            load_internal(name)
         except ImportError as e:
             raise UsageError(f"model builder {name!r} is not available here: {e}") from None
     if name not in _BUILDERS:

@@ -8,8 +8,9 @@ the batch's shapes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,14 +27,30 @@ _HOW = (
 )
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
+def tree_map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``fn`` applied to every tensor in nested lists, tuples (named too), dicts and dataclasses
+    (HF ``ModelOutput`` included), each container rebuilt as its own type; other leaves as
+    they are. The one tree-map of sparsekit (batches, example inputs, model outputs)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: tree_map(fn, getattr(obj, f.name))
+                            for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(tree_map(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        out = {k: tree_map(fn, v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
+    if isinstance(obj, Mapping):
+        return {k: tree_map(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """Every tensor of ``batch`` moved to ``device`` (see :func:`tree_map`)."""
+    return tree_map(lambda t: t.to(device), batch)
 
 
 def describe(batch: Any) -> str:
@@ -102,6 +119,13 @@ def model_arguments(model: nn.Module, batch: Any, hint: str = _HOW) -> tuple[tup
     return args, kwargs
 
 
+def feed(model: nn.Module, batch: Any, hint: str = _HOW) -> Any:
+    """``model`` called on one batch as :func:`model_arguments` says (no device move, no error
+    wrapping, no hooks: safe on a compiled model). :func:`call_model` adds those."""
+    args, kwargs = model_arguments(model, batch, hint)
+    return model(*args, **kwargs)
+
+
 class _LayerTrace:
     """Forward pre-/post-hooks on every submodule keeping the stack of layers being called: a
     layer that raises never runs its post-hook, so the top of the stack names it."""
@@ -147,7 +171,7 @@ def call_model(
             device = next(model.parameters()).device
         except StopIteration:
             device = torch.device("cpu")
-        batch = _to_device(batch, device)
+        batch = to_device(batch, device)
         args, kwargs = model_arguments(model, batch, hint)
         call = model
     with _LayerTrace(model) as trace:
@@ -242,13 +266,23 @@ def conv_columns(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor
         x = x.unsqueeze(0)
     mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
     x = F.pad(x, conv_pads(conv), mode=mode)
+    return im2col(x, conv.kernel_size, conv.stride, conv.dilation, conv.groups)
+
+
+def im2col(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int],
+           dilation: Sequence[int], groups: int = 1) -> torch.Tensor:
+    """The one im2col of sparsekit (criteria, SparseGPT, quantized convs): an already padded
+    batched input ``(B, C, *spatial)`` as ``(groups, B * positions, C/groups * prod(kernel))``,
+    rows ordered by sample then output position (row-major), columns by channel then kernel
+    position, as ``weight.flatten(1)``; any number of spatial dimensions."""
+    nd = len(kernel_size)
     for d in range(nd):
-        span = conv.dilation[d] * (conv.kernel_size[d] - 1) + 1
-        x = x.unfold(2 + d, span, conv.stride[d])[..., :: conv.dilation[d]]
+        span = dilation[d] * (kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, stride[d])[..., :: dilation[d]]
     # x: (B, C, *out_positions, *kernel) -> (B * positions, C, *kernel)
-    b, c = x.shape[:2]
+    c = x.shape[1]
     x = x.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-    x = x.reshape(-1, conv.groups, c // conv.groups * x.shape[-nd:].numel())
+    x = x.reshape(-1, groups, c // groups * x.shape[-nd:].numel())
     return x.transpose(0, 1)
 
 

@@ -22,23 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.prune.calibration import call_model, eval_mode, model_arguments
+from sparsekit.prune.calibration import call_model, eval_mode, feed
 from sparsekit import _compat
+from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.io import checkpoint
+from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
-from sparsekit.prune.select import name_matches
+from sparsekit.prune.select import PRUNABLE_TYPES, as_patterns, name_matches
 
 IMPORTANCES = ("magnitude", "taylor", "lamp")
 SCOPES = ("layer", "global")
@@ -50,6 +51,9 @@ PLAN_VERSION = 1
 _PLAN_SKIP_ATTRS = ("training", "layer_idx")
 
 
+_RATIO = "the fraction of output channels removed per layer"
+
+
 def _make_importance(name: str) -> tp.importance.Importance:
     if name == "magnitude":
         return tp.importance.MagnitudeImportance(p=2)
@@ -59,7 +63,7 @@ def _make_importance(name: str) -> tp.importance.Importance:
 
 
 @dataclass
-class ChannelReport:
+class ChannelReport(Report):
     """What channel pruning removed.
 
     ``layers`` maps each Conv/Linear/MultiheadAttention name to ``(width before, width after)``
@@ -69,8 +73,10 @@ class ChannelReport:
     (torch_pruning.utils.count_ops_and_params). Fractions are removed / before, in [0, 1].
     """
 
+    tag: ClassVar[str] = "channels"
+
     ratio: float
-    importance: str
+    criterion: str
     scope: str
     round_to: int
     layers: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -127,16 +133,24 @@ class ChannelReport:
         )
         return d
 
+    def _summary(self) -> str:
+        return (
+            f"channels removed {self.channels_removed:.1%}, parameters removed "
+            f"{self.params_removed:.1%} ({self.params_before} -> {self.params_after}), MACs "
+            f"removed {self.macs_removed:.1%} ({self.macs_before} -> {self.macs_after})"
+        )
+
+    def to_markdown(self) -> str:
+        rows = [[n, b, a] for n, (b, a) in self.layers.items()]
+        rows += [[f"{n} (heads)", b, a] for n, (b, a) in self.heads.items()]
+        return markdown_table(["layer", "before", "after"], rows) + "\n\n" + self._summary()
+
     def __str__(self) -> str:
         width = max([len(n) for n in self.layers] + [5])
         rows = [f"{'layer':<{width}}  {'before':>7}  {'after':>7}"]
         rows += [f"{n:<{width}}  {b:>7}  {a:>7}" for n, (b, a) in self.layers.items()]
         rows += [f"{n + ' (heads)':<{width}}  {b:>7}  {a:>7}" for n, (b, a) in self.heads.items()]
-        rows.append(
-            f"channels removed {self.channels_removed:.1%}, parameters removed "
-            f"{self.params_removed:.1%} ({self.params_before} -> {self.params_after}), MACs "
-            f"removed {self.macs_removed:.1%} ({self.macs_before} -> {self.macs_after})"
-        )
+        rows.append(self._summary())
         return "\n".join(rows)
 
 
@@ -191,11 +205,6 @@ _INPUTS_HINT = (
 )
 
 
-def _forward(model: nn.Module, example_inputs: Any) -> Any:
-    args, kwargs = model_arguments(model, example_inputs, _INPUTS_HINT)
-    return model(*args, **kwargs)
-
-
 def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     """Leaf modules whose output tensor is returned by the model as it is. (torch-pruning marks
     an output only when an operation, not a module, produced it.)"""
@@ -208,29 +217,11 @@ def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     handles = [m.register_forward_hook(record) for m in leaves]
     try:
         with torch.no_grad():
-            outputs = tp.utils.flatten_as_list(_forward(model, example_inputs))
+            outputs = tp.utils.flatten_as_list(feed(model, example_inputs, _INPUTS_HINT))
     finally:
         for h in handles:
             h.remove()
     return [m for t, m in produced if any(t is o for o in outputs)]
-
-
-def _check_ratio(ratio: object) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise ConfigTypeError(f"ratio must be a float in [0, 1), got {ratio!r}")
-    if not 0.0 <= float(ratio) < 1.0 or math.isnan(ratio):
-        raise UsageError(
-            f"ratio={ratio!r} must be in [0, 1): the fraction of output channels removed per layer"
-        )
-    return float(ratio)
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigTypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise UsageError(f"{name}={value} must be an integer >= {minimum}")
-    return value
 
 
 class ChannelPruner:
@@ -243,13 +234,14 @@ class ChannelPruner:
     tensor cores and 2:4 kernels); a layer that would round to zero keeps its width.
 
     What is never pruned: channels that reach a model output directly (a classifier's classes,
-    an encoder's hidden size), so outputs keep their shapes; modules matching an ``ignore``
-    pattern (fnmatch globs or ``re:<regex>`` over qualified names). Attention loses whole heads:
+    an encoder's hidden size), so outputs keep their shapes; modules matching an ``exclude``
+    pattern and Linear/Conv layers matching no ``include`` pattern (fnmatch globs or
+    ``re:<regex>`` over qualified names, as everywhere in sparsekit). Attention loses whole heads:
     Hugging Face style attention (``query``/``key``/``value`` Linears) per layer, and
     ``nn.MultiheadAttention`` over the width it shares with the residual stream (its embedding
     width is heads x head size, so the same heads go in every block that shares that stream).
 
-    ``importance``: "magnitude" (L2 norm of the coupled weights), "lamp" (layer-adaptive
+    ``criterion``: "magnitude" (L2 norm of the coupled weights), "lamp" (layer-adaptive
     magnitude) or "taylor" (|weight x gradient|, which needs ``loss_fn(model) -> scalar loss`` on
     a few real batches; it is back-propagated before every pruning step).
 
@@ -267,29 +259,38 @@ class ChannelPruner:
     [(False, 64), (True, 48), (False, 48), (True, 32)]
     """
 
+    @positional_until(("ratio", "criterion", "scope", "round_to", "exclude", "schedule",
+                       "loss_fn"), leading=3)
     def __init__(
         self,
         model: nn.Module,
         example_inputs: Any,
+        *,
         ratio: float,
-        importance: str = "magnitude",
+        criterion: str = "magnitude",
         scope: str = "layer",
         round_to: int | None = 8,
-        ignore: str | Sequence[str] = (),
+        include: str | Sequence[str] = ("*",),
+        exclude: str | Sequence[str] = (),
         schedule: Schedule | None = None,
         loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
+        importance: str | None = None,
+        ignore: str | Sequence[str] | None = None,
     ) -> None:
-        self.ratio = _check_ratio(ratio)
-        if importance not in IMPORTANCES:
+        criterion = renamed("ChannelPruner", "importance", "criterion", importance, criterion,
+                            "magnitude")
+        exclude = renamed("ChannelPruner", "ignore", "exclude", ignore, exclude, ())
+        self.ratio = check_fraction("ratio", ratio, _RATIO)
+        if criterion not in IMPORTANCES:
             raise UsageError(
-                f"importance={importance!r} is not allowed; choose one of: {', '.join(IMPORTANCES)}"
+                f"criterion={criterion!r} is not allowed; choose one of: {', '.join(IMPORTANCES)}"
             )
         if scope not in SCOPES:
             raise UsageError(f"scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
-        self.round_to = 1 if round_to is None else _check_int("round_to", round_to, 1)
-        if importance == "taylor" and loss_fn is None:
+        self.round_to = 1 if round_to is None else check_int("round_to", round_to, 1)
+        if criterion == "taylor" and loss_fn is None:
             raise UsageError(
-                "importance='taylor' scores channels by |weight x gradient| and needs "
+                "criterion='taylor' scores channels by |weight x gradient| and needs "
                 "loss_fn=lambda model: <scalar loss on a few real batches>"
             )
         if schedule is not None and not isinstance(schedule, Schedule):
@@ -317,7 +318,7 @@ class ChannelPruner:
             )
         self.model = model
         self.example_inputs = example_inputs
-        self.importance, self.scope = str(importance), str(scope)  # plain: saved in plans
+        self.criterion, self.scope = str(criterion), str(scope)  # plain: saved in plans
         self.schedule = schedule if schedule is not None else OneShot(step=0)
         self.loss_fn = loss_fn
         self.progress = 0.0
@@ -328,7 +329,7 @@ class ChannelPruner:
         with eval_mode(model, grad=True):
             call_model(model, example_inputs, hint=_INPUTS_HINT)  # a clear error, naming the layer
             self._counts0 = _count(model, example_inputs)
-            self._tp = self._build_tp(self._ignored_modules(ignore))
+            self._tp = self._build_tp(self._ignored_modules(include, exclude))
             self._protected, self._mha_groups = self._special_groups()
 
     def _build_tp(self, ignored: list[nn.Module]) -> tp.pruner.BasePruner:
@@ -347,7 +348,7 @@ class ChannelPruner:
                 return tp.pruner.BasePruner(
                     self.model,
                     self.example_inputs,
-                    importance=_make_importance(self.importance),
+                    importance=_make_importance(self.criterion),
                     global_pruning=self.scope == "global",
                     pruning_ratio=self.ratio,
                     iterative_steps=1,
@@ -364,15 +365,23 @@ class ChannelPruner:
                     f"example_inputs: {exc}"
                 ) from exc
 
-    def _ignored_modules(self, ignore: str | Sequence[str]) -> list[nn.Module]:
-        patterns = [ignore] if isinstance(ignore, str) else list(ignore)
-        modules = []
-        for p in patterns:
-            hits = [m for n, m in self.model.named_modules() if n and name_matches(n, p)]
-            if not hits:
-                raise UsageError(f"ignore pattern {p!r} matches no module of the model")
-            modules += hits
-        return modules
+    def _ignored_modules(self, include: str | Sequence[str],
+                         exclude: str | Sequence[str]) -> list[nn.Module]:
+        """What torch-pruning must leave alone: every module an ``exclude`` pattern names (with
+        its submodules), and the Linear/Conv layers no ``include`` pattern names."""
+        include_l, exclude_l = as_patterns(include) or ["*"], as_patterns(exclude)
+        for kind, patterns in (("include", include_l), ("exclude", exclude_l)):
+            for p in patterns:
+                if p != "*" and not any(name_matches(n, p) for n, _ in self.model.named_modules()
+                                        if n):
+                    raise UsageError(f"{kind} pattern {p!r} matches no module of the model")
+        ignored = [m for n, m in self.model.named_modules()
+                   if n and any(name_matches(n, p) for p in exclude_l)]
+        if include_l != ["*"]:
+            ignored += [m for n, m in self.model.named_modules()
+                        if isinstance(m, PRUNABLE_TYPES) and m not in ignored
+                        and not any(name_matches(n, p) for p in include_l)]
+        return ignored
 
     def _special_groups(self) -> tuple[list[str], list[list[nn.MultiheadAttention]]]:
         """Take two kinds of group away from torch-pruning's ranking: groups whose channels
@@ -565,14 +574,14 @@ class ChannelPruner:
             handles.append(m.register_forward_hook(leave))
         try:
             with torch.no_grad():
-                _forward(self.model, self.example_inputs)
+                feed(self.model, self.example_inputs, _INPUTS_HINT)
         except Exception as exc:
             where = stack[-1] if stack else "<top level>"
             module = self.model.get_submodule(where) if stack else self.model
             raise UsageError(
                 f"channel pruning cannot handle module '{where}' ({type(module).__name__}): the "
                 f"pruned model fails there with {type(exc).__name__}: {exc}. Keep it unpruned "
-                f"with ignore=['{where}'] (the model was left unchanged)"
+                f"with exclude=['{where}'] (the model was left unchanged)"
             ) from exc
         finally:
             for h in handles:
@@ -584,7 +593,7 @@ class ChannelPruner:
         params, macs = _count(self.model, self.example_inputs)
         return ChannelReport(
             ratio=self.ratio,
-            importance=self.importance,
+            criterion=self.criterion,
             scope=self.scope,
             round_to=self.round_to,
             layers={n: (w, widths[n]) for n, w in self._widths0.items() if n in widths},
@@ -597,16 +606,9 @@ class ChannelPruner:
         )
 
 
+@positional_until(("ratio", "criterion", "scope", "round_to", "exclude", "steps", "loss_fn"))
 def prune_channels_(
-    model: nn.Module,
-    example_inputs: Any,
-    ratio: float,
-    importance: str = "magnitude",
-    scope: str = "layer",
-    round_to: int | None = 8,
-    ignore: str | Sequence[str] = (),
-    steps: int = 1,
-    loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
+    model: nn.Module, example_inputs: Any, *, ratio: float, steps: int = 1, **options: Any
 ) -> ChannelReport:
     """Remove ``ratio`` (fraction, per layer) of the output channels of ``model`` in place.
 
@@ -614,21 +616,13 @@ def prune_channels_(
     arguments or a dict of keyword arguments); it is traced to find coupled channels and used
     to count MACs. ``steps > 1`` prunes in that many equal increments (ratio x k / steps), each
     re-scoring the channels that remain. For pruning interleaved with fine-tuning use
-    :class:`ChannelPruner` with a schedule. See :class:`ChannelPruner` for the other options.
+    :class:`ChannelPruner` with a schedule. ``options`` are :class:`ChannelPruner`'s:
+    ``criterion``, ``scope``, ``round_to``, ``include``, ``exclude``, ``loss_fn``.
     Returns a :class:`ChannelReport`.
     """
-    steps = _check_int("steps", steps, 1)
-    pruner = ChannelPruner(
-        model,
-        example_inputs,
-        ratio,
-        importance=importance,
-        scope=scope,
-        round_to=round_to,
-        ignore=ignore,
-        schedule=Linear(start=0, end=steps, every=1),
-        loss_fn=loss_fn,
-    )
+    steps = check_int("steps", steps, 1)
+    pruner = ChannelPruner(model, example_inputs, ratio=ratio,
+                           schedule=Linear(start=0, end=steps, every=1), **options)
     for k in range(1, steps + 1):
         pruner.step(k)
     return pruner.report()

@@ -1,6 +1,6 @@
 """The Pruner: owns the masks of the selected layers and moves them along a schedule.
 
-Typical use inside a training loop (see DESIGN.md):
+Typical use inside a training loop (README, "Pruning in your own training loop"):
 
     pruner = Pruner(model, sparsity=0.9, schedule=Cubic(start=0, end=2000, every=100))
     for step, batch in enumerate(loader):
@@ -11,7 +11,6 @@ Typical use inside a training loop (see DESIGN.md):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from sparsekit.prune.criteria import (
     is_solver,
     needs_calibration,
 )
+from sparsekit.checks import check_fraction, positional_until
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.prune.masks import check_finite_weight
 from sparsekit.prune.patterns import (
@@ -46,14 +46,7 @@ from sparsekit.prune.stores import pick_store
 
 SCOPES = ("layer", "global")
 STATE_VERSION = 1
-
-
-def _check_level(what: str, level: object) -> float:
-    if isinstance(level, bool) or not isinstance(level, (int, float)):
-        raise ConfigTypeError(f"{what} must be a number in [0, 1), got {level!r}")
-    if not 0.0 <= float(level) < 1.0 or math.isnan(level):
-        raise UsageError(f"{what} must be in [0, 1) (fraction of weights set to zero), got {level}")
-    return float(level)
+_LEVEL = "the fraction of weights set to zero"
 
 
 class Pruner:
@@ -94,10 +87,13 @@ class Pruner:
     fraction of M-groups, those losing the least score first, and the full pattern at ``end``.
     """
 
+    @positional_until(("pattern", "criterion", "scope", "schedule", "include", "exclude",
+                       "calibration", "calibration_fn", "strict", "process_group"), leading=3)
     def __init__(
         self,
         model: nn.Module,
         sparsity: float | Mapping[str, float] | None = None,
+        *,
         pattern: str = "unstructured",
         criterion: str = "magnitude",
         scope: str = "layer",
@@ -185,7 +181,7 @@ class Pruner:
         if isinstance(sparsity, Mapping):
             if self.scope == "global":
                 raise UsageError("a per-layer sparsity mapping needs scope='layer'")
-            levels = {p: _check_level(f"sparsity[{p!r}]", v) for p, v in sparsity.items()}
+            levels = {p: check_fraction(f"sparsity[{p!r}]", v, _LEVEL) for p, v in sparsity.items()}
             for p in levels:
                 if not any(name_matches(n, p) for n in selected):
                     raise UsageError(f"sparsity pattern {p!r} matches no selected layer")
@@ -193,7 +189,7 @@ class Pruner:
                 name: next((v for p, v in levels.items() if name_matches(name, p)), None)
                 for name in selected
             }
-        level = _check_level("sparsity", sparsity)
+        level = check_fraction("sparsity", sparsity, _LEVEL)
         return {name: level for name in selected}
 
     def _skip_reason(self, module: nn.Module) -> str | None:
@@ -437,9 +433,12 @@ class Pruner:
         return self.model
 
 
+@positional_until(("pattern", "criterion", "scope", "include", "exclude", "calibration",
+                   "calibration_fn", "strict"))
 def prune_(
     model: nn.Module,
     sparsity: float | Mapping[str, float] | None = None,
+    *,
     pattern: str = "unstructured",
     criterion: str = "magnitude",
     scope: str = "layer",
@@ -461,17 +460,9 @@ def prune_(
     64
     """
     pruner = Pruner(
-        model,
-        sparsity,
-        pattern,
-        criterion,
-        scope,
-        OneShot(0),
-        include,
-        exclude,
-        calibration,
-        calibration_fn,
-        strict,
+        model, sparsity, pattern=pattern, criterion=criterion, scope=scope, schedule=OneShot(0),
+        include=include, exclude=exclude, calibration=calibration, calibration_fn=calibration_fn,
+        strict=strict,
     )
     try:
         pruner.step(0)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 from torch import nn
 
 from sparsekit.io.zeros import mask_from_zeros
+from sparsekit.reporting import Report, markdown_table
+from sparsekit.checks import positional_until
 from sparsekit.prune.patterns import is_nm, nm_incompatibility, parse_pattern
 from sparsekit.prune.select import PRUNABLE_TYPES, select_modules
 
@@ -39,9 +42,12 @@ class LayerSparsity:
 
 
 @dataclass
-class SparsityReport:
+class SparsityReport(Report):
     """Per-layer statistics in model order. ``str(report)`` is a table; ``to_dict()`` is plain
-    data for logging (``sparsity/global`` and ``sparsity/<layer>`` style keys)."""
+    data, ``scalars()`` the ``sparsity/global`` and ``sparsity/<layer>`` numbers, ``log(writer,
+    step)`` writes both (see :mod:`sparsekit.reporting`)."""
+
+    tag: ClassVar[str] = "sparsity"
 
     layers: dict[str, LayerSparsity] = field(default_factory=dict)
 
@@ -74,15 +80,25 @@ class SparsityReport:
         out.update({f"sparsity/{n}": s.sparsity for n, s in self.layers.items()})
         return out
 
+    def _pattern_cell(self, s: LayerSparsity) -> str:
+        if s.skipped:
+            return f"skipped: {s.skipped}"
+        pat = s.pattern or "-"
+        if s.nm_ok is not None:
+            pat += " ok" if s.nm_ok else " VIOLATED"
+        return pat
+
+    def to_markdown(self) -> str:
+        rows = [[n, s.numel, s.zeros, f"{s.sparsity:.2%}", self._pattern_cell(s)]
+                for n, s in self.layers.items()]
+        rows.append(["global", self.numel, self.zeros, f"{self.global_sparsity:.2%}", ""])
+        return markdown_table(["layer", "params", "zeros", "sparsity", "pattern"], rows)
+
     def __str__(self) -> str:
         width = max([len("layer"), *(len(n) for n in self.layers)])
         lines = [f"{'layer':<{width}}  {'params':>10}  {'zeros':>10}  {'sparsity':>8}  pattern"]
         for name, s in self.layers.items():
-            pat = s.pattern or "-"
-            if s.nm_ok is not None:
-                pat += " ok" if s.nm_ok else " VIOLATED"
-            if s.skipped:
-                pat = f"skipped: {s.skipped}"
+            pat = self._pattern_cell(s)
             lines.append(
                 f"{name:<{width}}  {s.numel:>10}  {s.zeros:>10}  {s.sparsity:>8.2%}  {pat}"
             )
@@ -92,8 +108,10 @@ class SparsityReport:
         return "\n".join(lines)
 
 
+@positional_until(("include", "exclude", "pattern", "skipped"), leading=1)
 def sparsity_report(
     model: nn.Module,
+    *,
     include: str | Sequence[str] | None = ("*",),
     exclude: str | Sequence[str] | None = (),
     pattern: str | None = None,

@@ -11,14 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sparsekit.errors import ConfigTypeError, UsageError
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigTypeError(f"schedule {name} must be an integer step, got {value!r}")
-    if value < minimum:
-        raise UsageError(f"schedule {name} must be >= {minimum}, got {value}")
+from sparsekit.checks import check_int
+from sparsekit.errors import UsageError
 
 
 class Schedule:
@@ -43,7 +37,7 @@ class OneShot(Schedule):
     step: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("step", self.step, 0)
+        check_int("schedule step", self.step, 0)
 
     def progress(self, step: int) -> float:
         return 1.0 if step >= self.step else 0.0
@@ -56,9 +50,9 @@ class _Ramp(Schedule):
     every: int = 100
 
     def __post_init__(self) -> None:
-        _check_int("start", self.start, 0)
-        _check_int("end", self.end, 0)
-        _check_int("every", self.every, 1)
+        check_int("schedule start", self.start, 0)
+        check_int("schedule end", self.end, 0)
+        check_int("schedule every", self.every, 1)
         if self.end < self.start:
             raise UsageError(
                 f"schedule end ({self.end}) is before its start ({self.start}); need end >= start"

@@ -13,7 +13,7 @@ from sparsekit.errors import ConfigTypeError, UsageError
 PRUNABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _as_list(patterns: str | Iterable[str] | None) -> list[str]:
+def as_patterns(patterns: str | Iterable[str] | None) -> list[str]:
     if patterns is None:
         return []
     if isinstance(patterns, str):
@@ -48,6 +48,31 @@ def name_matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
+def name_filter(
+    names: Iterable[str],
+    include: str | Sequence[str] | None = ("*",),
+    exclude: str | Sequence[str] | None = (),
+) -> Callable[[str], bool]:
+    """``keep(name)``: True when ``name`` matches an include pattern and no exclude pattern.
+    Raises UsageError when a pattern (other than ``"*"``) matches none of ``names``, the
+    qualified names it may select from (a typo should not silently select nothing)."""
+    include_l = as_patterns(include) or ["*"]
+    exclude_l = as_patterns(exclude)
+    names = list(names)
+    for kind, pats in (("include", include_l), ("exclude", exclude_l)):
+        for p in pats:
+            if p != "*" and not any(name_matches(n, p) for n in names):
+                shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+                raise UsageError(f"{kind} pattern {p!r} matches no selectable layer; layers "
+                                 f"are: {shown}")
+
+    def keep(name: str) -> bool:
+        return any(name_matches(name, p) for p in include_l) and not any(
+            name_matches(name, p) for p in exclude_l)
+
+    return keep
+
+
 def select_modules(
     model: nn.Module,
     include: str | Sequence[str] | None = ("*",),
@@ -58,29 +83,17 @@ def select_modules(
     """Modules of ``types`` whose qualified name matches an include pattern and no exclude
     pattern, in model order. Raises ValueError when an include or exclude pattern matches no
     module of those types (a typo should not silently prune nothing)."""
-    include_l = _as_list(include) or ["*"]
-    exclude_l = _as_list(exclude)
     candidates = {
         name: m
         for name, m in model.named_modules()
         if isinstance(m, types) and (filter_fn is None or filter_fn(m, name))
     }
-    for kind, pats in (("include", include_l), ("exclude", exclude_l)):
-        for p in pats:
-            if p != "*" and not any(name_matches(n, p) for n in candidates):
-                names = ", ".join(list(candidates)[:8]) + (" ..." if len(candidates) > 8 else "")
-                raise UsageError(
-                    f"{kind} pattern {p!r} matches no selectable layer; layers are: {names}"
-                )
-    chosen = {
-        n: m
-        for n, m in candidates.items()
-        if any(name_matches(n, p) for p in include_l)
-        and not any(name_matches(n, p) for p in exclude_l)
-    }
+    keep = name_filter(candidates, include, exclude)
+    chosen = {n: m for n, m in candidates.items() if keep(n)}
     if not chosen:
         raise UsageError(
-            f"include={include_l} exclude={exclude_l} select no layer of types "
+            f"include={as_patterns(include) or ['*']} exclude={as_patterns(exclude)} select no "
+            "layer of types "
             f"{[t.__name__ for t in types]}"
         )
     return chosen

@@ -11,24 +11,27 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
 from sparsekit.prune.calibration import CalibrationFn
+from sparsekit.checks import positional_until
 from sparsekit.prune.patterns import parse_pattern
 from sparsekit.prune.pruner import prune_
+from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.select import select_modules
 
 DEFAULT_LEVELS = (0.25, 0.5, 0.75, 0.9)
 
 
 @dataclass
-class SensitivityTable:
+class SensitivityTable(Report):
     """The metric after pruning one layer alone, per layer and level.
 
     ``levels``: sparsity levels (fraction of the layer's weights zeroed), ascending.
@@ -37,6 +40,8 @@ class SensitivityTable:
     ``higher_is_better``: the metric's direction (False for loss or perplexity).
     ``skipped[layer]``: why a selected layer could not be pruned (it has no metrics).
     """
+
+    tag: ClassVar[str] = "sensitivity"
 
     levels: list[float]
     baseline: float
@@ -68,6 +73,27 @@ class SensitivityTable:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SensitivityTable:
         return cls(**data)
+
+    def to_markdown(self) -> str:
+        header = ["layer", "params", "0%", *(f"{lv:.0%}" for lv in self.levels)]
+        rows = [[n, self.params[n], f"{self.baseline:.4g}", *(f"{v:.4g}" for v in values)]
+                for n, values in self.metrics.items()]
+        rows += [[n, "", f"skipped: {why}"] + [""] * len(self.levels)
+                 for n, why in self.skipped.items()]
+        return markdown_table(header, rows)
+
+    def log(self, writer: Any, step: int = 0) -> None:
+        """One chart per layer, ``sensitivity/<layer>``: the metric at step = sparsity in percent
+        (rounded to an integer; step 0 is the unpruned baseline), and the table as text
+        ``sensitivity/report`` at ``step``."""
+        self._log(writer, step, self.tag)
+
+    def _log(self, writer: Any, step: int, tag: str) -> None:
+        for name, values in self.metrics.items():
+            writer.add_scalar(f"{tag}/{name}", self.baseline, 0)
+            for level, value in zip(self.levels, values):
+                writer.add_scalar(f"{tag}/{name}", value, round(level * 100))
+        writer.add_text(f"{tag}/report", self.to_markdown(), step)
 
     def __str__(self) -> str:
         width = max([len("layer"), *(len(n) for n in self.metrics)])
@@ -101,9 +127,12 @@ def _restore(module: nn.Module, snapshot: list[tuple[str, bool, torch.Tensor, to
         tensor.copy_(data)
 
 
+@positional_until(("sparsities", "pattern", "criterion", "include", "exclude", "calibration",
+                   "calibration_fn", "higher_is_better"))
 def sensitivity(
     model: nn.Module,
     evaluate: Callable[[nn.Module], float],
+    *,
     sparsities: Sequence[float] | None = None,
     pattern: str = "unstructured",
     criterion: str = "magnitude",
@@ -183,14 +212,10 @@ def sensitivity(
 
 
 def log_sensitivity(writer: Any, table: SensitivityTable, tag: str = "sensitivity") -> None:
-    """One TensorBoard chart per layer: ``<tag>/<layer>`` with the metric at step = sparsity in
-    percent (rounded to an integer; step 0 is the unpruned baseline). ``writer`` is a
-    ``torch.utils.tensorboard.SummaryWriter`` (or anything with ``add_scalar(tag, value, step)``).
-    """
-    for name, values in table.metrics.items():
-        writer.add_scalar(f"{tag}/{name}", table.baseline, 0)
-        for level, value in zip(table.levels, values):
-            writer.add_scalar(f"{tag}/{name}", value, round(level * 100))
+    """Deprecated: ``table.log(writer)`` (the report protocol, :mod:`sparsekit.reporting`)."""
+    warnings.warn("log_sensitivity(writer, table) is deprecated; use table.log(writer)",
+                  DeprecationWarning, stacklevel=2)
+    table._log(writer, 0, tag)
 
 
 def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -207,8 +232,9 @@ def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return hull
 
 
+@positional_until(("max_level",))
 def allocate(
-    table: SensitivityTable, target: float, max_level: float | None = None
+    table: SensitivityTable, target: float, *, max_level: float | None = None
 ) -> dict[str, float]:
     """Per-layer sparsity levels whose parameter-weighted mean is ``target`` (over the table's
     layers), chosen to minimise the predicted loss ``sum_l d_l(s_l)``, where ``d_l`` is layer

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from sparsekit.prune.calibration import (
     CalibrationFn,
@@ -46,7 +45,7 @@ from sparsekit.prune.calibration import (
     run_calibration,
 )
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
-from sparsekit.prune.masks import check_finite_weight
+from sparsekit.prune.masks import check_finite_weight, original_weight
 from sparsekit.prune.shards import ShardComm
 from sparsekit.prune.patterns import prune_count
 
@@ -220,13 +219,6 @@ def obs_prune(
     return w, keep
 
 
-def _weight_tensor(module: nn.Module) -> torch.Tensor:
-    """The stored weight to write: the original under a parametrization, else ``weight``."""
-    if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations.weight.original
-    return module.weight
-
-
 def _solve_layer(
     name: str,
     module: nn.Module,
@@ -262,7 +254,7 @@ def _solve_layer(
             name=name,
         )
     with torch.no_grad():
-        target = _weight_tensor(module)
+        target = original_weight(module)
         target.copy_(new.reshape(weight.shape).to(target.dtype))
     return keep.reshape(weight.shape)
 

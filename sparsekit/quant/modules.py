@@ -23,13 +23,14 @@ input value is quantized once, before it is copied into the overlapping patches.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.prune.calibration import conv_pads
+from sparsekit.prune.calibration import conv_pads, im2col
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (
@@ -82,6 +83,14 @@ class _QuantWeight(nn.Module):
         else:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
+    @classmethod
+    def from_float(cls, layer: nn.Module, scheme: str | Scheme) -> Any:
+        """Quantize the float ``layer``'s current weight (per output channel) into a new module
+        of this class."""
+        q = cls(layer, scheme)
+        q._fill(layer.weight)
+        return q
+
     @torch.no_grad()
     def _fill(self, weight: torch.Tensor) -> None:
         fmt = get_scheme(self.scheme).weight
@@ -117,13 +126,6 @@ class QuantLinear(_QuantWeight):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
 
-    @classmethod
-    def from_float(cls, linear: nn.Linear, scheme: str | Scheme) -> QuantLinear:
-        """Quantize ``linear``'s current weight (per output channel) into a new module."""
-        q = cls(linear, scheme)
-        q._fill(linear.weight)
-        return q
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self._activation_format()
         if fmt is None:
@@ -158,13 +160,6 @@ class QuantConv(_QuantWeight):
         self.padding_mode = conv.padding_mode
         self.pads = tuple(conv_pads(conv))
 
-    @classmethod
-    def from_float(cls, conv: nn.Module, scheme: str | Scheme) -> QuantConv:
-        """Quantize ``conv``'s current weight (per output channel) into a new module."""
-        q = cls(conv, scheme)
-        q._fill(conv.weight)
-        return q
-
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         if not any(self.pads):
             return x
@@ -187,13 +182,10 @@ class QuantConv(_QuantWeight):
         """im2col + one 8-bit matmul; ``x`` is the padded batched input."""
         x_scale = sample_scales(x, fmt)
         q = quantize(x, x_scale, fmt).float()  # exact: every int8/e4m3 value is a float32
-        kernel, stride, dilation = self.kernel_size, self.stride, self.dilation
-        if self.dims == 1:  # unfold is 2-D only: view (B, C, L) as (B, C, 1, L)
-            q = q.unsqueeze(2)
-            kernel, stride, dilation = (1, *kernel), (1, *stride), (1, *dilation)
-        cols = F.unfold(q, kernel, dilation=dilation, stride=stride)  # (B, C*prod(k), L)
-        batch, _, positions = cols.shape
-        cols = cols.transpose(1, 2).reshape(batch * positions, -1).to(fmt.dtype)
+        cols = im2col(q, self.kernel_size, self.stride, self.dilation)[0]  # (B * L, C*prod(k))
+        batch = x.shape[0]
+        positions = cols.shape[0] // batch
+        cols = cols.to(fmt.dtype)
         rows_scale = x_scale.reshape(batch, 1).expand(batch, positions).reshape(-1, 1)
         w = self.weight.reshape(self.out_channels, -1)
         y = scaled_matmul(cols, rows_scale, w, self.weight_scale, self.bias, x.dtype)

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.errors import UsageError
+from sparsekit.checks import positional_until
 from sparsekit.prune.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
@@ -80,9 +81,11 @@ class ActivationFakeQuant:
         return (fake_quantize(x, scale, fmt), *rest)
 
 
+@positional_until(("include", "exclude", "strict"))
 def prepare_qat_(
     model: nn.Module,
     scheme: str | Scheme,
+    *,
     include: str | Sequence[str] = ("*",),
     exclude: str | Sequence[str] = (),
     strict: bool = False,

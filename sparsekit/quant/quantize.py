@@ -11,6 +11,7 @@ from torch import nn
 
 from sparsekit.errors import UsageError
 from sparsekit.prune.calibration import CalibrationFn, run_calibration
+from sparsekit.checks import positional_until
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
     foreign_parametrizations,
@@ -22,9 +23,11 @@ from sparsekit.quant.modules import quantized_module
 from sparsekit.quant.report import QuantReport
 
 
+@positional_until(("include", "exclude", "calibration", "calibration_fn", "strict"))
 def quantize_(
     model: nn.Module,
     scheme: str | Scheme,
+    *,
     include: str | Sequence[str] = ("*",),
     exclude: str | Sequence[str] = (),
     calibration: Iterable[Any] | None = None,

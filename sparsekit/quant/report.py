@@ -4,7 +4,9 @@ reason) or excluded by the include/exclude patterns."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from sparsekit.reporting import Report, markdown_table
 
 STATUSES = ("quantized", "qat", "skipped", "excluded")
 
@@ -22,9 +24,12 @@ class QuantLayer:
 
 
 @dataclass
-class QuantReport:
+class QuantReport(Report):
     """Per-layer outcome of ``quantize_``, ``prepare_qat_`` or ``convert_``; ``str()`` is a
-    table, ``to_dict()`` plain data for logging."""
+    table, ``to_dict()`` plain data, ``log(writer, step)`` the counts and per-layer errors
+    (see :mod:`sparsekit.reporting`)."""
+
+    tag: ClassVar[str] = "quant"
 
     scheme: str
     layers: list[QuantLayer] = field(default_factory=list)
@@ -41,6 +46,22 @@ class QuantReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.scheme, "layers": [asdict(ly) for ly in self.layers]}
+
+    def scalars(self) -> dict[str, float]:
+        """``quant/quantized`` and ``quant/skipped`` (layer counts) and
+        ``quant/rel_error/<layer>`` where it was measured."""
+        out = {"quant/quantized": float(len(self.quantized)),
+               "quant/skipped": float(len(self.skipped))}
+        out.update({f"quant/rel_error/{ly.name}": ly.rel_error for ly in self.layers
+                    if ly.rel_error is not None})
+        return out
+
+    def to_markdown(self) -> str:
+        rows = [[ly.name, ly.kind, ly.status,
+                 "" if ly.rel_error is None else f"{ly.rel_error:.2e}", ly.reason]
+                for ly in self.layers]
+        return f"quantization: {self.scheme}\n\n" + markdown_table(
+            ["layer", "type", "status", "rel_error", "reason"], rows)
 
     def __str__(self) -> str:
         rows = [("layer", "type", "status", "rel_error", "reason")]

@@ -1,46 +1,22 @@
 """Timing a model's forward pass: latency at batch 1, throughput at a large batch.
 
-On CUDA each repeat is timed with CUDA events after warm-up; on CPU with ``perf_counter``.
-The reported figure is the median over repeats (robust to a noisy neighbour).
+Each repeat is timed by :func:`sparsekit.accel.timing.time_ms` (CUDA events after warm-up; on
+CPU ``perf_counter``). The reported figure is the median over repeats (robust to a noisy
+neighbour).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
+from sparsekit.accel.timing import time_ms
 from sparsekit.prune.calibration import eval_mode
 from sparsekit.progress import progress
 
 
-def time_call(
-    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
-    desc: str = "bench", quiet: bool = False,
-) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``repeats`` calls after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in progress(range(repeats), quiet, desc=desc, leave=False):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in progress(range(repeats), quiet, desc=desc, leave=False):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _bar(desc: str, quiet: bool):
+    return lambda steps: progress(steps, quiet, desc=desc, leave=False)
 
 
 @torch.no_grad()
@@ -65,8 +41,8 @@ def benchmark(
     one = example[:1]
     big = one.expand(batch_size, *one.shape[1:]).contiguous()
     with eval_mode(model):
-        latency = time_call(lambda: model(one), one.device, warmup, repeats, f"{desc} b=1", quiet)
-        batch_ms = time_call(
-            lambda: model(big), big.device, warmup, repeats, f"{desc} b={batch_size}", quiet
-        )
+        latency = time_ms(lambda: model(one), one.device, warmup=warmup, repeats=repeats,
+                          wrap=_bar(f"{desc} b=1", quiet))
+        batch_ms = time_ms(lambda: model(big), big.device, warmup=warmup, repeats=repeats,
+                           wrap=_bar(f"{desc} b={batch_size}", quiet))
     return {"latency_ms": latency, "throughput": batch_size / (batch_ms / 1e3)}

@@ -39,7 +39,7 @@ from omegaconf.errors import (
 from sparsekit.run.config import Config, choices
 from sparsekit.data import check_data_name
 from sparsekit.prune.shards import is_distributed
-from sparsekit.run.distributed import init, is_main, launched_by_torchrun
+from sparsekit.run.distributed import init, is_main, launched_by_torchrun, set_launch_env
 from sparsekit.errors import SparsekitError, StorageError, UsageError
 from sparsekit.io.files import unique_dir
 from sparsekit.models import check_model_name
@@ -391,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
     argv = resume_argv(argv)
+    set_launch_env()  # torchrun: NCCL multicast off unless the user exported otherwise
     argv = share_run_dir(argv)  # torchrun: every rank writes into rank 0's run directory
     if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
         check_overrides([a for a in argv if not a.startswith("-")])

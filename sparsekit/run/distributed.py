@@ -18,7 +18,9 @@ from sparsekit.prune.shards import is_distributed, is_initialized, rank, world_s
 
 BACKENDS = ("auto", "gloo", "nccl")
 MODES = ("auto", "none", "ddp", "fsdp2")
-# NVLink SHARP / multicast stays off on the lent machines (GPU_NOTES.md); set before NCCL init
+# NVLink SHARP / multicast off: on the shared H200 hosts this project is measured on, a
+# communicator using it could hang the GPU (docs/distributed.md). Set by the command line under
+# torchrun (set_launch_env), never by library calls; export other values to override.
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -40,6 +42,16 @@ def barrier() -> None:
 def launched_by_torchrun() -> bool:
     """True when torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) is set."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def set_launch_env() -> None:
+    """Under torchrun (``WORLD_SIZE`` set), default :data:`NO_MULTICAST_ENV` in this process
+    before any NCCL communicator exists; variables already set are kept. Called by the
+    ``sparsekit`` command line only: library calls never change the process environment (a
+    program that calls :func:`init` itself exports what it wants)."""
+    if "WORLD_SIZE" in os.environ:
+        for key, value in NO_MULTICAST_ENV.items():
+            os.environ.setdefault(key, value)
 
 
 def init(backend: str = "auto", device: str = "auto") -> torch.device:
@@ -86,8 +98,6 @@ def init(backend: str = "auto", device: str = "auto") -> torch.device:
                 f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA device(s): start "
                 "at most one process per GPU (torchrun --nproc_per_node)"
             )
-        for key, value in NO_MULTICAST_ENV.items():
-            os.environ.setdefault(key, value)
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     if not is_initialized():

@@ -62,7 +62,8 @@ from sparsekit.errors import (
     UsageError,
     storage_errors,
 )
-from sparsekit.data import DataBundle, build_data, cache_root
+from sparsekit.data import DataBundle, build_data
+from sparsekit.io.cache import cache_root
 from sparsekit.models import build_model
 from sparsekit.progress import is_quiet
 from sparsekit.io.runstate import (
@@ -72,7 +73,7 @@ from sparsekit.io.runstate import (
     set_rng_state,
     write_run_state,
 )
-from sparsekit.prune.sensitivity import SensitivityTable, log_sensitivity
+from sparsekit.prune.sensitivity import SensitivityTable
 from sparsekit.run.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
 from sparsekit.run.train import eval_batches, fit, get_batch, make_optimizer, task_loss
 
@@ -410,7 +411,7 @@ def scan_sensitivity(
             higher_is_better=metric == "accuracy",
         )
         if tracker.writer is not None:
-            log_sensitivity(tracker.writer, table)
+            table.log(tracker.writer)
         tracker.text("sensitivity", f"{metric}, one layer pruned at a time:\n\n```\n{table}\n```")
     levels = None if s.target is None else sk.allocate(table, s.target)
     out = {"metric": metric, "table": table.to_dict(), "allocation": levels}
@@ -538,8 +539,8 @@ def stage_channels(ctx: RunContext) -> None:
     if c.ratio <= 0:
         return
     options = dict(
-        ratio=c.ratio, importance=c.importance, scope=c.scope, round_to=c.round_to,
-        ignore=list(c.ignore),
+        ratio=c.ratio, criterion=c.importance, scope=c.scope, round_to=c.round_to,
+        exclude=list(c.ignore),
         loss_fn=taylor_loss(ctx.data.train, cfg) if c.importance == "taylor" else None,
     )
     if c.steps > 1 and p.fine_tune and p.pattern == "none" and ctx.mode == "none":

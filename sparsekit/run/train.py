@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit.run import distributed as D
-from sparsekit.prune.calibration import _to_device, eval_mode
+from sparsekit.prune.calibration import to_device, eval_mode
 from sparsekit.errors import UsageError
 from sparsekit.progress import progress
 from sparsekit.io.runstate import follow_parameters
@@ -129,7 +129,7 @@ def evaluate(
         total = -(-len(dataset) // batch_size)
         total = total if max_batches is None else min(total, max_batches)
         for x, y in progress(batches, quiet, desc="eval", leave=False, total=total):
-            x, y = _to_device(x, device), y.to(device)
+            x, y = to_device(x, device), y.to(device)
             logits = logits_of(model(x))
             loss_sum += F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
@@ -194,7 +194,7 @@ def fit(
             group["lr"] = lr_now
         idx = batch_indices(len(dataset), batch_size, seed, step)
         x, y = get_batch(dataset, D.rank_slice(idx) if shard else idx)
-        x, y = _to_device(x, device), y.to(device)
+        x, y = to_device(x, device), y.to(device)
         logits = logits_of(model(x))
         loss = task_loss(logits, y)
         if use_teacher:

@@ -16,7 +16,7 @@ from sparsekit.accel.convert import (
     conv_skip_reason,
     mha_skip_reason,
 )
-from sparsekit.accel.report import AccelReport, LayerDecision, decide, log_accel_report
+from sparsekit.accel.report import AccelReport, LayerDecision, decide
 
 # timings recorded on the H200 (us), 4096x11008 weight, 4096 tokens, best alg per variant
 H200_LLAMA = {"bf16_dense": 465.4, "bf16_2:4": 326.0, "fp8_dense": 292.7, "fp8_2:4": 249.2}
@@ -144,7 +144,7 @@ def test_report_dict_markdown_and_tensorboard():
     assert "| mlp.fc1 | 11008x4096 | 4096 | yes | bf16_2:4 | 1.43x |" in md
     assert "conv_proj" in md and "1.25x" in md
     w = _Writer()
-    log_accel_report(w, report)
+    report.log(w)
     assert w.scalars["accel/speedup/mlp.fc1"] == pytest.approx(1.4276, abs=1e-3)
     assert w.scalars["accel/model_speedup"] == pytest.approx(1.25)
     assert "accel/speedup/head" not in w.scalars and "mlp.fc1" in w.texts["accel/report"]
@@ -170,7 +170,7 @@ def test_report_bound_is_amdahl_over_timed_linears():
 
 
 def test_alg_cache_roundtrip(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     key = algsearch.cache_key("bf16_2:4", 11008, 4096, 4096, "NVIDIA H200", "2.11.0", 800)
     assert key == "NVIDIA H200|torch=2.11.0|cusparselt=800|bf16_2:4|N=11008|K=4096|M=4096"
     assert algsearch.load_cache() == {}

@@ -42,7 +42,7 @@ def rel_err(y, ref):
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
 
 
 @pytest.mark.parametrize("variant", list(kernels.VARIANTS))
