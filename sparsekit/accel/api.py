@@ -295,6 +295,132 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
             d.reason += f"; whole-model plan {best}"
 
 
+def _check_options(precision: str, dense_precision: str, sparsity: str, min_speedup: float,
+                   fuse: bool | None) -> AccelReport:
+    """Validate accelerate's options; the (empty) report that records its choices."""
+    check_precision("precision", precision)
+    check_precision("dense_precision", dense_precision)
+    if sparsity not in SPARSITIES:
+        raise ValueError(f"sparsity must be one of {SPARSITIES}, got {sparsity!r}")
+    if not min_speedup > 0:
+        raise ValueError(f"min_speedup must be > 0, got {min_speedup}")
+    if fuse is not None:
+        warnings.warn("sk.accelerate(fuse=...) is deprecated and ignored: sibling q/k/v fusion "
+                      "is not done on the compiled path (docs/gpu.md); drop the argument",
+                      DeprecationWarning, stacklevel=3)
+    return AccelReport(precision, sparsity, float(min_speedup), "")
+
+
+def _layers(model: nn.Module, inputs: Any, include: Any, exclude: Any, precision: str,
+            report: AccelReport) -> tuple[list[str], dict[str, int]]:
+    """Convert attention/conv modules, then the selected linear layers' names and the token
+    count each sees on ``inputs`` (layers not called are reported as skipped); a layer quantized
+    with another scheme than ``precision`` is an error."""
+    keep = name_filter([n for n, _ in model.named_modules() if n], include, exclude)
+    _convert(model, keep, report)
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, QuantLinear)) and keep(n)]
+    for n in names:
+        q = model.get_submodule(n)
+        if isinstance(q, QuantLinear) and q.scheme in _W8A8 and _W8A8[q.scheme] != precision:
+            raise ValueError(f"layer {n!r} is quantized with {q.scheme!r}: accelerate it with "
+                             f"precision={_W8A8[q.scheme]!r} (its numerics), got {precision!r}")
+    tokens = _tokens(model, inputs, names)
+    for name in names:
+        if name not in tokens:
+            report.skipped[name] = "not called on the example inputs"
+    return names, tokens
+
+
+def _device_of(device: str | torch.device | None) -> torch.device:
+    """The device accelerate runs on: CUDA by default (an error when none is visible), or CPU
+    for the reference kernels."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("sk.accelerate needs a CUDA GPU (sparse tensor cores); none is "
+                               "visible (device='cpu' runs the reference kernels, for tests)")
+        device = "cuda"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
+    return device
+
+
+def _decide(name: str, layer: nn.Module, m: int, precision: str, sparsity: str,
+            dense_precision: str, min_speedup: float, plan: _Planner, report: AccelReport,
+            decided: dict, chosen: dict) -> None:
+    """Layer ``name``'s candidates and, with ``sparsity="auto"``, its per-shape choice (timed
+    once per GEMM shape, shared through ``decided``); adds its decision to ``report`` and, when
+    accelerate may replace it, to ``chosen``."""
+    has24 = _weight_24(layer)
+    cands, reason = layer_plan(has24, precision, sparsity, layer.in_features,
+                               layer.out_features, dense_precision)
+    quantized = isinstance(layer, QuantLinear) and layer.scheme in _W8A8
+    if quantized:  # only variants with the layer's own numerics: its scheme, dense or 2:4
+        reason = f"quantized ({layer.scheme}): its weights, scales and activation numerics"
+        if layer.in_features % _ALIGN or layer.out_features % _ALIGN:  # quant's forward
+            report.layers.append(LayerDecision(name, layer.out_features, layer.in_features,
+                                               m, has24, "QuantLinear", reason + "; "
+                                               "in/out features not multiples of 32: kept"))
+            return
+        cands = [variant_name(precision, False)] + (
+            [variant_name(precision, True)] if has24 and sparsity != "dense" else [])
+    decision = LayerDecision(name, layer.out_features, layer.in_features, m, has24,
+                             BASELINE, reason)
+    report.layers.append(decision)
+    chosen[name] = (layer, m, cands, decision)
+    if quantized and sparsity == "auto" and len(cands) > 1:
+        timings = {v: plan.time(v, layer, m) for v in cands}
+        decision.variant = min(timings, key=timings.get)
+        decision.timings_us = timings
+        decision.reason += f"; faster measured at M={m}"
+    elif sparsity != "auto" or len(cands) == 1:
+        decision.variant = cands[-1]
+    else:
+        key = (layer.out_features, layer.in_features, m, tuple(cands))
+        if key not in decided:
+            timings = {}
+            for v in cands:
+                try:
+                    timings[v] = plan.time(v, layer, m)
+                except RuntimeError as e:  # a kernel this shape cannot run: not a candidate
+                    if v == BASELINE:
+                        raise
+                    report.notes.append(f"{v} at {layer.out_features}x{layer.in_features}, "
+                                        f"M={m} did not run: {str(e).splitlines()[0][:120]}")
+            variant, why = planner.choose(timings, m, min_speedup)
+            decided[key] = (variant, why, timings)
+        decision.variant, why, decision.timings_us = decided[key][0], decided[key][1], \
+            dict(decided[key][2])
+        decision.reason = f"{reason}; {why}"
+        # a variant that did not run at this shape is no candidate of any plan
+        chosen[name] = (layer, m, [c for c in cands if c in decision.timings_us], decision)
+
+
+def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
+            device: torch.device, inputs: Any, t0: float, options: dict) -> AcceleratedModel:
+    """Record the algorithms the installed layers use, save the plan cache, wrap the model and
+    (when compiling) run it once, timing the compile."""
+    for name, (_, _, _, decision) in chosen.items():
+        mod = model.get_submodule(name)
+        if getattr(mod, "uses_alg", False):
+            decision.alg_ids[decision.variant] = mod.alg_id
+    plan.save()
+    report.seconds["plan"] = time.perf_counter() - t0
+    fast = AcceleratedModel(model, report, device, **options)
+    if options["compile"]:  # the first call compiles: its time is part of accelerate's
+        t1 = time.perf_counter()
+        feed(fast, inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        report.seconds["compile"] = time.perf_counter() - t1
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return fast
+
+
 @positional_until(("precision", "sparsity", "min_speedup"))
 def accelerate(
     model: nn.Module,
@@ -318,136 +444,45 @@ def accelerate(
     whole_model: bool | None = None,
     fuse: bool | None = None,
 ) -> AcceleratedModel:
-    """Run ``model``'s linear layers on sparse / low-precision kernels, the model compiled.
+    """Run ``model``'s linear layers on sparse / low-precision kernels, the model compiled
+    (docs/gpu.md has the details and the measured speeds).
 
-    ``model``: weights already hold their 2:4 zeros (after ``Pruner.finalize()``); layers
-    without a 2:4 pattern run as ``dense_precision`` ("bf16" by default; "fp8" runs e.g. an LM
-    head as fp8 dense). A model quantized with ``sk.quantize_`` or QAT (``QuantLinear`` layers,
-    scheme "fp8" or "int8") is built from its 8-bit weights and scales as they are, and its
-    activations are quantized exactly as quant/ does (per token, same rounding): ``precision``
-    must then be that scheme. ``example_inputs``: a tensor, tuple (``model(*x)``) or dict
-    (``model(**x)``) of the shape you will serve; planning uses its token count.
-    ``precision``: "bf16" | "fp8" (e4m3) | "int8", the 8-bit ones W8A8 with per-token dynamic
-    activation scales. ``sparsity``: "2:4" (every 2:4 layer sparse), "dense" (precision only),
-    or "auto" (per GEMM shape the fastest of bf16 dense, precision dense, bf16 2:4 and precision
-    2:4, each compiled and timed as it will run, kept only when it beats bf16 dense by
-    ``min_speedup``; at decode sizes, M <= 64, 2:4 must also beat the dense variants), then,
-    with ``whole_model`` (default: on CUDA), a few whole-model plans (all dense, the per-layer
-    choice, all precision 2:4, all bf16 2:4, all precision dense) each compiled and timed as the
-    returned model will run, the fastest kept if it beats all-dense by ``min_speedup``, else
-    all dense: "auto" is never measurably slower than the dense model. Comparing plans compiles
-    the model once per plan and resets torch.compile's caches (``torch._dynamo.reset()``)
-    between them. Timings, cuSPARSELt algorithms and the whole-model choice are cached on disk
-    (:mod:`sparsekit.accel.planner`; ``plan_cache=False`` re-measures). ``include``/``exclude``:
-    the modules (linears, attention, 1x1 convs) it may touch, by qualified name: fnmatch globs or
-    ``re:<regex>``, as everywhere.
-
-    ``device``: "cuda" (default when a GPU is visible) or "cpu": on CPU the same modules run the
-    ``sparsekit::`` ops' plain-torch reference kernels (for tests, tracing, numerics; not speed).
-    ``compile`` (default): the model runs through ``torch.compile(mode=mode, dynamic=dynamic,
-    backend=backend)``; ``mode`` defaults to "reduce-overhead" (CUDA graphs) on CUDA and
-    "default" on CPU. Varying input shapes: with ``dynamic=None`` a second shape recompiles
-    once with dynamic sizes (torch's automatic dynamic shapes), ``dynamic=True`` compiles
-    dynamic from the start; ``report.compiles`` counts what was built, and a warning names a
-    count over 8. ``compile=False`` runs the model eagerly (slow on CUDA: cuSPARSELt builds its
-    plan on every call; for tests and debugging).
+    ``model``: weights hold their 2:4 zeros (after ``Pruner.finalize()``); layers without 2:4
+    run as ``dense_precision`` ("bf16"; "fp8" runs e.g. an LM head as fp8 dense). A model
+    quantized by ``sk.quantize_``/QAT (fp8 or int8 ``QuantLinear``) runs its own weights, scales
+    and activation numerics: ``precision`` must be its scheme. ``example_inputs``: a tensor,
+    tuple (``model(*x)``) or dict (``model(**x)``) of the shape you will serve.
+    ``precision``: "bf16" | "fp8" | "int8" (8-bit: W8A8, per-token activation scales).
+    ``sparsity``: "2:4", "dense", or "auto": per GEMM shape the fastest of bf16 dense,
+    precision dense, bf16 2:4, precision 2:4 (each compiled and timed; kept only if it beats
+    bf16 dense by ``min_speedup``; at M <= 64 2:4 must also beat the dense variants), then with
+    ``whole_model`` (default: on CUDA) a few whole-model plans timed as they will run, the
+    fastest kept if it beats all-dense by ``min_speedup``. Timings and choices are cached on
+    disk (``plan_cache=False`` re-measures). ``include``/``exclude``: the modules it may touch
+    (fnmatch globs or ``re:<regex>`` over qualified names, as everywhere).
+    ``device``: "cuda" (default) or "cpu" (the ops' reference kernels: tests, not speed).
+    ``compile``: ``torch.compile(mode=mode, dynamic=dynamic, backend=backend)``, ``mode``
+    "reduce-overhead" on CUDA, "default" on CPU; a second input shape recompiles once with
+    dynamic sizes (``report.compiles`` counts graphs; a warning names more than 8).
     ``fused_quant``: activation quantization as plain torch ops the compiler fuses into its
-    producer (default) or as the opaque ``sparsekit::quant_rows`` op. ``fuse`` is deprecated
-    and ignored (a DeprecationWarning): sibling q/k/v fusion needed to compare input tensor
-    versions in the forward, which the compiler cannot trace.
+    producer (default) or the opaque ``sparsekit::quant_rows`` op. ``fuse``: deprecated, ignored.
 
     Modifies ``model`` in place (moved to ``device``, bfloat16, eval) and returns the
     :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
-    check_precision("precision", precision)
-    check_precision("dense_precision", dense_precision)
-    if sparsity not in SPARSITIES:
-        raise ValueError(f"sparsity must be one of {SPARSITIES}, got {sparsity!r}")
-    if not min_speedup > 0:
-        raise ValueError(f"min_speedup must be > 0, got {min_speedup}")
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("sk.accelerate needs a CUDA GPU (sparse tensor cores); none is "
-                               "visible (device='cpu' runs the reference kernels, for tests)")
-        device = "cuda"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
-    keep = name_filter([n for n, _ in model.named_modules() if n], include, exclude)
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = AccelReport(precision, sparsity, float(min_speedup), dev_name)
-    if fuse is not None:
-        warnings.warn("sk.accelerate(fuse=...) is deprecated and ignored: sibling q/k/v fusion "
-                      "is not done on the compiled path (docs/gpu.md); drop the argument",
-                      DeprecationWarning, stacklevel=2)
+    report = _check_options(precision, dense_precision, sparsity, min_speedup, fuse)
+    device = _device_of(device)
+    report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     t0 = time.perf_counter()
     model = model.eval().to(device, torch.bfloat16)
     inputs = tree_map(lambda t: t.to(device).to(torch.bfloat16) if t.is_floating_point()
                       else t.to(device), example_inputs)
-    _convert(model, keep, report)
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, (nn.Linear, QuantLinear)) and keep(n)]
-    for n in names:
-        q = model.get_submodule(n)
-        if isinstance(q, QuantLinear) and q.scheme in _W8A8 and _W8A8[q.scheme] != precision:
-            raise ValueError(f"layer {n!r} is quantized with {q.scheme!r}: accelerate it with "
-                             f"precision={_W8A8[q.scheme]!r} (its numerics), got {precision!r}")
-    tokens = _tokens(model, inputs, names)
-    for name in names:
-        if name not in tokens:
-            report.skipped[name] = "not called on the example inputs"
+    names, tokens = _layers(model, inputs, include, exclude, precision, report)
     plan = _Planner(device, search_algs, plan_cache, fused_quant, backend)
     decided: dict[tuple, tuple[str, str, dict]] = {}
     chosen: dict[str, tuple[nn.Module, int, list[str], LayerDecision]] = {}
-    for name in names:
-        if name not in tokens:
-            continue
-        layer = model.get_submodule(name)
-        m = tokens[name]
-        has24 = _weight_24(layer)
-        cands, reason = layer_plan(has24, precision, sparsity, layer.in_features,
-                                   layer.out_features, dense_precision)
-        quantized = isinstance(layer, QuantLinear) and layer.scheme in _W8A8
-        if quantized:  # only variants with the layer's own numerics: its scheme, dense or 2:4
-            reason = f"quantized ({layer.scheme}): its weights, scales and activation numerics"
-            if layer.in_features % _ALIGN or layer.out_features % _ALIGN:  # quant's forward
-                report.layers.append(LayerDecision(name, layer.out_features, layer.in_features,
-                                                   m, has24, "QuantLinear", reason + "; "
-                                                   "in/out features not multiples of 32: kept"))
-                continue
-            cands = [variant_name(precision, False)] + (
-                [variant_name(precision, True)] if has24 and sparsity != "dense" else [])
-        decision = LayerDecision(name, layer.out_features, layer.in_features, m, has24,
-                                 BASELINE, reason)
-        report.layers.append(decision)
-        chosen[name] = (layer, m, cands, decision)
-        if quantized and sparsity == "auto" and len(cands) > 1:
-            timings = {v: plan.time(v, layer, m) for v in cands}
-            decision.variant = min(timings, key=timings.get)
-            decision.timings_us = timings
-            decision.reason += f"; faster measured at M={m}"
-        elif sparsity != "auto" or len(cands) == 1:
-            decision.variant = cands[-1]
-        else:
-            key = (layer.out_features, layer.in_features, m, tuple(cands))
-            if key not in decided:
-                timings = {}
-                for v in cands:
-                    try:
-                        timings[v] = plan.time(v, layer, m)
-                    except RuntimeError as e:  # a kernel this shape cannot run: not a candidate
-                        if v == BASELINE:
-                            raise
-                        report.notes.append(f"{v} at {layer.out_features}x{layer.in_features}, "
-                                            f"M={m} did not run: {str(e).splitlines()[0][:120]}")
-                variant, why = planner.choose(timings, m, min_speedup)
-                decided[key] = (variant, why, timings)
-            decision.variant, why, decision.timings_us = decided[key][0], decided[key][1], \
-                dict(decided[key][2])
-            decision.reason = f"{reason}; {why}"
-            # a variant that did not run at this shape is no candidate of any plan
-            chosen[name] = (layer, m, [c for c in cands if c in decision.timings_us], decision)
+    for name in [n for n in names if n in tokens]:
+        _decide(name, model.get_submodule(name), tokens[name], precision, sparsity,
+                dense_precision, min_speedup, plan, report, decided, chosen)
 
     def install(assign: dict[str, str]) -> None:
         for name, variant in assign.items():
@@ -457,30 +492,15 @@ def accelerate(
             else:
                 model.set_submodule(name, plan.build(variant, layer, m))
 
-    if whole_model is None:
-        whole_model = device.type == "cuda"
+    whole_model = device.type == "cuda" if whole_model is None else whole_model
+    compiled = dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend)
     if sparsity == "auto" and whole_model and chosen:
         _plan_whole_model(model, inputs, chosen, install, plan, report, precision, min_speedup,
-                          dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend,
-                               fused_quant=fused_quant, dense_precision=dense_precision))
+                          {**compiled, "fused_quant": fused_quant,
+                           "dense_precision": dense_precision})
     install({n: d.variant for n, (_, _, _, d) in chosen.items()})
-    for name, (_, _, _, decision) in chosen.items():
-        mod = model.get_submodule(name)
-        if getattr(mod, "uses_alg", False):
-            decision.alg_ids[decision.variant] = mod.alg_id
-    plan.save()
-    report.seconds["plan"] = time.perf_counter() - t0
-    fast = AcceleratedModel(model, report, device, compile=compile, mode=mode, dynamic=dynamic,
-                            backend=backend, clone_outputs=clone_outputs)
-    if compile:  # the first call compiles: its time is part of accelerate's
-        t1 = time.perf_counter()
-        feed(fast, inputs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        report.seconds["compile"] = time.perf_counter() - t1
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return fast
+    return _finish(model, chosen, plan, report, device, inputs, t0,
+                   {**compiled, "clone_outputs": clone_outputs})
 
 
 def output_types_equal(a: Any, b: Any) -> bool:

@@ -127,6 +127,25 @@ def _restore(module: nn.Module, snapshot: list[tuple[str, bool, torch.Tensor, to
         tensor.copy_(data)
 
 
+def _levels(pattern: str, nm: tuple[int, int] | None,
+            sparsities: Sequence[float] | None) -> list[float]:
+    """The levels to measure: ``1 - N/M`` for an N:M pattern (which takes no ``sparsities``),
+    else the distinct ``sparsities`` in (0, 1), sorted (default: 25/50/75/90%)."""
+    if nm is not None:
+        if sparsities is not None:
+            raise UsageError(
+                f"pattern {pattern!r} implies the level {1 - nm[0] / nm[1]:g}; "
+                "leave sparsities=None"
+            )
+        return [1 - nm[0] / nm[1]]
+    levels = sorted(float(s) for s in (DEFAULT_LEVELS if sparsities is None else sparsities))
+    if not levels or any(not 0 < s < 1 for s in levels) or len(set(levels)) != len(levels):
+        raise UsageError(
+            f"sparsities must be distinct levels in (0, 1), got {list(sparsities or [])}"
+        )
+    return levels
+
+
 @positional_until(("sparsities", "pattern", "criterion", "include", "exclude", "calibration",
                    "calibration_fn", "higher_is_better"))
 def sensitivity(
@@ -163,19 +182,7 @@ def sensitivity(
     True
     """
     nm = parse_pattern(pattern)
-    if nm is not None:
-        if sparsities is not None:
-            raise UsageError(
-                f"pattern {pattern!r} implies the level {1 - nm[0] / nm[1]:g}; "
-                "leave sparsities=None"
-            )
-        levels = [1 - nm[0] / nm[1]]
-    else:
-        levels = sorted(float(s) for s in (DEFAULT_LEVELS if sparsities is None else sparsities))
-        if not levels or any(not 0 < s < 1 for s in levels) or len(set(levels)) != len(levels):
-            raise UsageError(
-                f"sparsities must be distinct levels in (0, 1), got {list(sparsities or [])}"
-            )
+    levels = _levels(pattern, nm, sparsities)
     if calibration is not None and iter(calibration) is calibration:
         calibration = list(calibration)  # an iterator would be used up by the first layer
     was_training = model.training
