@@ -140,7 +140,7 @@ def test_a_name_never_imports_code(tmp_path, monkeypatch):
 def test_toy_plugin_from_the_command_line(toy_plugin, tmp_path, capsys):
     """``sparsekit prune.criterion=toy``, the toy installed as an entry point: its one-shot
     masks (no fine-tuning) are the complement of magnitude's on the same dense model."""
-    from tests.test_cli import TINY_MNIST, run_cli
+    from test_cli import TINY_MNIST, run_cli
 
     args = ["prune=unstructured", "prune.sparsity=0.5", "schedule=oneshot",
             "prune.fine_tune=false", "bench=off", "tracker=none",
@@ -170,7 +170,7 @@ def test_toy_plugin_from_the_command_line(toy_plugin, tmp_path, capsys):
 
 
 def test_unknown_criterion_on_the_command_line_lists_the_registered_ones(tmp_path, capsys):
-    from tests.test_cli import run_cli
+    from test_cli import run_cli
 
     code, _, err = run_cli(["prune.criterion=toy"], tmp_path, capsys)
     assert code == 2 and err.count("\n") == 1
