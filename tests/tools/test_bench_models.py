@@ -28,7 +28,10 @@ def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
         floor = v["dense_eager"]["rel_err"]
         assert 0 < floor < 0.03
         assert v["sk_bf16_2:4"]["rel_err"] < 1.5 * floor + 1e-3
-        assert floor < v["sk_fp8_2:4"]["rel_err"] < 0.15
+        # fp8 ran on the 2:4 layers; its error is at least about the bf16 floor (on the tiny
+        # BERT the bf16 rest of the model dominates: fp8 adds under 3%, so no strict margin)
+        assert v["sk_fp8_2:4"]["layer_variants"].get("fp8_2:4", 0) > 0
+        assert 0.9 * floor < v["sk_fp8_2:4"]["rel_err"] < 0.15
         assert v["sk_bf16_2:4"]["compiles"] == 1
         assert v["sk_bf16_2:4"]["layer_variants"].get("bf16_2:4", 0) > 0
         assert v["sk_int8_auto"]["plan_s"] > 0
