@@ -276,7 +276,7 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
     """auto with whole_model: per-layer timings prefer bf16 2:4 on one layer, the whole model
     runs fastest with fp8 2:4 everywhere: that plan is installed; the decision is cached, and a
     second accelerate times nothing. When every plan is slower than dense, dense stays."""
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     torch.manual_seed(0)
     master = _Net().eval()
     sk.prune_(master, pattern="2:4", criterion="magnitude")
