@@ -108,7 +108,29 @@ def _taken(name: str) -> UsageError:
     )
 
 
-class ParametrizedMasks:
+class _WholeMasks:
+    """What the unsharded stores share: whole masks on every rank, so checks, counts, reports
+    and saved masks need no communication beyond the checksum."""
+
+    comm: D.ShardComm | None
+
+    def verify(self) -> None:
+        D.verify_masks(self.masks(), self.comm)
+
+    def allsum(self, counts: list[int]) -> list[int]:
+        return counts
+
+    def report(self, modules, pattern, skipped) -> SparsityReport:
+        return build_report(modules, pattern, skipped)
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        return {n: m.detach().cpu().clone() for n, m in self.masks().items()}
+
+    def load(self, name: str, mask: torch.Tensor) -> None:
+        self.set(name, mask.to(self.keep(name).device))
+
+
+class ParametrizedMasks(_WholeMasks):
     """Masks as weight parametrizations (``masks.WeightMask``) owned by one Pruner. An all-ones
     mask that ``prepare_qat_`` attached is taken over rather than stacked."""
 
@@ -148,21 +170,6 @@ class ParametrizedMasks:
     def enforce(self) -> None:
         pass  # the parametrization masks every forward pass and every gradient
 
-    def verify(self) -> None:
-        D.verify_masks(self.masks(), self.comm)
-
-    def allsum(self, counts: list[int]) -> list[int]:
-        return counts
-
-    def report(self, modules, pattern, skipped) -> SparsityReport:
-        return build_report(modules, pattern, skipped)
-
-    def saved(self) -> dict[str, torch.Tensor]:
-        return {n: m.detach().cpu().clone() for n, m in self.masks().items()}
-
-    def load(self, name: str, mask: torch.Tensor) -> None:
-        self.set(name, mask.to(self.keep(name).device))
-
     def release(self) -> None:
         for module in self.modules.values():
             M.fold_mask(module)
@@ -186,7 +193,7 @@ class ParametrizedMasks:
         self.modules, self.attached = {}, []
 
 
-class HeldMasks:
+class HeldMasks(_WholeMasks):
     """Masks held here as bool tensors for weights DDP already wraps: a gradient hook masks
     pruned gradients, :meth:`enforce` zeroes pruned weights after each optimizer step."""
 
@@ -225,21 +232,6 @@ class HeldMasks:
     def enforce(self) -> None:
         for name, module in self.modules.items():
             D.local(module.weight).masked_fill_(~self.local[name], 0)
-
-    def verify(self) -> None:
-        D.verify_masks(self.masks(), self.comm)
-
-    def allsum(self, counts: list[int]) -> list[int]:
-        return counts
-
-    def report(self, modules, pattern, skipped) -> SparsityReport:
-        return build_report(modules, pattern, skipped)
-
-    def saved(self) -> dict[str, torch.Tensor]:
-        return {n: m.detach().cpu().clone() for n, m in self.masks().items()}
-
-    def load(self, name: str, mask: torch.Tensor) -> None:
-        self.set(name, mask.to(self.keep(name).device))
 
     def release(self) -> None:
         pass  # the weights are plain Parameters already
