@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
+from sparsekit.prune.patterns import nm_mask
 from sparsekit.accel import algsearch, kernels, ops, planner
 from sparsekit.quant.formats import FP8
 from sparsekit.accel.timing import eager_time_us, graph_time_us
@@ -65,10 +66,7 @@ def magnitude_24_(module: nn.Module) -> nn.Module:
                 w = m.weight if isinstance(m, nn.Linear) else m.in_proj_weight
                 if w is None or w.shape[1] % 4:
                     continue
-                g = w.reshape(w.shape[0], -1, 4)
-                keep = g.abs().topk(2, dim=-1).indices
-                mask = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, keep, True)
-                w.copy_((g * mask).reshape(w.shape))
+                w.mul_(nm_mask(w.abs(), 2, 4))
     return module
 
 
