@@ -11,6 +11,7 @@ once. Upgrading a dependency means reading this file, not grepping the package.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import inspect
 import re
@@ -115,6 +116,24 @@ def compiled_graph_count() -> int:
     check_version("torch")
     counters = _private(torch._dynamo.utils, "counters", "torch")
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_module(module: Any, *, mode: str | None = None, dynamic: bool | None = None,
+                   backend: str = "inductor", options: dict | None = None) -> Any:
+    """``torch.compile`` with a ``mode`` and extra inductor ``options`` together (torch.compile
+    takes one or the other: the mode's options, ``torch._inductor.list_mode_options``, are
+    merged under ``options``). Unknown option names raise ValueError naming them."""
+    if not options:
+        return torch.compile(module, mode=mode, dynamic=dynamic, backend=backend)
+    if backend != "inductor":
+        raise ValueError(f"inductor options {sorted(options)} need backend='inductor', "
+                         f"not {backend!r}")
+    modes = _private(importlib.import_module("torch._inductor"), "list_mode_options", "torch")
+    merged = {**(modes(mode, dynamic) if mode not in (None, "default") else {}), **options}
+    try:
+        return torch.compile(module, dynamic=dynamic, backend=backend, options=merged)
+    except RuntimeError as e:  # inductor checks option names when the wrapper is built
+        raise ValueError(str(e).split(", known options")[0]) from None
 
 
 def recompile_limit(limit: int) -> Any:

@@ -71,3 +71,29 @@ def test_int_mm_follows_a_patched_torch(monkeypatch):
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or a)
     a = torch.zeros(32, 8, dtype=torch.int8)
     assert _compat.int_mm(a, a.t()) is a and calls == [(32, 8)]
+
+
+def test_compile_module_merges_the_mode_under_extra_inductor_options(monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: seen.append(kw) or module)
+    m = torch.nn.Identity()
+    assert _compat.compile_module(m, mode="reduce-overhead") is m
+    assert seen[-1] == {"mode": "reduce-overhead", "dynamic": None, "backend": "inductor"}
+    _compat.compile_module(m, mode="reduce-overhead", options={"triton.multi_kernel": 1})
+    # torch.compile takes a mode or options, not both: the mode's options come first
+    assert seen[-1]["options"] == {"triton.cudagraphs": True, "triton.multi_kernel": 1}
+    assert "mode" not in seen[-1]
+    _compat.compile_module(m, mode="reduce-overhead", options={"triton.cudagraphs": False})
+    assert seen[-1]["options"] == {"triton.cudagraphs": False}  # explicit options win
+
+
+def test_compile_module_names_an_unknown_inductor_option():
+    import torch
+
+    with pytest.raises(ValueError, match=r"Unexpected optimization option triton\.bogus$"):
+        _compat.compile_module(torch.nn.Identity(), options={"triton.bogus": 1})
+    with pytest.raises(ValueError, match=r"need backend='inductor', not 'aot_eager'"):
+        _compat.compile_module(torch.nn.Identity(), backend="aot_eager",
+                               options={"triton.multi_kernel": 1})

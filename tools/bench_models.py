@@ -46,7 +46,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.prune.patterns import nm_mask
-from sparsekit._compat import compiled_graph_count
+from sparsekit._compat import compile_module, compiled_graph_count
 from sparsekit.accel import timing
 
 TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
@@ -55,9 +55,14 @@ TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("vit", "sk_bf16_2:4"): 1.15, ("vit", "sk_fp8_2:4"): 1.4,
 }
 DENSE = ("dense_eager", "dense_compiled", "dense_compiled_ro")
+MK = {"triton.multi_kernel": 1}  # inductor may use persistent reductions up to 16k wide
+CDT = {"coordinate_descent_tuning": True}
 OPT_IN = ("sk_fp8_2:4_max_autotune", "dense_compiled_max_autotune")  # minutes of compile each
+OPT_IN_SUFFIXES = ("_mk", "_mk_cdt")  # variants under extra inductor options: named to run
+# dense under the same inductor options as ours: part of the reference when it was run
+DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt")
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
-            "sk_fp8_2:4_max_autotune")
+            "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk")
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
 SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_int8_auto", "torchao_fp8_dense", "stock_2:4"]
 
@@ -287,6 +292,14 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
                                             "mode": "max-autotune"}))
     out.append(("dense_compiled_max_autotune", {"kind": "dense", "mode": "max-autotune",
                                                 "backend": backend}))
+    for suffix, opts in (("_mk", MK), ("_mk_cdt", {**MK, **CDT})):
+        out.append((f"dense_compiled_ro{suffix}", {"kind": "dense", "mode": "reduce-overhead",
+                                                    "backend": backend, "inductor": opts}))
+        for precision, sparsity in (("fp8", "2:4"), ("bf16", "2:4"), ("fp8", "auto"),
+                                    ("bf16", "auto")):
+            out.append((f"sk_{precision}_{sparsity}{suffix}", {
+                "kind": "sk", "precision": precision, "sparsity": sparsity,
+                "backend": backend, "inductor": opts}))
     return out
 
 
@@ -299,7 +312,7 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
     if kind == "sk":
         fast = sk.accelerate(model, inputs, precision=how["precision"],
                              sparsity=how["sparsity"], device=device, backend=how["backend"],
-                             mode=how.get("mode"),
+                             mode=how.get("mode"), inductor=how.get("inductor"),
                              fused_quant=how.get("fused_quant", True), clone_outputs=False)
         report = fast.report
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
@@ -311,7 +324,8 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
     if "mode" not in how:
         fn = model
     else:
-        fn = torch.compile(model, mode=how["mode"], backend=how["backend"])
+        fn = compile_module(model, mode=how["mode"], backend=how["backend"],
+                            options=how.get("inductor"))
     before = compiled_graph_count()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -347,7 +361,7 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
             continue
         if args.smoke and vname == "dense_compiled_ro":
             continue
-        if vname in OPT_IN and vname not in args.variants \
+        if (vname in OPT_IN or vname.endswith(OPT_IN_SUFFIXES)) and vname not in args.variants \
                 and f"{vname}@{name}" not in args.variants:
             continue
         left = deadline - time.perf_counter()
@@ -398,7 +412,7 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
 
 def summarize(entry: dict, name: str) -> None:
     v = entry["variants"]
-    dense = {k: v[k]["ms"] for k in DENSE if "ms" in v.get(k, {})}
+    dense = {k: v[k]["ms"] for k in DENSE + DENSE_SAME_OPTIONS if "ms" in v.get(k, {})}
     if not dense:
         return
     best = min(dense, key=dense.get)

@@ -64,7 +64,8 @@ class AcceleratedModel(nn.Module):
 
     def __init__(self, model: nn.Module, report: AccelReport, device: torch.device, *,
                  compile: bool = True, mode: str | None = None, dynamic: bool | None = None,
-                 backend: str = "inductor", clone_outputs: bool = True, max_compiles: int = 8):
+                 backend: str = "inductor", inductor: dict | None = None,
+                 clone_outputs: bool = True, max_compiles: int = 8):
         super().__init__()
         self.model = model
         self.sparsekit_report = report
@@ -74,7 +75,8 @@ class AcceleratedModel(nn.Module):
         if compile:
             if mode is None:
                 mode = "reduce-overhead" if device.type == "cuda" else "default"
-            runner = torch.compile(model, mode=mode, dynamic=dynamic, backend=backend)
+            runner = _compat.compile_module(model, mode=mode, dynamic=dynamic, backend=backend,
+                                            options=inductor)
         else:
             runner = model
         self.compiled = compile
@@ -172,9 +174,9 @@ class _Planner:
     """Builds variant modules for layers, with alg search and cached timings (auto)."""
 
     def __init__(self, device: torch.device, search_algs: bool, use_cache: bool,
-                 fused_quant: bool, backend: str):
+                 fused_quant: bool, backend: str, inductor: dict | None = None):
         self.device, self.search_algs, self.use_cache = device, search_algs, use_cache
-        self.fused_quant, self.backend = fused_quant, backend
+        self.fused_quant, self.backend, self.inductor = fused_quant, backend, inductor or {}
         self.algs: dict[tuple, int] = {}
         self.cache = planner.load() if use_cache else {}
         self.new: dict[str, dict] = {}
@@ -196,8 +198,9 @@ class _Planner:
         return cls(layer, alg_id=self.algs.get(key, 0), fused_quant=self.fused_quant)
 
     def _key(self, variant: str, layer: nn.Module, m: int) -> str:
-        return planner.plan_key(self.name, torch.__version__, variant, layer.out_features,
-                                layer.in_features, m)
+        key = planner.plan_key(self.name, torch.__version__, variant, layer.out_features,
+                               layer.in_features, m)
+        return key + (f"|inductor={sorted(self.inductor.items())}" if self.inductor else "")
 
     def time(self, variant: str, layer: nn.Module, m: int) -> float:
         """Microseconds of ``variant`` for ``layer`` at ``m`` tokens, compiled (cached)."""
@@ -207,7 +210,7 @@ class _Planner:
             return float(hit["us"])
         mod = self.build(variant, layer, m)
         x = torch.randn(m, layer.in_features, device=self.device, dtype=torch.bfloat16)
-        us = planner.time_module(mod, x, self.backend)
+        us = planner.time_module(mod, x, self.backend, self.inductor)
         entry = {"us": us}
         if mod.uses_alg:
             entry["alg_id"] = mod.alg_id
@@ -265,7 +268,7 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
                                                        report.device), plan.device,
                                     compile=options["compile"], mode=options["mode"],
                                     dynamic=options["dynamic"], backend=options["backend"],
-                                    clone_outputs=False)
+                                    inductor=options["inductor"], clone_outputs=False)
             try:
                 ms[pname] = planner.time_model_ms(lambda f=fast: feed(f, inputs), plan.device)
             except RuntimeError as e:
@@ -309,6 +312,18 @@ def _check_options(precision: str, dense_precision: str, sparsity: str, min_spee
                       "is not done on the compiled path (docs/gpu.md); drop the argument",
                       DeprecationWarning, stacklevel=3)
     return AccelReport(precision, sparsity, float(min_speedup), "")
+
+
+def _check_inductor(inductor: dict | None, backend: str) -> None:
+    """``inductor`` must be a dict of inductor option names torch.compile knows."""
+    if inductor is None:
+        return
+    if not isinstance(inductor, dict) or not all(isinstance(k, str) for k in inductor):
+        raise ValueError(f"inductor must be a dict of inductor option names, got {inductor!r}")
+    try:
+        _compat.compile_module(nn.Identity(), backend=backend, options=inductor)
+    except ValueError as e:
+        raise ValueError(f"inductor: {e}") from None
 
 
 def _layers(model: nn.Module, inputs: Any, include: Any, exclude: Any, precision: str,
@@ -437,6 +452,7 @@ def accelerate(
     mode: str | None = None,
     dynamic: bool | None = None,
     backend: str = "inductor",
+    inductor: dict | None = None,
     fused_quant: bool = True,
     search_algs: bool = True,
     plan_cache: bool = True,
@@ -464,12 +480,15 @@ def accelerate(
     ``compile``: ``torch.compile(mode=mode, dynamic=dynamic, backend=backend)``, ``mode``
     "reduce-overhead" on CUDA, "default" on CPU; a second input shape recompiles once with
     dynamic sizes (``report.compiles`` counts graphs; a warning names more than 8).
+    ``inductor``: extra inductor config options (``torch.compile(options=...)`` names, e.g.
+    ``{"triton.multi_kernel": 1}``) merged over ``mode``'s, for the model and the planner.
     ``fused_quant``: activation quantization as plain torch ops the compiler fuses into its
     producer (default) or the opaque ``sparsekit::quant_rows`` op. ``fuse``: deprecated, ignored.
 
     Modifies ``model`` in place (moved to ``device``, bfloat16, eval) and returns the
     :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
     report = _check_options(precision, dense_precision, sparsity, min_speedup, fuse)
+    _check_inductor(inductor, backend)
     device = _device_of(device)
     report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     t0 = time.perf_counter()
@@ -477,7 +496,7 @@ def accelerate(
     inputs = tree_map(lambda t: t.to(device).to(torch.bfloat16) if t.is_floating_point()
                       else t.to(device), example_inputs)
     names, tokens = _layers(model, inputs, include, exclude, precision, report)
-    plan = _Planner(device, search_algs, plan_cache, fused_quant, backend)
+    plan = _Planner(device, search_algs, plan_cache, fused_quant, backend, inductor)
     decided: dict[tuple, tuple[str, str, dict]] = {}
     chosen: dict[str, tuple[nn.Module, int, list[str], LayerDecision]] = {}
     for name in [n for n in names if n in tokens]:
@@ -493,7 +512,8 @@ def accelerate(
                 model.set_submodule(name, plan.build(variant, layer, m))
 
     whole_model = device.type == "cuda" if whole_model is None else whole_model
-    compiled = dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend)
+    compiled = dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend,
+                    inductor=inductor)
     if sparsity == "auto" and whole_model and chosen:
         _plan_whole_model(model, inputs, chosen, install, plan, report, precision, min_speedup,
                           {**compiled, "fused_quant": fused_quant,

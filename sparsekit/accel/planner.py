@@ -185,10 +185,12 @@ def wall_time_us(fn: Callable[[], object], calls: int = 5) -> float:
     return statistics.median(times)
 
 
-def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor") -> float:
-    """Microseconds per call of ``module(x)`` as it will run: compiled with ``backend`` (no CUDA
-    graphs of its own) and timed under CUDA-graph replay on CUDA; wall clock on CPU."""
-    fn = torch.compile(module, dynamic=False, backend=backend)
+def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
+                inductor: dict | None = None) -> float:
+    """Microseconds per call of ``module(x)`` as it will run: compiled with ``backend`` and
+    extra ``inductor`` options (no CUDA graphs of its own) and timed under CUDA-graph replay on
+    CUDA; wall clock on CPU."""
+    fn = _compat.compile_module(module, dynamic=False, backend=backend, options=inductor)
     # every candidate class shares _AccelLinear.forward's code object: without a higher limit
     # dynamo stops recompiling it after 8 candidates and the rest would be timed eagerly
     with torch.no_grad(), _compat.recompile_limit(1 << 16):

@@ -74,6 +74,10 @@ def test_accelerate_validates_before_needing_cuda():
         sk.accelerate(model, torch.randn(2, 8), sparsity="1:4")
     with pytest.raises(ValueError, match="min_speedup"):
         sk.accelerate(model, torch.randn(2, 8), min_speedup=0)
+    with pytest.raises(ValueError, match=r"^inductor: Unexpected optimization option triton\.bog"):
+        sk.accelerate(model, torch.randn(2, 8), inductor={"triton.bogus": 1})
+    with pytest.raises(ValueError, match="inductor must be a dict"):
+        sk.accelerate(model, torch.randn(2, 8), inductor=["triton.multi_kernel"])
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             sk.accelerate(model, torch.randn(2, 8))
