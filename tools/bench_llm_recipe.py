@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=0, help="0: as many as --heads")
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--calibration-batches", type=int, default=16, help="of 8 sequences")
@@ -61,6 +61,7 @@ def main() -> None:
         a.hidden, a.layers, a.intermediate, a.heads, a.kv_heads = 64, 2, 128, 4, 2
         a.vocab, a.seq_len, a.calibration_batches, a.eval_batches = 400, 32, 2, 2
         a.text_bytes = 60_000
+    a.kv_heads = a.kv_heads or a.heads
     if a.threads:
         torch.set_num_threads(a.threads)
     out = a.out_dir.resolve()
