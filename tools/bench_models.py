@@ -390,6 +390,8 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
                     used[d.variant] = used.get(d.variant, 0) + 1
                 row["layer_variants"] = used
                 row["notes"] = report.notes
+                row["plan_split_s"] = {k: v for k, v in report.seconds.items()
+                                       if k.startswith("plan_")}
                 if report.plan:  # auto: the whole-model plans timed inside accelerate
                     row["plan"], row["plans_ms"] = report.plan, report.plans_ms
         except Exception as e:  # one failing variant is recorded, the run goes on

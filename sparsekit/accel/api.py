@@ -502,6 +502,7 @@ def accelerate(
     for name in [n for n in names if n in tokens]:
         _decide(name, model.get_submodule(name), tokens[name], precision, sparsity,
                 dense_precision, min_speedup, plan, report, decided, chosen)
+    report.seconds["plan_layers"] = time.perf_counter() - t0
 
     def install(assign: dict[str, str]) -> None:
         for name, variant in assign.items():
@@ -515,9 +516,11 @@ def accelerate(
     compiled = dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend,
                     inductor=inductor)
     if sparsity == "auto" and whole_model and chosen:
+        t1 = time.perf_counter()
         _plan_whole_model(model, inputs, chosen, install, plan, report, precision, min_speedup,
                           {**compiled, "fused_quant": fused_quant,
                            "dense_precision": dense_precision})
+        report.seconds["plan_model"] = time.perf_counter() - t1
     install({n: d.variant for n, (_, _, _, d) in chosen.items()})
     return _finish(model, chosen, plan, report, device, inputs, t0,
                    {**compiled, "clone_outputs": clone_outputs})

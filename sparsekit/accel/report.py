@@ -76,7 +76,9 @@ class AccelReport(Report):
     skipped: dict[str, str] = field(default_factory=dict)
     model_us: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # "plan", "compile" (first call)
+    # "plan" (all of it; of which "plan_layers": per-GEMM timing, "plan_model": whole-model
+    # plans), "compile" (the first call)
+    seconds: dict[str, float] = field(default_factory=dict)
     compiles: int = 0  # graphs torch.compile built for this model (1 + recompiles)
     plan: str = ""  # auto, whole-model planning: the plan kept ("dense", "per_layer", a variant)
     plans_ms: dict[str, float] = field(default_factory=dict)  # ... and each plan's ms per call
