@@ -255,30 +255,29 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
     key = planner.model_key(plan.name, torch.__version__,
                             _signature(model, inputs, chosen,
                                        {**options, "precision": precision,
-                                        "min_speedup": min_speedup}))
+                                        "min_speedup": min_speedup,
+                                        "plan_blocks": planner.PLAN_BLOCKS_TIMED}))
     hit = plan.cache.get(key, {})
     if hit.get("plan") in plans and "ms" in hit:
         ms, best = {k: float(v) for k, v in hit["ms"].items()}, hit["plan"]
         why = hit.get("why", f"whole model: plan {best} (cached)") + " (cached)"
     else:
         ms = {}
+        blocks = planner.repeated_blocks(model, plans)
         for pname, assign in plans.items():
             install(assign)
-            fast = AcceleratedModel(model, AccelReport(precision, "auto", min_speedup,
-                                                       report.device), plan.device,
-                                    compile=options["compile"], mode=options["mode"],
-                                    dynamic=options["dynamic"], backend=options["backend"],
-                                    inductor=options["inductor"], clone_outputs=False)
             try:
-                ms[pname] = planner.time_model_ms(lambda f=fast: feed(f, inputs), plan.device)
+                ms[pname] = _time_plan(model, inputs, blocks, plan, report, options)
             except RuntimeError as e:
                 if pname == "dense":
                     raise
                 report.notes.append(f"whole-model plan {pname} did not run: "
                                     f"{str(e).splitlines()[0][:120]}")
-            fast = None
-            if options["compile"]:
-                _reset_compiled()
+        if blocks is not None:
+            k1, k2 = planner.PLAN_BLOCKS_TIMED
+            report.notes.append(f"whole-model plans timed with {k1} and {k2} of the "
+                                f"{len(blocks[1])} blocks of {blocks[0]}, extrapolated "
+                                f"linearly to all of them")
         best, why = planner.choose_plan(ms, min_speedup)
         entry = {"plan": best, "why": why, "ms": ms}
         plan.cache[key] = plan.new[key] = entry
@@ -296,6 +295,33 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
             d.variant = variant
         else:
             d.reason += f"; whole-model plan {best}"
+
+
+def _time_plan(model: nn.Module, inputs: Any, blocks: tuple[str, nn.Module] | None,
+               plan: "_Planner", report: AccelReport, options: dict) -> float:
+    """ms per call of the model as installed, compiled and run as it will run. A model of many
+    repeated blocks (``blocks``) is timed with two small numbers of them and extrapolated: the
+    plans differ block by block the same way, and each compile costs seconds per block."""
+    def once() -> float:
+        fast = AcceleratedModel(model, AccelReport(report.precision, "auto", report.min_speedup,
+                                                   report.device), plan.device,
+                                compile=options["compile"], mode=options["mode"],
+                                dynamic=options["dynamic"], backend=options["backend"],
+                                inductor=options["inductor"], clone_outputs=False)
+        try:
+            return planner.time_model_ms(lambda: feed(fast, inputs), plan.device)
+        finally:
+            fast = None
+            if options["compile"]:
+                _reset_compiled()
+
+    if blocks is None:
+        return once()
+    times = {}
+    for k in planner.PLAN_BLOCKS_TIMED:
+        with planner.truncated(model, blocks[0], k):
+            times[k] = once()
+    return planner.extrapolate_ms(times, len(blocks[1]))
 
 
 def _check_options(precision: str, dense_precision: str, sparsity: str, min_speedup: float,

@@ -142,6 +142,72 @@ def choose_plan(ms: dict[str, float], min_speedup: float = 1.0) -> tuple[str, st
     return best, f"whole model: plan {best} fastest ({ratio:.2f}x dense)"
 
 
+# a model of at least MIN_REPEATED_BLOCKS identical blocks is timed with these many of them
+PLAN_BLOCKS_TIMED = (1, 5)
+MIN_REPEATED_BLOCKS = 8
+
+
+def repeated_blocks(model: nn.Module, plans: dict[str, dict[str, str]],
+                    min_blocks: int = MIN_REPEATED_BLOCKS) -> tuple[str, nn.Module] | None:
+    """(qualified name, container) of the ``nn.ModuleList``/``nn.Sequential`` of at least
+    ``min_blocks`` blocks of one class and equal parameter shapes that holds the most planned
+    layers, provided every plan gives each block the same variants (layer ``<name>.<i>.<rest>``
+    the variant of ``<name>.0.<rest>``); None when there is none. Such a model can be timed on
+    a few of its blocks (:func:`truncated`)."""
+    def shape(block: nn.Module) -> tuple:
+        return (type(block), tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
+                tuple((n, type(m)) for n, m in block.named_modules()))
+
+    best, best_count = None, 0
+    for name, mod in model.named_modules():
+        if type(mod) not in (nn.ModuleList, nn.Sequential) or len(mod) < min_blocks or not name:
+            continue
+        if len({shape(b) for b in mod}) != 1:
+            continue
+        keys = [str(k) for k in mod._modules]
+        prefixes = [f"{name}.{k}." for k in keys]
+        count = 0
+        periodic = True
+        for assign in plans.values():
+            by_rest: dict[str, set[str]] = {}
+            for layer, variant in assign.items():
+                for prefix in prefixes:
+                    if layer.startswith(prefix):
+                        by_rest.setdefault(layer[len(prefix):], set()).add(variant)
+                        count += 1
+                        break
+            periodic = periodic and all(len(v) == 1 for v in by_rest.values())
+        if periodic and count > best_count:
+            best, best_count = (name, mod), count
+    return best
+
+
+class truncated:
+    """Context manager: the container ``name`` of ``model`` holds only its first ``k`` blocks
+    inside (slicing keeps the blocks' names); restored on exit."""
+
+    def __init__(self, model: nn.Module, name: str, k: int):
+        parent_name, _, self.attr = name.rpartition(".")
+        self.parent = model.get_submodule(parent_name)
+        self.full = getattr(self.parent, self.attr)
+        self.k = k
+
+    def __enter__(self) -> nn.Module:
+        setattr(self.parent, self.attr, self.full[:self.k])
+        return self.parent
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.parent, self.attr, self.full)
+
+
+def extrapolate_ms(times: dict[int, float], total: int) -> float:
+    """A model's ms per call with ``total`` repeated blocks, from its times with two other
+    block counts (``{k1: ms, k2: ms}``), linear in the count (each block costs the same;
+    everything else is the rest)."""
+    (k1, t1), (k2, t2) = sorted(times.items())
+    return t1 + (total - k1) * (t2 - t1) / (k2 - k1)
+
+
 def model_key(device_name: str, torch_version: str, signature: str) -> str:
     """The cache key of one whole-model decision (``signature``: a hash of layer shapes, tokens,
     candidates, per-layer choices, input shapes and accelerate's options)."""
@@ -199,5 +265,6 @@ def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
         return wall_time_us(lambda: fn(x))
 
 
-__all__ = ["DECODE_TOKENS", "cache_path", "choose", "choose_plan", "load", "model_key",
-           "plan_key", "store", "time_model_ms", "time_module", "whole_model_plans"]
+__all__ = ["DECODE_TOKENS", "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "cache_path", "choose",
+           "choose_plan", "extrapolate_ms", "load", "model_key", "plan_key", "repeated_blocks",
+           "store", "time_model_ms", "time_module", "truncated", "whole_model_plans"]

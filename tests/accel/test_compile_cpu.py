@@ -334,3 +334,75 @@ def test_fuse_argument_is_deprecated():
     with pytest.warns(DeprecationWarning, match="fuse"):
         sk.accelerate(_Net().eval(), torch.randn(6, 64), device="cpu", compile=False,
                       fuse=True)
+
+
+def test_repeated_blocks_found_only_when_every_plan_is_periodic():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=8, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    layers = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    same = {n: ("fp8_2:4" if n != "lm_head" else "bf16_dense") for n in layers}
+    found = planner.repeated_blocks(model, {"dense": {n: "bf16_dense" for n in layers},
+                                            "fp8_2:4": same})
+    assert found is not None and found[0] == "model.layers" and len(found[1]) == 8
+    odd = dict(same, **{"model.layers.3.mlp.up_proj": "bf16_2:4"})  # block 3 differs
+    assert planner.repeated_blocks(model, {"fp8_2:4": same, "odd": odd}) is None
+    assert planner.repeated_blocks(model, {"fp8_2:4": same}, min_blocks=9) is None
+    # torchvision's ViT keeps its blocks in an nn.Sequential with names
+    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=8,
+                                               num_heads=2, hidden_dim=32, mlp_dim=64)
+    vl = {n: "bf16_2:4" for n, m in vit.named_modules() if isinstance(m, nn.Linear)}
+    name, blocks = planner.repeated_blocks(vit, {"p": vl})
+    assert name == "encoder.layers" and isinstance(blocks, nn.Sequential)
+    with planner.truncated(vit, name, 1):
+        assert list(vit.encoder.layers._modules) == ["encoder_layer_0"]
+    assert vit.encoder.layers is blocks
+
+
+def test_extrapolate_ms_is_linear_in_blocks():
+    # rest 3 ms, 2 ms per block: 1 block 5 ms, 5 blocks 13 ms -> 32 blocks 67 ms
+    assert planner.extrapolate_ms({1: 5.0, 5: 13.0}, 32) == pytest.approx(67.0)
+    assert planner.extrapolate_ms({5: 13.0, 1: 5.0}, 5) == pytest.approx(13.0)
+
+
+def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch):
+    """An 8-layer Llama: each plan runs with 1 and 5 decoder layers (fake timer: 1 ms plus
+    per-layer cost by variant) and is extrapolated to 8 exactly; the model has its 8 layers
+    back afterwards and gives the masked model's output."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=8, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    master = transformers.LlamaForCausalLM(cfg).eval()
+    sk.prune_(master, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
+    x = {"input_ids": torch.randint(0, 128, (2, 48))}
+    net = copy.deepcopy(master)
+    cost = {"bf16_dense": 1.0, "bf16_2:4": 0.8, "fp8_dense": 0.7, "fp8_2:4": 0.5}
+    seen = []
+
+    def fake_time(fn, device, **kw):
+        fn()
+        n = len(net.model.layers)
+        seen.append(n)
+        variant = getattr(net.model.layers[0].mlp.up_proj, "variant", "bf16_dense")
+        return 1.0 + n * cost[variant]
+
+    monkeypatch.setattr(planner, "time_model_ms", fake_time)
+    # per layer, bf16 2:4 looks fastest (not wall clock: the per_layer plan must not be fp8 2:4)
+    monkeypatch.setattr(planner, "time_module", lambda mod, *a: 1.0 if mod.variant == "bf16_2:4"
+                        else 2.0)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
+                         compile=False, whole_model=True, plan_cache=False)
+    r = fast.report
+    assert set(seen) == {1, 5} and len(net.model.layers) == 8
+    assert r.plans_ms["dense"] == pytest.approx(1.0 + 8 * 1.0)
+    assert r.plans_ms["fp8_2:4"] == pytest.approx(1.0 + 8 * 0.5)
+    assert r.plans_ms["per_layer"] == pytest.approx(1.0 + 8 * 0.8)
+    assert r.plan == "fp8_2:4" and any("1 and 5 of the 8 blocks" in n for n in r.notes)
+    assert all(type(net.model.layers[i].mlp.up_proj).__name__ == "FP8Sparse24"
+               for i in range(8))
+    with torch.no_grad():
+        ref = master(**x).logits
+    torch.testing.assert_close(fast(**x).logits.float(), ref, atol=0.3, rtol=0.1)
