@@ -303,6 +303,21 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
     return out
 
 
+def ordered(all_variants: list[tuple[str, dict]], named: list[str], model: str) -> list:
+    """The dense baselines first, then the variants in the order ``--variants`` names them
+    (``VARIANT`` or ``VARIANT@MODEL``), then the rest in their own order."""
+    def rank(item: tuple[str, dict]) -> tuple[int, int]:
+        name = item[0]
+        if name in DENSE:
+            return (0, 0)
+        for i, n in enumerate(named):
+            if n in (name, f"{name}@{model}"):
+                return (1, i)
+        return (2, 0)
+
+    return sorted(all_variants, key=rank)
+
+
 def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
     """(callable, seconds to compile (first call), planning seconds, compiles, report)."""
     kind = how["kind"]
@@ -355,7 +370,7 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
                    torch.bfloat16)
     entry["build_s"] = time.perf_counter() - t_start
     calls = 3 if args.smoke else args.calls
-    for vname, how in variants(args.smoke):
+    for vname, how in ordered(variants(args.smoke), args.variants, name):
         if args.variants and vname not in DENSE and vname not in args.variants \
                 and f"{vname}@{name}" not in args.variants:
             continue
