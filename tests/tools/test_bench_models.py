@@ -16,8 +16,13 @@ def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
                            ("vit", "Tensor")):
         e = res["models"][name]
         v = e["variants"]
-        dense = {k: v[k]["ms"] for k in ("dense_eager", "dense_compiled")}
-        # the ratio's reference is the fastest dense
+        dense = {k: v[k]["ms"] for k in ("dense_eager", "dense_compiled", "dense_recheck")}
+        # the fastest dense way is timed again after the other rows; its drift is recorded
+        again = v["dense_recheck"]
+        assert again["of"] in ("dense_eager", "dense_compiled")
+        assert e["dense_drift"] == pytest.approx(again["ms"] / v[again["of"]]["ms"])
+        assert list(v)[-1] == "dense_recheck"
+        # the ratio's reference is the fastest dense, the recheck included
         assert e["fastest_dense"] == min(dense, key=dense.get)
         assert v[e["fastest_dense"]]["ratio"] == 1.0
         for row in v.values():
