@@ -321,3 +321,34 @@ def test_pickled_sharded_checkpoint(tmp_path):
         with pytest.raises(UnsafeFileError, match=r"b/.metadata names posix.system"):
             load_sharded(ok, tmp_path / "b")
     assert not marker.exists()
+
+
+def test_resume_never_takes_a_run_whose_process_is_alive(tmp_path, capsys):
+    """run_state.json records the process id and host: resume=true passes over a run still
+    running in another process, resume=DIR refuses it in one line; once that process is gone
+    the run is the one resume=true continues."""
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    older = plant_run(tmp_path, ["prune.sparsity=0.5"], name="2026-01-01_00-00-00")
+    (older / STATE_FILE).write_text(json.dumps({"state": "running", "pid": gone.pid,
+                                                "host": socket.gethostname()}))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        newer = plant_run(tmp_path, ["prune.sparsity=0.7"], name="2026-01-02_00-00-00")
+        (newer / STATE_FILE).write_text(json.dumps({"state": "running", "pid": live.pid,
+                                                    "host": socket.gethostname()}))
+        os.utime(newer / CHECKPOINT, (2e9, 2e9))  # the live one is the newest
+        assert latest_run(tmp_path / "runs") == older
+        with pytest.raises(SystemExit) as exit_:
+            resume_argv([f"resume={newer}"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"is still running (process {live.pid} on this host)" in err
+        assert len(err.strip().splitlines()) == 1
+    finally:
+        live.kill()
+        live.wait()
+    assert latest_run(tmp_path / "runs") == newer

@@ -8,7 +8,8 @@ file + rename, the previous one kept as ``<name>.prev.pt``) and read back with
 
 A run directory also holds its state, ``run_state.json`` (:data:`STATE_FILE`): ``running``
 while a process works on it (and after that process was killed), ``failed`` (with the error)
-or ``finished``; ``resume=true`` picks only runs that can continue.
+or ``finished``, with the process id and host; ``resume=true`` picks only runs that can
+continue, never one whose process is still alive (:func:`still_running`).
 """
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ def read_run_state(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     if not isinstance(info, dict) or info.get("state") not in RUN_STATES:
         return None
     return info
+
+
+def still_running(info: dict[str, Any] | None) -> int | None:
+    """The process id when ``info`` (from :func:`read_run_state`) says ``running`` and that
+    process is alive on this host (another process than this one); else None. A process id
+    reused by an unrelated process after a kill counts as alive: resume it by name then."""
+    if not info or info.get("state") != "running" or info.get("host") != socket.gethostname():
+        return None
+    pid = info.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, owned by someone else
+        return pid
+    except OSError:
+        return None
+    return pid
 
 
 def restore(

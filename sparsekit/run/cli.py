@@ -266,12 +266,13 @@ def _recorded_overrides(run_dir: Path) -> list | None:
 
 def latest_run(root: Path = RUNS) -> Path | None:
     """The most recently written run under ``root`` that can continue: its ``run_state.json``
-    says ``running`` (killed), or ``failed`` after writing a resume checkpoint; never a finished
+    says ``running`` and its process is gone (killed), or ``failed`` after writing a resume
+    checkpoint; never a run whose process still runs on this host, a finished
     run, one that failed before its first checkpoint, or one whose recorded overrides import
     code (:func:`imports_code`: name such a run with ``resume=DIR``). Runs from before
     ``run_state.json`` count when they have no summary.json."""
     from sparsekit.run.pipeline import CHECKPOINT
-    from sparsekit.io.runstate import previous_path, read_run_state
+    from sparsekit.io.runstate import previous_path, read_run_state, still_running
 
     def written(run_dir: Path) -> float | None:
         checkpoints = [f for f in (run_dir / CHECKPOINT, previous_path(run_dir / CHECKPOINT))
@@ -280,7 +281,8 @@ def latest_run(root: Path = RUNS) -> Path | None:
         if info is None and (run_dir / "summary.json").exists():
             return None  # finished: resume=DIR still re-runs its last stages
         if info is not None and (info["state"] == "finished"
-                                 or (info["state"] == "failed" and not checkpoints)):
+                                 or (info["state"] == "failed" and not checkpoints)
+                                 or still_running(info)):
             return None
         for f in [*checkpoints, run_dir / "config.yaml"]:
             if f.exists():
@@ -313,6 +315,12 @@ def resume_argv(argv: list[str]) -> list[str]:
     recorded = _recorded_overrides(run_dir)
     if recorded is None:
         fail(ValueError(f"resume={value}: {run_dir} is not a sparsekit run directory"))
+    from sparsekit.io.runstate import read_run_state, still_running
+
+    pid = still_running(read_run_state(run_dir))
+    if pid is not None:
+        fail(ValueError(f"resume={value}: {run_dir} is still running (process {pid} on this "
+                        "host); wait for it or stop it first"))
     original = [str(o) for o in recorded if not str(o).startswith("resume=")]
     risky = imports_code(original)
     if risky:
