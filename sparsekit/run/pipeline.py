@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -160,16 +159,12 @@ def load_dense(model: nn.Module, path: str) -> None:
         raise FileFormatError(f"{option} is not a readable checkpoint: {e}") from None
     except SparsekitError:
         raise
-    except Exception as e:
-        detail = _pickle_detail(e) if isinstance(e, pickle.UnpicklingError) else None
-        if detail is not None and "GLOBAL" in detail:  # weights_only refused to import code
-            raise UnsafeFileError(
-                f"{option}: refused to load, the file pickles Python objects beyond tensors and "
-                f"plain data ({detail}); save a state_dict, or use sk.save"
-            ) from e
+    except PermissionError as e:
+        raise UsageError(f"{option} cannot be read: {e.strerror}") from None
+    except Exception as e:  # a crafted file can trip torch.load in other ways; nothing ran
         raise FileFormatError(
             f"{option} is not a readable checkpoint (safetensors, or a torch.save of a "
-            f"state_dict): {type(e).__name__}: {detail or _first_line(e)}"
+            f"state_dict): {type(e).__name__}: {_first_line(e)}"
         ) from e
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
@@ -178,14 +173,6 @@ def load_dense(model: nn.Module, path: str) -> None:
             f"{option} holds a {type(state).__name__}, not a state_dict (a dict of tensors)"
         )
     _load_matching(model, state, option)
-
-
-def _pickle_detail(err: BaseException) -> str:
-    """The line of torch's weights_only refusal that says what it met (a GLOBAL it would have
-    to import, or a corrupt opcode), not the paragraph around it."""
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    hits = [ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln or "load key" in ln]
-    return (hits or lines or [type(err).__name__])[0][:300]
 
 
 def _first_line(err: BaseException) -> str:
