@@ -310,7 +310,7 @@ def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
 
     import sparsekit as sk
     from sparsekit.models import build_model
-    from sparsekit.run.pipeline import load_dense
+    from sparsekit.run.loading import load_dense
 
     torch.manual_seed(0)
     src = build_model("mnist1d_cnn")

@@ -21,7 +21,8 @@ from sparsekit.run.cli import latest_run, main, resume_argv
 from sparsekit.run.config import Config
 from sparsekit.errors import FileFormatError, UnsafeFileError
 from sparsekit.models import build_model
-from sparsekit.run.pipeline import CHECKPOINT, baseline_key, load_dense, run
+from sparsekit.run.loading import load_dense
+from sparsekit.run.pipeline import CHECKPOINT, baseline_key, run
 from sparsekit.io.runstate import (
     STATE_FILE,
     load_latest_checkpoint,

@@ -249,6 +249,7 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
                       options: dict) -> None:
     """Time a few whole-model plans as they will run and set each decision to the best one's
     variant (planner.whole_model_plans / choose_plan; cached on disk)."""
+    t0 = time.perf_counter()
     layers = {n: (c, d.variant) for n, (_, _, c, d) in chosen.items()}
     decode = all(d.tokens <= planner.DECODE_TOKENS for _, _, _, d in chosen.values())
     plans = planner.whole_model_plans(layers, precision, decode)
@@ -281,6 +282,7 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
         best, why = planner.choose_plan(ms, min_speedup)
         entry = {"plan": best, "why": why, "ms": ms}
         plan.cache[key] = plan.new[key] = entry
+    report.seconds["plan_model"] = time.perf_counter() - t0
     report.plans_ms = dict(ms)
     report.plan = best
     report.model_us = {"dense": ms["dense"] * 1e3, "accelerated": ms[best] * 1e3}
@@ -295,6 +297,19 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
             d.variant = variant
         else:
             d.reason += f"; whole-model plan {best}"
+
+
+def _installer(model: nn.Module, chosen: dict, plan: "_Planner"):
+    """A function putting variants in place, ``{layer name: variant}`` (bf16 dense keeps a
+    float Linear as it is: cuBLAS)."""
+    def install(assign: dict[str, str]) -> None:
+        for name, variant in assign.items():
+            layer, m, _, _ = chosen[name]
+            if variant == BASELINE and not isinstance(layer, QuantLinear):
+                model.set_submodule(name, layer)
+            else:
+                model.set_submodule(name, plan.build(variant, layer, m))
+    return install
 
 
 def _time_plan(model: nn.Module, inputs: Any, blocks: tuple[str, nn.Module] | None,
@@ -530,23 +545,14 @@ def accelerate(
                 dense_precision, min_speedup, plan, report, decided, chosen)
     report.seconds["plan_layers"] = time.perf_counter() - t0
 
-    def install(assign: dict[str, str]) -> None:
-        for name, variant in assign.items():
-            layer, m, _, _ = chosen[name]
-            if variant == BASELINE and not isinstance(layer, QuantLinear):
-                model.set_submodule(name, layer)  # a float Linear stays as it is (cuBLAS bf16)
-            else:
-                model.set_submodule(name, plan.build(variant, layer, m))
-
+    install = _installer(model, chosen, plan)
     whole_model = device.type == "cuda" if whole_model is None else whole_model
     compiled = dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend,
                     inductor=inductor)
     if sparsity == "auto" and whole_model and chosen:
-        t1 = time.perf_counter()
         _plan_whole_model(model, inputs, chosen, install, plan, report, precision, min_speedup,
                           {**compiled, "fused_quant": fused_quant,
                            "dense_precision": dense_precision})
-        report.seconds["plan_model"] = time.perf_counter() - t1
     install({n: d.variant for n, (_, _, _, d) in chosen.items()})
     return _finish(model, chosen, plan, report, device, inputs, t0,
                    {**compiled, "clone_outputs": clone_outputs})

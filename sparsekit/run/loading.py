@@ -1,0 +1,212 @@
+"""Bringing a run's inputs in and its HF outputs out: dense weights from a user file
+(safetensors or a weights-only torch state dict, checked against the model), the HF model and
+tokenizer of ``model=hf``, the run's data (``data=text`` tokenized with the model's tokenizer),
+a first forward pass that checks the model takes the data, and the ``<run>/hf/`` export."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file as safetensors_load_file
+from torch import nn
+
+from sparsekit.data import DataBundle, build_data
+from sparsekit.errors import (
+    FileFormatError,
+    ModelCallError,
+    SparsekitError,
+    UnsafeFileError,
+    UsageError,
+)
+from sparsekit.io.cache import cache_root
+from sparsekit.io.checkpoint import is_sparsekit_file, load_state_dict
+from sparsekit.io.files import safe_torch_load
+from sparsekit.progress import is_quiet
+from sparsekit.prune.calibration import call_model, eval_mode
+from sparsekit.run.config import Config
+from sparsekit.run.train import get_batch
+
+
+def load_safetensors(model: nn.Module, path: str | os.PathLike, what: str = "") -> None:
+    """Weights from a safetensors file: one ``sk.save`` wrote (compressed tensors expanded), or
+    a plain state dict. FileFormatError naming the file when it is truncated or corrupt, or
+    naming ``what`` (default: the file) when its keys or shapes are another architecture's."""
+    what = what or f"file {os.fspath(path)!r}"
+    try:
+        if is_sparsekit_file(path):
+            state = load_state_dict(path)
+        else:  # a plain safetensors state dict
+            state = safetensors_load_file(os.fspath(path))
+    except (SafetensorError, FileFormatError) as e:
+        reason = str(e).removeprefix(f"{path}: ").removeprefix(f"{path} ")
+        raise FileFormatError(f"{what} is not a readable checkpoint: {reason}") from None
+    _load_matching(model, state, what)
+
+
+def load_dense(model: nn.Module, path: str) -> None:
+    """Dense weights from a user file: safetensors, or a torch state dict (``weights_only``).
+    FileFormatError (UnsafeFileError for a pickle of code) naming the file when it is not a
+    readable checkpoint of this model."""
+    option = f"model.checkpoint={path!r}"
+    if not Path(path).is_file():
+        raise UsageError(f"{option} does not exist or is not a file")
+    try:
+        if str(path).endswith(".safetensors"):
+            load_safetensors(model, path, option)
+            return
+        state = safe_torch_load(path)
+    except UnsafeFileError as e:
+        if option in str(e):
+            raise
+        raise UnsafeFileError(f"{option}: refused to load: {e}") from None
+    except FileFormatError as e:
+        if option in str(e):
+            raise
+        raise FileFormatError(f"{option} is not a readable checkpoint: {e}") from None
+    except SparsekitError:
+        raise
+    except PermissionError as e:
+        raise UsageError(f"{option} cannot be read: {e.strerror}") from None
+    except Exception as e:  # a crafted file can trip torch.load in other ways; nothing ran
+        raise FileFormatError(
+            f"{option} is not a readable checkpoint (safetensors, or a torch.save of a "
+            f"state_dict): {type(e).__name__}: {_first_line(e)}"
+        ) from e
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict):
+        raise FileFormatError(
+            f"{option} holds a {type(state).__name__}, not a state_dict (a dict of tensors)"
+        )
+    _load_matching(model, state, option)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def _load_matching(model: nn.Module, state: dict, option: str) -> None:
+    """``model.load_state_dict(state)``; FileFormatError naming the file when the keys or
+    shapes are those of another architecture."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"{len(missing)} missing key(s) (e.g. {missing[0]})" if missing else "",
+            f"{len(unexpected)} unexpected key(s) (e.g. {unexpected[0]})" if unexpected else "",
+            f"{len(shapes)} shape mismatch(es) (e.g. {shapes[0]})" if shapes else "",
+        ]
+        raise FileFormatError(
+            f"{option} is a checkpoint of another architecture than {type(model).__name__}: "
+            f"{'; '.join(p for p in parts if p)}; check model= and model.kwargs"
+        )
+    try:
+        model.load_state_dict(state)
+    except Exception as e:
+        raise FileFormatError(f"{option}: cannot load it into the model: {_first_line(e)}") from e
+
+
+def check_model_takes_data(model: nn.Module, data: DataBundle, cfg: Config) -> None:
+    """One forward pass on two training inputs, as training calls the model (``model(x)``):
+    ModelCallError naming the model, the data and the layer that fails (an image model on 1-D
+    data, say) before anything is trained or loaded."""
+    n = min(2, len(data.train))
+    if n == 0:
+        raise UsageError(f"data={cfg.data.name} has no training samples")
+    x = get_batch(data.train, torch.arange(n))[0]
+    device = next(model.parameters(), torch.zeros(0)).device
+    x = x.to(device) if isinstance(x, torch.Tensor) else x
+    try:
+        with eval_mode(model):
+            call_model(model, x, calibration_fn=lambda m, b: m(b))
+    except ModelCallError as e:
+        name = cfg.model.name or cfg.model._target_
+        raise ModelCallError(
+            f"model {name!r} cannot take the inputs of data={cfg.data.name}: {e}; pick a model "
+            "and data that fit (model.name, model.kwargs, data=)"
+        ) from e
+
+
+def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
+    """``model=hf``: the transformers model of ``model.path`` (a local directory) or built
+    from ``model.config`` (random weights), and its tokenizer (from ``data.tokenizer``, else
+    ``model.path``; None when there is none and ``data=text`` does not need one)."""
+    from sparsekit.models import hf
+
+    m = cfg.model
+    if (m.path is None) == (m.config is None):
+        raise UsageError("model=hf needs exactly one of model.path=DIR (a local transformers "
+                         "directory) or model.config=CONFIG (a dict or config.json; random "
+                         "weights)")
+    torch.manual_seed(cfg.train.seed)  # model.config: the same random weights every run
+    if m.path is not None:
+        model = hf.load_pretrained(m.path, m.task, quiet=is_quiet(cfg.train.quiet))
+    else:
+        model = hf.build_from_config(m.config, m.task)
+    source = cfg.data.tokenizer or m.path
+    if source is None:
+        if cfg.data.name == "text":
+            raise UsageError("data=text with model.config needs data.tokenizer=DIR (a directory "
+                             "holding tokenizer files)")
+        return model, None
+    option = "data.tokenizer" if cfg.data.tokenizer else "model.path"
+    try:
+        return model, hf.load_tokenizer(source, option)
+    except FileFormatError:
+        if cfg.data.name == "text":
+            raise
+        return model, None  # exported without tokenizer files
+
+
+def build_run_data(cfg: Config, hf_model: nn.Module | None, tokenizer: Any) -> DataBundle:
+    """The run's data; ``data=text`` is tokenized with the model's tokenizer."""
+    if cfg.data.name != "text" or cfg.data._target_ is not None:
+        return build_data(cfg.data.name, cfg.data._target_, cfg.data.kwargs, cfg.cache_dir)
+    from sparsekit.data.hf_text import text_data
+
+    if not cfg.data.path:
+        raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
+    if tokenizer is None:
+        if not cfg.data.tokenizer:
+            raise UsageError("data=text needs a tokenizer: model=hf model.path=DIR, or "
+                             "data.tokenizer=DIR")
+        from sparsekit.models.hf import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer, "data.tokenizer")
+    task = "causal_lm" if hf_model is None else hf_model._sparsekit_spec["kwargs"]["task"]
+    return text_data(cfg.data.path, tokenizer, cfg.data.seq_len,
+                     cache_root(cfg.cache_dir) / "data", task=task, **cfg.data.kwargs)
+
+
+def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
+              quiet: bool = False) -> dict:
+    """``<run>/hf/``: what ``AutoModelFor*.from_pretrained`` and ``AutoTokenizer`` load (the
+    compressed weights), plus the sparsekit file (``sparsekit.safetensors``, for ``sk.load``);
+    ``<run>/hf-compressed-tensors/`` when compressed-tensors can write the model (the summary
+    says what was written, or why not)."""
+    from sparsekit.quant.compressed_tensors import CT_DIR, export_compressed_tensors
+    from sparsekit.models.hf import export_pretrained
+
+    out = export_pretrained(model, run_dir / "hf", tokenizer, quiet)
+    target = out / "sparsekit.safetensors"
+    target.unlink(missing_ok=True)
+    try:
+        os.link(model_path, target)
+    except OSError:  # another file system: copy
+        shutil.copyfile(model_path, target)
+    return {"dir": str(out), **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
+
+
+__all__ = ["build_run_data", "check_model_takes_data", "export_hf", "load_dense", "load_hf",
+           "load_safetensors"]
