@@ -13,8 +13,7 @@ Nothing in a forward reads tensor data on the host.
   applied by the caller in plain torch, where the compiler fuses them into what follows.
 - ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
   ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
-- ``quant_rows(x, dtype)`` / ``quant_tensor(x, dtype)``: dynamic activation quantization, per
-  token (row) or per tensor, with the numerics of :mod:`sparsekit.quant.numerics` (absmax
+- ``quant_rows(x, dtype)``: dynamic activation quantization per token (row), with the numerics of :mod:`sparsekit.quant.numerics` (absmax
   scales, int8 rounds half to even). The layers call the same plain-torch definitions directly
   (:func:`act_quant_rows`) so inductor fuses them into the op that produces the activation;
   the op form is the opaque (unfused) alternative, kept to measure the difference.
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from sparsekit import _compat
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.kernels import scaled_matmul
-from sparsekit.quant.numerics import absmax_scale, quantize, row_scales
+from sparsekit.quant.numerics import quantize, row_scales
 
 _FORMATS = {torch.int8: INT8, torch.float8_e4m3fn: FP8}
 _M_MULTIPLE = 16  # rows the 8-bit and 2:4 CUDA kernels take as they are; fewer are padded
@@ -46,12 +45,6 @@ def act_quant_rows(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Te
     """Per-token quantization of x (M, K): (q (M, K) in ``fmt.dtype``, scale (M, 1) float32),
     exactly what :class:`~sparsekit.quant.QuantLinear` does to its input. Plain torch ops."""
     scale = row_scales(x, fmt)
-    return quantize(x, scale, fmt), scale
-
-
-def act_quant_tensor(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor quantization of x: (q in ``fmt.dtype``, scale (1,) float32). Plain torch."""
-    scale = absmax_scale(x.detach().abs().amax(), fmt).reshape(1)
     return quantize(x, scale, fmt), scale
 
 
@@ -160,17 +153,5 @@ def _quant_rows_fake(x, dtype):
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
-@torch.library.custom_op("sparsekit::quant_tensor", mutates_args=())
-def quant_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = act_quant_tensor(x, fmt_of(dtype))
-    return q, s
-
-
-@quant_tensor.register_fake
-def _quant_tensor_fake(x, dtype):
-    fmt_of(dtype)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((1,), dtype=torch.float32)
-
-
-__all__ = ["act_quant_rows", "act_quant_tensor", "fmt_of", "int8_acc_dtype", "pack_24",
-           "quant_rows", "quant_tensor", "scaled_mm", "sparse24_mm"]
+__all__ = ["act_quant_rows", "fmt_of", "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm",
+           "sparse24_mm"]

@@ -30,7 +30,6 @@ def _utils(dtype):
 def test_opcheck_quant_ops(dtype):
     x = torch.randn(6, 64, dtype=torch.bfloat16)
     torch.library.opcheck(ops.quant_rows, (x, dtype), **_utils(dtype))
-    torch.library.opcheck(ops.quant_tensor, (x, dtype), **_utils(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
