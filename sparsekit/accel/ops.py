@@ -14,9 +14,10 @@ Nothing in a forward reads tensor data on the host.
 - ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
   ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
 - ``quant_rows(x, dtype)``: dynamic activation quantization per token (row), with the
-  numerics of :mod:`sparsekit.quant.numerics` (absmax scales, int8 rounds half to even). The layers call the same plain-torch definitions directly
-  (:func:`act_quant_rows`) so inductor fuses them into the op that produces the activation;
-  the op form is the opaque (unfused) alternative, kept to measure the difference.
+  numerics of :mod:`sparsekit.quant.numerics` (absmax scales, int8 rounds half to even). The
+  layers call the same plain-torch definitions directly (:func:`act_quant_rows`) so inductor
+  fuses them into the op that produces the activation; the op form is the opaque (unfused)
+  alternative, kept to measure the difference.
 """
 
 import functools
