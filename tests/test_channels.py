@@ -467,7 +467,7 @@ def test_channel_recipes_compose_and_run(tmp_path, monkeypatch):
     assert 0 < channels["params_removed"] < 1
 
     # Taylor importance from the command line gets a loss on training batches
-    run_recipe(["recipe=mnist1d_channel30", *TINY, "prune.channel.importance=taylor",
+    run_recipe(["recipe=mnist1d_channel30", *TINY, "prune.channel.criterion=taylor",
                 "hydra.run.dir=run_t"], tmp_path)
     summary = json.loads((tmp_path / "run_t" / "summary.json").read_text())
     assert summary["channels"]["channels_removed"] > 0.2

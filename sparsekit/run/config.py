@@ -12,6 +12,8 @@ True
 
 from __future__ import annotations
 
+import warnings
+
 import dataclasses
 import functools
 import math
@@ -177,15 +179,32 @@ class ChannelConfig(_Checked):
 
     _key: ClassVar[str] = "prune.channel"
     ratio: float = 0.0
-    importance: Importance = Importance.magnitude
+    criterion: Importance = Importance.magnitude
     scope: Scope = Scope.layer
     round_to: int = 8
     steps: int = 1
-    ignore: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    importance: Importance | None = None  # deprecated: criterion
+    ignore: list[str] | None = None  # deprecated: exclude
 
     def check(self) -> None:
         self._fraction("ratio")
         self._at_least("round_to", "steps", low=1)
+        self._renamed("importance", "criterion", Importance.magnitude)
+        self._renamed("ignore", "exclude", [])
+
+    def _renamed(self, old: str, new: str, default: Any) -> None:
+        """The old key's value moves to the new one, with a DeprecationWarning naming both."""
+        value = getattr(self, old)
+        if value is None:
+            return
+        if getattr(self, new) != default and getattr(self, new) != value:
+            raise ConfigError(f"{self._option(old)} is the old name of {self._option(new)}: "
+                              "give one of them")
+        warnings.warn(f"{self._option(old)} is deprecated: use {self._option(new)}",
+                      DeprecationWarning, stacklevel=2)
+        setattr(self, new, list(value) if isinstance(value, list) else value)
+        setattr(self, old, None)
 
 
 @dataclass

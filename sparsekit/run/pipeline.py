@@ -348,9 +348,9 @@ def stage_channels(ctx: RunContext) -> None:
     if c.ratio <= 0:
         return
     options = dict(
-        ratio=c.ratio, criterion=c.importance, scope=c.scope, round_to=c.round_to,
-        exclude=list(c.ignore),
-        loss_fn=taylor_loss(ctx.data.train, cfg) if c.importance == "taylor" else None,
+        ratio=c.ratio, criterion=c.criterion, scope=c.scope, round_to=c.round_to,
+        exclude=list(c.exclude),
+        loss_fn=taylor_loss(ctx.data.train, cfg) if c.criterion == "taylor" else None,
     )
     if c.steps > 1 and p.fine_tune and p.pattern == "none" and ctx.mode == "none":
         s = cfg.schedule
