@@ -175,11 +175,11 @@ def test_old_channel_keys_still_work_with_a_deprecation_warning(composer):
     cfg = composer(["prune=channel", "prune.channel.criterion=lamp",
                     "prune.channel.exclude=[fc]"])
     assert cfg.prune.channel.criterion == "lamp" and cfg.prune.channel.exclude == ["fc"]
-    with pytest.warns(DeprecationWarning, match=r"prune\.channel\.importance is deprecated: use "
+    with pytest.warns(FutureWarning, match=r"prune\.channel\.importance is deprecated: use "
                                                 r"prune\.channel\.criterion"):
         cfg = composer(["prune=channel", "prune.channel.importance=taylor"])
     assert cfg.prune.channel.criterion == "taylor" and cfg.prune.channel.importance is None
-    with pytest.warns(DeprecationWarning, match=r"prune\.channel\.ignore is deprecated"):
+    with pytest.warns(FutureWarning, match=r"prune\.channel\.ignore is deprecated"):
         cfg = composer(["prune=channel", "prune.channel.ignore=[conv1]"])
     assert cfg.prune.channel.exclude == ["conv1"] and cfg.prune.channel.ignore is None
     with pytest.raises(ConfigError, match=r"importance is the old name of "

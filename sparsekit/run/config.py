@@ -194,15 +194,16 @@ class ChannelConfig(_Checked):
         self._renamed("ignore", "exclude", [])
 
     def _renamed(self, old: str, new: str, default: Any) -> None:
-        """The old key's value moves to the new one, with a DeprecationWarning naming both."""
+        """The old key's value moves to the new one, with a FutureWarning naming both."""
         value = getattr(self, old)
         if value is None:
             return
         if getattr(self, new) != default and getattr(self, new) != value:
             raise ConfigError(f"{self._option(old)} is the old name of {self._option(new)}: "
                               "give one of them")
+        # FutureWarning: Python shows it to command-line users (DeprecationWarning it hides)
         warnings.warn(f"{self._option(old)} is deprecated: use {self._option(new)}",
-                      DeprecationWarning, stacklevel=2)
+                      FutureWarning, stacklevel=2)
         setattr(self, new, list(value) if isinstance(value, list) else value)
         setattr(self, old, None)
 
