@@ -406,3 +406,52 @@ def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch
     with torch.no_grad():
         ref = master(**x).logits
     torch.testing.assert_close(fast(**x).logits.float(), ref, atol=0.3, rtol=0.1)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class _NeedsAllBlocks(nn.Module):
+    """A model whose forward checks its block count (as some model code does)."""
+
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(n))
+        self.n = n
+
+    def forward(self, x):
+        if len(self.blocks) != self.n:
+            raise ValueError(f"expected {self.n} blocks, got {len(self.blocks)}")
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_model_that_cannot_be_shortened_is_planned_whole(monkeypatch):
+    torch.manual_seed(0)
+    net = _NeedsAllBlocks().eval()
+    sk.prune_(net, pattern="2:4", criterion="magnitude")
+    master = copy.deepcopy(net)
+    seen = []
+
+    def fake_time(fn, device, **kw):
+        fn()
+        seen.append(len(net.blocks))
+        return 10.0 if isinstance(net.blocks[0].fc, nn.Linear) else 5.0
+
+    monkeypatch.setattr(planner, "time_model_ms", fake_time)
+    x = torch.randn(6, 64)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
+                         compile=False, whole_model=True, plan_cache=False)
+    r = fast.report
+    assert set(seen) == {8} and len(net.blocks) == 8  # every plan timed whole
+    assert any("did not run with blocks shortened (ValueError: expected 8 blocks" in n
+               for n in r.notes)
+    assert r.plans_ms["dense"] == 10.0 and r.plan != "dense"
+    torch.testing.assert_close(fast(x).float(), master(x), atol=0.3, rtol=0.1)
