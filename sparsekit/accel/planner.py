@@ -202,10 +202,11 @@ class truncated:
 
 def extrapolate_ms(times: dict[int, float], total: int) -> float:
     """A model's ms per call with ``total`` repeated blocks, from its times with two other
-    block counts (``{k1: ms, k2: ms}``), linear in the count (each block costs the same;
-    everything else is the rest)."""
+    block counts (``{k1: ms, k2: ms}``), linear in the count (each block costs the same, never
+    less than nothing; everything else is the rest)."""
     (k1, t1), (k2, t2) = sorted(times.items())
-    return t1 + (total - k1) * (t2 - t1) / (k2 - k1)
+    per_block = max(t2 - t1, 0.0) / (k2 - k1)  # noise can make more blocks time faster
+    return t1 + (total - k1) * per_block
 
 
 def model_key(device_name: str, torch_version: str, signature: str) -> str:
