@@ -46,6 +46,7 @@ _EXPORTS = {
     "apply_channel_plan": "sparsekit.prune.channels",
     "channel_plan": "sparsekit.prune.channels",
     "prune_channels_": "sparsekit.prune.channels",
+    "register_channel_criterion": "sparsekit.prune.channels",
     "Pruner": "sparsekit.prune.pruner",
     "prune_": "sparsekit.prune.pruner",
     "QuantReport": "sparsekit.quant",

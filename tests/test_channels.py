@@ -536,3 +536,57 @@ def test_channel_pruner_and_pruner_share_the_scheduled_protocol(tmp_path):
         assert torch.equal(v, fresh.state_dict()[k]), k
     with pytest.raises(UsageError, match="'plan' and 'progress'"):
         again.load_state_dict({"progress": 0.5})
+
+
+class _KeepFirst(tp.importance.Importance):
+    """A toy channel criterion: channel i scores n - i, so the last channels go."""
+
+    @torch.no_grad()
+    def __call__(self, group, **kwargs):
+        _, idxs = group[0]
+        return torch.arange(len(idxs), 0, -1, dtype=torch.float32)
+
+
+def test_a_registered_channel_criterion_decides_what_goes():
+    from sparsekit.prune.channels import CHANNEL_CRITERIA
+    from sparsekit.run.config import ChannelConfig, ConfigError
+
+    sk.register_channel_criterion("keep_first", _KeepFirst)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        ref = copy.deepcopy(model)
+        sk.prune_channels_(model, torch.randn(2, 16), ratio=0.5, criterion="keep_first",
+                           round_to=1)
+        # the reference: the first 16 of 32 hidden units kept, in order
+        assert torch.equal(model[0].weight, ref[0].weight[:16])
+        assert torch.equal(model[0].bias, ref[0].bias[:16])
+        assert torch.equal(model[2].weight, ref[2].weight[:, :16])
+        # the command line's config takes the registered name; an unknown one names them all
+        assert ChannelConfig(criterion="keep_first").criterion == "keep_first"
+        with pytest.raises(ConfigError, match=r"prune\.channel\.criterion='nope' is not allowed; "
+                                              r"choose one of: magnitude, taylor, lamp, "
+                                              r"keep_first"):
+            ChannelConfig(criterion="nope")
+        with pytest.raises(UsageError, match=r"criterion='nope' is not allowed; choose one of: "
+                                             r"magnitude, taylor, lamp, keep_first"):
+            sk.prune_channels_(nn.Sequential(nn.Linear(8, 8)), torch.randn(1, 8), ratio=0.5,
+                               criterion="nope")
+    finally:
+        CHANNEL_CRITERIA.unregister("keep_first")
+
+
+def test_a_channel_criterion_that_needs_gradients_needs_loss_fn():
+    from sparsekit.errors import ConfigTypeError
+    from sparsekit.prune.channels import CHANNEL_CRITERIA
+
+    sk.register_channel_criterion("grad_toy", _KeepFirst, needs_loss=True)
+    try:
+        with pytest.raises(UsageError, match=r"criterion='grad_toy' scores channels with "
+                                             r"gradients .* needs loss_fn="):
+            sk.prune_channels_(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
+                               torch.randn(1, 8), ratio=0.5, criterion="grad_toy")
+    finally:
+        CHANNEL_CRITERIA.unregister("grad_toy")
+    with pytest.raises(ConfigTypeError, match="make must be callable"):
+        sk.register_channel_criterion("bad", 3)

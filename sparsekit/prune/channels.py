@@ -37,11 +37,11 @@ from sparsekit import _compat
 from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.io import checkpoint
+from sparsekit.registry import Registry
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
 from sparsekit.prune.select import PRUNABLE_TYPES, as_patterns, name_matches
 
-IMPORTANCES = ("magnitude", "taylor", "lamp")
 SCOPES = ("layer", "global")
 PLAN_FORMAT = "sparsekit.channel_plan"
 PLAN_VERSION = 1
@@ -54,12 +54,49 @@ _PLAN_SKIP_ATTRS = ("training", "layer_idx")
 _RATIO = "the fraction of output channels removed per layer"
 
 
-def _make_importance(name: str) -> tp.importance.Importance:
-    if name == "magnitude":
-        return tp.importance.MagnitudeImportance(p=2)
-    if name == "taylor":
-        return tp.importance.TaylorImportance()
-    return tp.importance.LAMPImportance(p=2)
+@dataclass(frozen=True)
+class ChannelCriterion:
+    """How channel pruning scores channels: ``make()`` returns a torch-pruning ``Importance``
+    (called on each coupled group, it gives one score per channel; the lowest go);
+    ``needs_loss``: it reads gradients, so the pruner needs ``loss_fn``."""
+
+    make: Callable[[], tp.importance.Importance]
+    needs_loss: bool = False
+
+
+CHANNEL_CRITERIA: Registry[ChannelCriterion] = Registry(
+    "channel criterion", group="sparsekit.channel_criteria")
+
+
+def register_channel_criterion(name: str, make: Callable[[], tp.importance.Importance], *,
+                               needs_loss: bool = False) -> None:
+    """Make ``make()`` (a torch-pruning ``Importance``, e.g. a subclass of
+    ``torch_pruning.importance.Importance``) available as ``criterion=name`` in
+    :class:`ChannelPruner`, :func:`prune_channels_` and ``prune.channel.criterion``;
+    ``needs_loss``: it scores with gradients (``loss_fn`` becomes required). Installed packages
+    can declare one under the entry point group ``sparsekit.channel_criteria`` (a
+    :class:`ChannelCriterion`)."""
+    if not callable(make):
+        raise ConfigTypeError(f"register_channel_criterion({name!r}): make must be callable "
+                              f"(returning a torch-pruning Importance), got {type(make).__name__}")
+    CHANNEL_CRITERIA.register(name, ChannelCriterion(make, bool(needs_loss)))
+
+
+register_channel_criterion("magnitude", lambda: tp.importance.MagnitudeImportance(p=2))
+register_channel_criterion("taylor", tp.importance.TaylorImportance, needs_loss=True)
+register_channel_criterion("lamp", lambda: tp.importance.LAMPImportance(p=2))
+
+
+def channel_criterion(name: str) -> ChannelCriterion:
+    """The channel criterion registered as ``name``; UsageError naming the allowed ones."""
+    if not isinstance(name, str) or name not in CHANNEL_CRITERIA:
+        raise UsageError(f"criterion={name!r} is not allowed; choose one of: "
+                         f"{', '.join(CHANNEL_CRITERIA.names())}")
+    found = CHANNEL_CRITERIA[name]
+    if not isinstance(found, ChannelCriterion):
+        raise ConfigTypeError(f"channel criterion {name!r} is a {type(found).__name__}, "
+                              "not a ChannelCriterion")
+    return found
 
 
 @dataclass
@@ -242,8 +279,9 @@ class ChannelPruner:
     width is heads x head size, so the same heads go in every block that shares that stream).
 
     ``criterion``: "magnitude" (L2 norm of the coupled weights), "lamp" (layer-adaptive
-    magnitude) or "taylor" (|weight x gradient|, which needs ``loss_fn(model) -> scalar loss`` on
-    a few real batches; it is back-propagated before every pruning step).
+    magnitude), "taylor" (|weight x gradient|, which needs ``loss_fn(model) -> scalar loss`` on
+    a few real batches; it is back-propagated before every pruning step), or a name registered
+    with :func:`register_channel_criterion`.
 
     Pruning follows ``schedule`` (a :class:`sparsekit.Schedule`; default one shot): call
     ``step(step)`` during fine-tuning; it prunes when the schedule's progress rises and returns
@@ -281,17 +319,14 @@ class ChannelPruner:
                             "magnitude")
         exclude = renamed("ChannelPruner", "ignore", "exclude", ignore, exclude, ())
         self.ratio = check_fraction("ratio", ratio, _RATIO)
-        if criterion not in IMPORTANCES:
-            raise UsageError(
-                f"criterion={criterion!r} is not allowed; choose one of: {', '.join(IMPORTANCES)}"
-            )
+        scorer = channel_criterion(criterion)
         if scope not in SCOPES:
             raise UsageError(f"scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
         self.round_to = 1 if round_to is None else check_int("round_to", round_to, 1)
-        if criterion == "taylor" and loss_fn is None:
+        if scorer.needs_loss and loss_fn is None:
             raise UsageError(
-                "criterion='taylor' scores channels by |weight x gradient| and needs "
-                "loss_fn=lambda model: <scalar loss on a few real batches>"
+                f"criterion={criterion!r} scores channels with gradients (taylor: |weight x "
+                "gradient|) and needs loss_fn=lambda model: <scalar loss on a few real batches>"
             )
         if schedule is not None and not isinstance(schedule, Schedule):
             raise ConfigTypeError(
@@ -348,7 +383,7 @@ class ChannelPruner:
                 return tp.pruner.BasePruner(
                     self.model,
                     self.example_inputs,
-                    importance=_make_importance(self.criterion),
+                    importance=channel_criterion(self.criterion).make(),
                     global_pruning=self.scope == "global",
                     pruning_ratio=self.ratio,
                     iterative_steps=1,

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from sparsekit.accel.kernels import SPARSITIES, precisions
 from sparsekit.prune import pruner, schedules
-from sparsekit.prune.channels import IMPORTANCES
+from sparsekit.prune.channels import CHANNEL_CRITERIA
 from sparsekit.prune.criteria import CRITERIA, is_solver
 from sparsekit.run import distributed
 from sparsekit.errors import UsageError
@@ -46,7 +46,6 @@ def _choices(name: str, values: Iterable[str], doc: str) -> type[StrEnum]:
 # fixed sets, each taken from the module that implements it
 Scope = _choices("Scope", pruner.SCOPES, "Pruner/ChannelPruner scope: per layer or global.")
 ScheduleKind = _choices("ScheduleKind", schedules.SCHEDULES, "When masks move (schedules.py).")
-Importance = _choices("Importance", IMPORTANCES, "Channel importance (channels.py).")
 HFTask = _choices("HFTask", AUTO_CLASSES, "What a transformers model is built for.")
 Distributed = _choices("Distributed", distributed.MODES, "How ranks share the model.")
 # fixed sets of the run itself (train.py, tracking.py)
@@ -178,20 +177,22 @@ class ChannelConfig(_Checked):
     channels removed per layer (0 disables it)."""
 
     _key: ClassVar[str] = "prune.channel"
+    _open: ClassVar = {"criterion": CHANNEL_CRITERIA.names}
     ratio: float = 0.0
-    criterion: Importance = Importance.magnitude
+    criterion: str = "magnitude"
     scope: Scope = Scope.layer
     round_to: int = 8
     steps: int = 1
     exclude: list[str] = field(default_factory=list)
-    importance: Importance | None = None  # deprecated: criterion
+    importance: str | None = None  # deprecated: criterion
     ignore: list[str] | None = None  # deprecated: exclude
 
     def check(self) -> None:
         self._fraction("ratio")
         self._at_least("round_to", "steps", low=1)
-        self._renamed("importance", "criterion", Importance.magnitude)
+        self._renamed("importance", "criterion", "magnitude")
         self._renamed("ignore", "exclude", [])
+        self._choice("criterion", CHANNEL_CRITERIA.names())  # the old key's value too
 
     def _renamed(self, old: str, new: str, default: Any) -> None:
         """The old key's value moves to the new one, with a FutureWarning naming both."""

@@ -46,6 +46,7 @@ from sparsekit.run.loading import (
     load_hf,
     load_safetensors,
 )
+from sparsekit.prune.channels import channel_criterion
 from sparsekit.prune.criteria import needs_calibration
 from sparsekit.run.config import Config, validate
 from sparsekit.run.context import (  # noqa: F401  (CHECKPOINT, Callback: public here too)
@@ -350,7 +351,8 @@ def stage_channels(ctx: RunContext) -> None:
     options = dict(
         ratio=c.ratio, criterion=c.criterion, scope=c.scope, round_to=c.round_to,
         exclude=list(c.exclude),
-        loss_fn=taylor_loss(ctx.data.train, cfg) if c.criterion == "taylor" else None,
+        loss_fn=(taylor_loss(ctx.data.train, cfg)
+                 if channel_criterion(c.criterion).needs_loss else None),
     )
     if c.steps > 1 and p.fine_tune and p.pattern == "none" and ctx.mode == "none":
         s = cfg.schedule
