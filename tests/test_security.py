@@ -331,11 +331,36 @@ def test_resume_never_takes_a_run_whose_process_is_alive(tmp_path, capsys):
     import socket
     import subprocess
 
+    import time
+
+    from sparsekit.io.runstate import read_run_state, still_running
+
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     older = plant_run(tmp_path, ["prune.sparsity=0.5"], name="2026-01-01_00-00-00")
     (older / STATE_FILE).write_text(json.dumps({"state": "running", "pid": gone.pid,
                                                 "host": socket.gethostname()}))
+    # a killed run whose process nobody reaped (a zombie: containers whose init never reaps)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        stat = Path(f"/proc/{zombie.pid}/stat")
+        for _ in range(200):
+            if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        assert still_running({"state": "running", "pid": zombie.pid,
+                              "host": socket.gethostname()}) is None
+    finally:
+        zombie.wait()
+    # this process, as recorded by write_run_state: the same pid started at another time is
+    # another process
+    from sparsekit.io.runstate import write_run_state
+
+    write_run_state(tmp_path, "running")
+    me = read_run_state(tmp_path)
+    if "started" in me:  # Linux
+        me["pid"] = os.getppid()  # alive, but not started when this run started
+        assert still_running(me) is None
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         newer = plant_run(tmp_path, ["prune.sparsity=0.7"], name="2026-01-02_00-00-00")
@@ -353,3 +378,25 @@ def test_resume_never_takes_a_run_whose_process_is_alive(tmp_path, capsys):
         live.kill()
         live.wait()
     assert latest_run(tmp_path / "runs") == newer
+
+
+def test_a_rank_of_the_same_torchrun_job_does_not_block_resume(monkeypatch):
+    """Under torchrun each rank resolves resume=true; rank 0 may already have marked the run
+    running with its own pid: a sibling of the same launcher is this job, not another run."""
+    import socket
+    import subprocess
+
+    from sparsekit.io.runstate import still_running
+
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        info = {"state": "running", "pid": sibling.pid, "host": socket.gethostname()}
+        assert still_running(info) == sibling.pid  # another process's run
+        # the sibling's parent is this process: pretend this is rank 1, forked by the same agent
+        monkeypatch.setattr(os, "getppid", lambda: os.getpid())
+        assert still_running(info) == sibling.pid  # outside torchrun: a sibling is another run
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        assert still_running(info) is None
+    finally:
+        sibling.kill()
+        sibling.wait()

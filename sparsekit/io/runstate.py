@@ -144,6 +144,9 @@ def write_run_state(run_dir: str | os.PathLike, state: str, error: str | None = 
         raise ValueError(f"run state {state!r}; allowed: {', '.join(RUN_STATES)}")
     info = {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "pid": os.getpid(), "host": socket.gethostname()}
+    stat = _proc_stat(os.getpid())
+    if stat is not None:  # with the pid, tells this process from a later one of the same id
+        info["started"] = stat[1]
     if error is not None:
         info["error"] = error
     atomic_write(Path(run_dir) / STATE_FILE,
@@ -161,14 +164,40 @@ def read_run_state(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return info
 
 
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, start time in clock ticks since boot, parent pid) of process ``pid``
+    from Linux's /proc; None where there is no such file (no such process, or no /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # the name may hold spaces and parentheses
+    try:
+        return fields[0], int(fields[19]), int(fields[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def still_running(info: dict[str, Any] | None) -> int | None:
     """The process id when ``info`` (from :func:`read_run_state`) says ``running`` and that
-    process is alive on this host (another process than this one); else None. A process id
-    reused by an unrelated process after a kill counts as alive: resume it by name then."""
+    process is alive on this host (another process than this one, or than a rank of the same
+    torchrun job: the ranks resolve ``resume=true`` each on its own); else None. A zombie (killed,
+    not yet reaped: containers whose init never reaps) is not alive; a process id reused by a
+    process that started at another time (Linux: /proc records when) is not the run's."""
     if not info or info.get("state") != "running" or info.get("host") != socket.gethostname():
         return None
     pid = info.get("pid")
     if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return None
+    stat = _proc_stat(pid)
+    if stat is not None:
+        state, started, parent = stat
+        if state in ("Z", "X") or info.get("started", started) != started:
+            return None
+        if os.environ.get("TORCHELASTIC_RUN_ID") and parent == os.getppid():
+            return None  # rank 0 of this very torchrun job, already continuing the run
+        return pid
+    if Path("/proc/self/stat").exists():  # Linux, and no such process
         return None
     try:
         os.kill(pid, 0)
