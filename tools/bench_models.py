@@ -47,7 +47,7 @@ from torch import nn
 import sparsekit as sk
 from sparsekit.prune.patterns import nm_mask
 from sparsekit._compat import compile_module, compiled_graph_count
-from sparsekit.accel import timing
+from sparsekit.accel import planner
 
 TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("llama", "sk_bf16_2:4"): 1.3, ("llama", "sk_fp8_2:4"): 1.8,
@@ -192,14 +192,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
-    """Median ms of one call (:func:`sparsekit.accel.timing.time_ms`); on CUDA each call starts
-    a new cudagraph step, as serving does."""
-    def step():
-        if device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        return fn()
-
-    return timing.time_ms(step, device, warmup=warmup, repeats=calls)
+    """Median ms of one call, each a new cudagraph step on CUDA, as serving does (the planner's
+    own clock, :func:`sparsekit.accel.planner.time_model_ms`)."""
+    return planner.time_model_ms(fn, device, calls=calls, warmup=warmup)
 
 
 def profile_shares(fn, device: torch.device) -> dict | None:

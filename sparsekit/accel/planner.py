@@ -28,8 +28,6 @@ the plans' times are cached under a key of the model's layer shapes, input shape
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +38,7 @@ from sparsekit import _compat
 from sparsekit.io.files import atomic_write
 from sparsekit.accel.report import BASELINE, decide
 from sparsekit.io.cache import cache_root
-from sparsekit.accel.timing import graph_time_us
+from sparsekit.accel.timing import graph_time_us, time_ms
 
 DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (docs/gpu.md)
 DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one by 5%
@@ -217,39 +215,15 @@ def model_key(device_name: str, torch_version: str, signature: str) -> str:
 
 def time_model_ms(fn: Callable[[], object], device: torch.device, calls: int = 10,
                   warmup: int = 3) -> float:
-    """Median ms of one whole-model call as it will run (the first warm-up call compiles): CUDA
-    events around each call (host time included; a new CUDA-graph step marked before each),
-    wall clock on CPU."""
-    for _ in range(warmup):
+    """Median ms of one whole-model call as it will run (the first warm-up call compiles), by
+    :func:`~sparsekit.accel.timing.time_ms`; on CUDA each call starts a new CUDA-graph step,
+    as serving does."""
+    def step() -> object:
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        fn()
-    times = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return fn()
 
-
-def wall_time_us(fn: Callable[[], object], calls: int = 5) -> float:
-    """Median wall time of ``fn()`` on CPU (microseconds)."""
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return time_ms(step, device, warmup=warmup, repeats=calls)
 
 
 def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
@@ -263,7 +237,7 @@ def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
     with torch.no_grad(), _compat.recompile_limit(1 << 16):
         if x.is_cuda:
             return graph_time_us(lambda: fn(x))
-        return wall_time_us(lambda: fn(x))
+        return time_ms(lambda: fn(x), "cpu", warmup=1, repeats=5) * 1e3
 
 
 __all__ = ["DECODE_TOKENS", "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "cache_path", "choose",
