@@ -198,9 +198,8 @@ class _Planner:
         return cls(layer, alg_id=self.algs.get(key, 0), fused_quant=self.fused_quant)
 
     def _key(self, variant: str, layer: nn.Module, m: int) -> str:
-        key = planner.plan_key(self.name, torch.__version__, variant, layer.out_features,
-                               layer.in_features, m)
-        return key + (f"|inductor={sorted(self.inductor.items())}" if self.inductor else "")
+        return planner.plan_key(self.name, torch.__version__, variant, layer.out_features,
+                                layer.in_features, m, inductor=self.inductor)
 
     def time(self, variant: str, layer: nn.Module, m: int) -> float:
         """Microseconds of ``variant`` for ``layer`` at ``m`` tokens, compiled (cached)."""

@@ -49,10 +49,12 @@ def cache_path() -> Path:
 
 
 def plan_key(device_name: str, torch_version: str, variant: str, out_features: int,
-             in_features: int, tokens: int, dtype: str = "bfloat16") -> str:
-    """One cache entry's key: everything a variant's time depends on."""
+             in_features: int, tokens: int, dtype: str = "bfloat16",
+             inductor: dict | None = None) -> str:
+    """One cache entry's key: everything a variant's time depends on (extra ``inductor``
+    options of the compile included)."""
     return (f"{device_name}|torch={torch_version}|{variant}|N={out_features}|K={in_features}|"
-            f"M={tokens}|{dtype}")
+            f"M={tokens}|{dtype}" + (f"|inductor={sorted(inductor.items())}" if inductor else ""))
 
 
 def load(path: Path | None = None) -> dict[str, dict]:
