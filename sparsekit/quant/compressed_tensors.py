@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit.io.zeros import is_2to4, mask_from_zeros
+
 # the directory beside <run>/hf/ that holds the export
 CT_DIR = "hf-compressed-tensors"
 INSTALL = "pip install 'sparsekit[compressed]'"
@@ -113,12 +115,10 @@ def sparsity_metadata(layers: dict[str, nn.Module], ignore: list[str]) -> dict |
     zeros = total = 0
     two_four = True
     for m in layers.values():
-        w = m.weight
-        nonzero = w.float() != 0  # float8's negative zero counts as zero
+        nonzero = mask_from_zeros(m.weight)  # float8's negative zero counts as zero
         zeros += int((~nonzero).sum())
         total += nonzero.numel()
-        two_four = two_four and w.shape[-1] % 4 == 0 and bool(
-            nonzero.reshape(w.shape[0], -1, 4).sum(-1).le(2).all())
+        two_four = two_four and is_2to4(m.weight)
     if zeros == 0:
         return None
     meta = DenseSparsityConfig(

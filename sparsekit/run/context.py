@@ -73,7 +73,6 @@ class RunContext:
     channel_report: Any = None
     unsharded: nn.Module | None = None  # FSDP2: the container for the gathered weights
     masks: Any = None  # the Pruner
-    pruner: ScheduledPruner | None = None  # what fine-tuning steps: masks or channels
     steps: int = 0  # fine-tuning steps
     start: int = 0  # the first fine-tuning step this process runs
     report: Any = None  # the SparsityReport of the compressed model
@@ -86,6 +85,11 @@ class RunContext:
     model_path: Path | None = None
     hf_export: dict | None = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def pruner(self) -> ScheduledPruner | None:
+        """What fine-tuning steps: the mask Pruner, else the ChannelPruner (or None)."""
+        return self.masks if self.masks is not None else self.channels
 
     @property
     def quiet(self) -> bool:
@@ -168,16 +172,19 @@ class Logging(Callback):
                 ctx.tracker.scalars({f"dense_{k}": v for k, v in metrics.items()}, step)
             return
         pruner = ctx.pruner
+        report = None  # one pass over the pruned weights per step at most
         if metrics:
             scalars = dict(metrics)
             if pruner is not None:
-                scalars["sparsity/global"] = weights_report(ctx).global_sparsity
+                report = weights_report(ctx)
+                scalars["sparsity/global"] = report.global_sparsity
             ctx.tracker.scalars(scalars, step)
         if pruner is not None and pruner.progress != self.seen:  # masks or channels moved
             self.seen = pruner.progress
             if ctx.mode != "fsdp2":  # sharded weights get their histograms once gathered
                 ctx.tracker.weight_histograms(ctx.model, step)
-                ctx.tracker.layer_sparsity(weights_report(ctx).to_dict()["layers"], step)
+                report = report or weights_report(ctx)
+                ctx.tracker.layer_sparsity(report.to_dict()["layers"], step)
 
 
 class Evaluation(Callback):

@@ -391,7 +391,6 @@ def stage_prune(ctx: RunContext) -> None:
             calibration=ctx.calibration if needs_calibration(p.criterion) else None,
             strict=p.strict,
         )
-    ctx.pruner = ctx.masks if ctx.masks is not None else ctx.channels
     ctx.steps = t.finetune_steps if p.fine_tune else 0
     ctx.optimizer = make_optimizer(ctx.model.parameters(), t.optimizer, t.finetune_lr,
                                    t.weight_decay)
@@ -505,7 +504,7 @@ def stage_accelerate(ctx: RunContext) -> None:
                          sparsity=a.sparsity, min_speedup=a.min_speedup)
     report = fast.sparsekit_report
     if ctx.tracker.writer is not None:
-        sk.log_accel_report(ctx.tracker.writer, report)
+        report.log(ctx.tracker.writer)
     ctx.accel["report"] = report.to_dict()
     if b.enabled:
         ctx.accel["speed"] = benchmark(fast, ctx.example, b.batch_size, b.warmup, b.repeats,
