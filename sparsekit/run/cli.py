@@ -15,9 +15,7 @@ import re
 import sys
 import time
 import traceback
-import typing
 from collections.abc import Sequence
-from enum import Enum
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,7 +34,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from sparsekit.run.config import Config, choices
+from sparsekit.run.config import Config, choices, enum_fields
 from sparsekit.data import check_data_name
 from sparsekit.prune.shards import is_distributed
 from sparsekit.run.distributed import init, is_main, launched_by_torchrun, set_launch_env
@@ -111,13 +109,10 @@ def _omegaconf_line(err: OmegaConfBaseException) -> str:
             return f"{key}: not in the config; add a new key with +{key}=VALUE"
         allowed = ", ".join(f.name for f in dataclasses.fields(owner))
         return f"{key}: unknown key; allowed keys{' in ' + parent if parent else ''}: {allowed}"
-    field_type = None
-    if dataclasses.is_dataclass(owner) and err.key is not None:
-        field_type = typing.get_type_hints(owner).get(str(err.key))
-    enums = [t for t in (field_type, *typing.get_args(field_type))
-             if isinstance(t, type) and issubclass(t, Enum)]
-    if isinstance(err, ValidationError) and enums:
-        allowed = ", ".join(str(v.value) for v in enums[0])
+    enum = (enum_fields(owner).get(str(err.key))
+            if dataclasses.is_dataclass(owner) and err.key is not None else None)
+    if isinstance(err, ValidationError) and enum is not None:
+        allowed = ", ".join(str(v.value) for v in enum)
         return f"{key}={err.value!r} is not allowed; choose one of: {allowed}"
     return f"{key}={err.value}: {msg}" if err.value is not None else f"{key}: {msg}"
 

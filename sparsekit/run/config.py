@@ -57,7 +57,7 @@ Device = _choices("Device", ("auto", "cpu", "cuda"), "auto: cuda when visible.")
 
 
 @functools.cache
-def _enum_fields(cls: type) -> dict[str, type[StrEnum]]:
+def enum_fields(cls: type) -> dict[str, type[StrEnum]]:
     """The fields of dataclass ``cls`` typed with a StrEnum (or an optional one)."""
     hints = typing.get_type_hints(cls)
     found = {}
@@ -83,7 +83,7 @@ class _Checked:
     _open: ClassVar[dict[str, Callable[[], Iterable[str]]]] = {}
 
     def __post_init__(self) -> None:
-        for name, enum in _enum_fields(type(self)).items():
+        for name, enum in enum_fields(type(self)).items():
             if getattr(self, name) is not None:
                 self._choice(name, enum)
         for name, allowed in self._open.items():
@@ -417,7 +417,7 @@ def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             out.update(choices(hints[f.name], f"{prefix}{f.name}."))
-    out.update({f"{prefix}{n}": tuple(map(str, e)) for n, e in _enum_fields(cls).items()})
+    out.update({f"{prefix}{n}": tuple(map(str, e)) for n, e in enum_fields(cls).items()})
     out.update({f"{prefix}{n}": tuple(names()) for n, names in getattr(cls, "_open", {}).items()})
     return dict(sorted(out.items()))
 
