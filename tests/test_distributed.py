@@ -275,10 +275,26 @@ def test_distributed_threshold_ddp_and_wanda():
     _spawn("check_all_replicated")
 
 
+def check_static_scales(rank: int, out_dir: str) -> None:
+    """quantize_ with a static scheme: each rank calibrates on its own batches, and every rank
+    ends with the same scale, the largest input over all ranks' batches / qmax."""
+    torch.manual_seed(0)  # the same weights on every rank
+    model = nn.Sequential(nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(100 + rank)
+    cal = [torch.randn(3, 8, generator=g) * (1 + 3 * rank) for _ in range(2)]
+    sk.quantize_(model, "int8_static", calibration=cal)
+    local_max = max(float(b.abs().max()) for b in cal)
+    both = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
+    dist.all_gather(both, torch.tensor([local_max], dtype=torch.float64))
+    want = torch.tensor([max(float(t) for t in both)], dtype=torch.float32) / 127
+    torch.testing.assert_close(model[0].input_scale, want, rtol=0, atol=0)
+
+
 def check_all_replicated(rank: int, out_dir: str) -> None:
     check_threshold(rank, out_dir)
     check_ddp(rank, out_dir)
     check_wanda(rank, out_dir)
+    check_static_scales(rank, out_dir)
 
 
 @needs_gloo

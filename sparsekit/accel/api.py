@@ -34,6 +34,7 @@ from sparsekit.accel.convert import (
 from sparsekit.accel.kernels import SPARSITIES, VARIANTS, check_precision, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checks import positional_until
+from sparsekit.quant.formats import get_scheme
 from sparsekit.quant.modules import QuantLinear
 from sparsekit.prune.calibration import feed, tree_map
 from sparsekit.prune.patterns import is_nm
@@ -42,7 +43,15 @@ from sparsekit.prune.select import name_filter
 log = logging.getLogger(__name__)
 
 _ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scaled_mm, _int_mm)
-_W8A8 = {"fp8": "fp8", "int8": "int8"}  # quant scheme -> accel precision that keeps its numerics
+
+
+def _own_precision(layer: nn.Module) -> str | None:
+    """The accel precision that keeps a W8A8 ``QuantLinear``'s numerics (its activation format:
+    "fp8" for fp8 and fp8_static, "int8" for int8 and int8_static); None for other layers."""
+    if not isinstance(layer, QuantLinear):
+        return None
+    act = get_scheme(layer.scheme).activation
+    return None if act is None else act.name
 
 
 
@@ -198,7 +207,9 @@ class _Planner:
         return cls(layer, alg_id=self.algs.get(key, 0), fused_quant=self.fused_quant)
 
     def _key(self, variant: str, layer: nn.Module, m: int) -> str:
-        return planner.plan_key(self.name, torch.__version__, variant, layer.out_features,
+        # a static-scheme layer quantizes its input elementwise: another cost than per token
+        numerics = f"{variant}|{layer.scheme}" if isinstance(layer, QuantLinear) else variant
+        return planner.plan_key(self.name, torch.__version__, numerics, layer.out_features,
                                 layer.in_features, m, inductor=self.inductor)
 
     def time(self, variant: str, layer: nn.Module, m: int) -> float:
@@ -228,8 +239,8 @@ def _signature(model: nn.Module, inputs: Any, chosen: dict, options: dict) -> st
 
     shapes = []
     tree_map(lambda t: shapes.append([list(t.shape), str(t.dtype)]) or t, inputs)
-    layers = [[n, d.out_features, d.in_features, d.tokens, d.has_2to4, c, d.variant]
-              for n, (_, _, c, d) in chosen.items()]
+    layers = [[n, d.out_features, d.in_features, d.tokens, d.has_2to4, c, d.variant,
+               getattr(layer, "scheme", None)] for n, (layer, _, c, d) in chosen.items()]
     blob = json.dumps([type(model).__name__, shapes, layers, options], sort_keys=True,
                       default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:20]
@@ -386,9 +397,10 @@ def _layers(model: nn.Module, inputs: Any, include: Any, exclude: Any, precision
              if isinstance(m, (nn.Linear, QuantLinear)) and keep(n)]
     for n in names:
         q = model.get_submodule(n)
-        if isinstance(q, QuantLinear) and q.scheme in _W8A8 and _W8A8[q.scheme] != precision:
+        own = _own_precision(q)
+        if own is not None and own != precision:
             raise ValueError(f"layer {n!r} is quantized with {q.scheme!r}: accelerate it with "
-                             f"precision={_W8A8[q.scheme]!r} (its numerics), got {precision!r}")
+                             f"precision={own!r} (its numerics), got {precision!r}")
     tokens = _tokens(model, inputs, names)
     for name in names:
         if name not in tokens:
@@ -421,7 +433,7 @@ def _decide(name: str, layer: nn.Module, m: int, precision: str, sparsity: str,
     has24 = _weight_24(layer)
     cands, reason = layer_plan(has24, precision, sparsity, layer.in_features,
                                layer.out_features, dense_precision)
-    quantized = isinstance(layer, QuantLinear) and layer.scheme in _W8A8
+    quantized = _own_precision(layer) is not None
     if quantized:  # only variants with the layer's own numerics: its scheme, dense or 2:4
         reason = f"quantized ({layer.scheme}): its weights, scales and activation numerics"
         if layer.in_features % _ALIGN or layer.out_features % _ALIGN:  # quant's forward

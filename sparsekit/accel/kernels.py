@@ -9,7 +9,8 @@ takes as they are. ``VARIANTS`` maps the names used in reports and configs to th
 The same module runs on either device: on CUDA the ops call cuSPARSELt / cuBLAS, on CPU their
 plain-torch references (the weights are then kept dense). The W8A8 layers quantize activations
 per token with :mod:`sparsekit.quant.numerics` (what ``quantize_`` and QAT compute), written
-as plain torch ops so the compiler fuses them into the op producing the activation; the 2:4
+as plain torch ops so the compiler fuses them into the op producing the activation (a layer
+built from a static-scheme QuantLinear takes its one ``input_scale``: elementwise); the 2:4
 8-bit layers apply ``acc * x_scale * w_scale + bias`` in plain torch too, fused into what
 consumes the output. No forward reads tensor data on the host.
 """
@@ -22,7 +23,7 @@ from torch import nn
 
 from sparsekit.accel import ops
 from sparsekit.errors import UsageError
-from sparsekit.quant.formats import FP8, INT8, Format
+from sparsekit.quant.formats import FP8, INT8, Format, get_scheme
 from sparsekit.quant.modules import QuantLinear
 from sparsekit.quant.numerics import channel_scales, quantize
 from sparsekit.registry import Registry
@@ -61,6 +62,12 @@ class _AccelLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else
                              bias.detach().to(torch.bfloat16).contiguous())
         w, scale = _weights(linear, self.fmt)
+        # a static-scheme QuantLinear's one activation scale (None: per-token dynamic scales)
+        static = (self.fmt is not None and isinstance(linear, QuantLinear)
+                  and "input_scale" in linear._buffers
+                  and get_scheme(linear.scheme).activation == self.fmt)
+        self.register_buffer("act_scale", linear.input_scale.detach().float().clone()
+                             if static else None)
         w = w.contiguous()
         if self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
@@ -69,6 +76,8 @@ class _AccelLinear(nn.Module):
         self.register_buffer("w_scale", scale)
 
     def _quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.act_scale is not None:  # static: elementwise, fused into the producer
+            return quantize(x2d, self.act_scale, self.fmt), self.act_scale.expand(len(x2d), 1)
         if self.fused_quant:
             return ops.act_quant_rows(x2d, self.fmt)
         return ops.quant_rows(x2d, self.fmt.dtype)

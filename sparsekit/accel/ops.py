@@ -119,7 +119,7 @@ def scaled_mm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
         y = acc.float() * x_scale * w_scale
         return (y if bias is None else y + bias.float()).to(out_dtype)
     xp = _pad_rows(xq, _M_MULTIPLE)
-    sp = _pad_rows(x_scale, _M_MULTIPLE) if xp.shape[0] != m else x_scale
+    sp = _pad_rows(x_scale, _M_MULTIPLE) if xp.shape[0] != m else x_scale.contiguous()
     sw = w_scale.reshape(1, -1)
     try:  # row-wise scales and bias in cuBLAS's epilogue
         y = _compat.scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sw, bias=bias, out_dtype=out_dtype)

@@ -134,7 +134,8 @@ def local_part(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ShardComm:
-    """Sums over the ranks of a process group, for selections over sharded tensors.
+    """Sums and maxima over the ranks of a process group (selections over sharded tensors,
+    calibrated ranges).
 
     ``device`` is where the collective runs (CUDA for an NCCL-only group, CPU for gloo), or None
     for a group with both (each tensor stays where it is); tensors travel there and back.
@@ -153,8 +154,15 @@ class ShardComm:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``tensor`` over all ranks, on ``tensor``'s device."""
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``tensor`` over all ranks, on ``tensor``'s device."""
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         buf = tensor.to(self.device or tensor.device, copy=True)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(buf, op=op, group=self.group)
         return buf.to(tensor.device)
 
 

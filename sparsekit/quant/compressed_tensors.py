@@ -89,7 +89,8 @@ def reason_skipped(model: nn.Module) -> str | None:
 def ct_scheme(scheme: str, targets: list[str]) -> Any:
     """The compressed-tensors ``QuantizationScheme`` equal to sparsekit's ``scheme``: 8-bit
     symmetric weights, one scale per output channel (``channel``); for W8A8 also 8-bit
-    symmetric activations with a dynamic scale per token (``token``), same type as weights."""
+    symmetric activations, same type as weights, with a dynamic scale per token (``token``) or,
+    for a static scheme, the layer's one calibrated ``input_scale`` (``tensor``, not dynamic)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     from sparsekit.quant.formats import FP8, get_scheme
@@ -101,7 +102,8 @@ def ct_scheme(scheme: str, targets: list[str]) -> Any:
     acts = None
     if s.activation is not None:
         acts = QuantizationArgs(num_bits=8, type="float" if s.activation is FP8 else "int",
-                                symmetric=True, strategy="token", dynamic=True)
+                                symmetric=True, strategy="tensor" if s.static else "token",
+                                dynamic=not s.static)
     return QuantizationScheme(targets=targets, weights=weights, input_activations=acts)
 
 

@@ -1,12 +1,22 @@
 """The 8-bit number formats and the schemes built from them.
 
 A *format* is a storage dtype plus the largest magnitude it represents; symmetric scales map a
-tensor's absolute maximum onto that magnitude. A *scheme* says which format the weights use and
-whether (and in which format) activations are quantized on the fly.
+tensor's absolute maximum onto that magnitude. A *scheme* says which format the weights use,
+whether (and in which format) activations are quantized, and how their scales are found:
+
+- dynamic (``int8``, ``fp8``): one scale per token (per sample for convolutions), from the
+  activation itself at every call. Nothing to calibrate; one extra pass over each row.
+- static (``int8_static``, ``fp8_static``): one scale per layer input, fixed: set from
+  calibration batches by ``quantize_`` or tracked during QAT (a moving average of the batch
+  absmax), then frozen. Values beyond it saturate. Quantizing is then elementwise, so on the GPU
+  it fuses into the op producing the activation with no reduction over the row (the vLLM /
+  compressed-tensors "static per-tensor" activation scheme).
 
 >>> get_scheme("int8")
-Scheme(name='int8', weight=Format(name='int8'), activation=Format(name='int8'))
+Scheme(name='int8', weight=Format(name='int8'), activation=Format(name='int8'), static=False)
 >>> get_scheme("int8_weight_only").activation is None
+True
+>>> get_scheme("fp8_static").static
 True
 """
 
@@ -37,12 +47,18 @@ FP8 = Format("fp8", torch.float8_e4m3fn, 448.0)
 
 @dataclass(frozen=True)
 class Scheme:
-    """A quantization scheme: weight format (per output channel scales) and activation format
-    (dynamic scales, one per token row or per sample; None keeps activations in float)."""
+    """A quantization scheme: weight format (per output channel scales), activation format
+    (None keeps activations in float) and whether activation scales are ``static`` (one per
+    layer input, calibrated) rather than dynamic (one per token row or per sample)."""
 
     name: str
     weight: Format
     activation: Format | None
+    static: bool = False
+
+    def __post_init__(self) -> None:
+        if self.static and self.activation is None:
+            raise UsageError(f"scheme {self.name!r}: static=True needs an activation format")
 
 
 SCHEMES: Registry[Scheme] = Registry("quantization scheme")
@@ -57,7 +73,8 @@ def register_scheme(scheme: Scheme) -> None:
 
 
 for _scheme in (Scheme("int8_weight_only", INT8, None), Scheme("int8", INT8, INT8),
-                Scheme("fp8", FP8, FP8)):
+                Scheme("fp8", FP8, FP8), Scheme("int8_static", INT8, INT8, static=True),
+                Scheme("fp8_static", FP8, FP8, static=True)):
     register_scheme(_scheme)
 
 

@@ -7,6 +7,9 @@ W8A8 schemes quantize activations on the fly with symmetric absmax scales:
 
 - Linear: one scale per token, i.e. per row of the input flattened to (tokens, features).
 - Conv: one scale per sample (over its channels and positions), applied before im2col.
+- Static schemes (``int8_static``, ``fp8_static``): one fixed scale per layer, the float32
+  buffer ``input_scale`` (shape (1,)), calibrated by ``quantize_`` or trained by QAT; inputs
+  beyond ``qmax * input_scale`` saturate.
 
 Why per token / per sample rather than per tensor: a sample's output then never depends on what
 else is in its batch (evaluation gives the same answer at any batch size, and QAT learns the
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit import _compat
+from sparsekit.errors import UsageError
 from sparsekit.prune.calibration import conv_pads, im2col
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
@@ -82,13 +86,21 @@ class _QuantWeight(nn.Module):
             self.register_parameter("bias", None)
         else:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        if scheme.static:
+            self.register_buffer("input_scale", torch.ones(1, **kw))
 
     @classmethod
-    def from_float(cls, layer: nn.Module, scheme: str | Scheme) -> Any:
+    def from_float(cls, layer: nn.Module, scheme: str | Scheme,
+                   input_scale: torch.Tensor | None = None) -> Any:
         """Quantize the float ``layer``'s current weight (per output channel) into a new module
-        of this class."""
+        of this class; a static scheme takes its activation scale ``input_scale`` (one value)."""
         q = cls(layer, scheme)
         q._fill(layer.weight)
+        if get_scheme(scheme).static:
+            if input_scale is None:
+                raise UsageError(f"scheme {q.scheme!r} has a static activation scale: pass "
+                                 "input_scale (quantize_ calibrates it)")
+            q.input_scale.copy_(input_scale.detach().float().reshape(1))
         return q
 
     @torch.no_grad()
@@ -106,7 +118,8 @@ class _QuantWeight(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
         # Module.to(dtype)/.half() convert every floating tensor, and float8 counts as floating:
         # the 8-bit weight and float32 scales must only follow device moves.
-        kept = {name: self._buffers[name] for name in ("weight", "weight_scale")}
+        kept = {name: self._buffers[name] for name in ("weight", "weight_scale", "input_scale")
+                if name in self._buffers}
         super()._apply(fn, recurse)
         device = fn(torch.zeros(0, device=kept["weight"].device)).device
         for name, t in kept.items():
@@ -115,6 +128,14 @@ class _QuantWeight(nn.Module):
 
     def _activation_format(self) -> Format | None:
         return get_scheme(self.scheme).activation
+
+    def _input_scale(self, x: torch.Tensor, dynamic: Callable[[torch.Tensor, Format], torch.Tensor],
+                     fmt: Format) -> torch.Tensor:
+        """The activation scale of ``x``: the static ``input_scale`` shaped to broadcast, or
+        ``dynamic(x, fmt)``."""
+        if "input_scale" in self._buffers:
+            return self.input_scale.reshape((1,) * x.dim())
+        return dynamic(x, fmt)
 
 
 class QuantLinear(_QuantWeight):
@@ -131,7 +152,7 @@ class QuantLinear(_QuantWeight):
         if fmt is None:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         rows = x.reshape(-1, self.in_features)
-        x_scale = row_scales(rows, fmt)
+        x_scale = self._input_scale(rows, row_scales, fmt)
         xq = quantize(rows, x_scale, fmt)
         y = scaled_matmul(xq, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -180,13 +201,13 @@ class QuantConv(_QuantWeight):
 
     def _w8a8(self, x: torch.Tensor, fmt: Format) -> torch.Tensor:
         """im2col + one 8-bit matmul; ``x`` is the padded batched input."""
-        x_scale = sample_scales(x, fmt)
+        x_scale = self._input_scale(x, sample_scales, fmt)
         q = quantize(x, x_scale, fmt).float()  # exact: every int8/e4m3 value is a float32
         cols = im2col(q, self.kernel_size, self.stride, self.dilation)[0]  # (B * L, C*prod(k))
         batch = x.shape[0]
         positions = cols.shape[0] // batch
         cols = cols.to(fmt.dtype)
-        rows_scale = x_scale.reshape(batch, 1).expand(batch, positions).reshape(-1, 1)
+        rows_scale = x_scale.reshape(-1, 1).expand(batch, positions).reshape(-1, 1)
         w = self.weight.reshape(self.out_channels, -1)
         y = scaled_matmul(cols, rows_scale, w, self.weight_scale, self.bias, x.dtype)
         out_sizes = [
@@ -205,8 +226,10 @@ class QuantConv(_QuantWeight):
         )
 
 
-def quantized_module(module: nn.Module, scheme: str | Scheme, fill: bool = True) -> nn.Module:
-    """The quantized counterpart of a Linear or ConvNd: weights quantized from ``module`` when
-    ``fill``, else zero-initialized storage of the right shapes and dtypes (to load into)."""
+def quantized_module(module: nn.Module, scheme: str | Scheme, fill: bool = True,
+                     input_scale: torch.Tensor | None = None) -> nn.Module:
+    """The quantized counterpart of a Linear or ConvNd: weights quantized from ``module`` (and
+    a static scheme's ``input_scale``) when ``fill``, else zero-initialized storage of the right
+    shapes and dtypes (to load into)."""
     cls = QuantLinear if isinstance(module, nn.Linear) else QuantConv
-    return cls.from_float(module, scheme) if fill else cls(module, scheme)
+    return cls.from_float(module, scheme, input_scale) if fill else cls(module, scheme)

@@ -64,20 +64,37 @@ def dequantize(
     return (q.float() * scale).to(dtype)
 
 
+def tensor_scale(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """One scale for all of ``x``: shape (1,), ``max |x| / qmax`` (what a static activation
+    scale is calibrated from)."""
+    return absmax_scale(x.detach().abs().amax().reshape(1), fmt)
+
+
 class _FakeQuantize(torch.autograd.Function):
-    """Forward: the dequantized value exactly; backward: the gradient unchanged (straight-through
-    estimator). Absmax scales never clip, so no gradient needs to be cut at the range ends."""
+    """Forward: the dequantized value exactly; backward: the straight-through estimator. Absmax
+    scales never clip; a fixed (static) scale may, and there the gradient is zero (the output
+    does not move with a saturated input)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, fmt: Format,
+                clips: bool) -> torch.Tensor:
+        if clips:
+            ctx.save_for_backward((x.detach().float() / scale).abs() <= fmt.qmax)
+        ctx.clips = clips
         return dequantize(quantize(x, scale, fmt), scale, x.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.clips:
+            (inside,) = ctx.saved_tensors
+            grad = grad * inside
+        return grad, None, None, None
 
 
-def fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format,
+                  clips: bool = False) -> torch.Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype with a straight-through gradient to ``x``.
-    ``scale`` is treated as a constant (computed from detached values)."""
-    return _FakeQuantize.apply(x, scale.detach(), fmt)
+    ``scale`` is treated as a constant (computed from detached values). ``clips``: the scale
+    may be below ``max |x| / qmax`` (a static scale), so the gradient of saturated entries is
+    cut to zero."""
+    return _FakeQuantize.apply(x, scale.detach(), fmt, clips)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
+from sparsekit.prune import shards
 from sparsekit.prune.calibration import CalibrationFn, run_calibration
 from sparsekit.checks import positional_until
 from sparsekit.quant.formats import Scheme, get_scheme
@@ -20,6 +21,7 @@ from sparsekit.quant.layers import (
     set_module,
 )
 from sparsekit.quant.modules import quantized_module
+from sparsekit.quant.numerics import absmax_scale
 from sparsekit.quant.report import QuantReport
 
 
@@ -40,9 +42,12 @@ def quantize_(
     :mod:`sparsekit.quant.modules` for the scales. Weights are quantized from their current
     values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
     cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
-    Activation scales are dynamic, so no calibration is needed; ``calibration`` batches (fed as
-    in :func:`sparsekit.prune.calibration.call_model`) only measure each layer's output error, which
-    the report lists. Raises ValueError for an unknown scheme, a layer that is already
+    Dynamic schemes need no calibration: ``calibration`` batches (fed as in
+    :func:`sparsekit.prune.calibration.call_model`) then only measure each layer's output error,
+    which the report lists. Static schemes (``int8_static``, ``fp8_static``) require them: each
+    layer's ``input_scale`` is the largest input magnitude seen on them (over all ranks under
+    torchrun) divided by the format's ``qmax``; a selected layer the batches never call is
+    skipped with that reason. Raises ValueError for an unknown scheme, a layer that is already
     quantized or prepared for QAT, or one under a live pruning mask (finalize the pruner).
 
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -61,7 +66,25 @@ def quantize_(
                 "prepare_qat_ to fine-tune under the pruner"
             )
     report, chosen_ok = plan_layers(model, chosen, scheme, "quantized", "quantize_", strict)
-    todo = {name: quantized_module(m, scheme) for name, m in chosen_ok.items()}
+    scales: dict[str, torch.Tensor | None] = dict.fromkeys(chosen_ok)
+    if scheme.static:
+        if calibration is None:
+            raise UsageError(
+                f"quantize_: scheme {scheme.name!r} fixes one activation scale per layer from "
+                "calibration data: pass calibration=<iterable of batches> (or use the dynamic "
+                f"scheme {scheme.name.removesuffix('_static')!r})"
+            )
+        amax = input_absmax(model, chosen_ok, calibration, calibration_fn)
+        for layer in report.layers:
+            if layer.name in chosen_ok and layer.name not in amax:
+                layer.status, layer.reason = "skipped", "not called by the calibration batches"
+                del chosen_ok[layer.name]
+        if strict and report.skipped:
+            raise UsageError(f"quantize_({scheme.name!r}, strict=True) cannot take: "
+                             f"{report.skipped}")
+        scales = {n: absmax_scale(amax[n], scheme.activation) for n in chosen_ok}
+    todo = {name: quantized_module(m, scheme, input_scale=scales[name])
+            for name, m in chosen_ok.items()}
     if calibration is not None:
         errors = _layer_errors(model, chosen, todo, calibration, calibration_fn)
         for layer in report.layers:
@@ -69,6 +92,41 @@ def quantize_(
     for name, q in todo.items():
         set_module(model, name, q)
     return report
+
+
+@torch.no_grad()
+def input_absmax(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    calibration: Iterable[Any],
+    calibration_fn: CalibrationFn | None,
+) -> dict[str, torch.Tensor]:
+    """The largest input magnitude of each of ``layers`` (name -> module of ``model``) over the
+    calibration batches, shape (1,) float32, the maximum over ranks in a process group; layers
+    the batches never call are left out."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple) -> None:
+            a = args[0].detach().abs().amax().float().reshape(1)
+            seen[name] = a if name not in seen else torch.maximum(seen[name], a)
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
+    try:
+        run_calibration(model, calibration, calibration_fn)
+    finally:
+        for h in handles:
+            h.remove()
+    c = shards.comm()
+    if c is not None:  # every rank must hold the same scales: the max over all their data
+        names = list(layers)
+        local = torch.stack([seen.get(n, torch.full((1,), -1.0)).cpu() for n in names])
+        merged = c.all_reduce_max(local)
+        seen = {n: merged[i].to(layers[n].weight.device) for i, n in enumerate(names)
+                if merged[i].item() >= 0}
+    return seen
 
 
 @torch.no_grad()

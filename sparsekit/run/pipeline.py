@@ -369,7 +369,9 @@ def stage_qat_prep(ctx: RunContext) -> None:
     """``quant.qat``: fake-quantized layers to fine-tune (converted in the quantize stage)."""
     q = ctx.cfg.quant
     if q.scheme != "none" and q.qat:
-        sk.prepare_qat_(ctx.model, q.scheme, include=list(q.include), exclude=list(q.exclude))
+        # a static scheme's activation ranges start from the calibration batches
+        sk.prepare_qat_(ctx.model, q.scheme, include=list(q.include), exclude=list(q.exclude),
+                        calibration=ctx.calibration)
 
 
 def stage_shard(ctx: RunContext) -> None:

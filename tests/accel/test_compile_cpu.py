@@ -137,6 +137,31 @@ def test_output_types_preserved_and_recompiles_bounded():
     assert fast.report.compiles == 2
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "fp8_static"])
+def test_static_scales_leave_no_row_reduction_in_the_graph(scheme):
+    """A model quantized with a static scheme accelerates with zero graph breaks and quantizes
+    every layer input elementwise: the traced graph has no absmax reduction, where the dynamic
+    scheme has one per quantized input. Output: the quantized model's own."""
+    torch.manual_seed(0)
+    model, x = _llama()
+    model.eval()
+    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
+    sk.quantize_(model, scheme, exclude=["lm_head"], calibration=[x])
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        ref = model(**x).logits
+    fast = sk.accelerate(model, x, precision="fp8", device="cpu", backend="eager")
+    assert {d.variant for d in fast.report.layers} == {"fp8_2:4", "bf16_dense"}  # lm_head
+    exp = torch._dynamo.explain(fast.model)(**x)
+    assert exp.graph_break_count == 0, exp.break_reasons
+    amax = [n for g in exp.graphs for n in g.graph.nodes
+            if n.op in ("call_function", "call_method") and "amax" in str(n.target)]
+    assert (len(amax) == 0) == (scheme == "fp8_static"), [str(n.target) for n in amax]
+    with torch.no_grad():
+        out = fast(**x).logits
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.05)
+
+
 def test_cpu_accelerate_builds_from_quantized_model():
     """A model quantized with sk.quantize_ runs its QuantLinear weights and activation
     numerics unchanged: int8 accel output equals quant/'s own forward exactly."""

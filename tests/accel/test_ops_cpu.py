@@ -7,7 +7,7 @@ from torch import nn
 
 from sparsekit.accel import kernels, ops
 from sparsekit.quant import QuantLinear, quantize_
-from sparsekit.quant.formats import FP8, INT8
+from sparsekit.quant.formats import FP8, INT8, get_scheme
 from sparsekit.quant.numerics import quantize, row_scales
 
 # torch's schema check compares outputs with allclose, which has no CPU float8 kernel
@@ -86,17 +86,21 @@ def test_quant_op_numerics_are_quants(dtype):
         assert torch.equal(q_op[5, :4], t.round().to(torch.int8))
 
 
-@pytest.mark.parametrize("scheme,variant", [("int8", "int8_2:4"), ("int8", "int8_dense"),
-                                            ("fp8", "fp8_2:4"), ("fp8", "fp8_dense")])
+@pytest.mark.parametrize("scheme,variant", [
+    ("int8", "int8_2:4"), ("int8", "int8_dense"), ("fp8", "fp8_2:4"), ("fp8", "fp8_dense"),
+    ("int8_static", "int8_2:4"), ("int8_static", "int8_dense"), ("fp8_static", "fp8_2:4"),
+    ("fp8_static", "fp8_dense")])
 def test_accel_layer_built_from_quantlinear_matches_it(scheme, variant):
-    """accel takes a QuantLinear's 8-bit weights and scales as they are and quantizes the
-    activation the same way: the same int values in, the same output out."""
+    """accel takes a QuantLinear's 8-bit weights and scales (and a static scheme's one input
+    scale) as they are and quantizes the activation the same way: the same int values in,
+    the same output out."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
     with torch.no_grad():
         lin.weight.copy_(_w24(32, 64))
     model = nn.Sequential(lin)
-    quantize_(model, scheme)
+    # calibrated on smaller inputs than the test's, so some inputs saturate in the static case
+    quantize_(model, scheme, calibration=[torch.randn(4, 64) * 0.5])
     model.to(torch.bfloat16)  # as accelerate does: the bias becomes bf16, 8-bit weights stay
     ql = model[0]
     assert isinstance(ql, QuantLinear)
@@ -104,13 +108,25 @@ def test_accel_layer_built_from_quantlinear_matches_it(scheme, variant):
     stored = layer.packed if layer.sparse else layer.weight
     assert torch.equal(stored.view(torch.uint8), ql.weight.view(torch.uint8))
     assert torch.equal(layer.w_scale, ql.weight_scale)
+    static = scheme.endswith("_static")
+    assert (layer.act_scale is not None) == static
+    if static:
+        assert torch.equal(layer.act_scale, ql.input_scale)
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    q_accel, _ = layer._quant(x.reshape(-1, 64))
+    fmt = get_scheme(scheme).activation
+    rows = x.reshape(-1, 64)
+    q_quant = quantize(rows, ql.input_scale if static else row_scales(rows, fmt), fmt)
+    assert torch.equal(q_accel.view(torch.uint8), q_quant.view(torch.uint8))  # same int values
     y = layer(x)
     ref = ql(x)  # quant/'s W8A8 forward in the input's dtype
     assert y.shape == ref.shape == (3, 5, 32) and y.dtype == torch.bfloat16
     # int8: exact integer products, same scales, same epilogue -> equal; fp8: fp32 sums only
-    tol = {"rtol": 0, "atol": 0} if scheme == "int8" else {"rtol": 1e-2, "atol": 1e-2}
+    exact = scheme.startswith("int8")
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(y.float(), ref.float(), **tol)
+    if static:
+        return  # saturated on purpose: not close to the float product
     # and the dense float reference is close (W8A8 error only)
     dense = x.float() @ _w24(32, 64).t() + lin.bias.detach().float()
     assert (y.float() - dense).norm() / dense.norm() < (0.02 if scheme == "int8" else 0.08)

@@ -23,14 +23,16 @@ needs_ct = pytest.mark.skipif(
     reason="compressed-tensors is not installed (pip install 'sparsekit[compressed]')")
 
 FORMATS = {"fp8": "float-quantized", "int8": "int-quantized",
-           "int8_weight_only": "pack-quantized"}
+           "int8_weight_only": "pack-quantized", "fp8_static": "float-quantized"}
 
 
 def pruned_quantized(path, scheme):
     model = hf.load_pretrained(path)
     sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
-    if scheme is not None:
-        sk.quantize_(model, scheme, exclude=["lm_head"])
+    if scheme is not None:  # a static scheme calibrates its activation scales
+        g = torch.Generator().manual_seed(1)
+        cal = [{"input_ids": torch.randint(0, 300, (2, 32), generator=g)} for _ in range(2)]
+        sk.quantize_(model, scheme, exclude=["lm_head"], calibration=cal)
     return model.eval()
 
 
@@ -67,6 +69,10 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
     (group,) = qc.config_groups.values()
     assert group.weights.strategy == "channel" and group.weights.num_bits == 8
     assert (group.input_activations is None) == (scheme == "int8_weight_only")
+    if group.input_activations is not None:
+        static = scheme.endswith("_static")
+        assert group.input_activations.dynamic is not static
+        assert group.input_activations.strategy == ("tensor" if static else "token")
     compressor = BaseCompressor.get_value_from_registry(qc.format)
     stored = load_file(out / "model.safetensors")
     plain = model.state_dict()
@@ -79,6 +85,8 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
             assert torch.equal(local["weight"].view(torch.uint8), layer.weight.view(torch.uint8))
         else:  # four int8 values per int32
             assert local["weight_packed"].dtype == torch.int32 and "weight" not in local
+        if scheme.endswith("_static"):  # the calibrated scale, under compressed-tensors' name
+            assert torch.equal(local["input_scale"], layer.input_scale)
         got = compressor.decompress(local, group)["weight"]
         assert got.dtype == torch.float32 and torch.equal(got, want), name
         assert torch.equal(got == 0, layer.weight.float() == 0)  # the 2:4 zeros kept
@@ -98,7 +106,9 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
                                layer.dequantized_weight(torch.float32)), name
         if scheme == "int8_weight_only":  # float activations: the same ops, exactly
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        elif scheme == "fp8":  # same absmax/448 per-token activations; matmul order differs
+        elif scheme in ("fp8", "fp8_static"):
+            # the same activation scales (absmax/448 per token, or the one static scale, values
+            # beyond it saturating at 448); the matmul order differs
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:
             # compressed-tensors' reference int8 activations use absmax/127.5 per token (range
