@@ -96,7 +96,8 @@ def test_help_lists_groups_options_and_recipes(tmp_path, capsys):
     assert set(groups) == {"model", "data", "prune", "schedule", "quant", "train", "tracker",
                            "bench", "accel", "recipe"}
     assert {"nm24", "none", "unstructured"} <= set(groups["prune"].split(", "))
-    assert {"fp8", "int8", "int8_weight_only", "none"} <= set(groups["quant"].split(", "))
+    assert {"fp8", "int8", "int8_weight_only", "none", "fp8_static", "int8_static"} <= set(
+        groups["quant"].split(", "))
     assert groups["schedule"] == "cubic, linear, oneshot"
     assert set(recipe_names()) == set(groups["recipe"].split(", "))
 
@@ -132,6 +133,19 @@ def test_recipe_smoke(recipe, tmp_path, capsys):
         assert statuses and set(statuses.values()) == {"quantized"}
     else:
         assert summary["quant"] is None
+    if recipe == "mnist1d_24_fp8_qat":  # as a static-scale recipe: the scales saved and used
+        code, out, err = run_cli([f"recipe={recipe}", "quant=fp8_static",
+                                  f"cache_dir={tmp_path / 'cache'}", *tiny], tmp_path, capsys)
+        assert code == 0, err
+        static_dir = max((tmp_path / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+        static = json.loads((static_dir / "summary.json").read_text())
+        assert static["quant"]["scheme"] == "fp8_static"
+        model = sk.load(static_dir / "model.safetensors")
+        scales = [m.input_scale for m in model.modules() if hasattr(m, "input_scale")]
+        assert len(scales) == len(static["quant"]["layers"]) and all(s > 0 for s in scales)
+        data = build_data("mnist1d", kwargs={"num_samples": 300}, cache_dir=tmp_path / "cache")
+        accuracy = evaluate(model, data.eval, "classification", quiet=True)["accuracy"]
+        assert accuracy == static["compressed"]["accuracy"]
     if recipe == "mnist1d_cnn_24":
         # the saved model rebuilds from its recorded factory and scores what the run reported
         model = sk.load(run_dir / "model.safetensors")

@@ -359,8 +359,15 @@ def test_resume_never_takes_a_run_whose_process_is_alive(tmp_path, capsys):
     write_run_state(tmp_path, "running")
     me = read_run_state(tmp_path)
     if "started" in me:  # Linux
-        me["pid"] = os.getppid()  # alive, but not started when this run started
-        assert still_running(me) is None
+        # alive, but started well after this process (the parent is no good: a wrapper such as
+        # `timeout` execs its child within the same clock tick)
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            me["pid"] = other.pid
+            assert still_running(me) is None
+        finally:
+            other.kill()
+            other.wait()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         newer = plant_run(tmp_path, ["prune.sparsity=0.7"], name="2026-01-02_00-00-00")

@@ -54,6 +54,9 @@ TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("bert", "sk_bf16_2:4"): 1.2, ("bert", "sk_fp8_2:4"): 1.6,
     ("vit", "sk_bf16_2:4"): 1.15, ("vit", "sk_fp8_2:4"): 1.4,
 }
+# fp8 2:4 with static activation scales is fp8 2:4 too: the same targets
+TARGETS.update({(m, "sk_fp8s_2:4"): t for (m, v), t in list(TARGETS.items()) if v == "sk_fp8_2:4"})
+FP8_24 = ("sk_fp8_2:4", "sk_fp8s_2:4")  # compared with torchao's fp8 dense
 DENSE = ("dense_eager", "dense_compiled", "dense_compiled_ro")
 MK = {"triton.multi_kernel": 1}  # inductor may use persistent reductions up to 16k wide
 CDT = {"coordinate_descent_tuning": True}
@@ -66,7 +69,8 @@ RECHECK = "dense_recheck"  # the fastest dense way timed again after every other
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
             "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk")
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
-SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_int8_auto", "torchao_fp8_dense", "stock_2:4"]
+SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_int8_auto", "torchao_fp8_dense",
+                  "stock_2:4"]
 
 
 # ---------------------------------------------------------------- models
@@ -240,6 +244,24 @@ def profile_shares(fn, device: torch.device) -> dict | None:
 
 # ---------------------------------------------------------------- variants
 
+def static_quantize_(model: nn.Module, scheme: str, inputs, skip: tuple[str, ...]) -> None:
+    """``sk.quantize_`` with a static scheme, calibrated on ``inputs`` (bf16 model), every
+    Linear but ``skip``; MultiheadAttention split into Linear layers first (as accelerate
+    would), so that its projections are quantized too."""
+    from sparsekit.accel.convert import SplitMultiheadAttention, mha_skip_reason
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.MultiheadAttention) and mha_skip_reason(m) is None:
+            model.set_submodule(name, SplitMultiheadAttention(m))
+    dtype = next(model.parameters()).dtype
+    cal = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
+           for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(dtype)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+    report = sk.quantize_(model, scheme, include=linears, calibration=[cal])
+    if not report.quantized:
+        raise RuntimeError(f"{scheme}: no layer was quantized")
+
+
 def stock_semi_structured(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
     from torch.sparse import to_sparse_semi_structured
 
@@ -280,6 +302,12 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
                 "backend": backend}))
     out.append(torchao)
     out.append(("sk_fp8_auto_again", dict(out[[n for n, _ in out].index("sk_fp8_auto")][1])))
+    # static per-tensor activation scales (quantize_ fp8_static on the example inputs first):
+    # activation quantization elementwise, fused into its producer with no row reduction
+    for sparsity in ("2:4", "auto"):
+        out.append((f"sk_fp8s_{sparsity}", {"kind": "sk", "precision": "fp8",
+                                             "sparsity": sparsity, "backend": backend,
+                                             "static": "fp8_static"}))
     out.append(("sk_fp8_2:4_unfused_quant", {"kind": "sk", "precision": "fp8",
                                              "sparsity": "2:4", "backend": backend,
                                              "fused_quant": False}))
@@ -323,6 +351,8 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
     report = None
     plan_s = 0.0
     if kind == "sk":
+        if how.get("static"):
+            static_quantize_(model, how["static"], inputs, skip)
         fast = sk.accelerate(model, inputs, precision=how["precision"],
                              sparsity=how["sparsity"], device=device, backend=how["backend"],
                              mode=how.get("mode"), inductor=how.get("inductor"),
@@ -457,9 +487,10 @@ def summarize(entry: dict, name: str) -> None:
         t = TARGETS.get((name.removesuffix("_decode"), k)) if name != "llama_decode" else None
         if t is not None and "ratio" in row:
             row["target"], row["met"] = t, row["ratio"] >= t
-    ao, fp8 = v.get("torchao_fp8_dense", {}), v.get("sk_fp8_2:4", {})
-    if "ms" in ao and "ms" in fp8:
-        entry["sk_fp8_2:4_over_torchao_fp8"] = ao["ms"] / fp8["ms"]
+    ao = v.get("torchao_fp8_dense", {})
+    for k in FP8_24:
+        if "ms" in ao and "ms" in v.get(k, {}):
+            entry[f"{k}_over_torchao_fp8"] = ao["ms"] / v[k]["ms"]
     autos = [row["ratio"] for k, row in v.items() if k.startswith("sk_") and
              k.endswith("auto") and "ratio" in row]
     if autos:
@@ -490,7 +521,7 @@ def to_markdown(res: dict) -> str:
             lines.append(f"| {k} | {r['ms']:.3f} | {r.get('ratio', 0):.2f}x | {tgt} | "
                          f"{r['rel_err']:.4f} | {r['compile_s']:.1f} | {r['plan_s']:.1f} | "
                          f"{r['compiles']} | {note} |")
-        for k in ("sk_fp8_2:4_over_torchao_fp8", "auto_min_ratio"):
+        for k in (*(f"{k}_over_torchao_fp8" for k in FP8_24), "auto_min_ratio"):
             if k in e:
                 lines.append(f"\n{k}: {e[k]:.2f}x")
         profs = {k: r["profile"] for k, r in e["variants"].items() if r.get("profile")}

@@ -74,6 +74,24 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), child, module)
 
 
+def _read_by_parent(model: nn.Module) -> dict[str, str]:
+    """Linear layers whose parent reads their float weight itself instead of calling them (a
+    quantized layer there would hand it 8-bit values): name -> why."""
+    found = {}
+    for n, m in model.named_modules():
+        prefix = f"{n}." if n else ""
+        if isinstance(m, nn.MultiheadAttention):
+            found[f"{prefix}out_proj"] = (
+                "out_proj of an nn.MultiheadAttention, which reads its float weight directly "
+                "(sk.accelerate splits the attention into Linear layers and quantizes those)")
+        elif isinstance(m, nn.TransformerEncoderLayer):
+            for child in ("linear1", "linear2"):
+                found[f"{prefix}{child}"] = (
+                    "Linear of an nn.TransformerEncoderLayer, whose inference fast path reads "
+                    "its float weight directly")
+    return found
+
+
 def plan_layers(
     model: nn.Module,
     chosen: dict[str, nn.Module],
@@ -87,10 +105,13 @@ def plan_layers(
     naming the layers it cannot take instead of skipping them."""
     report = QuantReport(scheme.name)
     todo: dict[str, nn.Module] = {}
+    read_by_parent = _read_by_parent(model)
     for name, m in all_layers(model).items():
         layer = QuantLayer(name, kind(m), status)
         if name not in chosen:
             layer.status, layer.reason = "excluded", "not selected by include/exclude"
+        elif name in read_by_parent:
+            layer.status, layer.reason = "skipped", read_by_parent[name]
         elif (reason := unsupported_reason(m, scheme)) is not None:
             layer.status, layer.reason = "skipped", reason
         else:

@@ -112,3 +112,38 @@ def test_calibration_measures_each_layers_output_error():
     expected = ((model(x) - lin(x)).norm() / lin(x).norm()).item()
     assert report.layers[0].rel_error == pytest.approx(expected, rel=1e-4)
     assert 0 < report.layers[0].rel_error < 0.05 and not math.isnan(expected)
+
+
+class _Block(nn.Module):
+    """An encoder block as torchvision's ViT writes it: MultiheadAttention, then an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x):
+        return x + self.mlp(x + self.attn(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8_static"])
+def test_layers_read_by_their_parent_are_skipped_and_the_model_still_runs(scheme):
+    """nn.MultiheadAttention reads out_proj.weight itself (and nn.TransformerEncoderLayer's
+    eval fast path its linear1/linear2): quantizing them in place would hand float8/int8
+    tensors to those kernels. They are skipped with the reason, and the models run."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 32)
+    block = _Block().eval()
+    report = sk.quantize_(block, scheme, calibration=[x])
+    status = {ly.name: (ly.status, ly.reason) for ly in report.layers}
+    assert status["attn.out_proj"][0] == "skipped"
+    assert "MultiheadAttention" in status["attn.out_proj"][1]
+    assert report.quantized == ["mlp.0", "mlp.2"]
+    with torch.no_grad():
+        assert torch.isfinite(block(x)).all()
+    assert sk.prepare_qat_(_Block(), scheme, calibration=[x]).quantized == ["mlp.0", "mlp.2"]
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True).eval()
+    report = sk.quantize_(layer, scheme, calibration=[x])
+    assert report.quantized == [] and len(report.skipped) == 3
+    with torch.no_grad():
+        assert torch.isfinite(layer(x)).all()

@@ -37,6 +37,12 @@ def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
         # BERT the bf16 rest of the model dominates: fp8 adds under 3%, so no strict margin)
         assert v["sk_fp8_2:4"]["layer_variants"].get("fp8_2:4", 0) > 0
         assert 0.9 * floor < v["sk_fp8_2:4"]["rel_err"] < 0.15
+        # static activation scales (calibrated on the same inputs): every Linear but the LM
+        # head quantized (ViT's attention split first), error of the same order as dynamic
+        static = v["sk_fp8s_2:4"]
+        assert static["layer_variants"].get("fp8_2:4", 0) == \
+            v["sk_fp8_2:4"]["layer_variants"]["fp8_2:4"]
+        assert 0.9 * floor < static["rel_err"] < 1.5 * v["sk_fp8_2:4"]["rel_err"]
         assert v["sk_bf16_2:4"]["compiles"] == 1
         assert v["sk_bf16_2:4"]["layer_variants"].get("bf16_2:4", 0) > 0
         assert v["sk_int8_auto"]["plan_s"] > 0
