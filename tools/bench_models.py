@@ -17,7 +17,9 @@ classifier head; ViT's classifier head is removed, its features are the output):
   on flash attention under compile and CUDA graphs; see docs/gpu.md);
 - ``vit``: torchvision ViT-B/16 at batch 256.
 Per model, in one run: dense eager, dense ``torch.compile`` (default and reduce-overhead; the
-ratio's reference is the FASTEST dense), torchao fp8 dense (per-row) compiled, torch's stock
+ratio's reference is the FASTEST dense), torchao fp8 dense (per-row) compiled (and, on the ViT,
+again with its MultiheadAttention split into Linears so that torchao quantizes the same layers
+as sparsekit: the reference for the fp8 error), torch's stock
 ``to_sparse_semi_structured`` compiled, and ``sk.accelerate`` bf16/fp8/int8 x 2:4/auto (fp8 2:4
 also with the activation quantization as an opaque op, the "before fusion" form; fp8 2:4 and
 dense also under ``mode="max-autotune"`` when named in ``--variants``). Each gives
@@ -244,15 +246,24 @@ def profile_shares(fn, device: torch.device) -> dict | None:
 
 # ---------------------------------------------------------------- variants
 
+def split_attention_(model: nn.Module) -> int:
+    """Replace every convertible nn.MultiheadAttention by accelerate's equivalent made of Linear
+    layers (``SplitMultiheadAttention``), in place; how many were replaced."""
+    from sparsekit.accel.convert import SplitMultiheadAttention, mha_skip_reason
+
+    n = 0
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.MultiheadAttention) and mha_skip_reason(m) is None:
+            model.set_submodule(name, SplitMultiheadAttention(m))
+            n += 1
+    return n
+
+
 def static_quantize_(model: nn.Module, scheme: str, inputs, skip: tuple[str, ...]) -> None:
     """``sk.quantize_`` with a static scheme, calibrated on ``inputs`` (bf16 model), every
     Linear but ``skip``; MultiheadAttention split into Linear layers first (as accelerate
     would), so that its projections are quantized too."""
-    from sparsekit.accel.convert import SplitMultiheadAttention, mha_skip_reason
-
-    for name, m in list(model.named_modules()):
-        if isinstance(m, nn.MultiheadAttention) and mha_skip_reason(m) is None:
-            model.set_submodule(name, SplitMultiheadAttention(m))
+    split_attention_(model)
     dtype = next(model.parameters()).dtype
     cal = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
            for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(dtype)
@@ -294,6 +305,10 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
            ("torchao_fp8_dense", {"kind": "torchao", "mode": "reduce-overhead",
                                   "backend": backend})]
     torchao = out.pop()  # after ours: a deadline cuts the peers first
+    # torchao quantizes nn.Linear modules only, so not a MultiheadAttention's in_proj (ours
+    # does, after splitting the attention): for an error on the same layers, torchao again on
+    # the split model (ViT; the other models have no MultiheadAttention and skip this row)
+    torchao_split = ("torchao_fp8_dense_split", {**torchao[1], "split_mha": True})
     # fp8 2:4 then fp8 auto (whose whole-model plans then hit inductor's graph cache), ...
     for precision in ("fp8", "bf16", "int8"):
         for sparsity in ("2:4", "auto"):
@@ -301,6 +316,7 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
                 "kind": "sk", "precision": precision, "sparsity": sparsity,
                 "backend": backend}))
     out.append(torchao)
+    out.append(torchao_split)
     out.append(("sk_fp8_auto_again", dict(out[[n for n, _ in out].index("sk_fp8_auto")][1])))
     # static per-tensor activation scales (quantize_ fp8_static on the example inputs first):
     # activation quantization elementwise, fused into its producer with no row reduction
@@ -361,6 +377,9 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
             report.seconds.get("plan", 0.0), report.compiles, report
     if kind == "torchao":
+        if how.get("split_mha") and not split_attention_(model):
+            raise RuntimeError("skipped: no nn.MultiheadAttention to split (same layers as "
+                               "torchao_fp8_dense)")
         model = torchao_fp8(model, skip)
     elif kind == "stock":
         model = stock_semi_structured(model, skip)
@@ -488,9 +507,13 @@ def summarize(entry: dict, name: str) -> None:
         if t is not None and "ratio" in row:
             row["target"], row["met"] = t, row["ratio"] >= t
     ao = v.get("torchao_fp8_dense", {})
+    # error: against torchao on the same quantized layers (the split row where there is one)
+    ao_err = v.get("torchao_fp8_dense_split", {}).get("rel_err", ao.get("rel_err"))
     for k in FP8_24:
         if "ms" in ao and "ms" in v.get(k, {}):
             entry[f"{k}_over_torchao_fp8"] = ao["ms"] / v[k]["ms"]
+        if ao_err and "rel_err" in v.get(k, {}):
+            entry[f"{k}_err_over_torchao_fp8"] = v[k]["rel_err"] / ao_err
     autos = [row["ratio"] for k, row in v.items() if k.startswith("sk_") and
              k.endswith("auto") and "ratio" in row]
     if autos:
@@ -521,7 +544,8 @@ def to_markdown(res: dict) -> str:
             lines.append(f"| {k} | {r['ms']:.3f} | {r.get('ratio', 0):.2f}x | {tgt} | "
                          f"{r['rel_err']:.4f} | {r['compile_s']:.1f} | {r['plan_s']:.1f} | "
                          f"{r['compiles']} | {note} |")
-        for k in (*(f"{k}_over_torchao_fp8" for k in FP8_24), "auto_min_ratio"):
+        for k in (*(f"{k}_over_torchao_fp8" for k in FP8_24),
+                  *(f"{k}_err_over_torchao_fp8" for k in FP8_24), "auto_min_ratio"):
             if k in e:
                 lines.append(f"\n{k}: {e[k]:.2f}x")
         profs = {k: r["profile"] for k, r in e["variants"].items() if r.get("profile")}
