@@ -288,6 +288,20 @@ def check_static_scales(rank: int, out_dir: str) -> None:
     dist.all_gather(both, torch.tensor([local_max], dtype=torch.float64))
     want = torch.tensor([max(float(t) for t in both)], dtype=torch.float32) / 127
     torch.testing.assert_close(model[0].input_scale, want, rtol=0, atol=0)
+    # QAT: each rank trains on its own batch, and the tracked range moves the same everywhere
+    torch.manual_seed(0)
+    qat = nn.Sequential(nn.Linear(8, 4))
+    sk.prepare_qat_(qat, "fp8_static", calibration=cal)
+    start = qat[0].qat_input_amax.clone()
+    batch = torch.randn(3, 8, generator=g) * (1 + 5 * rank)
+    qat.train()(batch)
+    peak = torch.tensor([float(batch.abs().max())], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    want = start + 0.01 * (peak.float() - start)
+    torch.testing.assert_close(qat[0].qat_input_amax, want)
+    ranges = [torch.zeros(1) for _ in range(WORLD)]
+    dist.all_gather(ranges, qat[0].qat_input_amax.detach().clone())
+    assert torch.equal(ranges[0], ranges[1])
 
 
 def check_all_replicated(rank: int, out_dir: str) -> None:

@@ -35,6 +35,7 @@ from torch.nn.utils import parametrize
 
 from sparsekit.errors import UsageError
 from sparsekit.checks import positional_until
+from sparsekit.prune import shards
 from sparsekit.prune.calibration import CalibrationFn
 from sparsekit.prune.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
@@ -107,11 +108,15 @@ class ActivationFakeQuant:
 @torch.no_grad()
 def static_scale(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The static activation scale of a layer under QAT for input ``x``: in training mode its
-    ``qat_input_amax`` moves towards ``max |x|`` first (or starts there when unset). An unset
-    range in eval mode takes the batch's own absmax (nothing is stored)."""
+    ``qat_input_amax`` moves towards ``max |x|`` first (or starts there when unset), the
+    maximum over all ranks in a process group, so that every rank keeps the same range. An
+    unset range in eval mode takes the batch's own absmax (nothing is stored)."""
     amax = getattr(module, AMAX_BUFFER)
     batch = x.detach().abs().amax().float().reshape(1)
     if module.training:
+        c = shards.comm()
+        if c is not None:  # every rank moves the same range: towards the max over all ranks
+            batch = c.all_reduce_max(batch)
         amax.copy_(torch.where(amax > 0, amax + AMAX_MOMENTUM * (batch - amax), batch))
     fmt = get_scheme(getattr(module, QAT_ATTR)).activation
     return absmax_scale(torch.where(amax > 0, amax, batch), fmt)
