@@ -64,12 +64,6 @@ def dequantize(
     return (q.float() * scale).to(dtype)
 
 
-def tensor_scale(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """One scale for all of ``x``: shape (1,), ``max |x| / qmax`` (what a static activation
-    scale is calibrated from)."""
-    return absmax_scale(x.detach().abs().amax().reshape(1), fmt)
-
-
 class _FakeQuantize(torch.autograd.Function):
     """Forward: the dequantized value exactly; backward: the straight-through estimator. Absmax
     scales never clip; a fixed (static) scale may, and there the gradient is zero (the output
