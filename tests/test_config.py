@@ -120,6 +120,22 @@ def test_validate_names_the_option(change, option):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("scheme,precision,ok", [
+    ("fp8_static", "bf16", False), ("fp8_static", "fp8", True), ("int8", "fp8", False),
+    ("int8", "int8", True), ("int8_weight_only", "bf16", True), ("none", "int8", True)])
+def test_accel_precision_must_keep_the_quant_schemes_numerics(scheme, precision, ok):
+    """A W8A8-quantized model runs accelerated only at its own activation format: caught
+    before the run starts, not at the accel stage after training."""
+    cfg = Config()
+    cfg.quant.scheme, cfg.accel.enabled, cfg.accel.precision = scheme, True, precision
+    if ok:
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError, match=r"accel\.precision=.* set accel\.precision=") as e:
+        validate(cfg)
+    assert "\n" not in str(e.value)
+
+
 def test_parse_nm():
     assert parse_nm("2:4") == (2, 4)
     assert parse_nm("4:8") == (4, 8)

@@ -397,6 +397,13 @@ class Config(_Checked):
                 f"prune.criterion={p.criterion} is one shot: set schedule=oneshot (prune at "
                 "schedule.start, then fine-tune) or prune.fine_tune=false"
             )
+        act = None if self.quant.scheme == "none" else SCHEMES[self.quant.scheme].activation
+        if self.accel.enabled and act is not None and self.accel.precision != act.name:
+            raise ConfigError(
+                f"accel.precision={self.accel.precision} cannot run quant.scheme="
+                f"{self.quant.scheme} layers: set accel.precision={act.name} (the scheme's "
+                "activation numerics)"
+            )
         if sens.enabled and p.pattern == "none":
             raise ConfigError("sensitivity.enabled=true needs a prune.pattern (not none)")
         if sens.target is not None and not (
