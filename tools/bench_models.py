@@ -64,9 +64,11 @@ MK = {"triton.multi_kernel": 1}  # inductor may use persistent reductions up to 
 CDT = {"coordinate_descent_tuning": True}
 OPT_IN = ("sk_fp8_2:4_max_autotune", "dense_compiled_max_autotune",  # minutes of compile each
           "sk_fp8_auto_again")  # a second accelerate: warm plan and inductor caches
-OPT_IN_SUFFIXES = ("_mk", "_mk_cdt")  # variants under extra inductor options: named to run
+FRZ = {"freezing": True}  # weights as constants, folded; CSE over the inference graph
+# variants under extra inductor options or with sibling fusion: run when named
+OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib")
 # dense under the same inductor options as ours: part of the reference when it was run
-DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt")
+DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt", "dense_compiled_ro_frz")
 RECHECK = "dense_recheck"  # the fastest dense way timed again after every other row
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
             "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk")
@@ -334,6 +336,15 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
                                             "mode": "max-autotune"}))
     out.append(("dense_compiled_max_autotune", {"kind": "dense", "mode": "max-autotune",
                                                 "backend": backend}))
+    # sibling fusion (q/k/v, gate/up as one GEMM; accelerate turns freezing on), and freezing
+    # alone (for ours and for dense, in the reference) to tell the two effects apart
+    for name, how in list(out):
+        if name in ("sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_fp8_auto"):
+            out.append((f"{name}_sib", {**how, "siblings": True}))
+    for name in ("sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4"):
+        out.append((f"{name}_frz", {**dict(out)[name], "inductor": FRZ}))
+    out.append(("dense_compiled_ro_frz", {"kind": "dense", "mode": "reduce-overhead",
+                                          "backend": backend, "inductor": FRZ}))
     for suffix, opts in (("_mk", MK), ("_mk_cdt", {**MK, **CDT})):
         out.append((f"dense_compiled_ro{suffix}", {"kind": "dense", "mode": "reduce-overhead",
                                                     "backend": backend, "inductor": opts}))
@@ -372,7 +383,8 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
         fast = sk.accelerate(model, inputs, precision=how["precision"],
                              sparsity=how["sparsity"], device=device, backend=how["backend"],
                              mode=how.get("mode"), inductor=how.get("inductor"),
-                             fused_quant=how.get("fused_quant", True), clone_outputs=False)
+                             fused_quant=how.get("fused_quant", True), clone_outputs=False,
+                             siblings=how.get("siblings", False))
         report = fast.report
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
             report.seconds.get("plan", 0.0), report.compiles, report

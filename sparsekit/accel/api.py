@@ -25,6 +25,7 @@ from torch import nn
 
 from sparsekit import _compat
 from sparsekit.accel import algsearch, planner
+from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.convert import (
     Conv1x1AsLinear,
     SplitMultiheadAttention,
@@ -368,8 +369,8 @@ def _check_options(precision: str, dense_precision: str, sparsity: str, min_spee
     if not min_speedup > 0:
         raise ValueError(f"min_speedup must be > 0, got {min_speedup}")
     if fuse is not None:
-        warnings.warn("sk.accelerate(fuse=...) is deprecated and ignored: sibling q/k/v fusion "
-                      "is not done on the compiled path (docs/gpu.md); drop the argument",
+        warnings.warn("sk.accelerate(fuse=...) is deprecated and ignored: sibling fusion is "
+                      "siblings=True now (docs/gpu.md); drop the argument",
                       DeprecationWarning, stacklevel=3)
     return AccelReport(precision, sparsity, float(min_speedup), "")
 
@@ -475,10 +476,29 @@ def _decide(name: str, layer: nn.Module, m: int, precision: str, sparsity: str,
         chosen[name] = (layer, m, [c for c in cands if c in decision.timings_us], decision)
 
 
+def _fuse_siblings(model: nn.Module, inputs: Any, chosen: dict, plan: _Planner,
+                   report: AccelReport, compiled: dict) -> None:
+    """``accelerate(siblings=True)`` on the installed model: each group of layers fed one tensor
+    becomes one GEMM (:func:`siblings.fuse`); inductor's freezing, which merges the members'
+    identical calls, is turned on when any was fused (unless ``inductor`` sets it)."""
+    if not compiled["compile"] or compiled["backend"] != "inductor":
+        report.notes.append("siblings: not fused without compile by inductor (elsewhere every "
+                            "member would run the whole GEMM)")
+        return
+    groups = siblings_.input_groups(model, inputs, list(chosen))
+    notes = siblings_.fuse(model, inputs, groups, chosen, plan.build)
+    report.notes.extend(notes)
+    if any(n.startswith("siblings fused") for n in notes):
+        compiled["inductor"] = {"freezing": True, **(compiled["inductor"] or {})}
+
+
 def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
-            device: torch.device, inputs: Any, t0: float, options: dict) -> AcceleratedModel:
-    """Record the algorithms the installed layers use, save the plan cache, wrap the model and
-    (when compiling) run it once, timing the compile."""
+            device: torch.device, inputs: Any, t0: float, options: dict,
+            siblings: bool) -> AcceleratedModel:
+    """Fuse siblings when asked, record the algorithms the installed layers use, save the plan
+    cache, wrap the model and (when compiling) run it once, timing the compile."""
+    if siblings:
+        _fuse_siblings(model, inputs, chosen, plan, report, options)
     for name, (_, _, _, decision) in chosen.items():
         mod = model.get_submodule(name)
         if getattr(mod, "uses_alg", False):
@@ -520,6 +540,7 @@ def accelerate(
     clone_outputs: bool = True,
     whole_model: bool | None = None,
     fuse: bool | None = None,
+    siblings: bool = False,
 ) -> AcceleratedModel:
     """Run ``model``'s linear layers on sparse / low-precision kernels, the model compiled
     (docs/gpu.md has the details and the measured speeds).
@@ -529,7 +550,7 @@ def accelerate(
     quantized by ``sk.quantize_``/QAT (fp8 or int8 ``QuantLinear``) runs its own weights, scales
     and activation numerics: ``precision`` must be its scheme. ``example_inputs``: a tensor,
     tuple (``model(*x)``) or dict (``model(**x)``) of the shape you will serve.
-    ``precision``: "bf16" | "fp8" | "int8" (8-bit: W8A8, per-token activation scales).
+    ``precision``: "bf16" | "fp8" | "int8" (W8A8; per-token or a static scheme's own scales).
     ``sparsity``: "2:4", "dense", or "auto": per GEMM shape the fastest of bf16 dense,
     precision dense, bf16 2:4, precision 2:4 (each compiled and timed; kept only if it beats
     bf16 dense by ``min_speedup``; at M <= 64 2:4 must also beat the dense variants), then with
@@ -539,23 +560,22 @@ def accelerate(
     (fnmatch globs or ``re:<regex>`` over qualified names, as everywhere).
     ``device``: "cuda" (default) or "cpu" (the ops' reference kernels: tests, not speed).
     ``compile``: ``torch.compile(mode=mode, dynamic=dynamic, backend=backend)``, ``mode``
-    "reduce-overhead" on CUDA, "default" on CPU; a second input shape recompiles once with
-    dynamic sizes (``report.compiles`` counts graphs; a warning names more than 8).
-    ``inductor``: extra inductor config options (``torch.compile(options=...)`` names, e.g.
-    ``{"triton.multi_kernel": 1}``) merged over ``mode``'s, for the model and the planner.
-    ``fused_quant``: activation quantization as plain torch ops the compiler fuses into its
-    producer (default) or the opaque ``sparsekit::quant_rows`` op. ``fuse``: deprecated, ignored.
-
-    Modifies ``model`` in place (moved to ``device``, bfloat16, eval) and returns the
-    :class:`AcceleratedModel` wrapping it; ``.sparsekit_report`` says what was done."""
+    "reduce-overhead" on CUDA, "default" on CPU; a new input shape recompiles once with dynamic
+    sizes (``report.compiles`` counts graphs; a warning names more than 8). ``inductor``: extra
+    inductor options (e.g. ``{"triton.multi_kernel": 1}``) over ``mode``'s, model and planner.
+    ``fused_quant``: activation quantization as plain torch ops fused into its producer
+    (default) or the opaque ``sparsekit::quant_rows`` op. ``fuse``: deprecated, ignored.
+    ``siblings``: layers fed one tensor (q/k/v, gate/up), one variant: one GEMM (compiled, with
+    inductor ``freezing``; :mod:`sparsekit.accel.siblings`). Modifies ``model`` in place (to
+    ``device``, bfloat16, eval); returns the :class:`AcceleratedModel` wrapping it."""
     report = _check_options(precision, dense_precision, sparsity, min_speedup, fuse)
     _check_inductor(inductor, backend)
     device = _device_of(device)
     report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     t0 = time.perf_counter()
     model = model.eval().to(device, torch.bfloat16)
-    inputs = tree_map(lambda t: t.to(device).to(torch.bfloat16) if t.is_floating_point()
-                      else t.to(device), example_inputs)
+    inputs = tree_map(lambda t: t.to(device, torch.bfloat16 if t.is_floating_point() else None),
+                      example_inputs)
     names, tokens = _layers(model, inputs, include, exclude, precision, report)
     plan = _Planner(device, search_algs, plan_cache, fused_quant, backend, inductor)
     decided: dict[tuple, tuple[str, str, dict]] = {}
@@ -575,7 +595,7 @@ def accelerate(
                            "dense_precision": dense_precision})
     install({n: d.variant for n, (_, _, _, d) in chosen.items()})
     return _finish(model, chosen, plan, report, device, inputs, t0,
-                   {**compiled, "clone_outputs": clone_outputs})
+                   {**compiled, "clone_outputs": clone_outputs}, siblings)
 
 
 def output_types_equal(a: Any, b: Any) -> bool:

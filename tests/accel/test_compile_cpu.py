@@ -162,6 +162,48 @@ def test_static_scales_leave_no_row_reduction_in_the_graph(scheme):
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.05)
 
 
+def _gemm_calls(fast, x) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fast(**x)
+    return sum(e.name == "sparsekit::sparse24_mm" for e in prof.events()), out
+
+
+@pytest.mark.parametrize("build,scheme,groups", [
+    (_llama, None, [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]),
+    (_bert, "fp8_static", [["query", "key", "value"]])], ids=["llama-bf16", "bert-fp8_static"])
+def test_siblings_run_as_one_gemm(build, scheme, groups):
+    """siblings=True: the layers fed one tensor run as one GEMM under compile (inductor, with
+    freezing merging the members' identical calls): fewer sparse GEMM calls per forward, the
+    same output as the unfused accelerated model; without compile nothing is fused."""
+    torch.manual_seed(0)
+    model, x = build()
+    model.eval()
+    head = ["lm_head"] if scheme is None else ["pooler.dense"]
+    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=head)
+    precision = "bf16"
+    if scheme:  # QuantLinear members (biases, a static input scale) concatenate too
+        sk.quantize_(model, scheme, exclude=head, calibration=[x])
+        precision = "fp8"
+    plain = sk.accelerate(copy.deepcopy(model), x, precision=precision, device="cpu")
+    fused = sk.accelerate(copy.deepcopy(model), x, precision=precision, device="cpu",
+                          siblings=True)
+    notes = [n for n in fused.report.notes if n.startswith("siblings fused")]
+    assert len(notes) == len(groups)
+    for group, note in zip(groups, notes):
+        assert all(f".{m}" in note for m in group), note
+        slices = [m for n, m in fused.model.named_modules() if n.endswith(f".{group[0]}")]
+        assert type(slices[0]).__name__ == "SiblingSlice"
+    n_plain, a = _gemm_calls(plain, x)
+    n_fused, b = _gemm_calls(fused, x)
+    assert n_fused == n_plain - sum(len(g) - 1 for g in groups)
+    ya, yb = (a.logits, b.logits) if hasattr(a, "logits") else (a[0], b[0])
+    torch.testing.assert_close(yb.float(), ya.float(), rtol=0.02, atol=0.02)
+    eager = sk.accelerate(copy.deepcopy(model), x, precision=precision, device="cpu",
+                          compile=False, siblings=True)
+    assert any("not fused without compile by inductor" in n for n in eager.report.notes)
+    assert not any(type(m).__name__ == "SiblingSlice" for m in eager.model.modules())
+
+
 def test_cpu_accelerate_builds_from_quantized_model():
     """A model quantized with sk.quantize_ runs its QuantLinear weights and activation
     numerics unchanged: int8 accel output equals quant/'s own forward exactly."""

@@ -1,0 +1,178 @@
+"""Sibling fusion: linear layers that read the same input tensor (q/k/v, gate/up) as one GEMM
+over their concatenated weights, with no data-dependent Python in the forward.
+
+At accelerate time one eager forward records which selected layers receive the very same tensor
+(:func:`input_groups`). Each group becomes one accelerated layer over the concatenated weights
+(:func:`concat_linears`: rows of the weights, biases, per-channel scales; a 2:4 weight stays
+2:4 along its input), shared by the members, which are replaced by :class:`SiblingSlice`
+modules returning ``group(x)[..., start:end]``. The model's code still calls q, k and v one by
+one, so the traced graph holds the same computation three times, on the same input and the
+same buffers; inductor's ``freezing`` pass (common-subexpression elimination over the frozen
+inference graph) keeps one of them. ``accelerate(siblings=True)`` turns ``freezing`` on for
+that reason, and fuses nothing when it does not compile (eagerly each slice would run the whole
+GEMM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsekit.prune.calibration import feed
+from sparsekit.quant.modules import QuantLinear
+
+
+def input_groups(model: nn.Module, inputs: Any, names: list[str]) -> list[list[str]]:
+    """Groups (2 or more, in call order) of the layers ``names`` that the first eager forward on
+    ``inputs`` calls with one and the same input tensor (same object, unmodified). A wrong
+    group would cost time, not correctness: every member computes its slice of its own input."""
+    seen: dict[str, tuple] = {}
+    handles = []
+    tokens = iter(range(1 << 62))
+    for name in names:
+        def hook(module: nn.Module, args: tuple, name: str = name) -> None:
+            x = args[0] if args else None
+            if name not in seen and isinstance(x, torch.Tensor):
+                # a mark on the tensor object itself: a later tensor may reuse a freed one's
+                # id() and memory, never its attributes
+                if not hasattr(x, "_sparsekit_sibling_token"):
+                    x._sparsekit_sibling_token = next(tokens)
+                seen[name] = (x._sparsekit_sibling_token, x._version)
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            feed(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    by_input: dict[tuple, list[str]] = {}
+    for name, key in seen.items():  # dicts keep insertion (= call) order
+        by_input.setdefault(key, []).append(name)
+    return [group for group in by_input.values() if len(group) > 1]
+
+
+def concat_linears(layers: list[nn.Module]) -> tuple[nn.Module | None, str]:
+    """One layer computing all of ``layers`` (same input size) side by side, or None and why
+    not: float ``nn.Linear`` layers of one dtype (a missing bias becomes zeros when another has
+    one), or ``QuantLinear`` layers of one scheme (static schemes: with the same input scale,
+    as layers fed the same input calibrate)."""
+    first = layers[0]
+    if len({m.in_features for m in layers}) != 1:
+        return None, "input sizes differ"
+    if all(type(m) is nn.Linear for m in layers):
+        if len({m.weight.dtype for m in layers}) != 1:
+            return None, "weight dtypes differ"
+        out = nn.Linear(first.in_features, sum(m.out_features for m in layers),
+                        bias=any(m.bias is not None for m in layers),
+                        device=first.weight.device, dtype=first.weight.dtype)
+        with torch.no_grad():
+            out.weight.copy_(torch.cat([m.weight for m in layers]))
+            if out.bias is not None:
+                out.bias.copy_(_biases(layers))
+        return out, ""
+    if all(isinstance(m, QuantLinear) for m in layers):
+        if len({m.scheme for m in layers}) != 1:
+            return None, "quantization schemes differ"
+        scales = [m._buffers.get("input_scale") for m in layers]
+        if scales[0] is not None and any(not torch.equal(s, scales[0]) for s in scales):
+            return None, "static input scales differ"
+        shell = nn.utils.skip_init(nn.Linear, first.in_features,
+                                   sum(m.out_features for m in layers),
+                                   bias=any(m.bias is not None for m in layers),
+                                   device=first.weight.device, dtype=torch.bfloat16)
+        out = QuantLinear(shell, first.scheme)
+        with torch.no_grad():
+            out.weight = torch.cat([m.weight for m in layers])
+            out.weight_scale = torch.cat([m.weight_scale for m in layers])
+            if out.bias is not None:
+                out.bias = nn.Parameter(_biases(layers), requires_grad=False)
+            if scales[0] is not None:
+                out.input_scale = scales[0].clone()
+        return out, ""
+    return None, "not all float nn.Linear or all QuantLinear"
+
+
+def _biases(layers: list[nn.Module]) -> torch.Tensor:
+    """The members' biases side by side (zeros for a member without one)."""
+    dtype = next(m.bias.dtype for m in layers if m.bias is not None)
+    return torch.cat([m.bias.detach().to(dtype) if m.bias is not None else
+                      torch.zeros(m.out_features, device=m.weight.device, dtype=dtype)
+                      for m in layers])
+
+
+class SiblingSlice(nn.Module):
+    """One member of a sibling group: ``group(x)[..., start:end]`` (a view of the group's
+    output). Under compile with freezing the members' identical ``group(x)`` calls are one."""
+
+    def __init__(self, group: nn.Module, start: int, end: int, in_features: int):
+        super().__init__()
+        self.group = group
+        self.start, self.end = start, end
+        self.in_features, self.out_features = in_features, end - start
+
+    @property
+    def uses_alg(self) -> bool:
+        return bool(getattr(self.group, "uses_alg", False))
+
+    @property
+    def alg_id(self) -> int:
+        return int(getattr(self.group, "alg_id", 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group(x)[..., self.start:self.end]
+
+    def extra_repr(self) -> str:
+        return f"[{self.start}:{self.end}] of a {self.group.out_features}-wide sibling group"
+
+
+def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
+         build: Callable[[str, nn.Module, int], nn.Module]) -> list[str]:
+    """Replace each group of installed layers (``chosen``: name -> (original layer, tokens,
+    candidates, decision)) whose members run one variant by slices of one layer built with
+    ``build(variant, concatenated layer, tokens)`` (bf16 dense float layers become one
+    ``bf16_dense`` layer); a group whose members differ is left as it is. Checked with one
+    eager forward: a model that needs contiguous outputs gets its layers back. Returns notes."""
+    notes, done = [], []
+    for group in groups:
+        members = [n for n in group if n in chosen]
+        variants = {chosen[n][3].variant for n in members}
+        if len(members) < 2 or len(variants) != 1:
+            if len(members) > 1:
+                notes.append(f"siblings {members} not fused: variants {sorted(variants)} differ")
+            continue
+        layers = [chosen[n][0] for n in members]
+        src, why = concat_linears(layers)
+        if src is None:
+            notes.append(f"siblings {members} not fused: {why}")
+            continue
+        variant = variants.pop()
+        mod = build(variant, src, chosen[members[0]][1])
+        start = 0
+        for name, layer in zip(members, layers):
+            done.append((name, model.get_submodule(name), chosen[name][3].reason))
+            model.set_submodule(name, SiblingSlice(mod, start, start + layer.out_features,
+                                                   layer.in_features))
+            start += layer.out_features
+        for name in members:
+            chosen[name][3].reason += (f"; one {variant} GEMM ({start}x{layers[0].in_features})"
+                                       f" with {', '.join(m for m in members if m != name)}")
+        notes.append(f"siblings fused: {', '.join(members)} (one {variant} GEMM, "
+                     f"{start}x{layers[0].in_features})")
+    if done:
+        try:
+            with torch.no_grad():
+                feed(model, inputs)
+        except Exception as e:  # noqa: BLE001 - a model the slices do not suit runs unfused
+            for name, previous, reason in done:
+                model.set_submodule(name, previous)
+                chosen[name][3].reason = reason
+            return [f"siblings not fused: the model failed with slices ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:120]})"]
+    return notes
+
+
+__all__ = ["SiblingSlice", "concat_linears", "fuse", "input_groups"]
