@@ -32,7 +32,8 @@ from sparsekit.data.hf_text import text_data
 from sparsekit.models.hf import hf
 from sparsekit.run.train import batch_indices, eval_batches, get_batch
 
-RECIPES = ("llm_sparsegpt_24", "llm_sparsegpt_24_fp8", "llm_wanda_24_distill")
+RECIPES = ("llm_sparsegpt_24", "llm_sparsegpt_24_fp8", "llm_wanda_24_distill",
+           "llm_sparsegpt_24_fp8_static")
 
 
 @torch.no_grad()
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--out-dir", type=Path, default=Path("small_llama"))
     ap.add_argument("--smoke", action="store_true", help="a tiny model, seconds")
+    ap.add_argument("--recipes", default=",".join(RECIPES),
+                    help="comma list of recipes to run on the trained model")
     a = ap.parse_args()
     if a.smoke:
         a.steps, a.hidden, a.layers, a.intermediate, a.heads = 60, 32, 2, 64, 2
@@ -125,7 +128,7 @@ def main() -> None:
         "held_out_perplexity": held_out, "split_tokens": data.info["split_tokens"],
         "recipes": {},
     }
-    for name in RECIPES:
+    for name in [r for r in a.recipes.split(",") if r]:
         s = run_recipe([
             f"recipe={name}", f"model.path={model_dir}", f"data.path={corpus}",
             f"data.seq_len={a.seq_len}", f"data.eval_batches={a.eval_batches}",
