@@ -345,7 +345,8 @@ class BenchConfig(_Checked):
 
 @dataclass
 class AccelConfig(_Checked):
-    """``precision``: one with dense and 2:4 accel variants registered (accel.kernels)."""
+    """``precision``: one with dense and 2:4 accel variants registered (accel.kernels).
+    ``siblings``: layers fed one tensor (q/k/v, gate/up) as one GEMM (``sk.accelerate``)."""
 
     _key: ClassVar[str] = "accel"
     _open: ClassVar = {"precision": precisions, "sparsity": lambda: SPARSITIES}
@@ -353,6 +354,7 @@ class AccelConfig(_Checked):
     precision: str = "bf16"
     sparsity: str = "2:4"
     min_speedup: float = 1.0
+    siblings: bool = False
 
 
 @dataclass
