@@ -15,6 +15,7 @@ GEMM).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,22 +26,26 @@ from sparsekit.prune.calibration import feed
 from sparsekit.quant.modules import QuantLinear
 
 
+_MARK = "_sparsekit_sibling_input"
+
+
 def input_groups(model: nn.Module, inputs: Any, names: list[str]) -> list[list[str]]:
     """Groups (2 or more, in call order) of the layers ``names`` that the first eager forward on
     ``inputs`` calls with one and the same input tensor (same object, unmodified). A wrong
     group would cost time, not correctness: every member computes its slice of its own input."""
     seen: dict[str, tuple] = {}
     handles = []
-    tokens = iter(range(1 << 62))
+    marked: list[weakref.ref] = []
     for name in names:
         def hook(module: nn.Module, args: tuple, name: str = name) -> None:
             x = args[0] if args else None
             if name not in seen and isinstance(x, torch.Tensor):
                 # a mark on the tensor object itself: a later tensor may reuse a freed one's
                 # id() and memory, never its attributes
-                if not hasattr(x, "_sparsekit_sibling_token"):
-                    x._sparsekit_sibling_token = next(tokens)
-                seen[name] = (x._sparsekit_sibling_token, x._version)
+                if not hasattr(x, _MARK):
+                    setattr(x, _MARK, len(marked))
+                    marked.append(weakref.ref(x))
+                seen[name] = (getattr(x, _MARK), x._version)
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
     try:
@@ -49,6 +54,9 @@ def input_groups(model: nn.Module, inputs: Any, names: list[str]) -> list[list[s
     finally:
         for h in handles:
             h.remove()
+        for ref in marked:  # no mark left on a tensor that outlives the forward (the input)
+            if (t := ref()) is not None:
+                delattr(t, _MARK)
     by_input: dict[tuple, list[str]] = {}
     for name, key in seen.items():  # dicts keep insertion (= call) order
         by_input.setdefault(key, []).append(name)

@@ -524,3 +524,24 @@ def test_a_model_that_cannot_be_shortened_is_planned_whole(monkeypatch):
                for n in r.notes)
     assert r.plans_ms["dense"] == 10.0 and r.plan != "dense"
     torch.testing.assert_close(fast(x).float(), master(x), atol=0.3, rtol=0.1)
+
+
+def test_sibling_groups_are_layers_fed_the_very_same_tensor():
+    """Groups follow the input tensor object, not its shape, address or id(): a tensor made
+    after another is freed (which may reuse both) starts a new group; the caller's input keeps
+    no mark."""
+    from sparsekit.accel.siblings import input_groups
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d, self.e = (nn.Linear(8, 8) for _ in range(5))
+
+        def forward(self, x):
+            y = self.a(x) + self.b(x)       # a, b share x
+            z = torch.relu(self.c(y))       # c alone
+            return self.d(z) + self.e(z + 0)  # d, e: same shape, different tensors
+
+    x = torch.randn(3, 8)
+    assert input_groups(Net(), x, ["a", "b", "c", "d", "e"]) == [["a", "b"]]
+    assert not [k for k in vars(x) if "sparsekit" in k]
