@@ -50,6 +50,7 @@ import sparsekit as sk
 from sparsekit.prune.patterns import nm_mask
 from sparsekit._compat import compile_module, compiled_graph_count
 from sparsekit.accel import planner
+from sparsekit.accel.convert import split_attention_
 
 TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("llama", "sk_bf16_2:4"): 1.3, ("llama", "sk_fp8_2:4"): 1.8,
@@ -248,19 +249,6 @@ def profile_shares(fn, device: torch.device) -> dict | None:
 
 # ---------------------------------------------------------------- variants
 
-def split_attention_(model: nn.Module) -> int:
-    """Replace every convertible nn.MultiheadAttention by accelerate's equivalent made of Linear
-    layers (``SplitMultiheadAttention``), in place; how many were replaced."""
-    from sparsekit.accel.convert import SplitMultiheadAttention, mha_skip_reason
-
-    n = 0
-    for name, m in list(model.named_modules()):
-        if isinstance(m, nn.MultiheadAttention) and mha_skip_reason(m) is None:
-            model.set_submodule(name, SplitMultiheadAttention(m))
-            n += 1
-    return n
-
-
 def static_quantize_(model: nn.Module, scheme: str, inputs, skip: tuple[str, ...]) -> None:
     """``sk.quantize_`` with a static scheme, calibrated on ``inputs`` (bf16 model), every
     Linear but ``skip``; MultiheadAttention split into Linear layers first (as accelerate
@@ -389,9 +377,11 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
             report.seconds.get("plan", 0.0), report.compiles, report
     if kind == "torchao":
-        if how.get("split_mha") and not split_attention_(model):
-            raise RuntimeError("skipped: no nn.MultiheadAttention to split (same layers as "
-                               "torchao_fp8_dense)")
+        if how.get("split_mha"):
+            if not any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
+                raise RuntimeError("skipped: no nn.MultiheadAttention to split (same layers "
+                                   "as torchao_fp8_dense)")
+            split_attention_(model)
         model = torchao_fp8(model, skip)
     elif kind == "stock":
         model = stock_semi_structured(model, skip)

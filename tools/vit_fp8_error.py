@@ -22,7 +22,8 @@ import torchvision
 from torch import nn
 
 import sparsekit as sk
-from bench_models import magnitude_24_, split_attention_
+from bench_models import magnitude_24_
+from sparsekit.accel.convert import split_attention_
 
 
 def main() -> None:

@@ -26,12 +26,7 @@ from torch import nn
 from sparsekit import _compat
 from sparsekit.accel import algsearch, planner
 from sparsekit.accel import siblings as siblings_
-from sparsekit.accel.convert import (
-    Conv1x1AsLinear,
-    SplitMultiheadAttention,
-    conv_skip_reason,
-    mha_skip_reason,
-)
+from sparsekit.accel.convert import Conv1x1AsLinear, conv_skip_reason, split_attention_
 from sparsekit.accel.kernels import SPARSITIES, VARIANTS, check_precision, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checks import positional_until
@@ -139,40 +134,14 @@ def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
 
 def _convert(model: nn.Module, keep: Callable[[str], bool], report: AccelReport) -> None:
     """Replace convertible MultiheadAttention and 1x1 convs (skip reasons into the report)."""
+    report.skipped.update(split_attention_(model, keep))
     for name, module in list(model.named_modules()):
-        if not name or not keep(name):
-            continue
-        new = None
-        if isinstance(module, nn.MultiheadAttention):
-            reason = mha_skip_reason(module)
-            new = None if reason else SplitMultiheadAttention(module)
-        elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if name and keep(name) and isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             reason = conv_skip_reason(module)
-            new = None if reason else Conv1x1AsLinear(module)
-        else:
-            continue
-        if new is None:
-            report.skipped[name] = reason
-        else:
-            model.set_submodule(name, new)
-
-
-def _tokens(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, int]:
-    """One eager forward: the number of input rows each linear ``names`` is first called with."""
-    tokens: dict[str, int] = {}
-    hooks = []
-    for name in names:
-        def hook(m, args, name=name):
-            tokens.setdefault(name, args[0].numel() // m.in_features)
-
-        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            feed(model, inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return tokens
+            if reason:
+                report.skipped[name] = reason
+            else:
+                model.set_submodule(name, Conv1x1AsLinear(module))
 
 
 def _weight_24(layer: nn.Module) -> bool:
@@ -388,10 +357,11 @@ def _check_inductor(inductor: dict | None, backend: str) -> None:
 
 
 def _layers(model: nn.Module, inputs: Any, include: Any, exclude: Any, precision: str,
-            report: AccelReport) -> tuple[list[str], dict[str, int]]:
-    """Convert attention/conv modules, then the selected linear layers' names and the token
-    count each sees on ``inputs`` (layers not called are reported as skipped); a layer quantized
-    with another scheme than ``precision`` is an error."""
+            report: AccelReport) -> tuple[list[str], dict[str, int], list[list[str]]]:
+    """Convert attention/conv modules, then the selected linear layers' names, the token count
+    each sees on ``inputs`` (layers not called are reported as skipped) and the groups fed one
+    tensor (:func:`siblings.first_calls`); a layer quantized with another scheme than
+    ``precision`` is an error."""
     keep = name_filter([n for n, _ in model.named_modules() if n], include, exclude)
     _convert(model, keep, report)
     names = [n for n, m in model.named_modules()
@@ -402,11 +372,11 @@ def _layers(model: nn.Module, inputs: Any, include: Any, exclude: Any, precision
         if own is not None and own != precision:
             raise ValueError(f"layer {n!r} is quantized with {q.scheme!r}: accelerate it with "
                              f"precision={own!r} (its numerics), got {precision!r}")
-    tokens = _tokens(model, inputs, names)
+    tokens, groups = siblings_.first_calls(model, inputs, names)
     for name in names:
         if name not in tokens:
             report.skipped[name] = "not called on the example inputs"
-    return names, tokens
+    return names, tokens, groups
 
 
 def _device_of(device: str | torch.device | None) -> torch.device:
@@ -476,8 +446,8 @@ def _decide(name: str, layer: nn.Module, m: int, precision: str, sparsity: str,
         chosen[name] = (layer, m, [c for c in cands if c in decision.timings_us], decision)
 
 
-def _fuse_siblings(model: nn.Module, inputs: Any, chosen: dict, plan: _Planner,
-                   report: AccelReport, compiled: dict) -> None:
+def _fuse_siblings(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
+                   plan: _Planner, report: AccelReport, compiled: dict) -> None:
     """``accelerate(siblings=True)`` on the installed model: each group of layers fed one tensor
     becomes one GEMM (:func:`siblings.fuse`); inductor's freezing, which merges the members'
     identical calls, is turned on when any was fused (unless ``inductor`` sets it)."""
@@ -485,7 +455,6 @@ def _fuse_siblings(model: nn.Module, inputs: Any, chosen: dict, plan: _Planner,
         report.notes.append("siblings: not fused without compile by inductor (elsewhere every "
                             "member would run the whole GEMM)")
         return
-    groups = siblings_.input_groups(model, inputs, list(chosen))
     notes = siblings_.fuse(model, inputs, groups, chosen, plan.build)
     report.notes.extend(notes)
     if any(n.startswith("siblings fused") for n in notes):
@@ -494,11 +463,12 @@ def _fuse_siblings(model: nn.Module, inputs: Any, chosen: dict, plan: _Planner,
 
 def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
             device: torch.device, inputs: Any, t0: float, options: dict,
-            siblings: bool) -> AcceleratedModel:
-    """Fuse siblings when asked, record the algorithms the installed layers use, save the plan
-    cache, wrap the model and (when compiling) run it once, timing the compile."""
-    if siblings:
-        _fuse_siblings(model, inputs, chosen, plan, report, options)
+            groups: list[list[str]] | None) -> AcceleratedModel:
+    """Fuse the sibling ``groups`` when asked (not None), record the algorithms the installed
+    layers use, save the plan cache, wrap the model and (when compiling) run it once, timing
+    the compile."""
+    if groups is not None:
+        _fuse_siblings(model, inputs, groups, chosen, plan, report, options)
     for name, (_, _, _, decision) in chosen.items():
         mod = model.get_submodule(name)
         if getattr(mod, "uses_alg", False):
@@ -576,7 +546,7 @@ def accelerate(
     model = model.eval().to(device, torch.bfloat16)
     inputs = tree_map(lambda t: t.to(device, torch.bfloat16 if t.is_floating_point() else None),
                       example_inputs)
-    names, tokens = _layers(model, inputs, include, exclude, precision, report)
+    names, tokens, groups = _layers(model, inputs, include, exclude, precision, report)
     plan = _Planner(device, search_algs, plan_cache, fused_quant, backend, inductor)
     decided: dict[tuple, tuple[str, str, dict]] = {}
     chosen: dict[str, tuple[nn.Module, int, list[str], LayerDecision]] = {}
@@ -595,7 +565,7 @@ def accelerate(
                            "dense_precision": dense_precision})
     install({n: d.variant for n, (_, _, _, d) in chosen.items()})
     return _finish(model, chosen, plan, report, device, inputs, t0,
-                   {**compiled, "clone_outputs": clone_outputs}, siblings)
+                   {**compiled, "clone_outputs": clone_outputs}, groups if siblings else None)
 
 
 def output_types_equal(a: Any, b: Any) -> bool:

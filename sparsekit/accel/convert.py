@@ -10,6 +10,8 @@ Each ``*_skip_reason`` returns None when the module can be converted, else why n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,3 +96,18 @@ class Conv1x1AsLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def split_attention_(model: nn.Module,
+                     keep: Callable[[str], bool] = lambda name: True) -> dict[str, str]:
+    """Replace every ``nn.MultiheadAttention`` named by ``keep`` by its
+    :class:`SplitMultiheadAttention`, in place; ``{name: why not}`` for those left as they are."""
+    skipped = {}
+    for name, module in list(model.named_modules()):
+        if name and keep(name) and isinstance(module, nn.MultiheadAttention):
+            reason = mha_skip_reason(module)
+            if reason:
+                skipped[name] = reason
+            else:
+                model.set_submodule(name, SplitMultiheadAttention(module))
+    return skipped

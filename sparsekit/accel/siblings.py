@@ -2,15 +2,15 @@
 over their concatenated weights, with no data-dependent Python in the forward.
 
 At accelerate time one eager forward records which selected layers receive the very same tensor
-(:func:`input_groups`). Each group becomes one accelerated layer over the concatenated weights
-(:func:`concat_linears`: rows of the weights, biases, per-channel scales; a 2:4 weight stays
-2:4 along its input), shared by the members, which are replaced by :class:`SiblingSlice`
-modules returning ``group(x)[..., start:end]``. The model's code still calls q, k and v one by
-one, so the traced graph holds the same computation three times, on the same input and the
-same buffers; inductor's ``freezing`` pass (common-subexpression elimination over the frozen
-inference graph) keeps one of them. ``accelerate(siblings=True)`` turns ``freezing`` on for
-that reason, and fuses nothing when it does not compile (eagerly each slice would run the whole
-GEMM).
+(:func:`first_calls`, the forward that also counts each layer's tokens). Each group becomes one
+accelerated layer over the concatenated weights (:func:`concat_linears`: rows of the weights,
+biases, per-channel scales; a 2:4 weight stays 2:4 along its input), shared by the members,
+which are replaced by :class:`SiblingSlice` modules returning ``group(x)[..., start:end]``.
+The model's code still calls q, k and v one by one, so the traced graph holds the same
+computation three times, on the same input and the same buffers; inductor's ``freezing`` pass
+(common-subexpression elimination over the frozen inference graph) keeps one of them.
+``accelerate(siblings=True)`` turns ``freezing`` on for that reason, and fuses nothing when it
+does not compile (eagerly each slice would run the whole GEMM).
 """
 
 from __future__ import annotations
@@ -29,23 +29,29 @@ from sparsekit.quant.modules import QuantLinear
 _MARK = "_sparsekit_sibling_input"
 
 
-def input_groups(model: nn.Module, inputs: Any, names: list[str]) -> list[list[str]]:
-    """Groups (2 or more, in call order) of the layers ``names`` that the first eager forward on
-    ``inputs`` calls with one and the same input tensor (same object, unmodified). A wrong
-    group would cost time, not correctness: every member computes its slice of its own input."""
+def first_calls(model: nn.Module, inputs: Any,
+                names: list[str]) -> tuple[dict[str, int], list[list[str]]]:
+    """One eager forward on ``inputs``: the number of input rows each layer of ``names`` is
+    first called with (layers never called are left out), and the groups (2 or more, in call
+    order) of those called with one and the same input tensor (same object, unmodified). A
+    wrong group would cost time, not correctness: every member computes its slice of its own
+    input."""
+    tokens: dict[str, int] = {}
     seen: dict[str, tuple] = {}
     handles = []
     marked: list[weakref.ref] = []
     for name in names:
         def hook(module: nn.Module, args: tuple, name: str = name) -> None:
-            x = args[0] if args else None
-            if name not in seen and isinstance(x, torch.Tensor):
-                # a mark on the tensor object itself: a later tensor may reuse a freed one's
-                # id() and memory, never its attributes
-                if not hasattr(x, _MARK):
-                    setattr(x, _MARK, len(marked))
-                    marked.append(weakref.ref(x))
-                seen[name] = (getattr(x, _MARK), x._version)
+            x = args[0]
+            if name in tokens:
+                return
+            tokens[name] = x.numel() // module.in_features
+            # a mark on the tensor object itself: a later tensor may reuse a freed one's id()
+            # and memory, never its attributes
+            if not hasattr(x, _MARK):
+                setattr(x, _MARK, len(marked))
+                marked.append(weakref.ref(x))
+            seen[name] = (getattr(x, _MARK), x._version)
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
     try:
@@ -60,7 +66,7 @@ def input_groups(model: nn.Module, inputs: Any, names: list[str]) -> list[list[s
     by_input: dict[tuple, list[str]] = {}
     for name, key in seen.items():  # dicts keep insertion (= call) order
         by_input.setdefault(key, []).append(name)
-    return [group for group in by_input.values() if len(group) > 1]
+    return tokens, [group for group in by_input.values() if len(group) > 1]
 
 
 def concat_linears(layers: list[nn.Module]) -> tuple[nn.Module | None, str]:
@@ -183,4 +189,4 @@ def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
     return notes
 
 
-__all__ = ["SiblingSlice", "concat_linears", "fuse", "input_groups"]
+__all__ = ["SiblingSlice", "concat_linears", "first_calls", "fuse"]

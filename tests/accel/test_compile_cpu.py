@@ -535,7 +535,7 @@ def test_sibling_groups_are_layers_fed_the_very_same_tensor():
     """Groups follow the input tensor object, not its shape, address or id(): a tensor made
     after another is freed (which may reuse both) starts a new group; the caller's input keeps
     no mark."""
-    from sparsekit.accel.siblings import input_groups
+    from sparsekit.accel.siblings import first_calls
 
     class Net(nn.Module):
         def __init__(self):
@@ -548,5 +548,6 @@ def test_sibling_groups_are_layers_fed_the_very_same_tensor():
             return self.d(z) + self.e(z + 0)  # d, e: same shape, different tensors
 
     x = torch.randn(3, 8)
-    assert input_groups(Net(), x, ["a", "b", "c", "d", "e"]) == [["a", "b"]]
+    tokens, groups = first_calls(Net(), x, ["a", "b", "c", "d", "e"])
+    assert groups == [["a", "b"]] and tokens == dict.fromkeys("abcde", 3)
     assert not [k for k in vars(x) if "sparsekit" in k]
