@@ -72,7 +72,8 @@ OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib")
 DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt", "dense_compiled_ro_frz")
 RECHECK = "dense_recheck"  # the fastest dense way timed again after every other row
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
-            "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk")
+            "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk", "sk_fp8s_2:4",
+            "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib")
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
 SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_int8_auto", "torchao_fp8_dense",
                   "stock_2:4"]
