@@ -8,11 +8,15 @@ Models (random weights built on the device; 2:4 by magnitude on every Linear but
 classifier head; ViT's classifier head is removed, its features are the output):
 - ``llama``: HF ``LlamaForCausalLM`` with Llama-3-8B shapes (``--llama-layers`` of its 32
   decoder layers), prefill 2x2048; ``llama_decode``: one decode step of batch 16 with an HF
-  ``StaticCache`` of 2048 positions (one new token per sequence at position 2047: the GEMMs
-  are decode-sized, attention spans the 2048 cached positions; each variant gets a fresh
-  cache, initialised by one eager bf16 call so its tensors have static addresses for CUDA
-  graphs); ``llama_decode_nocache``: the same step without a KV cache (attention over one
-  token), as measured before;
+  ``StaticCache`` of 2048 positions (one new token per sequence at position 2047 over 2047
+  cached positions: the GEMMs are decode-sized, attention spans the whole cache). HF's
+  ``StaticCache`` writes each call at its own running length (``cumulative_length``, one
+  position further per call), so the model is :class:`DecodeStepLlama`, which sets that
+  length back to 2047 at the start of every forward: every call (the planner's, the timed
+  ones, the reference) is the same step. Each variant gets a fresh cache, initialised by one
+  eager call (static addresses for CUDA graphs), its first 2047 positions the same seeded
+  random keys/values for every variant and for the fp32 reference;
+  ``llama_decode_nocache``: the same step without a KV cache (attention over one token);
 - ``bert``: HF ``BertModel`` BERT-large at 8x512 with an all-ones attention_mask (it keeps SDPA
   on flash attention under compile and CUDA graphs; see docs/gpu.md);
 - ``vit``: torchvision ViT-B/16 at batch 256.
@@ -113,13 +117,15 @@ def build(name: str, smoke: bool, device: torch.device, llama_layers: int):
                 max_position_embeddings=8192, rope_theta=500000.0)
             batch, seq = (2, 2048) if name == "llama" else (16, 1)
         cfg._attn_implementation = "sdpa"
+        ctx = 16 if smoke else 2048
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(cfg)
+            if name == "llama_decode":
+                model = decode_step_llama(cfg, ctx - 1)
+            else:
+                model = transformers.LlamaForCausalLM(cfg)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
         if name == "llama_decode":
-            ctx = 16 if smoke else 2048
             inputs = {"input_ids": ids, "past_key_values": static_cache(cfg, ctx),
-                      "cache_position": torch.tensor([ctx - 1], device=device),
                       "use_cache": True}
             what = f"decode step, static KV cache of {ctx},"
         else:
@@ -162,6 +168,24 @@ def build(name: str, smoke: bool, device: torch.device, llama_layers: int):
     raise ValueError(f"unknown model {name!r}")
 
 
+def decode_step_llama(cfg, pos: int) -> nn.Module:
+    """An HF ``LlamaForCausalLM`` whose every forward is the decode step at cache position
+    ``pos``: it sets each static cache layer's running length back to ``pos`` first (an
+    in-place fill, traced into the compiled graph and its CUDA graph), where HF's cache would
+    move one position on per call."""
+    import transformers
+
+    class DecodeStepLlama(transformers.LlamaForCausalLM):
+        def forward(self, *args, past_key_values=None, **kwargs):
+            for layer in getattr(past_key_values, "layers", ()):
+                length = getattr(layer, "cumulative_length", None)
+                if torch.is_tensor(length):
+                    length.fill_(pos)
+            return super().forward(*args, past_key_values=past_key_values, **kwargs)
+
+    return DecodeStepLlama(cfg)
+
+
 def static_cache(cfg, max_len: int):
     """An empty HF StaticCache (its tensors are made by the first call, in that call's dtype)."""
     from transformers import StaticCache
@@ -171,16 +195,31 @@ def static_cache(cfg, max_len: int):
     return cache
 
 
+def fill_context_(cache, pos: int) -> None:
+    """Positions ``[0, pos)`` of every layer of ``cache`` get seeded N(0, 1) keys and values
+    (the same numbers at any dtype: made in fp32 from one seed per layer, then cast), the rest
+    zeros: one context shared by every variant and the fp32 reference."""
+    for i, layer in enumerate(cache.layers):
+        for j, t in enumerate((layer.keys, layer.values)):
+            g = torch.Generator(device=t.device).manual_seed(1000 + 2 * i + j)
+            shape = (*t.shape[:2], pos, t.shape[3])
+            t.zero_()
+            t[:, :, :pos] = torch.randn(shape, generator=g, device=t.device).to(t.dtype)
+
+
 def fresh_inputs(inputs, model: nn.Module | None = None):
     """``inputs`` with a new static KV cache (when it holds one), initialised by one eager call
-    of ``model`` (bf16) so that its tensors exist, in bf16, with static addresses, before any
-    compiled call; other inputs unchanged."""
+    of ``model`` so that its tensors exist, in the model's dtype, with static addresses, before
+    any compiled call, then given the shared context (:func:`fill_context_`); other inputs
+    unchanged."""
     if not isinstance(inputs, dict) or "past_key_values" not in inputs:
         return inputs
-    out = dict(inputs, past_key_values=static_cache(*inputs["past_key_values"]._sk_args))
+    cfg, max_len = inputs["past_key_values"]._sk_args
+    out = dict(inputs, past_key_values=static_cache(cfg, max_len))
     if model is not None:
         with torch.no_grad():
             call(model, out)
+        fill_context_(out["past_key_values"], max_len - 1)
     return out
 
 
@@ -413,7 +452,7 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
     magnitude_24_(master, skip)
     entry = res["models"].setdefault(name, {"label": label, "variants": {}})
     with torch.no_grad():
-        ref = main_output(call(master, inputs)).float()
+        ref = main_output(call(master, fresh_inputs(inputs, master))).float()
     master.to(torch.bfloat16)
     binputs = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v)
                for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(
