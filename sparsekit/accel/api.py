@@ -519,10 +519,8 @@ def accelerate(
     run as ``dense_precision`` ("bf16"; "fp8" runs e.g. an LM head as fp8 dense). A model
     quantized by ``sk.quantize_``/QAT (fp8 or int8 ``QuantLinear``) runs its own weights, scales
     and activation numerics: ``precision`` must be its scheme. ``example_inputs``: a tensor,
-    tuple (``model(*x)``) or dict (``model(**x)``) of the shape you will serve; the model runs
-    on them several times (counting tokens, planning, compiling), so an input with state, such
-    as an HF ``StaticCache`` (one position further per call), should be one you do not serve
-    from.
+    tuple (``model(*x)``) or dict (``model(**x)``) of the shape you will serve, run several
+    times (an input with state, e.g. an HF ``StaticCache``, advances: not the one you serve).
     ``precision``: "bf16" | "fp8" | "int8" (W8A8; per-token or a static scheme's own scales).
     ``sparsity``: "2:4", "dense", or "auto": per GEMM shape the fastest of bf16 dense,
     precision dense, bf16 2:4, precision 2:4 (each compiled and timed; kept only if it beats

@@ -98,7 +98,7 @@ def test_decode_step_is_the_same_step_every_call(monkeypatch):
         net = copy.deepcopy(master)
         vin = bm.fresh_inputs(inputs, net)
 
-        def fake_time(fn, device, **kw):
+        def fake_time(fn, device, net=net, **kw):
             fn()
             kind = type(net.model.layers[0].mlp.up_proj).__name__
             return 1.0 + len(net.model.layers) * per_call.get(kind, 1.0)
