@@ -71,13 +71,13 @@ OPT_IN = ("sk_fp8_2:4_max_autotune", "dense_compiled_max_autotune",  # minutes o
           "sk_fp8_auto_again")  # a second accelerate: warm plan and inductor caches
 FRZ = {"freezing": True}  # weights as constants, folded; CSE over the inference graph
 # variants under extra inductor options or with sibling fusion: run when named
-OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib")
+OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib", "_head8")
 # dense under the same inductor options as ours: part of the reference when it was run
 DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt", "dense_compiled_ro_frz")
 RECHECK = "dense_recheck"  # the fastest dense way timed again after every other row
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
             "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk", "sk_fp8s_2:4",
-            "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib")
+            "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib", "sk_fp8s_2:4_head8")
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
 SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_int8_auto", "torchao_fp8_dense",
                   "stock_2:4"]
@@ -371,6 +371,9 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
             out.append((f"{name}_sib", {**how, "siblings": True}))
     for name in ("sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4"):
         out.append((f"{name}_frz", {**dict(out)[name], "inductor": FRZ}))
+    # the layers left dense (the LM head) as fp8 dense too: accelerate's dense_precision="fp8"
+    for name in ("sk_fp8_2:4", "sk_fp8s_2:4", "sk_fp8_auto", "sk_fp8s_auto"):
+        out.append((f"{name}_head8", {**dict(out)[name], "dense_precision": "fp8"}))
     out.append(("dense_compiled_ro_frz", {"kind": "dense", "mode": "reduce-overhead",
                                           "backend": backend, "inductor": FRZ}))
     for suffix, opts in (("_mk", MK), ("_mk_cdt", {**MK, **CDT})):
@@ -412,6 +415,7 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
                              sparsity=how["sparsity"], device=device, backend=how["backend"],
                              mode=how.get("mode"), inductor=how.get("inductor"),
                              fused_quant=how.get("fused_quant", True), clone_outputs=False,
+                             dense_precision=how.get("dense_precision", "bf16"),
                              siblings=how.get("siblings", False))
         report = fast.report
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
