@@ -449,8 +449,9 @@ def _decide(name: str, layer: nn.Module, m: int, precision: str, sparsity: str,
 def _fuse_siblings(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
                    plan: _Planner, report: AccelReport, compiled: dict) -> None:
     """``accelerate(siblings=True)`` on the installed model: each group of layers fed one tensor
-    becomes one GEMM (:func:`siblings.fuse`); inductor's freezing, which merges the members'
-    identical calls, is turned on when any was fused (unless ``inductor`` sets it)."""
+    becomes one GEMM (:func:`siblings.fuse`); the inductor pass merging the members' identical
+    calls (:class:`siblings.MergeSameCalls`) is installed when any was fused (unless
+    ``inductor`` sets ``post_grad_custom_pre_pass``)."""
     if not compiled["compile"] or compiled["backend"] != "inductor":
         report.notes.append("siblings: not fused without compile by inductor (elsewhere every "
                             "member would run the whole GEMM)")
@@ -458,7 +459,8 @@ def _fuse_siblings(model: nn.Module, inputs: Any, groups: list[list[str]], chose
     notes = siblings_.fuse(model, inputs, groups, chosen, plan.build)
     report.notes.extend(notes)
     if any(n.startswith("siblings fused") for n in notes):
-        compiled["inductor"] = {"freezing": True, **(compiled["inductor"] or {})}
+        compiled["inductor"] = {"post_grad_custom_pre_pass": siblings_.MergeSameCalls(),
+                                **(compiled["inductor"] or {})}
 
 
 def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
@@ -536,9 +538,9 @@ def accelerate(
     inductor options (e.g. ``{"triton.multi_kernel": 1}``) over ``mode``'s, model and planner.
     ``fused_quant``: activation quantization as plain torch ops fused into its producer
     (default) or the opaque ``sparsekit::quant_rows`` op. ``fuse``: deprecated, ignored.
-    ``siblings``: layers fed one tensor (q/k/v, gate/up), one variant: one GEMM (compiled, with
-    inductor ``freezing``; :mod:`sparsekit.accel.siblings`). Modifies ``model`` in place (to
-    ``device``, bfloat16, eval); returns the :class:`AcceleratedModel` wrapping it."""
+    ``siblings``: layers fed one tensor (q/k/v, gate/up), one variant: one GEMM (compiled, an
+    inductor pass merging their calls; :mod:`sparsekit.accel.siblings`). Modifies ``model`` in
+    place (to ``device``, bfloat16, eval); returns the :class:`AcceleratedModel` wrapping it."""
     report = _check_options(precision, dense_precision, sparsity, min_speedup, fuse)
     _check_inductor(inductor, backend)
     device = _device_of(device)

@@ -172,9 +172,10 @@ def _gemm_calls(fast, x) -> int:
     (_llama, None, [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]),
     (_bert, "fp8_static", [["query", "key", "value"]])], ids=["llama-bf16", "bert-fp8_static"])
 def test_siblings_run_as_one_gemm(build, scheme, groups):
-    """siblings=True: the layers fed one tensor run as one GEMM under compile (inductor, with
-    freezing merging the members' identical calls): fewer sparse GEMM calls per forward, the
-    same output as the unfused accelerated model; without compile nothing is fused."""
+    """siblings=True: the layers fed one tensor run as one GEMM under compile (inductor, its
+    MergeSameCalls pass merging the members' identical calls, no freezing): fewer sparse GEMM
+    calls per forward, the same output as the unfused accelerated model; without compile
+    nothing is fused."""
     torch.manual_seed(0)
     model, x = build()
     model.eval()
@@ -202,6 +203,33 @@ def test_siblings_run_as_one_gemm(build, scheme, groups):
                           compile=False, siblings=True)
     assert any("not fused without compile by inductor" in n for n in eager.report.notes)
     assert not any(type(m).__name__ == "SiblingSlice" for m in eager.model.modules())
+
+
+def test_merge_same_calls_merges_pure_calls_only():
+    """The siblings' inductor pass: two calls of a pure op on the same nodes become one (its
+    users moved); random and in-place ops, and calls on other arguments, are kept."""
+    from sparsekit.accel.siblings import MergeSameCalls
+
+    def f(x, w, y):
+        a = torch.ops.aten.mm.default(x, w)
+        b = torch.ops.aten.mm.default(x, w)
+        c = torch.ops.aten.mm.default(y, w)
+        r = torch.ops.aten.rand_like.default(x) + torch.ops.aten.rand_like.default(x)
+        torch.ops.aten.add_.Tensor(y, 1.0)
+        torch.ops.aten.add_.Tensor(y, 1.0)
+        return a * b + c, r
+
+    gm = torch.fx.symbolic_trace(f)
+    MergeSameCalls()(gm.graph)
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.mm.default) == 2
+    assert targets.count(torch.ops.aten.rand_like.default) == 2
+    assert targets.count(torch.ops.aten.add_.Tensor) == 2
+    x, w, y = torch.randn(4, 8), torch.randn(8, 3), torch.randn(4, 8)
+    out, _ = gm(x, w, y.clone())
+    torch.testing.assert_close(out, (x @ w) * (x @ w) + y @ w)
+    assert MergeSameCalls().uuid() == MergeSameCalls().uuid()  # inductor's cache key
 
 
 def test_cpu_accelerate_builds_from_quantized_model():
