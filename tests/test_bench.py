@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from sparsekit.accel.timing import time_ms
+from sparsekit.accel.timing import flush_l2, time_ms
 from sparsekit.run.bench import benchmark
 
 
@@ -22,6 +22,23 @@ def test_time_ms_is_the_median_after_warmup():
     ms = time_ms(fn, torch.device("cpu"), warmup=2, repeats=3)
     assert len(calls) == 5
     assert 2.0 <= ms < 3.9  # the median of 1, 4, 2 ms (plus sleep overshoot), warm-up excluded
+
+
+def test_time_ms_runs_before_ahead_of_each_timed_call_outside_the_span():
+    order = []
+
+    def before():
+        order.append("before")
+        time.sleep(0.03)
+
+    def fn():
+        order.append("fn")
+        time.sleep(0.002)
+
+    ms = time_ms(fn, torch.device("cpu"), warmup=1, repeats=3, before=before)
+    assert order == ["fn"] + ["before", "fn"] * 3  # not before warm-up calls
+    assert 2.0 <= ms < 20.0  # the 30 ms of before() are not in it
+    flush_l2("cpu")  # off CUDA the L2 flush is a no-op
 
 
 class Recorder(nn.Module):

@@ -20,22 +20,33 @@ import torch
 
 def time_ms(fn: Callable[[], object], device: torch.device | str = "cuda", *, warmup: int = 3,
             repeats: int = 20,
-            wrap: Callable[[range], Iterable[int]] | None = None) -> float:
+            wrap: Callable[[range], Iterable[int]] | None = None,
+            before: Callable[[], object] | None = None) -> float:
     """Median time of one ``fn()`` in milliseconds over ``repeats`` calls after ``warmup``
     calls: between CUDA events (host overhead included) on a CUDA ``device``, with
     ``time.perf_counter`` elsewhere. ``wrap`` (e.g. a progress bar) wraps the repeat range.
+    ``before()`` runs ahead of every call, finished (synchronized) and outside the timed span
+    (e.g. :func:`flush_l2`).
 
     >>> time_ms(lambda: sum(range(100)), "cpu", warmup=1, repeats=3) >= 0
     True
     """
     device = torch.device(device)
+    cuda = device.type == "cuda"
+
+    def ready() -> None:
+        if before is not None:
+            before()
+        if cuda:
+            torch.cuda.synchronize(device)
+
     for _ in range(warmup):
         fn()
     steps = range(repeats) if wrap is None else wrap(range(repeats))
     times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in steps:
+    for _ in steps:
+        ready()
+        if cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -43,12 +54,26 @@ def time_ms(fn: Callable[[], object], device: torch.device | str = "cuda", *, wa
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-    else:
-        for _ in steps:
+        else:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+_FLUSH: dict[torch.device, torch.Tensor] = {}
+
+
+def flush_l2(device: torch.device | str = "cuda") -> None:
+    """Evict the GPU's L2 cache (writes a buffer of twice its size; a no-op off CUDA), so the
+    next call reads its weights from memory, as each block of a deep model does."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if device not in _FLUSH:
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        _FLUSH[device] = torch.empty(max(2 * size, 64 << 20), dtype=torch.uint8, device=device)
+    _FLUSH[device].zero_()
 
 
 def graph_time_us(fn: Callable[[], object], *, calls: int | None = None, replays: int = 15,

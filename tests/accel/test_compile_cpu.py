@@ -488,6 +488,7 @@ def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch
         fn()
         n = len(net.model.layers)
         seen.append(n)
+        assert kw["cold_l2"] is True  # shortened: each call starts with an evicted L2
         variant = getattr(net.model.layers[0].mlp.up_proj, "variant", "bf16_dense")
         return 1.0 + n * cost[variant]
 
@@ -545,6 +546,7 @@ def test_a_model_that_cannot_be_shortened_is_planned_whole(monkeypatch):
     def fake_time(fn, device, **kw):
         fn()
         seen.append(len(net.blocks))
+        assert kw["cold_l2"] is False  # the whole model: its own cache behaviour
         return 10.0 if isinstance(net.blocks[0].fc, nn.Linear) else 5.0
 
     monkeypatch.setattr(planner, "time_model_ms", fake_time)
