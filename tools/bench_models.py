@@ -534,8 +534,10 @@ def bench_row(name: str, vname: str, how: dict, case: tuple, args, device: torch
     torch._dynamo.reset()
     summarize(entry, name)
     write()
-    print(f"[{name}] {vname}: " + json.dumps({k: v for k, v in row.items()
-                                              if k not in ("trace", "profile")}), flush=True)
+    shown = {k: v for k, v in row.items() if k not in ("trace", "profile")}
+    if len(shown.get("notes", ())) > 3:  # e.g. one per fused sibling group: all in the JSON
+        shown["notes"] = shown["notes"][:3] + [f"... {len(shown['notes']) - 3} more"]
+    print(f"[{name}] {vname}: " + json.dumps(shown), flush=True)
 
 
 def summarize(entry: dict, name: str) -> None:
