@@ -165,6 +165,21 @@ def check_module_apply() -> None:
         )
 
 
+def custom_graph_pass() -> type:
+    """``torch._inductor.custom_graph_pass.CustomGraphPass``: the base of an inductor FX pass
+    that inductor's graph cache can key (by its ``uuid()``)."""
+    module = importlib.import_module("torch._inductor.custom_graph_pass")
+    return _private(module, "CustomGraphPass", "torch")
+
+
+def pure_op(target: Any) -> bool:
+    """Whether an FX node's ``target`` is an op overload (ATen or custom) whose result depends
+    on its arguments only: it mutates nothing and draws no random numbers."""
+    overload = _private(torch._ops, "OpOverload", "torch")
+    return isinstance(target, overload) and not target._schema.is_mutable and \
+        torch.Tag.nondeterministic_seeded not in target.tags
+
+
 # --- TensorBoard ----------------------------------------------------------------------------
 
 

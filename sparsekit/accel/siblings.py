@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from sparsekit import _compat
 from sparsekit.prune.calibration import feed
 from sparsekit.quant.modules import QuantLinear
 
@@ -124,13 +124,6 @@ def _biases(layers: list[nn.Module]) -> torch.Tensor:
                       for m in layers])
 
 
-def _pure(target: Any) -> bool:
-    """An op whose result depends on its arguments only: an ATen or custom op overload that
-    mutates nothing and draws no random numbers."""
-    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable and \
-        torch.Tag.nondeterministic_seeded not in target.tags
-
-
 def _hashable(a: Any) -> Any:
     if isinstance(a, (list, tuple)):
         return tuple(_hashable(v) for v in a)
@@ -139,7 +132,7 @@ def _hashable(a: Any) -> Any:
     return a
 
 
-class MergeSameCalls(CustomGraphPass):
+class MergeSameCalls(_compat.custom_graph_pass()):
     """Inductor post-grad pass (``post_grad_custom_pre_pass``): calls of one pure op with the
     same arguments (the same graph nodes and constants) become one, their users moved to the
     first. The members of a sibling group each call the group's GEMM, and its activation
@@ -148,7 +141,7 @@ class MergeSameCalls(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         seen: dict[tuple, torch.fx.Node] = {}
         for node in list(graph.nodes):
-            if node.op != "call_function" or not _pure(node.target):
+            if node.op != "call_function" or not _compat.pure_op(node.target):
                 continue
             key = (node.target, _hashable(node.args), _hashable(node.kwargs))
             try:
