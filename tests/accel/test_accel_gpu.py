@@ -185,3 +185,48 @@ def test_llama_block_compiled_accurate(precision, fused_quant):
     fast = sk.accelerate(block.float(), x, precision=precision, fused_quant=fused_quant)
     assert len(fast.report.layers) == 7
     assert rel_err(fast(x), ref) <= TOL[precision]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_siblings_one_gemm_and_no_weight_copies(precision):
+    """siblings=True under reduce-overhead: fewer sparse GEMM kernels than the plain model, no
+    device-to-device copy per weight on each replay (what inductor freezing caused: run 9 of
+    docs/gpu.md), the same output within the variant's tolerance."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    block = make_24_(_LlamaBlock()).eval()
+    x = torch.randn(4, 64, 256)
+    with torch.no_grad():
+        ref = copy.deepcopy(block).double()(x.double())
+
+    def kernels_of(fast):
+        fast(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.compiler.cudagraph_mark_step_begin()
+            fast(x)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+        return (sum("sparse" in n.lower() and "gemm" in n.lower() for n in names),
+                sum("memcpy dtod" in n.lower() for n in names))
+
+    plain = sk.accelerate(copy.deepcopy(block).float(), x, precision=precision)
+    fused = sk.accelerate(copy.deepcopy(block).float(), x, precision=precision, siblings=True)
+    assert sum(n.startswith("siblings fused") for n in fused.report.notes) == 2
+    (g_plain, c_plain), (g_fused, c_fused) = kernels_of(plain), kernels_of(fused)
+    assert g_fused == g_plain - 3  # q/k/v one GEMM, gate/up one GEMM
+    assert c_fused <= c_plain
+    assert rel_err(fused(x), ref) <= TOL[precision]
+
+
+def test_flush_l2_writes_twice_the_l2():
+    from sparsekit.accel import timing
+
+    timing.flush_l2("cuda")
+    buf = timing._FLUSH[torch.device("cuda")]
+    assert buf.is_cuda and buf.numel() >= 2 * torch.cuda.get_device_properties(0).L2_cache_size
+    assert int(buf.max()) == 0
+    assert timing.time_ms(lambda: buf.sum(), "cuda", repeats=3,
+                          before=lambda: timing.flush_l2("cuda")) > 0
