@@ -364,8 +364,8 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
                                             "mode": "max-autotune"}))
     out.append(("dense_compiled_max_autotune", {"kind": "dense", "mode": "max-autotune",
                                                 "backend": backend}))
-    # sibling fusion (q/k/v, gate/up as one GEMM; accelerate turns freezing on), and freezing
-    # alone (for ours and for dense, in the reference) to tell the two effects apart
+    # sibling fusion (q/k/v, gate/up as one GEMM; accelerate's merge pass, no freezing since
+    # run 9), and inductor freezing alone (ours, and dense in the reference)
     for name, how in list(out):
         if name in ("sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_fp8_auto"):
             out.append((f"{name}_sib", {**how, "siblings": True}))
