@@ -113,3 +113,36 @@ def test_decode_step_is_the_same_step_every_call(monkeypatch):
     torch.testing.assert_close(outs["auto"], outs["2:4"], rtol=0, atol=0)
     err = (outs["2:4"] - ref).norm() / ref.norm()
     assert 0 < err < 0.2
+
+
+def test_causal_skip_applies_transformers_rule_under_compile(monkeypatch):
+    """``llama_causal``: a plain causal mask goes to SDPA's is_causal even where transformers
+    itself would materialise it (compiled graphs on torch < 2.14, imitated here by a rule that
+    never skips); padding, offsets or a sliding window still go to transformers' own rule, and
+    the rule is restored afterwards."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import bench_models as bm
+
+    calls = []
+
+    def never(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        calls.append(q_length)
+        return False
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", never)
+    with bm.causal_skip_under_compile():
+        rule = masking_utils._ignore_causal_mask_sdpa
+        assert rule(None, 16, 16, 0, 0) is True and calls == []
+        assert rule(torch.ones(2, 16, dtype=torch.bool), 16, 16, 0, 0) is False  # padding
+        assert rule(None, 1, 16, 15, 0) is False  # decode: offsets, q != kv
+        assert rule(None, 16, 16, 0, 0, local_attention_size=4) is False
+        assert len(calls) == 3
+    assert masking_utils._ignore_causal_mask_sdpa is never
+    with bm.causal_skip_under_compile(active=False):
+        assert masking_utils._ignore_causal_mask_sdpa is never
