@@ -17,10 +17,11 @@ classifier head; ViT's classifier head is removed, its features are the output):
   eager call (static addresses for CUDA graphs), its first 2047 positions the same seeded
   random keys/values for every variant and for the fp32 reference;
   ``llama_decode_nocache``: the same step without a KV cache (attention over one token);
-  ``llama_causal``: the prefill with HF's causal mask left to SDPA's ``is_causal`` under
-  ``torch.compile`` too (:func:`causal_skip_under_compile`): what transformers does by itself
-  on torch >= 2.14; before that it materialises a 2048x2048 mask in compiled graphs, which
-  keeps SDPA off its causal kernel (same model, same inputs, every row alike);
+  ``llama_causal``: the same prefill with its causal mask left to SDPA's ``is_causal`` under
+  ``torch.compile`` too (:func:`causal_skip_under_compile`): inside a compiled graph
+  transformers cannot tell that the bench's rows are unpacked and unpadded (its checks read
+  tensor data), so it builds a 2048x2048 mask and SDPA computes the masked half as well; every
+  row of this model, the dense baselines included, runs with the mask skipped;
 - ``bert``: HF ``BertModel`` BERT-large at 8x512 with an all-ones attention_mask (it keeps SDPA
   on flash attention under compile and CUDA graphs; see docs/gpu.md);
 - ``vit``: torchvision ViT-B/16 at batch 256.
@@ -142,7 +143,7 @@ def build(name: str, smoke: bool, device: torch.device, llama_layers: int):
         label = (f"HF LlamaForCausalLM, Llama-3-8B shapes, {cfg.num_hidden_layers} layers, "
                  f"{what} {batch}x{seq}")
         if causal:
-            label += ", causal mask as SDPA's is_causal under compile too"
+            label += ", causal mask as SDPA's is_causal under compile too (no packed rows)"
         return model, inputs, ("lm_head",), label
     if name == "bert":
         if smoke:
@@ -180,15 +181,18 @@ def build(name: str, smoke: bool, device: torch.device, llama_layers: int):
 
 @contextlib.contextmanager
 def causal_skip_under_compile(active: bool = True):
-    """While active, HF transformers leaves a plain causal mask (no padding mask, as many
-    queries as keys, no sliding window, integer offsets) to SDPA's ``is_causal`` in compiled
-    graphs as well as in eager ones. transformers does this itself on torch >= 2.14 (its
-    ``_ignore_causal_mask_sdpa``; on older torch dynamo hid ``is_exporting``, so it never
-    skips while tracing); this applies the same rule on the torch the device has."""
+    """While active, HF transformers treats every sequence as unpacked (its packed-sequence
+    check, ``find_packed_sequence_indices``, finds none) and leaves a plain causal mask (no
+    padding mask, as many queries as keys, no sliding window, zero offsets) to SDPA's
+    ``is_causal``, in compiled graphs as in eager ones. Both checks read tensor data, so
+    transformers gives up on them while tracing and materialises the mask; for inputs known to
+    be unpacked and unpadded (the bench's own prefill) the result is the same, without the
+    mask. Anything else still goes to transformers' own rules."""
     from transformers import masking_utils
 
-    orig = masking_utils._ignore_causal_mask_sdpa
-    sig = inspect.signature(orig)
+    orig_skip = masking_utils._ignore_causal_mask_sdpa
+    orig_packed = masking_utils.find_packed_sequence_indices
+    sig = inspect.signature(orig_skip)
 
     def skip(*a, **k):
         b = sig.bind(*a, **k)
@@ -200,14 +204,16 @@ def causal_skip_under_compile(active: bool = True):
                 and isinstance(q, int) and q == kv
                 and all(isinstance(o, int) and o == 0 for o in offsets)):
             return True
-        return orig(*a, **k)
+        return orig_skip(*a, **k)
 
     if active:
         masking_utils._ignore_causal_mask_sdpa = skip
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
-        masking_utils._ignore_causal_mask_sdpa = orig
+        masking_utils._ignore_causal_mask_sdpa = orig_skip
+        masking_utils.find_packed_sequence_indices = orig_packed
 
 
 def decode_step_llama(cfg, pos: int) -> nn.Module:

@@ -117,9 +117,10 @@ def test_decode_step_is_the_same_step_every_call(monkeypatch):
 
 def test_causal_skip_applies_transformers_rule_under_compile(monkeypatch):
     """``llama_causal``: a plain causal mask goes to SDPA's is_causal even where transformers
-    itself would materialise it (compiled graphs on torch < 2.14, imitated here by a rule that
-    never skips); padding, offsets or a sliding window still go to transformers' own rule, and
-    the rule is restored afterwards."""
+    itself would materialise it (compiled graphs, imitated here by a rule that never skips),
+    and no row counts as packed; padding, offsets or a sliding window still go to
+    transformers' own rule, and both rules are restored afterwards. Under compile, the
+    prefill's output is the masked one's."""
     import sys
     from pathlib import Path
 
@@ -136,7 +137,9 @@ def test_causal_skip_applies_transformers_rule_under_compile(monkeypatch):
         return False
 
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", never)
+    packed = masking_utils.find_packed_sequence_indices
     with bm.causal_skip_under_compile():
+        assert masking_utils.find_packed_sequence_indices(torch.arange(8)[None]) is None
         rule = masking_utils._ignore_causal_mask_sdpa
         assert rule(None, 16, 16, 0, 0) is True and calls == []
         assert rule(torch.ones(2, 16, dtype=torch.bool), 16, 16, 0, 0) is False  # padding
@@ -144,5 +147,33 @@ def test_causal_skip_applies_transformers_rule_under_compile(monkeypatch):
         assert rule(None, 16, 16, 0, 0, local_attention_size=4) is False
         assert len(calls) == 3
     assert masking_utils._ignore_causal_mask_sdpa is never
+    assert masking_utils.find_packed_sequence_indices is packed
     with bm.causal_skip_under_compile(active=False):
         assert masking_utils._ignore_causal_mask_sdpa is never
+
+    # a compiled tiny Llama: with the mask skipped, SDPA gets is_causal and no mask, and the
+    # logits are those of the masked compiled run
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.undo()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append((k.get("attn_mask") is None, k.get("is_causal")))
+        return sdpa(*a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    outs = []
+    for active in (False, True):
+        torch._dynamo.reset()
+        with bm.causal_skip_under_compile(active), torch.no_grad():
+            fn = torch.compile(model, backend="eager")
+            outs.append(fn(input_ids=ids, use_cache=False).logits)
+    assert seen[0] == (False, False) and seen[-1] == (True, True)
+    torch.testing.assert_close(outs[1], outs[0])
