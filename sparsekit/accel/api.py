@@ -238,14 +238,16 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
                                        {**options, "precision": precision,
                                         "min_speedup": min_speedup,
                                         "plan_blocks": planner.PLAN_BLOCKS_TIMED,
-                                        "plan_cold_l2": True}))
+                                        "plan_cold_l2": True,
+                                        "shorten_min_bytes": planner.SHORTEN_MIN_BYTES}))
     hit = plan.cache.get(key, {})
     if hit.get("plan") in plans and "ms" in hit:
         ms, best = {k: float(v) for k, v in hit["ms"].items()}, hit["plan"]
         why = hit.get("why", f"whole model: plan {best} (cached)") + " (cached)"
     else:
         ms = {}
-        blocks = planner.repeated_blocks(model, plans)
+        big = planner.weight_bytes(model) >= planner.SHORTEN_MIN_BYTES
+        blocks = planner.repeated_blocks(model, plans) if big else None
         for pname, assign in plans.items():
             install(assign)
             if pname == "dense" and blocks is not None:

@@ -20,7 +20,10 @@ it (on the 8B-shaped Llama the per-layer choice picked bf16 2:4 for 40 of 56 lay
 WHOLE-MODEL plans, each compiled and run as it will run: all layers dense (the floor), the
 per-layer choice, every 2:4 layer at the precision's 2:4, every 2:4 layer at bf16 2:4, every
 layer at the precision's dense (:func:`whole_model_plans`), and keeps the fastest
-(:func:`choose_plan`; a plan other than dense must beat it by ``min_speedup``). The choice and
+(:func:`choose_plan`; a plan other than dense must beat it by ``min_speedup``). A model of
+many identical blocks and at least ``SHORTEN_MIN_BYTES`` of weights is timed on a few of its
+blocks and extrapolated (:func:`truncated`, :func:`extrapolate_ms`; the weights as they
+are held while planning). The choice and
 the plans' times are cached under a key of the model's layer shapes, input shapes and options
 (:func:`model_key`).
 """
@@ -142,9 +145,22 @@ def choose_plan(ms: dict[str, float], min_speedup: float = 1.0) -> tuple[str, st
     return best, f"whole model: plan {best} fastest ({ratio:.2f}x dense)"
 
 
-# a model of at least MIN_REPEATED_BLOCKS identical blocks is timed with these many of them
+# a model of at least MIN_REPEATED_BLOCKS identical blocks and SHORTEN_MIN_BYTES of weights is
+# timed with PLAN_BLOCKS_TIMED of its blocks. Smaller models are timed whole: their compiles
+# take seconds, and on them the extrapolation misled (H200, BERT-large, 0.7 GB of weights, run
+# of 2026-12-03 16:23 UTC: bf16 2:4 predicted 4.49 ms, ran 6.17; fp8 plans off by up to 10%,
+# which flipped fp8 2:4 and dense); the 8B-shaped Llama (16 GB) stayed within 5-8%.
 PLAN_BLOCKS_TIMED = (1, 5)
 MIN_REPEATED_BLOCKS = 8
+SHORTEN_MIN_BYTES = 4 << 30
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers (a tensor held twice counted once)."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def repeated_blocks(model: nn.Module, plans: dict[str, dict[str, str]],
@@ -245,5 +261,6 @@ def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
 
 
 __all__ = ["DECODE_TOKENS", "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "cache_path", "choose",
-           "choose_plan", "extrapolate_ms", "load", "model_key", "plan_key", "repeated_blocks",
-           "store", "time_model_ms", "time_module", "truncated", "whole_model_plans"]
+           "SHORTEN_MIN_BYTES", "choose_plan", "extrapolate_ms", "load", "model_key", "plan_key",
+           "repeated_blocks", "store", "time_model_ms", "time_module", "truncated",
+           "weight_bytes", "whole_model_plans"]

@@ -493,6 +493,7 @@ def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch
         return 1.0 + n * cost[variant]
 
     monkeypatch.setattr(planner, "time_model_ms", fake_time)
+    monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", 0)  # as if it had the weights of an 8B
     # per layer, bf16 2:4 looks fastest (not wall clock: the per_layer plan must not be fp8 2:4)
     monkeypatch.setattr(planner, "time_module", lambda mod, *a: 1.0 if mod.variant == "bf16_2:4"
                         else 2.0)
@@ -536,6 +537,35 @@ class _NeedsAllBlocks(nn.Module):
         return x
 
 
+def test_a_small_deep_model_is_planned_whole(monkeypatch):
+    """Under SHORTEN_MIN_BYTES of weights, 8 identical blocks are timed as they are: every plan
+    on all 8 (warm L2: the model's own cache behaviour), no extrapolation note; with a
+    threshold below its size the same model is shortened."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(*(_Block() for _ in range(8)))).eval()
+    sk.prune_(net, pattern="2:4", criterion="magnitude")
+    size = planner.weight_bytes(net)
+    assert size == 8 * (64 * 64 + 64) * 4
+    x = torch.randn(6, 64)
+    for threshold, counts in ((10 * size, {8}), (1, {1, 5})):
+        seen = []
+        m = copy.deepcopy(net)
+
+        def fake_time(fn, device, seen=seen, m=m, **kw):
+            fn()
+            seen.append((len(m[0]), kw["cold_l2"]))
+            return 10.0 if isinstance(m[0][0].fc, nn.Linear) else 5.0
+
+        monkeypatch.setattr(planner, "time_model_ms", fake_time)
+        monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", threshold)
+        r = sk.accelerate(m, x, precision="fp8", sparsity="auto", device="cpu",
+                          compile=False, whole_model=True, plan_cache=False).report
+        assert {n for n, _ in seen} == counts and len(m[0]) == 8
+        assert {cold for _, cold in seen} == {counts != {8}}
+        assert any("blocks of" in n for n in r.notes) == (counts != {8})
+        assert r.plan != "dense"
+
+
 def test_a_model_that_cannot_be_shortened_is_planned_whole(monkeypatch):
     torch.manual_seed(0)
     net = _NeedsAllBlocks().eval()
@@ -550,6 +580,7 @@ def test_a_model_that_cannot_be_shortened_is_planned_whole(monkeypatch):
         return 10.0 if isinstance(net.blocks[0].fc, nn.Linear) else 5.0
 
     monkeypatch.setattr(planner, "time_model_ms", fake_time)
+    monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", 0)
     x = torch.randn(6, 64)
     fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
                          compile=False, whole_model=True, plan_cache=False)
