@@ -191,7 +191,7 @@ def causal_skip_under_compile(active: bool = True):
     from transformers import masking_utils
 
     orig_skip = masking_utils._ignore_causal_mask_sdpa
-    orig_packed = masking_utils.find_packed_sequence_indices
+    orig_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
     sig = inspect.signature(orig_skip)
 
     def skip(*a, **k):
@@ -208,12 +208,14 @@ def causal_skip_under_compile(active: bool = True):
 
     if active:
         masking_utils._ignore_causal_mask_sdpa = skip
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+        if orig_packed is not None:  # transformers versions without it never made this mask
+            masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
         masking_utils._ignore_causal_mask_sdpa = orig_skip
-        masking_utils.find_packed_sequence_indices = orig_packed
+        if orig_packed is not None:
+            masking_utils.find_packed_sequence_indices = orig_packed
 
 
 def decode_step_llama(cfg, pos: int) -> nn.Module:
