@@ -317,6 +317,58 @@ def test_a_run_that_failed_at_startup_is_not_resumed(tmp_path, capsys):
     assert code == 2 and "no unfinished run that can continue" in err
 
 
+def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
+    """``resume=true`` under torchrun: rank 0 resolves it and broadcasts the answer (argv, or
+    its exit code); the other ranks never look at the run directories themselves (they raced
+    with rank 0's Hydra rewriting them). Without torchrun, or without ``resume=``, it is
+    :func:`resume_argv` itself."""
+    import sparsekit.run.cli as cli
+
+    sent = []
+
+    def broadcast(box, src):  # rank 0 fills the box; on the other ranks it holds rank 0's
+        assert src == 0
+        if box[0] is None:
+            box[0] = sent[-1]
+        else:
+            sent.append(box[0])
+
+    monkeypatch.setattr(cli, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(cli, "init", lambda: None)
+    monkeypatch.setattr(cli, "is_distributed", lambda: True)
+    monkeypatch.setattr(cli.dist, "broadcast_object_list", broadcast)
+    resolved = ["lr=0.1", "hydra.run.dir='/runs/a'", "resume=true"]
+    monkeypatch.setattr(cli, "resume_argv", lambda argv: resolved)
+    monkeypatch.setattr(cli, "is_main", lambda: True)
+    assert cli.shared_resume_argv(["resume=true"]) == resolved
+    assert sent == [("argv", resolved)]
+
+    def must_not_run(argv):
+        raise AssertionError("a non-zero rank resolved resume= itself")
+
+    monkeypatch.setattr(cli, "resume_argv", must_not_run)
+    monkeypatch.setattr(cli, "is_main", lambda: False)
+    assert cli.shared_resume_argv(["resume=true"]) == resolved
+
+    def no_run(argv):
+        raise SystemExit(2)
+
+    monkeypatch.setattr(cli, "resume_argv", no_run)
+    monkeypatch.setattr(cli, "is_main", lambda: True)
+    with pytest.raises(SystemExit) as e0:
+        cli.shared_resume_argv(["resume=true"])
+    monkeypatch.setattr(cli, "is_main", lambda: False)
+    with pytest.raises(SystemExit) as e1:
+        cli.shared_resume_argv(["resume=true"])
+    assert e0.value.code == e1.value.code == 2 and sent[-1] == ("exit", 2)
+
+    monkeypatch.setattr(cli, "resume_argv", lambda argv: ["plain"])
+    assert cli.shared_resume_argv(["lr=0.1"]) == ["plain"]  # no resume=: no broadcast
+    monkeypatch.setattr(cli, "launched_by_torchrun", lambda: False)
+    assert cli.shared_resume_argv(["resume=true"]) == ["plain"]
+    assert len(sent) == 2
+
+
 def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
     """model.checkpoint may be the model.safetensors of an earlier run (compressed 2:4 and
     bitmask tensors), as well as a plain safetensors state dict."""

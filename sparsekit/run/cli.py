@@ -326,6 +326,29 @@ def resume_argv(argv: list[str]) -> list[str]:
     return [*original, *rest, f"hydra.run.dir='{run_dir}'", "resume=true"]
 
 
+def shared_resume_argv(argv: list[str]) -> list[str]:
+    """:func:`resume_argv`, resolved once per job: under torchrun rank 0 resolves ``resume=``
+    and every rank takes its answer, or exits with its exit code (rank 0 printed the error).
+    Each rank resolving on its own raced with rank 0's Hydra rewriting the run's ``.hydra``
+    files in place: another rank could read them half-written and find no run to continue
+    (seen once in CI on 2026-12-03)."""
+    if not launched_by_torchrun() or not any(a.startswith("resume=") for a in argv):
+        return resume_argv(argv)
+    init()
+    box: list = [None]
+    if is_main():
+        try:
+            box = [("argv", resume_argv(argv))]
+        except SystemExit as e:
+            box = [("exit", e.code)]
+    if is_distributed():
+        dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "exit":
+        raise SystemExit(value)
+    return value
+
+
 def unique_run_dir(argv: list[str]) -> list[str]:
     """Give this run (a sweep: its parent directory) a directory of its own, created now with
     ``os.mkdir`` (``runs/<date_time>``, then ``_1``, ``_2``, ... when taken), so two runs started
@@ -393,8 +416,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
-    argv = resume_argv(argv)
     set_launch_env()  # torchrun: NCCL multicast off unless the user exported otherwise
+    argv = shared_resume_argv(argv)  # torchrun: rank 0 resolves resume=, the others follow
     argv = share_run_dir(argv)  # torchrun: every rank writes into rank 0's run directory
     if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
         check_overrides([a for a in argv if not a.startswith("-")])
