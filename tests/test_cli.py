@@ -362,11 +362,23 @@ def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
         cli.shared_resume_argv(["resume=true"])
     assert e0.value.code == e1.value.code == 2 and sent[-1] == ("exit", 2)
 
+    def broken(argv):  # an unexpected error on rank 0: the others exit too, not hang
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(cli, "resume_argv", broken)
+    monkeypatch.setattr(cli, "is_main", lambda: True)
+    with pytest.raises(OSError, match="disk gone"):
+        cli.shared_resume_argv(["resume=true"])
+    monkeypatch.setattr(cli, "is_main", lambda: False)
+    with pytest.raises(SystemExit) as e1:
+        cli.shared_resume_argv(["resume=true"])
+    assert e1.value.code == cli.EXIT_RUNTIME and len(sent) == 3
+
     monkeypatch.setattr(cli, "resume_argv", lambda argv: ["plain"])
     assert cli.shared_resume_argv(["lr=0.1"]) == ["plain"]  # no resume=: no broadcast
     monkeypatch.setattr(cli, "launched_by_torchrun", lambda: False)
     assert cli.shared_resume_argv(["resume=true"]) == ["plain"]
-    assert len(sent) == 2
+    assert len(sent) == 3
 
 
 def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):

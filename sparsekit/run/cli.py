@@ -336,13 +336,18 @@ def shared_resume_argv(argv: list[str]) -> list[str]:
         return resume_argv(argv)
     init()
     box: list = [None]
+    error = None
     if is_main():
         try:
             box = [("argv", resume_argv(argv))]
         except SystemExit as e:
             box = [("exit", e.code)]
+        except Exception as e:  # noqa: BLE001  (re-raised below, once the others know)
+            box, error = [("exit", EXIT_RUNTIME)], e
     if is_distributed():
         dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
     kind, value = box[0]
     if kind == "exit":
         raise SystemExit(value)
