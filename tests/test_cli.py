@@ -323,6 +323,7 @@ def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
     with rank 0's Hydra rewriting them). Without torchrun, or without ``resume=``, it is
     :func:`resume_argv` itself."""
     import sparsekit.run.cli as cli
+    import sparsekit.run.distributed as D
 
     sent = []
 
@@ -335,29 +336,29 @@ def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
 
     monkeypatch.setattr(cli, "launched_by_torchrun", lambda: True)
     monkeypatch.setattr(cli, "init", lambda: None)
-    monkeypatch.setattr(cli, "is_distributed", lambda: True)
-    monkeypatch.setattr(cli.dist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(D, "is_distributed", lambda: True)
+    monkeypatch.setattr(D.dist, "broadcast_object_list", broadcast)
     resolved = ["lr=0.1", "hydra.run.dir='/runs/a'", "resume=true"]
     monkeypatch.setattr(cli, "resume_argv", lambda argv: resolved)
-    monkeypatch.setattr(cli, "is_main", lambda: True)
+    monkeypatch.setattr(D, "is_main", lambda: True)
     assert cli.shared_resume_argv(["resume=true"]) == resolved
-    assert sent == [("argv", resolved)]
+    assert sent == [("value", resolved)]
 
     def must_not_run(argv):
         raise AssertionError("a non-zero rank resolved resume= itself")
 
     monkeypatch.setattr(cli, "resume_argv", must_not_run)
-    monkeypatch.setattr(cli, "is_main", lambda: False)
+    monkeypatch.setattr(D, "is_main", lambda: False)
     assert cli.shared_resume_argv(["resume=true"]) == resolved
 
     def no_run(argv):
         raise SystemExit(2)
 
     monkeypatch.setattr(cli, "resume_argv", no_run)
-    monkeypatch.setattr(cli, "is_main", lambda: True)
+    monkeypatch.setattr(D, "is_main", lambda: True)
     with pytest.raises(SystemExit) as e0:
         cli.shared_resume_argv(["resume=true"])
-    monkeypatch.setattr(cli, "is_main", lambda: False)
+    monkeypatch.setattr(D, "is_main", lambda: False)
     with pytest.raises(SystemExit) as e1:
         cli.shared_resume_argv(["resume=true"])
     assert e0.value.code == e1.value.code == 2 and sent[-1] == ("exit", 2)
@@ -366,10 +367,10 @@ def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
         raise OSError("disk gone")
 
     monkeypatch.setattr(cli, "resume_argv", broken)
-    monkeypatch.setattr(cli, "is_main", lambda: True)
+    monkeypatch.setattr(D, "is_main", lambda: True)
     with pytest.raises(OSError, match="disk gone"):
         cli.shared_resume_argv(["resume=true"])
-    monkeypatch.setattr(cli, "is_main", lambda: False)
+    monkeypatch.setattr(D, "is_main", lambda: False)
     with pytest.raises(SystemExit) as e1:
         cli.shared_resume_argv(["resume=true"])
     assert e1.value.code == cli.EXIT_RUNTIME and len(sent) == 3

@@ -18,7 +18,6 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -36,8 +35,13 @@ from omegaconf.errors import (
 
 from sparsekit.run.config import Config, choices, enum_fields
 from sparsekit.data import check_data_name
-from sparsekit.prune.shards import is_distributed
-from sparsekit.run.distributed import init, is_main, launched_by_torchrun, set_launch_env
+from sparsekit.run.distributed import (
+    from_rank0,
+    init,
+    is_main,
+    launched_by_torchrun,
+    set_launch_env,
+)
 from sparsekit.errors import SparsekitError, StorageError, UsageError
 from sparsekit.io.files import unique_dir
 from sparsekit.models import check_model_name
@@ -328,30 +332,14 @@ def resume_argv(argv: list[str]) -> list[str]:
 
 def shared_resume_argv(argv: list[str]) -> list[str]:
     """:func:`resume_argv`, resolved once per job: under torchrun rank 0 resolves ``resume=``
-    and every rank takes its answer, or exits with its exit code (rank 0 printed the error).
-    Each rank resolving on its own raced with rank 0's Hydra rewriting the run's ``.hydra``
-    files in place: another rank could read them half-written and find no run to continue
-    (seen once in CI on 2026-12-03)."""
+    and every rank takes its answer, or exits with its exit code (rank 0 printed the error;
+    :func:`~sparsekit.run.distributed.from_rank0`). Each rank resolving on its own raced with
+    rank 0's Hydra rewriting the run's ``.hydra`` files in place: another rank could read them
+    half-written and find no run to continue (seen once in CI on 2026-12-03)."""
     if not launched_by_torchrun() or not any(a.startswith("resume=") for a in argv):
         return resume_argv(argv)
     init()
-    box: list = [None]
-    error = None
-    if is_main():
-        try:
-            box = [("argv", resume_argv(argv))]
-        except SystemExit as e:
-            box = [("exit", e.code)]
-        except Exception as e:  # noqa: BLE001  (re-raised below, once the others know)
-            box, error = [("exit", EXIT_RUNTIME)], e
-    if is_distributed():
-        dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    kind, value = box[0]
-    if kind == "exit":
-        raise SystemExit(value)
-    return value
+    return from_rank0(lambda: resume_argv(argv), EXIT_RUNTIME)
 
 
 def unique_run_dir(argv: list[str]) -> list[str]:
@@ -409,10 +397,8 @@ def share_run_dir(argv: list[str], pattern: str = "runs/%Y-%m-%d_%H-%M-%S") -> l
         return argv
     init()
     # made at once: a run started in the same second gets a suffix
-    box = [str(unique_dir(time.strftime(pattern))) if is_main() else None]
-    if is_distributed():
-        dist.broadcast_object_list(box, src=0)
-    return [*argv, f"hydra.run.dir={box[0]}"]
+    run_dir = from_rank0(lambda: str(unique_dir(time.strftime(pattern))), EXIT_RUNTIME)
+    return [*argv, f"hydra.run.dir={run_dir}"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

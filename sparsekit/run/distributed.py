@@ -8,7 +8,8 @@ of one). How the ranks' masks agree: :mod:`sparsekit.prune.shards`.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,38 @@ def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if is_distributed():
         dist.barrier()
+
+
+T = TypeVar("T")
+
+
+def from_rank0(compute: Callable[[], T], exit_code: int = 1) -> T:
+    """``compute()`` run on rank 0 only, its (picklable) result given to every rank; just
+    ``compute()`` in a single process. When it raises on rank 0, the other ranks leave with
+    ``SystemExit`` (the code of rank 0's SystemExit, else ``exit_code``) instead of waiting,
+    and rank 0 raises the original. For decisions every rank must share and only one may
+    make: a run directory, which run to resume.
+
+    >>> from_rank0(lambda: "runs/a")  # a single process: rank 0, nobody to tell
+    'runs/a'
+    """
+    box: list = [None]
+    error: BaseException | None = None
+    if is_main():
+        try:
+            box = [("value", compute())]
+        except SystemExit as e:
+            box, error = [("exit", e.code)], e
+        except Exception as e:  # noqa: BLE001  (re-raised below, once the others know)
+            box, error = [("exit", exit_code)], e
+    if is_distributed():
+        dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "exit":
+        raise SystemExit(value)
+    return value
 
 
 def launched_by_torchrun() -> bool:
