@@ -27,8 +27,7 @@ from sparsekit import _compat
 from sparsekit.accel import algsearch, planner
 from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.convert import Conv1x1AsLinear, conv_skip_reason, split_attention_
-from sparsekit.accel.kernels import (SPARSITIES, VARIANTS, check_precision, on_bf16_name,
-                                     variant_name)
+from sparsekit.accel.kernels import SPARSITIES, VARIANTS, check_precision, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checks import positional_until
 from sparsekit.quant.formats import get_scheme
@@ -413,18 +412,15 @@ def _decide(name: str, layer: nn.Module, m: int, precision: str, sparsity: str,
     cands, reason = layer_plan(has24, precision, sparsity, layer.in_features,
                                layer.out_features, dense_precision)
     quantized = _own_precision(layer) is not None
-    if quantized:  # only variants with the layer's own numerics: its scheme's kernels (and
-        # under "auto" the same numerics on bf16 tensor cores), dense or 2:4
+    if quantized:  # only variants with the layer's own numerics: its scheme, dense or 2:4
         reason = f"quantized ({layer.scheme}): its weights, scales and activation numerics"
         if layer.in_features % _ALIGN or layer.out_features % _ALIGN:  # quant's forward
             report.layers.append(LayerDecision(name, layer.out_features, layer.in_features,
                                                m, has24, "QuantLinear", reason + "; "
                                                "in/out features not multiples of 32: kept"))
             return
-        sparse = [True] if has24 and sparsity != "dense" else []
-        cands = [variant_name(precision, s) for s in (False, *sparse)]
-        if sparsity == "auto":  # the same numerics on bf16 tensor cores, where 8-bit loses
-            cands += [on_bf16_name(precision, s) for s in (False, *sparse)]
+        cands = [variant_name(precision, False)] + (
+            [variant_name(precision, True)] if has24 and sparsity != "dense" else [])
     decision = LayerDecision(name, layer.out_features, layer.in_features, m, has24,
                              BASELINE, reason)
     report.layers.append(decision)

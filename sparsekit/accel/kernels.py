@@ -12,9 +12,7 @@ per token with :mod:`sparsekit.quant.numerics` (what ``quantize_`` and QAT compu
 as plain torch ops so the compiler fuses them into the op producing the activation (a layer
 built from a static-scheme QuantLinear takes its one ``input_scale``: elementwise); the 2:4
 8-bit layers apply ``acc * x_scale * w_scale + bias`` in plain torch too, fused into what
-consumes the output. The ``<fp8|int8>_on_bf16_<dense|2:4>`` variants run a quantized layer's
-numerics on bf16 tensor cores (same activation codes, the weight rounded once to bf16), for
-shapes where the 8-bit kernels lose to bf16. No forward reads tensor data on the host.
+consumes the output. No forward reads tensor data on the host.
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ def _weights(layer: nn.Module, fmt: Format | None) -> tuple[torch.Tensor, torch.
 class _AccelLinear(nn.Module):
     variant = ""
     sparse = False
-    on_bf16 = False  # runs an 8-bit format's numerics on bf16 tensor cores (_OnBF16)
     uses_alg = False
     fmt: Format | None = None
 
@@ -71,18 +68,12 @@ class _AccelLinear(nn.Module):
                   and get_scheme(linear.scheme).activation == self.fmt)
         self.register_buffer("act_scale", linear.input_scale.detach().float().clone()
                              if static else None)
-        w, scale = self._stored(w, scale)
         w = w.contiguous()
         if self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
         else:
             self.register_buffer("weight", w)
         self.register_buffer("w_scale", scale)
-
-    def _stored(self, w: torch.Tensor, scale: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight and per-channel scale as the kernel takes them (as built, here)."""
-        return w, scale
 
     def _quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.act_scale is not None:  # static: elementwise, fused into the producer
@@ -92,9 +83,7 @@ class _AccelLinear(nn.Module):
         return ops.quant_rows(x2d, self.fmt.dtype)
 
     def _epilogue(self, acc: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        y = acc.float() * x_scale
-        if self.w_scale is not None:
-            y = y * self.w_scale
+        y = acc.float() * x_scale * self.w_scale
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(torch.bfloat16)
@@ -193,64 +182,8 @@ class Int8Sparse24(_AccelLinear):
         return self._epilogue(acc, sx)
 
 
-class _OnBF16(_AccelLinear):
-    """An 8-bit layer's numerics on bf16 tensor cores, for shapes where the 8-bit kernels are
-    slower than bf16 (a quantized model's "auto" may pick it; docs/gpu.md). The activation is
-    quantized exactly as the W8A8 variant does (the same 8-bit codes) and the codes go to the
-    GEMM as bf16 values (exact: every float8 e4m3 and int8 value is one); the weight is the
-    dequantized 8-bit weight, times the static activation scale when there is one, rounded
-    once to bf16 (relative error <= 2**-9 per element, against the 8-bit quantization's own
-    2**-4 (fp8) or 2**-8 (int8) steps). With a static scale the whole layer is one bf16 GEMM
-    with its bias; with per-token scales the scale and bias follow the GEMM."""
-
-    def _stored(self, w, scale):
-        folded = w.float() * scale[:, None]
-        if self.act_scale is not None:
-            folded = folded * self.act_scale
-        return folded.to(torch.bfloat16), None
-
-    def _codes(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the 8-bit codes of x2d as bf16, the per-token scales still to apply or None)."""
-        q, sx = self._quant(x2d)
-        return q.to(torch.bfloat16), (None if self.act_scale is not None else sx)
-
-    def _finish(self, y: torch.Tensor, sx: torch.Tensor | None) -> torch.Tensor:
-        return y if sx is None else self._epilogue(y, sx)
-
-
-class _OnBF16Dense(_OnBF16):
-    def _mm(self, x2d):
-        q, sx = self._codes(x2d)
-        return self._finish(F.linear(q, self.weight, self.bias if sx is None else None), sx)
-
-
-class _OnBF16Sparse24(_OnBF16):
-    sparse = True
-    uses_alg = True
-
-    def _mm(self, x2d):
-        q, sx = self._codes(x2d)
-        y = ops.sparse24_mm(q, self.packed, self.bias if sx is None else None,
-                            self.out_features, self.alg_id, torch.bfloat16)
-        return self._finish(y, sx)
-
-
-def _on_bf16_class(base: type[_OnBF16], fmt: Format, sparse: bool) -> type[_OnBF16]:
-    name = on_bf16_name(fmt.name, sparse)
-    doc = f"{fmt.name} W8A8 numerics on bf16 {'2:4 sparse' if sparse else 'dense'} tensor cores"
-    return type(name, (base,), {"variant": name, "fmt": fmt, "on_bf16": True,
-                                "__doc__": f"{doc} (see :class:`_OnBF16`)."})
-
-
-def on_bf16_name(precision: str, sparse: bool) -> str:
-    """'fp8', 2:4 -> 'fp8_on_bf16_2:4': ``precision``'s numerics run on bf16 tensor cores."""
-    return f"{precision}_on_bf16_{'2:4' if sparse else 'dense'}"
-
-
 VARIANTS: Registry[type[_AccelLinear]] = Registry("accel variant")
-for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, Int8Dense, Int8Sparse24,
-             *(_on_bf16_class(b, f, b.sparse) for f in (FP8, INT8)
-               for b in (_OnBF16Dense, _OnBF16Sparse24))):
+for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, Int8Dense, Int8Sparse24):
     VARIANTS.register(_cls.variant, _cls)
 # what accelerate(sparsity=...) may ask for: the 2:4 variant, the planner's choice, dense only
 SPARSITIES = ("2:4", "auto", "dense")
@@ -259,7 +192,7 @@ SPARSITIES = ("2:4", "auto", "dense")
 def precisions() -> tuple[str, ...]:
     """The precisions offering both a dense and a 2:4 variant (``accelerate(precision=...)``,
     ``accel.precision``), in registration order."""
-    names = [n for n in VARIANTS.names() if not VARIANTS[n].on_bf16]
+    names = VARIANTS.names()
     found = dict.fromkeys(n.rsplit("_", 1)[0] for n in names)
     return tuple(p for p in found if f"{p}_dense" in names and f"{p}_2:4" in names)
 

@@ -112,10 +112,8 @@ def whole_model_plans(layers: dict[str, tuple[list[str], str]], precision: str,
     plan costs a compile of the whole model, so at decode sizes (``decode``) bf16 2:4 is not
     tried (0.57-0.84x of dense at M <= 64, GPU_NOTES), and at prefill sizes the precision's
     dense is not (its 2:4 is faster wherever 8-bit pays); the per-layer choice still covers
-    both. Layers quantized in ``precision`` also have its numerics on bf16 tensor cores as
-    candidates (``<precision>_on_bf16_2:4``, not at decode sizes, and ``_dense``): a plan each.
-    A plan equal to an earlier one is left out. Pure."""
-    from sparsekit.accel.kernels import on_bf16_name, variant_name
+    both. A plan equal to an earlier one is left out. Pure."""
+    from sparsekit.accel.kernels import variant_name
 
     plans: dict[str, dict[str, str]] = {
         "dense": {n: c[0] for n, (c, _) in layers.items()},
@@ -124,9 +122,6 @@ def whole_model_plans(layers: dict[str, tuple[list[str], str]], precision: str,
     uniform = [variant_name(precision, True), "bf16_2:4", variant_name(precision, False)]
     if decode is not None:
         uniform.remove(variant_name(precision, False) if not decode else "bf16_2:4")
-    if precision != "bf16":  # a quantized model's numerics on bf16 tensor cores (kernels)
-        uniform += [on_bf16_name(precision, True)] if not decode else []
-        uniform += [on_bf16_name(precision, False)]
     for v in dict.fromkeys(uniform):
         plans[v] = {n: (v if v in c else ch) for n, (c, ch) in layers.items()}
     out: dict[str, dict[str, str]] = {}

@@ -315,33 +315,19 @@ def test_planner_cache_is_used(tmp_path, monkeypatch):
     assert fast.report.layers[0].timings_us["int8_2:4"] == 1.0
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "fp8_static"])
-def test_quantized_model_keeps_its_numerics_under_auto(tmp_path, monkeypatch, scheme):
-    """auto on a quantized model chooses among its scheme's dense and 2:4 kernels and the same
-    numerics on bf16 tensor cores (never a plain bf16 variant, which would drop its activation
-    quantization); whichever it picks computes the quantized model."""
+def test_quantized_model_keeps_its_numerics_under_auto(tmp_path, monkeypatch):
+    """auto on a quantized model chooses only between its scheme's dense and 2:4 kernels
+    (never a bf16 variant, which would drop its activation quantization)."""
     monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     net = _Net().eval()
     sk.prune_(net, pattern="2:4", criterion="magnitude", exclude=["b"])
-    x = torch.randn(6, 64)
-    sk.quantize_(net, scheme, calibration=[x])
-    with torch.no_grad():
-        ref = copy.deepcopy(net).to(torch.bfloat16)(x.bfloat16()).y.float()
-    fast = sk.accelerate(copy.deepcopy(net), x, precision="fp8", sparsity="auto", device="cpu",
-                         compile=False)
+    sk.quantize_(net, "fp8")
+    fast = sk.accelerate(net, torch.randn(6, 64), precision="fp8", sparsity="auto",
+                         device="cpu", compile=False)
     by_name = {d.name: d for d in fast.report.layers}
-    own = {"fp8_dense", "fp8_2:4"}
-    assert set(by_name["a"].timings_us) == own | {"fp8_on_bf16_dense", "fp8_on_bf16_2:4"}
-    assert set(by_name["b"].timings_us) == {"fp8_dense", "fp8_on_bf16_dense"}  # no 2:4
-    y = fast(x).y.float()
-    torch.testing.assert_close(y, ref, rtol=0.03, atol=0.03)
-    for name in ("a", "b"):  # each plan the planner could install computes the same model
-        for variant in by_name[name].timings_us:
-            layer = kernels.VARIANTS[variant](net.get_submodule(name))
-            assert layer.fmt is not None and layer.fmt.name == "fp8"
-    # "2:4" and "dense" install the scheme's own kernels, nothing on bf16 cores
-    fixed = sk.accelerate(net, x, precision="fp8", sparsity="2:4", device="cpu", compile=False)
-    assert {d.variant for d in fixed.report.layers} == {"fp8_2:4", "fp8_dense"}
+    assert set(by_name["a"].timings_us) == {"fp8_dense", "fp8_2:4"}
+    assert by_name["a"].variant in ("fp8_dense", "fp8_2:4")
+    assert by_name["b"].variant == "fp8_dense" and not by_name["b"].timings_us  # no 2:4
 
 
 # whole-model times of the 8B-shaped Llama (8 layers) on the H200, 2026-12-03 run 2 (ms): the
@@ -366,16 +352,9 @@ def test_whole_model_plans_and_choice():
     # a plan equal to an earlier one is timed once
     same = planner.whole_model_plans({"q": (["bf16_dense", "bf16_2:4"], "bf16_2:4")}, "bf16")
     assert list(same) == ["dense", "per_layer"]
-    # a quantized layer's "dense" is its own scheme's dense kernel; its numerics on bf16
-    # tensor cores are plans of their own (no 2:4 one at decode sizes)
-    quant = ["fp8_dense", "fp8_2:4", "fp8_on_bf16_dense", "fp8_on_bf16_2:4"]
-    q = planner.whole_model_plans({"a": (quant, "fp8_2:4"), "head": (["bf16_dense"],
-                                                                     "bf16_dense")}, "fp8")
-    assert q["dense"] == {"a": "fp8_dense", "head": "bf16_dense"}
-    assert list(q) == ["dense", "per_layer", "fp8_on_bf16_2:4", "fp8_on_bf16_dense"]
-    assert q["fp8_on_bf16_2:4"] == {"a": "fp8_on_bf16_2:4", "head": "bf16_dense"}
-    assert list(planner.whole_model_plans({"a": (quant, "fp8_2:4")}, "fp8", decode=True)) == [
-        "dense", "per_layer", "fp8_on_bf16_dense"]
+    # a quantized layer's "dense" is its own scheme's dense kernel
+    q = planner.whole_model_plans({"a": (["fp8_dense", "fp8_2:4"], "fp8_2:4")}, "fp8")
+    assert q["dense"] == {"a": "fp8_dense"}
     assert planner.choose_plan(H200_LLAMA_MS)[0] == "fp8_2:4"
     # decode: every plan slower than dense: dense stays; and min_speedup is honoured
     assert planner.choose_plan({"dense": 1.83, "fp8_2:4": 1.9, "per_layer": 2.1})[0] == "dense"

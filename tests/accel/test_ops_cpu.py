@@ -132,55 +132,6 @@ def test_accel_layer_built_from_quantlinear_matches_it(scheme, variant):
     assert (y.float() - dense).norm() / dense.norm() < (0.02 if scheme == "int8" else 0.08)
 
 
-@pytest.mark.parametrize("scheme", ["fp8_static", "fp8", "int8_static", "int8"])
-@pytest.mark.parametrize("sparse", [False, True])
-def test_on_bf16_variant_computes_the_quantized_layer(scheme, sparse):
-    """``<fmt>_on_bf16_*`` runs a QuantLinear's numerics on bf16 kernels: the same activation
-    codes, products of exact bf16 values; against a float64 reference on those codes its error
-    is bf16 rounding (the folded weight and the output), far below the 8-bit quantization's."""
-    torch.manual_seed(0)
-    lin = nn.Linear(64, 32)
-    with torch.no_grad():
-        lin.weight.copy_(_w24(32, 64))
-    model = nn.Sequential(lin)
-    quantize_(model, scheme, calibration=[torch.randn(4, 64)])
-    model.to(torch.bfloat16)
-    ql = model[0]
-    fmt = get_scheme(scheme).activation
-    layer = kernels.VARIANTS[kernels.on_bf16_name(fmt.name, sparse)](ql)
-    assert layer.on_bf16 and layer.fmt is fmt and layer.sparse == sparse
-    stored = layer.packed if sparse else layer.weight
-    assert stored.dtype == torch.bfloat16 and layer.w_scale is None
-    assert torch.equal(stored == 0, ql.weight.float() == 0)  # the 2:4 zeros kept
-    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
-    rows = x.reshape(-1, 64)
-    static = scheme.endswith("_static")
-    sx = ql.input_scale.reshape(1, 1) if static else row_scales(rows, fmt)
-    q = quantize(rows, sx, fmt)
-    q_bf16, _ = layer._codes(rows)
-    assert torch.equal(q_bf16, q.float().to(torch.bfloat16))  # the same codes, exactly
-    assert torch.equal(q_bf16.float(), q.float())
-    ref = ((q.double() @ ql.weight.double().t()) * sx.double() * ql.weight_scale.double()
-           + ql.bias.double()).reshape(3, 5, 32)
-    y = layer(x)
-    assert y.shape == (3, 5, 32) and y.dtype == torch.bfloat16
-    err = (y.double() - ref).abs().max() / ref.abs().max()
-    assert err < 2 ** -7  # bf16 roundings only
-    # from quant/'s W8A8 forward it differs by bf16 rounding: at most twice what rounding the
-    # weight and the output to bf16 does to the plain float layer
-    w8a8 = ql(x).double()
-    exact = x.double() @ lin.weight.double().t() + lin.bias.double()
-    bf16 = (x.double() @ lin.weight.bfloat16().double().t()).bfloat16().double() + \
-        lin.bias.double()
-    assert (y.double() - w8a8).norm() <= 2 * (bf16 - exact).norm()
-
-
-def test_on_bf16_variants_are_no_precision():
-    assert "fp8_on_bf16" not in kernels.precisions()
-    assert set(kernels.precisions()) == {"bf16", "fp8", "int8"}
-    assert kernels.on_bf16_name("int8", True) in kernels.VARIANTS.names()
-
-
 def test_unfused_quant_layer_equals_fused():
     lin = nn.Linear(64, 32)
     with torch.no_grad():
