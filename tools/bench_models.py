@@ -78,13 +78,20 @@ OPT_IN = ("sk_fp8_2:4_max_autotune", "dense_compiled_max_autotune",  # minutes o
           "sk_fp8_auto_again")  # a second accelerate: warm plan and inductor caches
 FRZ = {"freezing": True}  # weights as constants, folded; CSE over the inference graph
 # variants under extra inductor options or with sibling fusion: run when named
-OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib", "_head8")
+OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib", "_head8", "_combo", "_pdl")
+# fewer launches: independent kernels (the q/k/v epilogues) horizontally fused into one
+COMBO = {"combo_kernels": True}
+# programmatic dependent launch (Hopper): a kernel's launch overlaps the previous one's tail
+PDL = {"triton.enable_pdl": True}
 # dense under the same inductor options as ours: part of the reference when it was run
-DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt", "dense_compiled_ro_frz")
+DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt", "dense_compiled_ro_frz",
+                      "dense_compiled_ro_combo", "dense_compiled_ro_pdl")
 RECHECK = "dense_recheck"  # the fastest dense way timed again after every other row
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
             "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk", "sk_fp8s_2:4",
-            "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib", "sk_fp8s_2:4_head8")
+            "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib", "sk_fp8s_2:4_head8",
+            *(f"{v}{s}" for s in ("_combo", "_pdl")
+              for v in ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8s_2:4")))
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
 SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_int8_auto", "torchao_fp8_dense",
                   "stock_2:4"]
@@ -310,6 +317,7 @@ def profile_shares(fn, device: torch.device) -> dict | None:
         torch.cuda.synchronize()
     kinds = {"gemm": 0.0, "attention": 0.0, "triton": 0.0, "other": 0.0}
     count = 0
+    first, last = float("inf"), float("-inf")
     by_name: dict[str, list] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -317,6 +325,7 @@ def profile_shares(fn, device: torch.device) -> dict | None:
         n = e.name.lower()
         t = e.device_time if hasattr(e, "device_time") else e.cuda_time
         count += 1
+        first, last = min(first, e.time_range.start), max(last, e.time_range.end)
         k = by_name.setdefault(e.name[:100], [0.0, 0])
         k[0] += t
         k[1] += 1
@@ -331,7 +340,9 @@ def profile_shares(fn, device: torch.device) -> dict | None:
             kinds["other"] += t
     total = sum(kinds.values()) or 1.0
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
-    return {"kernels": count, "gpu_ms": total / 1e3,
+    # span: first kernel start to last kernel end; span - gpu_ms is the GPU's idle time
+    # between kernels inside the call (launch gaps), wall - span the host's share
+    return {"kernels": count, "gpu_ms": total / 1e3, "span_ms": (last - first) / 1e3,
             **{f"{k}_pct": 100.0 * v / total for k, v in kinds.items()},
             "top": [{"name": n, "us": t, "calls": c, "pct": 100.0 * t / total}
                     for n, (t, c) in top]}
@@ -426,7 +437,8 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
         out.append((f"{name}_head8", {**dict(out)[name], "dense_precision": "fp8"}))
     out.append(("dense_compiled_ro_frz", {"kind": "dense", "mode": "reduce-overhead",
                                           "backend": backend, "inductor": FRZ}))
-    for suffix, opts in (("_mk", MK), ("_mk_cdt", {**MK, **CDT})):
+    for suffix, opts in (("_mk", MK), ("_mk_cdt", {**MK, **CDT}), ("_combo", COMBO),
+                         ("_pdl", PDL)):
         out.append((f"dense_compiled_ro{suffix}", {"kind": "dense", "mode": "reduce-overhead",
                                                     "backend": backend, "inductor": opts}))
         for precision, sparsity in (("fp8", "2:4"), ("bf16", "2:4"), ("fp8", "auto"),
@@ -434,6 +446,7 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
             out.append((f"sk_{precision}_{sparsity}{suffix}", {
                 "kind": "sk", "precision": precision, "sparsity": sparsity,
                 "backend": backend, "inductor": opts}))
+        out.append((f"sk_fp8s_2:4{suffix}", {**dict(out)["sk_fp8s_2:4"], "inductor": opts}))
     return out
 
 
@@ -654,10 +667,11 @@ def to_markdown(res: dict) -> str:
                 lines.append(f"\n{k}: {e[k]:.2f}x")
         profs = {k: r["profile"] for k, r in e["variants"].items() if r.get("profile")}
         if profs:
-            lines += ["", "| profile | kernels | GPU ms | gemm % | attention % | triton % | "
-                      "other % |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            lines += ["", "| profile | kernels | GPU ms | span ms | gemm % | attention % | "
+                      "triton % | other % |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for k, p in profs.items():
-                lines.append(f"| {k} | {p['kernels']} | {p['gpu_ms']:.2f} | {p['gemm_pct']:.0f}"
+                lines.append(f"| {k} | {p['kernels']} | {p['gpu_ms']:.2f} | "
+                             f"{p.get('span_ms', float('nan')):.2f} | {p['gemm_pct']:.0f}"
                              f" | {p['attention_pct']:.0f} | {p['triton_pct']:.0f} | "
                              f"{p['other_pct']:.0f} |")
         lines.append("")
