@@ -103,10 +103,12 @@ def split_k_cases(out: dict, m: int, n: int, k: int) -> None:
                          packed, x.t(), None, None, None, True, 0, s, md), ref, True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="probe_cslt.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_cslt.py: needs a CUDA GPU (it calls cuSPARSELt)")
     out: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                  "cusparselt": torch.backends.cusparselt.version(),
                  "schema": torch._C._jit_get_schemas_for_operator("aten::_cslt_sparse_mm")[0]
