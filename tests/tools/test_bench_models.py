@@ -179,3 +179,37 @@ def test_causal_skip_applies_transformers_rule_under_compile(monkeypatch):
     # (what transformers itself does under compile varies with its version: not checked)
     assert seen[-1] == (True, True)
     torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_launch_option_rows_and_their_dense_reference(tmp_path):
+    """The _combo / _pdl rows run accelerate and dense under the same inductor option; the
+    dense one counts in the reference every ratio is taken against (a fair comparison), and
+    the markdown shows each profile's kernel span."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import bench_models as bm
+
+    rows = dict(bm.variants(smoke=False))
+    for suffix, opts in (("_combo", {"combo_kernels": True}),
+                         ("_pdl", {"triton.enable_pdl": True})):
+        assert rows[f"dense_compiled_ro{suffix}"]["inductor"] == opts
+        assert rows[f"sk_fp8s_2:4{suffix}"] == {**rows["sk_fp8s_2:4"], "inductor": opts}
+        assert rows[f"sk_bf16_2:4{suffix}"]["inductor"] == opts
+        assert f"dense_compiled_ro{suffix}" in bm.DENSE_SAME_OPTIONS
+        assert f"sk_fp8s_2:4{suffix}".endswith(bm.OPT_IN_SUFFIXES)  # only when named
+    def row(ms):
+        return {"ms": ms, "rel_err": 0.01, "compile_s": 1.0, "plan_s": 0.0, "compiles": 1}
+
+    entry = {"variants": {"dense_compiled_ro": row(6.4), "dense_compiled_ro_combo": row(6.2),
+                          "sk_bf16_2:4_combo": row(5.6)}}
+    bm.summarize(entry, "bert")
+    assert entry["fastest_dense"] == "dense_compiled_ro_combo"
+    assert entry["variants"]["sk_bf16_2:4_combo"]["ratio"] == pytest.approx(6.2 / 5.6)
+    entry["variants"]["sk_bf16_2:4_combo"]["profile"] = {
+        "kernels": 3, "gpu_ms": 1.0, "span_ms": 1.25, "gemm_pct": 50.0, "attention_pct": 20.0,
+        "triton_pct": 30.0, "other_pct": 0.0, "top": []}
+    md = bm.to_markdown({"command": "x", "date": "d", "device": "H200", "torch": "2.11",
+                         "models": {"bert": {"label": "BERT", **entry}}})
+    assert "| sk_bf16_2:4_combo | 3 | 1.00 | 1.25 | 50 | 20 | 30 | 0 |" in md
