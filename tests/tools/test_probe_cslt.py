@@ -1,4 +1,5 @@
-"""tools/probe_cslt.py is a GPU probe: on a machine without CUDA it says so in one line."""
+"""tools/probe_cslt.py and probe_cslt_epilogue.py are GPU probes: without CUDA each says so
+in one line."""
 
 import subprocess
 import sys
@@ -16,3 +17,11 @@ def test_probe_needs_a_gpu_and_says_so():
                            "unused.json"], capture_output=True, text=True)
     assert done.returncode == 1
     assert done.stderr.strip() == "probe_cslt.py: needs a CUDA GPU (it calls cuSPARSELt)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe runs for real on a GPU")
+def test_epilogue_probe_needs_a_gpu_and_says_so():
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_cslt_epilogue.py")],
+                          capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("probe_cslt_epilogue.py: needs a CUDA GPU")
