@@ -4,7 +4,8 @@
 // scale/bias/activation inside the GEMM), built and checked on the GPU by
 // tools/probe_cslt_epilogue.py; not used by the package.
 //
-//   out (M, N) = act(alpha * x (M, K) @ W.T + bias)
+//   out (M, N) = act(alpha * x (M, K) @ W.T + bias)            (bf16 / fp16 / fp32 out)
+//   out (M, N) = fp8(d_scale * act(alpha * x @ W.T + bias))    (fp8 out, d_scale given)
 //
 // W (N, K) is the weight compressed by torch._cslt_compress (the same structured descriptor:
 // N rows, K columns, leading dimension K, row-major, alignment 16), x row-major contiguous.
@@ -52,7 +53,8 @@ cudaDataType output_type(at::ScalarType t) {
 
 at::Tensor sparse24_mm_epilogue(const at::Tensor& packed, const at::Tensor& x, int64_t n,
                                 const std::optional<at::Tensor>& bias, double alpha, bool gelu,
-                                at::ScalarType out_dtype, int64_t alg_id) {
+                                at::ScalarType out_dtype, int64_t alg_id,
+                                const std::optional<at::Tensor>& d_scale) {
   TORCH_CHECK(x.is_cuda() && packed.is_cuda(), "x and packed must be CUDA tensors");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (M, K) matrix");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "packed and x must share a dtype");
@@ -98,6 +100,21 @@ at::Tensor sparse24_mm_epilogue(const at::Tensor& packed, const at::Tensor& x, i
                                            &on, sizeof(on)),
           "GELU activation");
   }
+  if (d_scale.has_value()) {
+    // fp8 out: D = fp8(d_scale * act(alpha * A @ B + bias)) (the next layer's static input
+    // quantization, 1 / its scale, read on the device at run time: capturable)
+    TORCH_CHECK(d_scale->is_cuda() && d_scale->numel() == 1 &&
+                    d_scale->scalar_type() == at::ScalarType::Float,
+                "d_scale must be a one-element float32 CUDA tensor");
+    int mode = CUSPARSELT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    check(cusparseLtMatmulDescSetAttribute(&handle, &matmul, CUSPARSELT_MATMUL_D_SCALE_MODE,
+                                           &mode, sizeof(mode)),
+          "D scale mode");
+    void* ptr = d_scale->data_ptr();
+    check(cusparseLtMatmulDescSetAttribute(&handle, &matmul, CUSPARSELT_MATMUL_D_SCALE_POINTER,
+                                           &ptr, sizeof(ptr)),
+          "D scale pointer");
+  }
   cusparseLtMatmulAlgSelection_t alg_sel;
   check(cusparseLtMatmulAlgSelectionInit(&handle, &alg_sel, &matmul,
                                          CUSPARSELT_MATMUL_ALG_DEFAULT),
@@ -131,5 +148,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "act(alpha * x @ W.T + bias) on cuSPARSELt 2:4 (W compressed by torch._cslt_compress)",
         pybind11::arg("packed"), pybind11::arg("x"), pybind11::arg("n"), pybind11::arg("bias"),
         pybind11::arg("alpha"), pybind11::arg("gelu"), pybind11::arg("out_dtype"),
-        pybind11::arg("alg_id"));
+        pybind11::arg("alg_id"), pybind11::arg("d_scale") = pybind11::none());
 }
