@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from sparsekit.accel.timing import graph_time_us  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tools"))
+from probe_cslt import fp8, two_four  # noqa: E402
+
 SHAPES = (("bert_qkv", 4096, 1024, 1024), ("bert_fc1", 4096, 4096, 1024),
           ("bert_fc2", 4096, 1024, 4096), ("llama_up", 4096, 14336, 4096))
 MAX_ALG = 16
@@ -51,19 +54,6 @@ def build():
     return load(name="sk_cslt_epilogue", sources=[str(ROOT / "tools/cslt_ext/cslt_epilogue.cpp")],
                 extra_include_paths=[inc, *extra], with_cuda=True, verbose=False,
                 extra_ldflags=[f"-L{lib}", "-l:libcusparseLt.so.0", f"-Wl,-rpath,{lib}"])
-
-
-def two_four(n: int, k: int) -> torch.Tensor:
-    w = torch.randn(n, k, device="cuda")
-    g = w.reshape(n, -1, 4)
-    keep = g.abs().topk(2, dim=-1).indices
-    return (g * torch.zeros_like(g).scatter_(-1, keep, 1.0)).reshape(n, k)
-
-
-def fp8(t: torch.Tensor, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = t.abs().amax(dim=1, keepdim=True) if per_row else t.abs().amax()
-    s = amax.float().clamp(min=1e-12) / 448.0
-    return (t / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
 
 
 def gelu_erf(t: torch.Tensor) -> torch.Tensor:
@@ -99,6 +89,29 @@ def fastest(make, algs=range(MAX_ALG)) -> dict:
     return best
 
 
+def failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+
+def compare(ours, today, ref: torch.Tensor, ours_also: dict | None = None) -> dict:
+    """Each path at its fastest algorithm: microseconds and error against ``ref`` (and, for
+    ours, against each of ``ours_also``), plus today's time over ours."""
+    row: dict = {}
+    for label, make in (("ours", ours), ("today", today)):
+        try:
+            best = fastest(make)
+            y = best["fn"]().float()
+            row[label] = {"us": best["us"], "alg_id": best["alg_id"], "rel_err": rel(y, ref),
+                          "algs_tried": len(best["tried"])}
+            if label == "ours":
+                row[label].update({k: rel(y, r) for k, r in (ours_also or {}).items()})
+        except Exception as e:  # noqa: BLE001  (what fails is the finding)
+            row[label] = {"error": failure(e)}
+    if "us" in row["ours"] and "us" in row["today"]:
+        row["speedup"] = row["today"]["us"] / row["ours"]["us"]
+    return row
+
+
 def fp8_out_rows(ext, packed, xq, n, bias, alpha, scale_t, acc, lin) -> dict:
     """fp8 output for the next layer: (a) its static input scale folded into alpha (no
     activation); (b) bias + GELU, then the next layer's quantization by cuSPARSELt's D scale
@@ -112,7 +125,7 @@ def fp8_out_rows(ext, packed, xq, n, bias, alpha, scale_t, acc, lin) -> dict:
                                       torch.float8_e4m3fn, 0)
         rows["alpha_folded"] = {"rel_err": rel(y8.float(), (acc * alpha / s_lin).clamp(-448, 448))}
     except Exception as e:  # noqa: BLE001
-        rows["alpha_folded"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        rows["alpha_folded"] = {"error": failure(e)}
     g = gelu_erf(lin)
     s_next = (g.abs().amax() / 448.0).item()
     inv = torch.tensor([1.0 / s_next], device="cuda")
@@ -131,21 +144,9 @@ def fp8_out_rows(ext, packed, xq, n, bias, alpha, scale_t, acc, lin) -> dict:
         return lambda: epi(torch._cslt_sparse_mm(packed, xq.t(), None, None, torch.bfloat16,
                                                  True, alg))
 
-    row: dict = {}
-    for label, make in (("ours", ours), ("today", today)):
-        try:
-            best = fastest(make)
-            y = best["fn"]().float()
-            row[label] = {"us": best["us"], "alg_id": best["alg_id"],
-                          "rel_err": rel(y, (g / s_next).clamp(-448, 448))}
-            if label == "ours":
-                row[label]["rel_err_if_d_scale_divides"] = rel(y, (g * s_next).clamp(-448, 448))
-                row[label]["rel_err_vs_tanh_gelu"] = rel(
-                    y, (gelu_tanh(lin) / s_next).clamp(-448, 448))
-        except Exception as e:  # noqa: BLE001
-            row[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    if "us" in row.get("ours", {}) and "us" in row.get("today", {}):
-        row["speedup"] = row["today"]["us"] / row["ours"]["us"]
+    row = compare(ours, today, (g / s_next).clamp(-448, 448), {
+        "rel_err_if_d_scale_divides": (g * s_next).clamp(-448, 448),
+        "rel_err_vs_tanh_gelu": (gelu_tanh(lin) / s_next).clamp(-448, 448)})
     rows["bias_gelu_d_scale"] = row
     return rows
 
@@ -153,7 +154,7 @@ def fp8_out_rows(ext, packed, xq, n, bias, alpha, scale_t, acc, lin) -> dict:
 def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
     """One shape, static per-tensor activation scale, per-tensor weight scale (alpha = one
     scalar); rows: bias only (q/k/v-like) and bias + GELU (fc1-like), bf16 out; fp8 out."""
-    w = two_four(n, k)
+    w = two_four(n, k, "cuda")
     wq, sw = fp8(w)
     x = torch.randn(m, k, device="cuda")
     xq, sx = fp8(x)
@@ -183,19 +184,8 @@ def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
             return lambda: epi(torch._cslt_sparse_mm(packed, xq.t(), None, None, torch.bfloat16,
                                                      True, alg))
 
-        row: dict = {}
-        for label, make in (("ours", ours), ("today", today)):
-            try:
-                best = fastest(make)
-                y = best["fn"]()
-                row[label] = {"us": best["us"], "alg_id": best["alg_id"], "rel_err": rel(y, ref),
-                              "algs_tried": len(best["tried"])}
-                if label == "ours" and gelu:  # cuSPARSELt's GELU: erf or tanh form?
-                    row[label]["rel_err_vs_tanh_gelu"] = rel(y, gelu_tanh(lin))
-            except Exception as e:  # noqa: BLE001  (what fails is the finding)
-                row[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-        if "us" in row.get("ours", {}) and "us" in row.get("today", {}):
-            row["speedup"] = row["today"]["us"] / row["ours"]["us"]
+        row = compare(ours, today, ref,
+                      {"rel_err_vs_tanh_gelu": gelu_tanh(lin)} if gelu else None)
         res[act] = row
     res["fp8_out"] = fp8_out_rows(ext, packed, xq, n, bias, alpha, scale_t, acc, lin)
     # captured once, replayed: the same numbers
@@ -214,7 +204,7 @@ def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
         torch.cuda.synchronize()
         res["graph_replay_rel_err"] = rel(y, lin)
     except Exception as e:  # noqa: BLE001
-        res["graph_replay_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        res["graph_replay_error"] = failure(e)
     out[name] = res
     print(name, json.dumps(res), flush=True)
 
