@@ -69,8 +69,9 @@ TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("vit", "sk_bf16_2:4"): 1.15, ("vit", "sk_fp8_2:4"): 1.4,
 }
 # fp8 2:4 with static activation scales is fp8 2:4 too: the same targets
-TARGETS.update({(m, "sk_fp8s_2:4"): t for (m, v), t in list(TARGETS.items()) if v == "sk_fp8_2:4"})
-FP8_24 = ("sk_fp8_2:4", "sk_fp8s_2:4")  # compared with torchao's fp8 dense
+TARGETS.update({(m, v8): t for (m, v), t in list(TARGETS.items()) if v == "sk_fp8_2:4"
+                for v8 in ("sk_fp8s_2:4", "sk_fp8st_2:4")})
+FP8_24 = ("sk_fp8_2:4", "sk_fp8s_2:4", "sk_fp8st_2:4")  # compared with torchao's fp8 dense
 DENSE = ("dense_eager", "dense_compiled", "dense_compiled_ro")
 MK = {"triton.multi_kernel": 1}  # inductor may use persistent reductions up to 16k wide
 CDT = {"coordinate_descent_tuning": True}
@@ -89,12 +90,12 @@ DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt", "dense
 RECHECK = "dense_recheck"  # the fastest dense way timed again after every other row
 PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
             "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk", "sk_fp8s_2:4",
-            "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib", "sk_fp8s_2:4_head8",
+            "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib", "sk_fp8s_2:4_head8", "sk_fp8st_2:4",
             *(f"{v}{s}" for s in ("_combo", "_pdl")
               for v in ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8s_2:4")))
 # smoke (CI): these plus dense eager and compiled (reduce-overhead is CUDA graphs: not on CPU)
-SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_int8_auto", "torchao_fp8_dense",
-                  "stock_2:4"]
+SMOKE_VARIANTS = ["sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4", "sk_fp8st_2:4", "sk_int8_auto",
+                  "torchao_fp8_dense", "stock_2:4"]
 
 
 # ---------------------------------------------------------------- models
@@ -411,10 +412,13 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
     out.append(("sk_fp8_auto_again", dict(out[[n for n, _ in out].index("sk_fp8_auto")][1])))
     # static per-tensor activation scales (quantize_ fp8_static on the example inputs first):
     # activation quantization elementwise, fused into its producer with no row reduction
-    for sparsity in ("2:4", "auto"):
-        out.append((f"sk_fp8s_{sparsity}", {"kind": "sk", "precision": "fp8",
-                                             "sparsity": sparsity, "backend": backend,
-                                             "static": "fp8_static"}))
+    # fp8st: static activation scales and one weight scale per tensor (fp8_static_tensor):
+    # scale, bias and GELU inside the GEMM (sparsekit's cuSPARSELt binding)
+    for tag, scheme in (("fp8s", "fp8_static"), ("fp8st", "fp8_static_tensor")):
+        for sparsity in ("2:4", "auto"):
+            out.append((f"sk_{tag}_{sparsity}", {"kind": "sk", "precision": "fp8",
+                                                  "sparsity": sparsity, "backend": backend,
+                                                  "static": scheme}))
     out.append(("sk_fp8_2:4_unfused_quant", {"kind": "sk", "precision": "fp8",
                                              "sparsity": "2:4", "backend": backend,
                                              "fused_quant": False}))

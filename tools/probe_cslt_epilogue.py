@@ -1,6 +1,7 @@
-"""Builds tools/cslt_ext (a cuSPARSELt 2:4 matmul whose epilogue takes a host scalar alpha, a
-bias and GELU) on the GPU machine and measures it against what sparsekit runs today: torch's
-``_cslt_sparse_mm`` followed by the scale/bias/GELU epilogue compiled by inductor. Correctness
+"""Builds sparsekit's own cuSPARSELt binding (:mod:`sparsekit.accel.cslt_ext`: a 2:4 matmul
+whose epilogue takes a host scalar alpha, a bias and GELU) and measures it against torch's
+``_cslt_sparse_mm`` followed by the scale/bias/GELU epilogue compiled by inductor (the
+per-channel fp8 2:4 layers' path). Correctness
 against a float64 reference of the same 8-bit values, CUDA-graph capture, and microseconds
 under graph replay, each path at its fastest cuSPARSELt algorithm. JSON to --out.
 
@@ -23,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from sparsekit.accel import cslt_ext  # noqa: E402
 from sparsekit.accel.timing import graph_time_us  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -33,27 +35,12 @@ SHAPES = (("bert_qkv", 4096, 1024, 1024), ("bert_fc1", 4096, 4096, 1024),
 MAX_ALG = 16
 
 
-def cusparselt_dirs() -> tuple[str, str]:
-    """(include dir, lib dir) of the cuSPARSELt that torch loads (the nvidia-cusparselt wheel
-    beside torch)."""
-    for entry in map(Path, sys.path):
-        for base in sorted(entry.glob("nvidia/cusparselt*")):
-            if (base / "include" / "cusparseLt.h").exists():
-                return str(base / "include"), str(base / "lib")
-    raise SystemExit("probe_cslt_epilogue.py: no nvidia/cusparselt*/include/cusparseLt.h on "
-                     "sys.path (the nvidia-cusparselt wheel torch uses)")
-
-
 def build():
-    from torch.utils.cpp_extension import load
-
-    inc, lib = cusparselt_dirs()
-    # CUDA headers from the nvidia wheels where the toolkit lacks them (cusparse.h, for ATen)
-    wheels = Path(inc).parents[1]
-    extra = [str(d) for d in sorted(wheels.glob("*/include")) if (d / "cusparse.h").exists()]
-    return load(name="sk_cslt_epilogue", sources=[str(ROOT / "tools/cslt_ext/cslt_epilogue.cpp")],
-                extra_include_paths=[inc, *extra], with_cuda=True, verbose=False,
-                extra_ldflags=[f"-L{lib}", "-l:libcusparseLt.so.0", f"-Wl,-rpath,{lib}"])
+    ext = cslt_ext.load()
+    if ext is None:
+        raise SystemExit(f"probe_cslt_epilogue.py: sparsekit's binding did not build: "
+                         f"{cslt_ext.reason()}")
+    return ext
 
 
 def gelu_erf(t: torch.Tensor) -> torch.Tensor:
@@ -112,45 +99,6 @@ def compare(ours, today, ref: torch.Tensor, ours_also: dict | None = None) -> di
     return row
 
 
-def fp8_out_rows(ext, packed, xq, n, bias, alpha, scale_t, acc, lin) -> dict:
-    """fp8 output for the next layer: (a) its static input scale folded into alpha (no
-    activation); (b) bias + GELU, then the next layer's quantization by cuSPARSELt's D scale
-    (fc1 -> fc2 in BERT/ViT), against what runs today: torch's binding, then one compiled
-    kernel for scale + bias + GELU + quantize. Which way cuSPARSELt applies the D scale
-    (times or divided by) is read off the errors."""
-    rows: dict = {}
-    s_lin = (lin.abs().amax() / 448.0).item()
-    try:
-        y8 = ext.sparse24_mm_epilogue(packed, xq, n, None, alpha / s_lin, False,
-                                      torch.float8_e4m3fn, 0)
-        rows["alpha_folded"] = {"rel_err": rel(y8.float(), (acc * alpha / s_lin).clamp(-448, 448))}
-    except Exception as e:  # noqa: BLE001
-        rows["alpha_folded"] = {"error": failure(e)}
-    g = gelu_erf(lin)
-    s_next = (g.abs().amax() / 448.0).item()
-    inv = torch.tensor([1.0 / s_next], device="cuda")
-
-    def ours(alg):
-        return lambda: ext.sparse24_mm_epilogue(packed, xq, n, bias, alpha, True,
-                                                torch.float8_e4m3fn, alg, inv)
-
-    def today_fn(acc_bf16):
-        y = torch.nn.functional.gelu(acc_bf16.float() * scale_t + bias.float())
-        return (y / s_next).clamp(-448, 448).to(torch.float8_e4m3fn)
-
-    epi = torch.compile(today_fn, dynamic=False)
-
-    def today(alg):
-        return lambda: epi(torch._cslt_sparse_mm(packed, xq.t(), None, None, torch.bfloat16,
-                                                 True, alg))
-
-    row = compare(ours, today, (g / s_next).clamp(-448, 448), {
-        "rel_err_if_d_scale_divides": (g * s_next).clamp(-448, 448),
-        "rel_err_vs_tanh_gelu": (gelu_tanh(lin) / s_next).clamp(-448, 448)})
-    rows["bias_gelu_d_scale"] = row
-    return rows
-
-
 def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
     """One shape, static per-tensor activation scale, per-tensor weight scale (alpha = one
     scalar); rows: bias only (q/k/v-like) and bias + GELU (fc1-like), bf16 out; fp8 out."""
@@ -170,8 +118,7 @@ def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
         gelu = act == "gelu"
 
         def ours(alg, gelu=gelu):
-            return lambda: ext.sparse24_mm_epilogue(packed, xq, n, bias, alpha, gelu,
-                                                    torch.bfloat16, alg)
+            return lambda: ext.sparse24_mm_alpha(packed, xq, n, bias, alpha, gelu, alg)
 
         def today_fn(acc_bf16, gelu=gelu):
             y = acc_bf16.float() * scale_t + bias.float()
@@ -187,7 +134,6 @@ def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
         row = compare(ours, today, ref,
                       {"rel_err_vs_tanh_gelu": gelu_tanh(lin)} if gelu else None)
         res[act] = row
-    res["fp8_out"] = fp8_out_rows(ext, packed, xq, n, bias, alpha, scale_t, acc, lin)
     # captured once, replayed: the same numbers
     try:
         static_x = xq.clone()
@@ -195,11 +141,10 @@ def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            ext.sparse24_mm_epilogue(packed, static_x, n, bias, alpha, False, torch.bfloat16, 0)
+            ext.sparse24_mm_alpha(packed, static_x, n, bias, alpha, False, 0)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
-            y = ext.sparse24_mm_epilogue(packed, static_x, n, bias, alpha, False,
-                                         torch.bfloat16, 0)
+            y = ext.sparse24_mm_alpha(packed, static_x, n, bias, alpha, False, 0)
         graph.replay()
         torch.cuda.synchronize()
         res["graph_replay_rel_err"] = rel(y, lin)

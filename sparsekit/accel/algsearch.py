@@ -63,16 +63,18 @@ def search(variant: str, linear: nn.Linear, tokens: int, *, use_cache: bool = Tr
     """Build ``variant`` for ``linear`` with the fastest alg_id at ``tokens`` rows of input.
 
     Returns (module, alg_id, {alg_id: microseconds}); the timings are empty on a cache hit."""
-    cls = VARIANTS[variant]
-    key = _runtime_key(variant, linear, tokens)
+    module = VARIANTS[variant](linear, alg_id=0)
+    # the kernel route is part of the key: sparsekit's binding has its own best algorithms
+    key = _runtime_key(variant if module.path == "cslt" else f"{variant}|{module.path}",
+                       linear, tokens)
     if use_cache:
         hit = load_cache().get(key)
         if hit is not None:
-            return cls(linear, alg_id=int(hit["alg_id"])), int(hit["alg_id"]), {}
+            module.alg_id = int(hit["alg_id"])
+            return module, module.alg_id, {}
     x = torch.randn(tokens, linear.in_features, device="cuda", dtype=torch.bfloat16)
     timings: dict[int, float] = {}
     best: tuple[float, int, nn.Module] | None = None
-    module = cls(linear, alg_id=0)
     for alg_id in range(MAX_ALG_ID):
         module.alg_id = alg_id
         try:

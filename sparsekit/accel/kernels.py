@@ -88,6 +88,12 @@ class _AccelLinear(nn.Module):
             y = y + self.bias.float()
         return y.to(torch.bfloat16)
 
+    @property
+    def path(self) -> str:
+        """The kernel route, part of the algorithm cache's key: "cslt" (torch's cuSPARSELt
+        binding), "cslt_alpha" (sparsekit's), "dense"."""
+        return "cslt" if self.sparse else "dense"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._mm(x.reshape(-1, self.in_features))
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -134,17 +140,40 @@ class FP8Dense(_AccelLinear):
 
 
 class FP8Sparse24(_AccelLinear):
-    """W8A8 float8 e4m3 2:4 (cuSPARSELt, bf16 product), activations quantized per token;
-    scales and bias applied after the GEMM (cuSPARSELt has no per-row scale, and refuses
-    per-channel alpha vectors for fp8 on the H200)."""
+    """W8A8 float8 e4m3 2:4 (cuSPARSELt), activations quantized per token (or by a static
+    scheme's one scale).
+
+    With one activation scale and one weight scale per tensor (the ``fp8_static_tensor``
+    scheme) the layer is ``act(alpha * x @ W.T + bias)`` with a scalar alpha, run by sparsekit's
+    own binding with the scale and bias in cuSPARSELt's epilogue (``path`` "cslt_alpha"; GELU
+    too, after the compiler pass :class:`~sparsekit.accel.epilogue.FuseGelu`). Otherwise
+    (per-token or per-channel scales: cuSPARSELt has no per-row scale and refuses per-channel
+    alpha vectors for fp8 on the H200, or the binding could not be built) the bf16 product
+    comes from torch's binding and the scales and bias are applied after it in plain torch
+    (``path`` "cslt")."""
 
     variant = "fp8_2:4"
     sparse = True
     uses_alg = True
     fmt = FP8
 
+    def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True):
+        super().__init__(linear, alg_id, fused_quant)
+        self.alpha: float | None = None
+        per_tensor = bool((self.w_scale == self.w_scale[0]).all())
+        if self.act_scale is not None and per_tensor and (
+                not self.packed.is_cuda or ops.alpha_path()):
+            self.alpha = float(self.act_scale.reshape(-1)[0]) * float(self.w_scale[0])
+
+    @property
+    def path(self) -> str:
+        return "cslt" if self.alpha is None else "cslt_alpha"
+
     def _mm(self, x2d):
         q, sx = self._quant(x2d)
+        if self.alpha is not None:
+            return ops.sparse24_mm_alpha(q, self.packed, self.bias, self.out_features,
+                                         self.alg_id, self.alpha, False)
         acc = ops.sparse24_mm(q, self.packed, None, self.out_features, self.alg_id,
                               torch.bfloat16)
         return self._epilogue(acc, sx)

@@ -11,6 +11,12 @@ Nothing in a forward reads tensor data on the host.
   (M, K) is bf16, float8 e4m3fn or int8 with W of the same dtype; the 8-bit products come back
   unscaled (``out_dtype`` bf16, or int32 for int8 where cuSPARSELt offers it): the scales are
   applied by the caller in plain torch, where the compiler fuses them into what follows.
+- ``sparse24_mm_alpha(x, packed, bias, out_features, alg_id, alpha, gelu)``: bf16
+  ``act(alpha * x @ W.T + bias)`` for an 8-bit 2:4 weight W and a host scalar ``alpha`` (a
+  static activation scale times a per-tensor weight scale), the scale, bias and GELU in
+  cuSPARSELt's epilogue through sparsekit's own binding (:mod:`sparsekit.accel.cslt_ext`).
+  ``gelu`` is set by the compiler pass :class:`sparsekit.accel.epilogue.FuseGelu`, never by a
+  layer.
 - ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
   ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
 - ``quant_rows(x, dtype)``: dynamic activation quantization per token (row), with the
@@ -27,11 +33,16 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit import _compat
+from sparsekit.accel import cslt_ext
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import quantize, row_scales
 
 _FORMATS = {torch.int8: INT8, torch.float8_e4m3fn: FP8}
+# the GELU cuSPARSELt's epilogue computes (F.gelu's ``approximate``): the tanh form, measured on
+# the H200 (cuSPARSELt 0.8.0) by tests/accel/test_accel_gpu.py at pre-activations near -3, where
+# the two forms differ by 10%. An erf GELU (BERT's, ViT's) is left to the compiler.
+GELU_APPROXIMATE = "tanh"
 _M_MULTIPLE = 16  # rows the 8-bit and 2:4 CUDA kernels take as they are; fewer are padded
 
 
@@ -91,6 +102,41 @@ def pack_24(weight: torch.Tensor) -> torch.Tensor:
     compressed buffer on CUDA, the dense weight itself on CPU."""
     weight = weight.contiguous()
     return _compat.cslt_compress(weight) if weight.is_cuda else weight.clone()
+
+
+@torch.library.custom_op("sparsekit::sparse24_mm_alpha", mutates_args=(), device_types="cuda")
+def sparse24_mm_alpha(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                      out_features: int, alg_id: int, alpha: float, gelu: bool) -> torch.Tensor:
+    ext = cslt_ext.load()
+    if ext is None:
+        raise RuntimeError(f"sparsekit::sparse24_mm_alpha needs sparsekit's cuSPARSELt binding: "
+                           f"{cslt_ext.reason()}")
+    m = x.shape[0]
+    xp = _pad_rows(x, _M_MULTIPLE)
+    y = ext.sparse24_mm_alpha(packed, xp, out_features, bias, alpha, gelu, alg_id)
+    if y is None:
+        raise RuntimeError(f"sparsekit::sparse24_mm_alpha ({out_features}x{x.shape[1]}, "
+                           f"alg_id={alg_id}): {ext.last_error()}")
+    return y[:m] if xp.shape[0] != m else y
+
+
+@sparse24_mm_alpha.register_kernel("cpu")
+def _sparse24_mm_alpha_ref(x, packed, bias, out_features, alg_id, alpha, gelu):
+    y = (x.float() @ packed.float().t()) * alpha
+    if bias is not None:
+        y = y + bias.float()
+    return (F.gelu(y, approximate=GELU_APPROXIMATE) if gelu else y).to(torch.bfloat16)
+
+
+@sparse24_mm_alpha.register_fake
+def _sparse24_mm_alpha_fake(x, packed, bias, out_features, alg_id, alpha, gelu):
+    return x.new_empty((x.shape[0], out_features), dtype=torch.bfloat16)
+
+
+def alpha_path() -> bool:
+    """Whether the 8-bit 2:4 layers may use :func:`sparse24_mm_alpha` on CUDA (the binding
+    builds; it is built here on the first call)."""
+    return cslt_ext.load() is not None
 
 
 @functools.cache
@@ -154,5 +200,5 @@ def _quant_rows_fake(x, dtype):
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
-__all__ = ["act_quant_rows", "fmt_of", "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm",
-           "sparse24_mm"]
+__all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "fmt_of", "int8_acc_dtype",
+           "pack_24", "quant_rows", "scaled_mm", "sparse24_mm", "sparse24_mm_alpha"]

@@ -7,14 +7,16 @@ int8 W8A8; ``pack_quantized`` for int weight-only); its sparse compressors (bitm
 marlin-24) are gone, only their config classes are left, and ``ModelCompressor.update_config``
 writes an empty ``sparsity_config``. So:
 
-- a model sparsekit quantized with ``fp8``, ``int8`` or ``int8_weight_only`` (Linear layers) is
-  written with the format compressed-tensors infers for that scheme, through its own API: a
-  :class:`~compressed_tensors.quantization.QuantizationScheme` per the sparsekit scheme (8-bit
-  symmetric weights with one scale per output channel, the very scales sparsekit computed; W8A8:
-  dynamic per-token activations), each layer's ``weight``/``weight_scale`` compressed by the
-  format's compressor, and ``ModelCompressor.update_config`` writing ``quantization_config``
-  into config.json. Before anything is written, each layer is decompressed again through the
-  package and must give sparsekit's dequantized weight bit for bit.
+- a model sparsekit quantized with ``fp8``, ``int8``, ``int8_weight_only`` or a static scheme
+  (Linear layers) is written with the format compressed-tensors infers for that scheme, through
+  its own API: a :class:`~compressed_tensors.quantization.QuantizationScheme` per the sparsekit
+  scheme (8-bit symmetric weights with one scale per output channel, or one per tensor for
+  ``fp8_static_tensor``, the very scales sparsekit computed; W8A8: dynamic per-token
+  activations, or a static scale per tensor), each layer's ``weight``/``weight_scale``
+  compressed by the format's compressor, and ``ModelCompressor.update_config`` writing
+  ``quantization_config`` into config.json. Before anything is written, each layer is
+  decompressed again through the package and must give sparsekit's dequantized weight bit for
+  bit.
 - pruning is recorded as metadata: ``quantization_config.sparsity_config`` is a
   ``DenseSparsityConfig`` (format ``dense``: the zeros are stored as values, since no sparse
   compressor exists to pack them) with ``sparsity_structure`` ``2:4`` when every quantized layer
@@ -88,7 +90,8 @@ def reason_skipped(model: nn.Module) -> str | None:
 
 def ct_scheme(scheme: str, targets: list[str]) -> Any:
     """The compressed-tensors ``QuantizationScheme`` equal to sparsekit's ``scheme``: 8-bit
-    symmetric weights, one scale per output channel (``channel``); for W8A8 also 8-bit
+    symmetric weights, one scale per output channel (``channel``) or, for a scheme with
+    ``weight_granularity="tensor"``, one for the whole weight (``tensor``); for W8A8 also 8-bit
     symmetric activations, same type as weights, with a dynamic scale per token (``token``) or,
     for a static scheme, the layer's one calibrated ``input_scale`` (``tensor``, not dynamic)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -97,8 +100,8 @@ def ct_scheme(scheme: str, targets: list[str]) -> Any:
 
     s = get_scheme(scheme)
     kind = "float" if s.weight is FP8 else "int"
-    weights = QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="channel",
-                               dynamic=False)
+    weights = QuantizationArgs(num_bits=8, type=kind, symmetric=True,
+                               strategy=s.weight_granularity, dynamic=False)
     acts = None
     if s.activation is not None:
         acts = QuantizationArgs(num_bits=8, type="float" if s.activation is FP8 else "int",
@@ -156,7 +159,11 @@ def compress_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], Any,
         sd.pop(f"{name}.weight_scale")
         # on the CPU: the package's CUDA kernels need not round as its reference code does
         want = m.dequantized_weight(torch.float32).cpu()
-        local = {"weight": want, "weight_scale": m.weight_scale.float().cpu().reshape(-1, 1)}
+        # the package's shapes: (out, 1) per channel, (1,) per tensor (sparsekit stores it
+        # once per output channel, all equal)
+        w_scale = m.weight_scale.float().cpu()
+        w_scale = w_scale[:1] if scheme.weights.strategy == "tensor" else w_scale.reshape(-1, 1)
+        local = {"weight": want, "weight_scale": w_scale}
         packed = compressor.compress(local, scheme)
         back = compressor.decompress(packed, scheme)["weight"]
         if back.dtype != torch.float32 or not torch.equal(back, want):

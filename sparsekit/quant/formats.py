@@ -2,22 +2,30 @@
 
 A *format* is a storage dtype plus the largest magnitude it represents; symmetric scales map a
 tensor's absolute maximum onto that magnitude. A *scheme* says which format the weights use,
-whether (and in which format) activations are quantized, and how their scales are found:
+whether (and in which format) activations are quantized, and how their scales are found.
+
+Weights have one scale per output channel, except in ``fp8_static_tensor``: one scale for the
+whole weight (``max |W| / 448``, torchao's default fp8 granularity). With its static activation
+scale the GEMM's whole rescale is then one scalar, which a kernel taking only a scalar in its
+epilogue (cuSPARSELt's fp8 ``alpha``) applies inside the GEMM. Activation scales are:
 
 - dynamic (``int8``, ``fp8``): one scale per token (per sample for convolutions), from the
   activation itself at every call. Nothing to calibrate; one extra pass over each row.
-- static (``int8_static``, ``fp8_static``): one scale per layer input, fixed: set from
-  calibration batches by ``quantize_`` or tracked during QAT (a moving average of the batch
-  absmax), then frozen. Values beyond it saturate. Quantizing is then elementwise, so on the GPU
-  it fuses into the op producing the activation with no reduction over the row (the vLLM /
-  compressed-tensors "static per-tensor" activation scheme).
+- static (``int8_static``, ``fp8_static``, ``fp8_static_tensor``): one scale per layer input,
+  fixed: set from calibration batches by ``quantize_`` or tracked during QAT (a moving average
+  of the batch absmax), then frozen. Values beyond it saturate. Quantizing is then elementwise,
+  so on the GPU it fuses into the op producing the activation with no reduction over the row
+  (the vLLM / compressed-tensors "static per-tensor" activation scheme).
 
->>> get_scheme("int8")
-Scheme(name='int8', weight=Format(name='int8'), activation=Format(name='int8'), static=False)
+>>> get_scheme("int8")  # doctest: +NORMALIZE_WHITESPACE
+Scheme(name='int8', weight=Format(name='int8'), activation=Format(name='int8'), static=False,
+       weight_granularity='channel')
 >>> get_scheme("int8_weight_only").activation is None
 True
 >>> get_scheme("fp8_static").static
 True
+>>> get_scheme("fp8_static_tensor").weight_granularity
+'tensor'
 """
 
 from __future__ import annotations
@@ -44,21 +52,31 @@ class Format:
 INT8 = Format("int8", torch.int8, 127.0)
 FP8 = Format("fp8", torch.float8_e4m3fn, 448.0)
 
+# How many weight scales a scheme has: one per output channel, or one for the whole tensor.
+WEIGHT_GRANULARITIES = ("channel", "tensor")
+
 
 @dataclass(frozen=True)
 class Scheme:
-    """A quantization scheme: weight format (per output channel scales), activation format
-    (None keeps activations in float) and whether activation scales are ``static`` (one per
-    layer input, calibrated) rather than dynamic (one per token row or per sample)."""
+    """A quantization scheme: weight format, activation format (None keeps activations in
+    float), whether activation scales are ``static`` (one per layer input, calibrated) rather
+    than dynamic (one per token row or per sample), and ``weight_granularity``: ``"channel"``
+    (one weight scale per output channel) or ``"tensor"`` (one for the whole weight; the
+    quantized layers still store it once per output channel, all equal)."""
 
     name: str
     weight: Format
     activation: Format | None
     static: bool = False
+    weight_granularity: str = "channel"
 
     def __post_init__(self) -> None:
         if self.static and self.activation is None:
             raise UsageError(f"scheme {self.name!r}: static=True needs an activation format")
+        if self.weight_granularity not in WEIGHT_GRANULARITIES:
+            raise UsageError(f"scheme {self.name!r}: unknown weight_granularity "
+                             f"{self.weight_granularity!r}; allowed: "
+                             f"{', '.join(map(repr, WEIGHT_GRANULARITIES))}")
 
 
 SCHEMES: Registry[Scheme] = Registry("quantization scheme")
@@ -74,7 +92,9 @@ def register_scheme(scheme: Scheme) -> None:
 
 for _scheme in (Scheme("int8_weight_only", INT8, None), Scheme("int8", INT8, INT8),
                 Scheme("fp8", FP8, FP8), Scheme("int8_static", INT8, INT8, static=True),
-                Scheme("fp8_static", FP8, FP8, static=True)):
+                Scheme("fp8_static", FP8, FP8, static=True),
+                Scheme("fp8_static_tensor", FP8, FP8, static=True,
+                       weight_granularity="tensor")):
     register_scheme(_scheme)
 
 

@@ -1,15 +1,16 @@
 """Quantized Linear and Conv modules: 8-bit weights with per-output-channel float32 scales.
 
 Both keep ``weight`` (int8 or float8 e4m3fn, the float layer's shape), ``weight_scale``
-(float32, shape (out,)) and ``bias`` (the float layer's, unchanged) in their state_dict.
+(float32, shape (out,); all equal for a scheme with one weight scale per tensor,
+``fp8_static_tensor``) and ``bias`` (the float layer's, unchanged) in their state_dict.
 ``int8_weight_only`` dequantizes the weight into the input's dtype and runs the float op.
 W8A8 schemes quantize activations on the fly with symmetric absmax scales:
 
 - Linear: one scale per token, i.e. per row of the input flattened to (tokens, features).
 - Conv: one scale per sample (over its channels and positions), applied before im2col.
-- Static schemes (``int8_static``, ``fp8_static``): one fixed scale per layer, the float32
-  buffer ``input_scale`` (shape (1,)), calibrated by ``quantize_`` or trained by QAT; inputs
-  beyond ``qmax * input_scale`` saturate.
+- Static schemes (``int8_static``, ``fp8_static``, ``fp8_static_tensor``): one fixed scale per
+  layer, the float32 buffer ``input_scale`` (shape (1,)), calibrated by ``quantize_`` or trained
+  by QAT; inputs beyond ``qmax * input_scale`` saturate.
 
 Why per token / per sample rather than per tensor: a sample's output then never depends on what
 else is in its batch (evaluation gives the same answer at any batch size, and QAT learns the
@@ -38,11 +39,11 @@ from sparsekit.prune.calibration import conv_pads, im2col
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (
-    channel_scales,
     dequantize,
     quantize,
     row_scales,
     sample_scales,
+    weight_scales,
 )
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -92,8 +93,9 @@ class _QuantWeight(nn.Module):
     @classmethod
     def from_float(cls, layer: nn.Module, scheme: str | Scheme,
                    input_scale: torch.Tensor | None = None) -> Any:
-        """Quantize the float ``layer``'s current weight (per output channel) into a new module
-        of this class; a static scheme takes its activation scale ``input_scale`` (one value)."""
+        """Quantize the float ``layer``'s current weight (per output channel, or per tensor as
+        the scheme's ``weight_granularity`` says) into a new module of this class; a static
+        scheme takes its activation scale ``input_scale`` (one value)."""
         q = cls(layer, scheme)
         q._fill(layer.weight)
         if get_scheme(scheme).static:
@@ -105,8 +107,9 @@ class _QuantWeight(nn.Module):
 
     @torch.no_grad()
     def _fill(self, weight: torch.Tensor) -> None:
-        fmt = get_scheme(self.scheme).weight
-        scale = channel_scales(weight, fmt)
+        scheme = get_scheme(self.scheme)
+        fmt = scheme.weight
+        scale = weight_scales(weight, fmt, scheme.weight_granularity)
         self.weight.copy_(quantize(weight, scale.reshape((-1,) + (1,) * (weight.dim() - 1)), fmt))
         self.weight_scale.copy_(scale)
 

@@ -11,13 +11,16 @@ tensor([1., 2.])
 >>> quantize(w, channel_scales(w, INT8)[:, None], INT8)
 tensor([[  64, -127,    0],
         [ 127,   16,   -8]], dtype=torch.int8)
+>>> weight_scales(w, INT8, "tensor") * 127
+tensor([2., 2.])
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparsekit.quant.formats import INT8, Format
+from sparsekit.errors import UsageError
+from sparsekit.quant.formats import INT8, WEIGHT_GRANULARITIES, Format
 
 # Smallest absmax a scale is built from: an all-zero group (a fully pruned channel, a row of
 # ReLU zeros) gets a tiny positive scale instead of 0/0, and its values quantize to 0.
@@ -33,6 +36,20 @@ def channel_scales(weight: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Per-output-channel scales of a weight of shape (out, in, *kernel): shape (out,), float32,
     ``scale[c] = max |weight[c]| / qmax``."""
     return absmax_scale(weight.detach().abs().flatten(1).amax(dim=1), fmt)
+
+
+def weight_scales(weight: torch.Tensor, fmt: Format,
+                  granularity: str = "channel") -> torch.Tensor:
+    """A weight's scales at a scheme's ``weight_granularity``, shape (out,), float32:
+    ``"channel"`` gives :func:`channel_scales`; ``"tensor"`` one scale ``max |weight| / qmax``
+    over the whole weight, repeated for every output channel (so layers store (out,) scales
+    whatever the granularity)."""
+    if granularity == "channel":
+        return channel_scales(weight, fmt)
+    if granularity == "tensor":
+        return absmax_scale(weight.detach().abs().amax(), fmt).expand(weight.shape[0]).clone()
+    raise UsageError(f"unknown weight granularity {granularity!r}; allowed: "
+                     f"{', '.join(map(repr, WEIGHT_GRANULARITIES))}")
 
 
 def row_scales(x: torch.Tensor, fmt: Format) -> torch.Tensor:

@@ -51,26 +51,29 @@ from sparsekit.quant.layers import (
 from sparsekit.quant.modules import quantized_module
 from sparsekit.quant.numerics import (
     absmax_scale,
-    channel_scales,
     fake_quantize,
     row_scales,
     sample_scales,
+    weight_scales,
 )
 from sparsekit.quant.quantize import input_absmax
 from sparsekit.quant.report import QuantLayer, QuantReport
 
 
 class WeightFakeQuant(nn.Module):
-    """Parametrization ``w -> dequantize(quantize(w))`` with per-output-channel scales and a
-    straight-through gradient. No state: scales follow the weight as it trains."""
+    """Parametrization ``w -> dequantize(quantize(w))`` with the scheme's weight scales (per
+    output channel, or one per tensor) and a straight-through gradient. No state: scales follow
+    the weight as it trains."""
 
     def __init__(self, scheme: str):
         super().__init__()
         self.scheme = scheme
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        fmt = get_scheme(self.scheme).weight
-        scale = channel_scales(weight, fmt).reshape((-1,) + (1,) * (weight.dim() - 1))
+        scheme = get_scheme(self.scheme)
+        fmt = scheme.weight
+        scale = weight_scales(weight, fmt, scheme.weight_granularity)
+        scale = scale.reshape((-1,) + (1,) * (weight.dim() - 1))
         return fake_quantize(weight, scale, fmt)
 
     def extra_repr(self) -> str:

@@ -230,3 +230,68 @@ def test_flush_l2_writes_twice_the_l2():
     assert int(buf.max()) == 0
     assert timing.time_ms(lambda: buf.sum(), "cuda", repeats=3,
                           before=lambda: timing.flush_l2("cuda")) > 0
+
+
+def _fp8_case(n, k, m, shift=0.0, scale=1.0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = make_24_(nn.Linear(k, n, device="cuda")).weight.detach() * scale
+    x = torch.randn(m, k, device="cuda", generator=g)
+    sw, sx = w.abs().amax() / FP8.qmax, x.abs().amax() / FP8.qmax
+    wq, xq = (t.div(s).clamp(-448, 448).to(torch.float8_e4m3fn) for t, s in ((w, sw), (x, sx)))
+    bias = (torch.randn(n, device="cuda", generator=g) * 0.1 + shift).to(torch.bfloat16)
+    lin = (xq.double() @ wq.double().t()) * (sx * sw).item() + bias.double()
+    return wq, xq, bias, (sx * sw).item(), lin
+
+
+def test_own_binding_builds_and_matches_float64():
+    """sparsekit's cuSPARSELt binding builds here and gives alpha * x @ W.T + bias (and its
+    GELU) within bf16 rounding of float64 on the same 8-bit values, eagerly, at every
+    algorithm, at an odd row count (padded) and replayed from a CUDA graph."""
+    assert ops.alpha_path(), "sparsekit's cuSPARSELt binding did not build"
+    wq, xq, bias, alpha, lin = _fp8_case(1024, 512, 200)
+    packed = ops.pack_24(wq)
+    for gelu in (False, True):
+        ref = torch.nn.functional.gelu(lin, approximate=ops.GELU_APPROXIMATE) if gelu else lin
+        for alg in range(3):
+            y = ops.sparse24_mm_alpha(xq, packed, bias, 1024, alg, alpha, gelu)
+            assert y.shape == (200, 1024) and rel_err(y, ref) < 5e-3, (gelu, alg)
+    with pytest.raises(RuntimeError, match="out of range"):  # where the alg search stops
+        ops.sparse24_mm_alpha(xq, packed, bias, 1024, 1000, alpha, False)
+    static = xq.clone()
+    graph = torch.cuda.CUDAGraph()
+    ops.sparse24_mm_alpha(static, packed, bias, 1024, 0, alpha, False)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = ops.sparse24_mm_alpha(static, packed, bias, 1024, 0, alpha, False)
+    static.copy_(torch.zeros_like(static))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), bias.float().expand(200, -1))
+
+
+def test_cusparselt_gelu_is_the_form_the_pass_fuses():
+    """Pre-activations near -3, where the erf and tanh forms of GELU differ by about 10%: the
+    epilogue's GELU is ops.GELU_APPROXIMATE's form (the only one FuseGelu rewrites)."""
+    wq, xq, bias, alpha, lin = _fp8_case(1024, 512, 256, shift=-3.0, scale=0.02)
+    y = ops.sparse24_mm_alpha(xq, ops.pack_24(wq), bias, 1024, 0, alpha, True)
+    errs = {form: rel_err(y, torch.nn.functional.gelu(lin, approximate=form))
+            for form in ("none", "tanh")}
+    assert errs[ops.GELU_APPROXIMATE] < 0.01 < errs[{"none": "tanh", "tanh": "none"}[
+        ops.GELU_APPROXIMATE]], errs
+
+
+def test_per_tensor_fp8_model_runs_the_epilogue_in_the_gemm():
+    """An fp8_static_tensor MLP on CUDA: both layers on sparsekit's binding, the GELU folded
+    into fc1's GEMM, the output within fp8 error of the quantized model's own forward."""
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(approximate="tanh"),
+                          nn.Linear(2048, 512)).cuda()
+    make_24_(model)
+    x = torch.randn(4, 128, 512, device="cuda")
+    sk.quantize_(model, "fp8_static_tensor", calibration=[x])
+    with torch.no_grad():
+        ref = model(x)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        fast = sk.accelerate(model, x, precision="fp8", sparsity="2:4")
+    assert [m.path for m in (fast.model[0], fast.model[2])] == ["cslt_alpha"] * 2
+    assert fast.fuse_gelu is not None and fast.fuse_gelu.fused == 1
+    assert rel_err(fast(x), ref) < TOL["fp8"]

@@ -612,3 +612,70 @@ def test_sibling_groups_are_layers_fed_the_very_same_tensor():
     tokens, groups = first_calls(Net(), x, ["a", "b", "c", "d", "e"])
     assert groups == [["a", "b"]] and tokens == dict.fromkeys("abcde", 3)
     assert not [k for k in vars(x) if "sparsekit" in k]
+
+
+class _Mlp(nn.Module):
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 128), nn.Linear(128, 64)
+        self.act = nn.GELU(approximate="tanh")  # the form cuSPARSELt's epilogue computes
+        self.functional = functional
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = torch.nn.functional.gelu(h, approximate="tanh") if self.functional else self.act(h)
+        return self.fc2(h) + h.mean()  # fc2's input is also used elsewhere: fc1 still fuses
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_gelu_moves_into_the_epilogue_of_per_tensor_fp8_layers(functional):
+    """fp8_static_tensor layers run sparse24_mm_alpha; the pre-grad pass folds the GELU after fc1
+    into its GEMM (one rewrite, no gelu left in the graph) and the compiled model equals the
+    same accelerated model run eagerly (unfused)."""
+    from sparsekit.accel.epilogue import FuseGelu
+
+
+    torch.manual_seed(0)
+    model = _Mlp(functional)
+    sk.prune_(model, pattern="2:4", criterion="magnitude")
+    x = torch.randn(3, 8, 64)
+    sk.quantize_(model, "fp8_static_tensor", calibration=[x])
+    with torch.no_grad():
+        quant = model(x).double()  # the quantized model's own float32 forward
+    eager = sk.accelerate(copy.deepcopy(model), x, precision="fp8", device="cpu", compile=False)
+    # the pass runs when inductor compiles, not on a graph-cache hit: count a real compile
+    with torch._inductor.config.patch(force_disable_caches=True):
+        fast = sk.accelerate(model, x, precision="fp8", device="cpu")
+    assert [m.path for m in (fast.model.fc1, fast.model.fc2)] == ["cslt_alpha"] * 2
+    assert isinstance(fast.fuse_gelu, FuseGelu) and fast.fuse_gelu.fused == 1
+    assert any("GELU in the GEMM of 1" in n for n in fast.report.notes)
+    # one bf16 rounding less (GELU on the float32 pre-activation): as close to the quantized
+    # model as the unfused layers are, or closer (fp8 steps of fc2's input dominate both)
+    err_fused, err_eager = ((m(x).double() - quant).norm() / quant.norm() for m in (fast, eager))
+    assert err_fused <= 1.1 * err_eager and err_fused < 0.05
+
+
+def test_fuse_gelu_leaves_other_uses_and_forms_alone():
+    """A GEMM whose output is used twice, or an erf-form GELU (cuSPARSELt's is tanh), stay."""
+    from sparsekit.accel.epilogue import FuseGelu
+
+    w = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(32, dtype=torch.bfloat16)
+
+    def f(x):
+        y = torch.ops.sparsekit.sparse24_mm_alpha(x, w, b, 32, 0, 1.0, False)
+        z = torch.ops.sparsekit.sparse24_mm_alpha(x, w, b, 32, 0, 1.0, False)
+        u = torch.ops.sparsekit.sparse24_mm_alpha(x, w, b, 32, 0, 1.0, False)
+        return (torch.nn.functional.gelu(y, approximate="tanh") + y,
+                torch.nn.functional.gelu(z.reshape(2, -1)),
+                torch.nn.functional.gelu(u.reshape(2, -1), approximate="tanh"))
+
+    gm = torch.fx.symbolic_trace(f)
+    fuse = FuseGelu()
+    fuse(gm.graph)
+    assert fuse.fused == 1  # u only
+    gelus = [n for n in gm.graph.nodes if n.op == "call_function" and "gelu" in str(n.target)]
+    assert len(gelus) == 2
+    flags = [n.args[6] for n in gm.graph.nodes
+             if n.target is torch.ops.sparsekit.sparse24_mm_alpha]
+    assert flags == [False, False, True]

@@ -151,3 +151,21 @@ def test_fake_shapes_follow_symbolic_rows():
         assert ops.sparse24_mm(x, w, None, 32, 0, torch.int32).shape == (9, 32)
         q, s = ops.quant_rows(torch.empty(9, 64, dtype=torch.bfloat16), torch.int8)
         assert q.shape == (9, 64) and s.shape == (9, 1) and s.dtype == torch.float32
+
+
+def test_opcheck_and_reference_of_sparse24_mm_alpha():
+    """sparse24_mm_alpha: opcheck, and its reference against float64 of the paper formula
+    act(alpha * x @ W.T + bias) on the same 8-bit values."""
+    w = _w24(32, 64)
+    wq = quantize(w, w.abs().amax() / FP8.qmax, FP8)
+    x = torch.randn(6, 64)
+    xq = quantize(x, torch.tensor(0.02), FP8)
+    bias = torch.randn(32, dtype=torch.bfloat16)
+    for gelu in (False, True):
+        torch.library.opcheck(ops.sparse24_mm_alpha, (xq, wq, bias, 32, 0, 0.003, gelu),
+                              **_utils(torch.float8_e4m3fn))
+        y = ops.sparse24_mm_alpha(xq, wq, bias, 32, 0, 0.003, gelu)
+        lin = (xq.double() @ wq.double().t()) * 0.003 + bias.double()
+        ref = torch.nn.functional.gelu(lin, approximate=ops.GELU_APPROXIMATE) if gelu else lin
+        assert y.dtype == torch.bfloat16 and y.shape == (6, 32)
+        torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-6)

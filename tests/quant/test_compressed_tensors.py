@@ -12,6 +12,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.quant import compressed_tensors as skct
+from sparsekit.quant.formats import get_scheme
 from sparsekit.quant.modules import _QuantWeight
 
 transformers = pytest.importorskip("transformers")
@@ -23,7 +24,8 @@ needs_ct = pytest.mark.skipif(
     reason="compressed-tensors is not installed (pip install 'sparsekit[compressed]')")
 
 FORMATS = {"fp8": "float-quantized", "int8": "int-quantized",
-           "int8_weight_only": "pack-quantized", "fp8_static": "float-quantized"}
+           "int8_weight_only": "pack-quantized", "fp8_static": "float-quantized",
+           "fp8_static_tensor": "float-quantized"}
 
 
 def pruned_quantized(path, scheme):
@@ -67,10 +69,12 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
     # 1. through the package alone: its config parser, its compressor's decompress
     qc = QuantizationConfig.model_validate(qc_dict)
     (group,) = qc.config_groups.values()
-    assert group.weights.strategy == "channel" and group.weights.num_bits == 8
+    per_tensor = get_scheme(scheme).weight_granularity == "tensor"
+    assert group.weights.strategy == ("tensor" if per_tensor else "channel")
+    assert group.weights.num_bits == 8
     assert (group.input_activations is None) == (scheme == "int8_weight_only")
+    static = get_scheme(scheme).static
     if group.input_activations is not None:
-        static = scheme.endswith("_static")
         assert group.input_activations.dynamic is not static
         assert group.input_activations.strategy == ("tensor" if static else "token")
     compressor = BaseCompressor.get_value_from_registry(qc.format)
@@ -85,8 +89,10 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
             assert torch.equal(local["weight"].view(torch.uint8), layer.weight.view(torch.uint8))
         else:  # four int8 values per int32
             assert local["weight_packed"].dtype == torch.int32 and "weight" not in local
-        if scheme.endswith("_static"):  # the calibrated scale, under compressed-tensors' name
+        if static:  # the calibrated scale, under compressed-tensors' name
             assert torch.equal(local["input_scale"], layer.input_scale)
+        if per_tensor:  # one weight scale, in the package's shape for a tensor strategy
+            assert torch.equal(local["weight_scale"], layer.weight_scale[:1])
         got = compressor.decompress(local, group)["weight"]
         assert got.dtype == torch.float32 and torch.equal(got, want), name
         assert torch.equal(got == 0, layer.weight.float() == 0)  # the 2:4 zeros kept
@@ -106,7 +112,7 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
                                layer.dequantized_weight(torch.float32)), name
         if scheme == "int8_weight_only":  # float activations: the same ops, exactly
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        elif scheme in ("fp8", "fp8_static"):
+        elif scheme in ("fp8", "fp8_static", "fp8_static_tensor"):
             # the same activation scales (absmax/448 per token, or the one static scale, values
             # beyond it saturating at 448); the matmul order differs
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

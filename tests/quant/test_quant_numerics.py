@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from sparsekit.quant.formats import FP8, INT8, get_scheme
+from sparsekit.errors import UsageError
+from sparsekit.quant.formats import FP8, INT8, Scheme, get_scheme
 from sparsekit.quant.numerics import (
     MIN_ABSMAX,
     channel_scales,
@@ -12,6 +13,7 @@ from sparsekit.quant.numerics import (
     quantize,
     row_scales,
     sample_scales,
+    weight_scales,
 )
 
 
@@ -27,6 +29,21 @@ def test_channel_scales_follow_the_formula(fmt):
     s = channel_scales(w, fmt)
     assert s.dtype == torch.float32 and s.shape == (16,)
     torch.testing.assert_close(s.double(), ref, rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("fmt", [INT8, FP8])
+def test_weight_scales_per_channel_or_one_per_tensor(fmt):
+    w = _weight()  # channel absmaxes spread over four decades
+    assert torch.equal(weight_scales(w, fmt), channel_scales(w, fmt))
+    assert torch.equal(weight_scales(w, fmt, "channel"), channel_scales(w, fmt))
+    s = weight_scales(w, fmt, "tensor")
+    assert s.dtype == torch.float32 and s.shape == (16,)
+    ref = w.double().abs().max() / fmt.qmax
+    torch.testing.assert_close(s.double(), ref.expand(16), rtol=1e-7, atol=0)
+    s[0] = 0  # a tensor of its own (not a broadcast view): a consumer may write to it
+    assert bool((s[1:] > 0).all())
+    with pytest.raises(UsageError, match="'channel', 'tensor'"):
+        weight_scales(w, fmt, "row")
 
 
 def test_row_and_sample_scales_follow_the_formula():
@@ -97,3 +114,11 @@ def test_fake_quantize_is_exact_forward_and_identity_backward(fmt):
 def test_unknown_scheme_names_the_allowed_ones():
     with pytest.raises(ValueError, match="'int8_weight_only', 'int8', 'fp8'"):
         get_scheme("int4")
+
+
+def test_scheme_with_an_unknown_weight_granularity_names_the_allowed_ones():
+    with pytest.raises(UsageError, match="'fp8_row'.*'row'.*allowed: 'channel', 'tensor'"):
+        Scheme("fp8_row", FP8, FP8, weight_granularity="row")
+    assert get_scheme("fp8_static").weight_granularity == "channel"
+    assert get_scheme("fp8_static_tensor") == Scheme("fp8_static_tensor", FP8, FP8, static=True,
+                                                     weight_granularity="tensor")

@@ -1,6 +1,7 @@
-"""Static activation scales (``int8_static``, ``fp8_static``): calibrated by quantize_, tracked
-by QAT and frozen by convert_, saved and loaded, run by accel unchanged; checked against the
-formula they stand for (one absmax over the calibration inputs, values beyond it saturating)."""
+"""Static activation scales (``int8_static``, ``fp8_static``, ``fp8_static_tensor``): calibrated
+by quantize_, tracked by QAT and frozen by convert_, saved and loaded, run by accel unchanged;
+checked against the formula they stand for (one absmax over the calibration inputs, values
+beyond it saturating). ``fp8_static_tensor``'s one weight scale per tensor, likewise."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from torch import nn
 import sparsekit as sk
 from sparsekit.errors import UsageError
 from sparsekit.quant import QuantConv, QuantLinear
-from sparsekit.quant.formats import get_scheme
-from sparsekit.quant.numerics import fake_quantize, quantize
+from sparsekit.quant.formats import FP8, get_scheme
+from sparsekit.quant.numerics import channel_scales, dequantize, fake_quantize, quantize
 from sparsekit.quant.qat import AMAX_BUFFER, AMAX_MOMENTUM
 
-STATIC = ["int8_static", "fp8_static"]
+STATIC = ["int8_static", "fp8_static", "fp8_static_tensor"]
 
 
 def _mlp():
@@ -32,8 +33,8 @@ def _batches(n=3, rows=4, seed=1):
 
 
 def _reference(lin: nn.Linear, x: torch.Tensor, scale: float, scheme: str) -> torch.Tensor:
-    """float64: the input quantized with one scale (saturating), times the dequantized
-    per-channel weight, plus bias."""
+    """float64: the input quantized with one scale (saturating), times the dequantized weight
+    (its stored per-channel scales; all equal for a per-tensor scheme), plus bias."""
     fmt = get_scheme(scheme).activation
     t = x.double() / scale
     t = t.round().clamp(-fmt.qmax, fmt.qmax) if fmt.name == "int8" else \
@@ -166,3 +167,68 @@ def test_qat_without_calibration_starts_from_the_first_batch_and_convert_needs_a
     assert float(getattr(model[0], AMAX_BUFFER)) == pytest.approx(float(x.abs().max()))
     sk.convert_(model)
     assert float(model[0].input_scale) == pytest.approx(float(x.abs().max()) / 448)
+
+
+def _one_tensor_scale_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 weight on the per-tensor grid, written out: (dequantized weight, the scale)."""
+    scale = w.detach().abs().max().float() / 448
+    return dequantize(quantize(w, scale, FP8), scale), scale
+
+
+def test_fp8_static_tensor_quantizes_each_weight_with_one_scale():
+    model, cal = _mlp(), _batches()
+    with torch.no_grad():
+        model[0].weight[:4] *= 1e-2  # small channels: per channel and per tensor grids differ
+    float_model = copy.deepcopy(model)
+    assert sk.quantize_(model, "fp8_static_tensor", calibration=cal).quantized == ["0", "2"]
+    for i in (0, 2):
+        lin, w = model[i], float_model[i].weight.detach()
+        s = lin.weight_scale
+        assert s.shape == (w.shape[0],) and bool((s == s[0]).all())
+        assert float(s[0]) == pytest.approx(float(w.abs().max()) / 448, rel=1e-6)
+        assert float(lin.weight.float().abs().max()) == 448.0
+        want, _ = _one_tensor_scale_grid(w)
+        assert torch.equal(lin.dequantized_weight(), want)
+        # within half an e4m3 step of the float weight: relative 2^-4, subnormal step 2^-9
+        err = (want.double() - w.double()).abs()
+        bound = torch.maximum(w.double().abs() * 2**-4, s.double()[:, None] * 2**-10)
+        assert bool((err <= bound * (1 + 1e-5)).all())
+        # the forward is the formula on those values (inputs saturating beyond the range)
+        x = torch.randn(5, w.shape[1]) * 3
+        x[0, 0] = 50 * float(lin.input_scale) * 448
+        ref = _reference(lin, x, float(lin.input_scale), "fp8_static_tensor")
+        torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5)
+    w0 = float_model[0].weight.detach()
+    per_channel = channel_scales(w0, FP8)[:, None]
+    assert not torch.equal(model[0].dequantized_weight(),
+                           dequantize(quantize(w0, per_channel, FP8), per_channel))
+
+
+def test_fp8_static_tensor_qat_trains_the_per_tensor_grid_and_convert_keeps_it():
+    model, cal = _mlp(), _batches()
+    sk.prepare_qat_(model, "fp8_static_tensor", calibration=cal)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    for x in _batches(4, seed=2):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    wants = {}
+    for i in (0, 2):
+        w = model[i].parametrizations.weight.original.detach()
+        wants[i], scale = _one_tensor_scale_grid(w)
+        assert torch.equal(model[i].weight.detach(), wants[i])
+        per_channel = channel_scales(w, FP8)[:, None]
+        assert not torch.equal(wants[i], fake_quantize(w, per_channel, FP8))
+    x = torch.randn(6, 16) * 2
+    with torch.no_grad():
+        fake = model(x)
+    sk.convert_(model)
+    for i in (0, 2):
+        s = model[i].weight_scale
+        assert isinstance(model[i], QuantLinear) and bool((s == s[0]).all())
+        assert torch.equal(model[i].dequantized_weight(), wants[i])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), fake, rtol=1e-5, atol=1e-5)
