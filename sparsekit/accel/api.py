@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import algsearch, planner
+from sparsekit.accel import algsearch, cslt_ext, planner
 from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.epilogue import FuseGelu, uses_alpha_path
 from sparsekit.accel.convert import Conv1x1AsLinear, conv_skip_reason, split_attention_
@@ -170,7 +170,8 @@ class _Planner:
 
     def build(self, variant: str, layer: nn.Module, m: int) -> nn.Module:
         cls = VARIANTS[variant]
-        key = (variant, layer.out_features, layer.in_features, m)
+        # a layer's scheme picks its kernel route (per-tensor fp8: sparsekit's binding)
+        key = (variant, layer.out_features, layer.in_features, m, getattr(layer, "scheme", None))
         if cls.uses_alg and self.device.type == "cuda" and self.search_algs:
             if key not in self.algs:
                 hit = self.cache.get(self._key(variant, layer, m), {})
@@ -485,10 +486,19 @@ def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
     the compile."""
     if groups is not None:
         _fuse_siblings(model, inputs, groups, chosen, plan, report, options)
+    own = 0
     for name, (_, _, _, decision) in chosen.items():
         mod = model.get_submodule(name)
         if getattr(mod, "uses_alg", False):
             decision.alg_ids[decision.variant] = mod.alg_id
+        own += getattr(mod, "path", "") == "cslt_alpha"
+    if own:
+        report.notes.append(f"epilogue: {own} fp8 2:4 layer(s) on sparsekit's cuSPARSELt "
+                            f"binding (scale and bias in the GEMM)")
+    elif any(getattr(layer, "scheme", None) == "fp8_static_tensor" and d.variant == "fp8_2:4"
+             for layer, _, _, d in chosen.values()) and cslt_ext.reason():
+        report.notes.append(f"epilogue: sparsekit's cuSPARSELt binding unavailable "
+                            f"({cslt_ext.reason()}); scales applied after torch's binding")
     plan.save()
     report.seconds["plan"] = time.perf_counter() - t0
     fast = AcceleratedModel(model, report, device, **options)
@@ -537,7 +547,10 @@ def accelerate(
     ``model``: weights hold their 2:4 zeros (after ``Pruner.finalize()``); layers without 2:4
     run as ``dense_precision`` ("bf16"; "fp8" runs e.g. an LM head as fp8 dense). A model
     quantized by ``sk.quantize_``/QAT (fp8 or int8 ``QuantLinear``) runs its own weights, scales
-    and activation numerics: ``precision`` must be its scheme. ``example_inputs``: a tensor,
+    and activation numerics: ``precision`` must be its scheme; an ``fp8_static_tensor`` model's
+    fp8 2:4 layers run their scale and bias (and a tanh GELU that follows) inside the GEMM, on
+    sparsekit's own cuSPARSELt binding, compiled on first use (:mod:`sparsekit.accel.cslt_ext`;
+    the report says when it is used or why not). ``example_inputs``: a tensor,
     tuple (``model(*x)``) or dict (``model(**x)``) of the shape you will serve, run several
     times (an input with state, e.g. an HF ``StaticCache``, advances: not the one you serve).
     ``precision``: "bf16" | "fp8" | "int8" (W8A8; per-token or a static scheme's own scales).

@@ -649,6 +649,8 @@ def test_gelu_moves_into_the_epilogue_of_per_tensor_fp8_layers(functional):
     assert [m.path for m in (fast.model.fc1, fast.model.fc2)] == ["cslt_alpha"] * 2
     assert isinstance(fast.fuse_gelu, FuseGelu) and fast.fuse_gelu.fused == 1
     assert any("GELU in the GEMM of 1" in n for n in fast.report.notes)
+    assert any("2 fp8 2:4 layer(s) on sparsekit's cuSPARSELt binding" in n
+               for n in fast.report.notes)
     # one bf16 rounding less (GELU on the float32 pre-activation): as close to the quantized
     # model as the unfused layers are, or closer (fp8 steps of fc2's input dominate both)
     err_fused, err_eager = ((m(x).double() - quant).norm() / quant.norm() for m in (fast, eager))
