@@ -192,3 +192,17 @@ def test_accelerated_model_lists_tensors_once():
                             torch.device("cpu"), compile=False)
     assert list(fast.state_dict()) == ["model.weight", "model.bias"]
     assert fast.report is fast.sparsekit_report
+
+
+def test_own_binding_ships_and_says_why_it_is_off(monkeypatch):
+    """The binding's C++ source is package data; where it cannot be used, load() gives None and
+    reason() says why (turned off, or no CUDA) instead of failing."""
+    from sparsekit.accel import cslt_ext
+
+    assert cslt_ext.SOURCE.is_file() and "cusparseLtMatmul" in cslt_ext.SOURCE.read_text()
+    monkeypatch.setenv("SPARSEKIT_CSLT_EXT", "0")
+    cslt_ext.load.cache_clear()
+    try:
+        assert cslt_ext.load() is None and "SPARSEKIT_CSLT_EXT=0" in cslt_ext.reason()
+    finally:
+        cslt_ext.load.cache_clear()
