@@ -12,7 +12,9 @@ per token with :mod:`sparsekit.quant.numerics` (what ``quantize_`` and QAT compu
 as plain torch ops so the compiler fuses them into the op producing the activation (a layer
 built from a static-scheme QuantLinear takes its one ``input_scale``: elementwise); the 2:4
 8-bit layers apply ``acc * x_scale * w_scale + bias`` in plain torch too, fused into what
-consumes the output. No forward reads tensor data on the host.
+consumes the output, except an fp8 2:4 layer with one activation and one weight scale
+(``fp8_static_tensor``), whose scale and bias run inside the GEMM (:class:`FP8Sparse24`).
+No forward reads tensor data on the host.
 """
 
 from __future__ import annotations
