@@ -204,6 +204,12 @@ def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
             continue
         variant = variants.pop()
         mod = build(variant, src, chosen[members[0]][1])
+        installed = [model.get_submodule(n) for n in members]
+        if any(getattr(m, "path", "") == "cslt_alpha" for m in installed) and \
+                getattr(mod, "path", "") != "cslt_alpha":
+            notes.append(f"siblings {members} not fused: their per-tensor weight scales differ, "
+                         f"and one GEMM would lose the scale and bias inside it")
+            continue
         start = 0
         for name, layer in zip(members, layers):
             done.append((name, model.get_submodule(name), chosen[name][3].reason))

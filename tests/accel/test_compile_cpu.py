@@ -205,6 +205,21 @@ def test_siblings_run_as_one_gemm(build, scheme, groups):
     assert not any(type(m).__name__ == "SiblingSlice" for m in eager.model.modules())
 
 
+def test_siblings_keep_per_tensor_fp8_layers_on_the_epilogue_path():
+    """fp8_static_tensor q/k/v each have their own weight scale: one concatenated GEMM would
+    need per-channel scales and lose the in-GEMM epilogue, so they stay three GEMMs."""
+    torch.manual_seed(0)
+    model, x = _bert()
+    model.eval()
+    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["pooler.dense"])
+    sk.quantize_(model, "fp8_static_tensor", exclude=["pooler.dense"], calibration=[x])
+    fast = sk.accelerate(model, x, precision="fp8", device="cpu", siblings=True)
+    assert any("per-tensor weight scales differ" in n for n in fast.report.notes)
+    assert not any(type(m).__name__ == "SiblingSlice" for m in fast.model.modules())
+    assert all(m.path == "cslt_alpha" for m in fast.model.modules()
+               if isinstance(m, kernels.FP8Sparse24))
+
+
 def test_merge_same_calls_merges_pure_calls_only():
     """The siblings' inductor pass: two calls of a pure op on the same nodes become one (its
     users moved); random and in-place ops, and calls on other arguments, are kept."""
