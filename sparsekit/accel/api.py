@@ -495,6 +495,12 @@ def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
     if own:
         report.notes.append(f"epilogue: {own} fp8 2:4 layer(s) on sparsekit's cuSPARSELt "
                             f"binding (scale and bias in the GEMM)")
+    elif any(d.variant == "fp8_2:4" and not isinstance(layer, QuantLinear)
+             for layer, _, _, d in chosen.values()):
+        report.notes.append("epilogue: fp8 2:4 layers quantize activations per token, scales "
+                            "applied after the GEMM; a model quantized with "
+                            "quantize_(model, 'fp8_static_tensor', calibration=...) first runs "
+                            "scale and bias inside it (faster: docs/gpu.md)")
     elif any(getattr(layer, "scheme", None) == "fp8_static_tensor" and d.variant == "fp8_2:4"
              for layer, _, _, d in chosen.values()) and cslt_ext.reason():
         report.notes.append(f"epilogue: sparsekit's cuSPARSELt binding unavailable "

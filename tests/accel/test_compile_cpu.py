@@ -666,6 +666,11 @@ def test_gelu_moves_into_the_epilogue_of_per_tensor_fp8_layers(functional):
     assert any("GELU in the GEMM of 1" in n for n in fast.report.notes)
     assert any("2 fp8 2:4 layer(s) on sparsekit's cuSPARSELt binding" in n
                for n in fast.report.notes)
+    # a float model accelerated to fp8 2:4 is told where the faster path is
+    float_model = _Mlp(functional)
+    sk.prune_(float_model, pattern="2:4", criterion="magnitude")
+    plain = sk.accelerate(float_model, x, precision="fp8", device="cpu", compile=False)
+    assert any("'fp8_static_tensor'" in n for n in plain.report.notes)
     # one bf16 rounding less (GELU on the float32 pre-activation): as close to the quantized
     # model as the unfused layers are, or closer (fp8 steps of fc2's input dominate both)
     err_fused, err_eager = ((m(x).double() - quant).norm() / quant.norm() for m in (fast, eager))
