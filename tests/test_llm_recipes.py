@@ -25,7 +25,8 @@ TINY = ["data.seq_len=32", "prune.calibration_batches=2", "data.eval_batches=2",
 
 @pytest.mark.parametrize("model", ["llama", "bert"])
 @pytest.mark.parametrize("recipe", ["llm_sparsegpt_24", "llm_sparsegpt_24_fp8",
-                                    "llm_wanda_24_distill", "llm_sparsegpt_24_fp8_static"])
+                                    "llm_wanda_24_distill", "llm_sparsegpt_24_fp8_static",
+                                    "llm_sparsegpt_24_fp8_static_tensor"])
 def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
     code, out, err = run_cli([f"recipe={recipe}", f"model.path={hf_dirs[model]}",
                               f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
@@ -39,7 +40,7 @@ def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
     assert s["finetune_steps"] == (3 if "distill" in recipe else 0)
     ct = s["hf"]["compressed_tensors"]
     if "fp8" in recipe and compressed_tensors_available():
-        scheme = "fp8_static" if recipe.endswith("static") else "fp8"
+        scheme = recipe.removeprefix("llm_sparsegpt_24_")  # fp8, fp8_static, fp8_static_tensor
         assert ct.startswith(f"written: float-quantized ({scheme}, ") and ct.endswith(
             "sparsity_config dense 2:4 (0.500)"), ct
         assert s["hf"]["compressed_tensors_dir"] == str(run_dir / "hf-compressed-tensors")

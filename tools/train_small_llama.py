@@ -1,4 +1,4 @@
-"""Train a small Llama on the Python standard library's source, then run the three LLM recipes
+"""Train a small Llama on the Python standard library's source, then run the LLM recipes
 on it and report perplexity before and after each (a random model cannot show that).
 
     python tools/train_small_llama.py --device cpu --minutes 5                  # ~5M parameters
@@ -33,7 +33,7 @@ from sparsekit.models.hf import hf
 from sparsekit.run.train import batch_indices, eval_batches, get_batch
 
 RECIPES = ("llm_sparsegpt_24", "llm_sparsegpt_24_fp8", "llm_wanda_24_distill",
-           "llm_sparsegpt_24_fp8_static")
+           "llm_sparsegpt_24_fp8_static", "llm_sparsegpt_24_fp8_static_tensor")
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@ def test_smoke_trains_saves_and_runs_the_recipes(tmp_path, run_tool):
     r = json.loads((tmp_path / "train_small_llama.json").read_text())
     assert r["train_steps"] > 0 and r["held_out_perplexity"] < r["config"]["vocab_size"] / 2
     assert set(r["recipes"]) == {"llm_sparsegpt_24", "llm_sparsegpt_24_fp8",
-                                 "llm_wanda_24_distill", "llm_sparsegpt_24_fp8_static"}
+                                 "llm_wanda_24_distill", "llm_sparsegpt_24_fp8_static",
+                                 "llm_sparsegpt_24_fp8_static_tensor"}
     for name, rec in r["recipes"].items():
         assert rec["perplexity_before"] == pytest.approx(r["held_out_perplexity"], rel=1e-4)
         assert rec["sparsity"] == 0.5 and rec["size_bytes_after"] < rec["size_bytes_before"]
