@@ -48,8 +48,16 @@ def _entry(rank: int, init_file: str, check: str, out_dir: str) -> None:
 
 def _spawn(check: str) -> None:
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(os.path.join(d, "init"), check, d), nprocs=WORLD, join=True)
-        assert all(os.path.exists(os.path.join(d, f"ok{r}")) for r in range(WORLD))
+        done = [os.path.join(d, f"ok{r}") for r in range(WORLD)]
+        try:
+            mp.spawn(_entry, args=(os.path.join(d, "init"), check, d), nprocs=WORLD, join=True)
+        except mp.ProcessExitedException as e:
+            # gloo now and then still aborts a rank in its teardown, after the barrier (CI,
+            # 2026-12-03: "terminate called without an active exception"); a rank that got
+            # there had passed every check and written its ok file: anything else is a failure
+            if e.signal_name != "SIGABRT" or not all(map(os.path.exists, done)):
+                raise
+        assert all(map(os.path.exists, done))
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
