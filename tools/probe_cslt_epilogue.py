@@ -101,7 +101,7 @@ def compare(ours, today, ref: torch.Tensor, ours_also: dict | None = None) -> di
 
 def case(ext, out: dict, name: str, m: int, n: int, k: int) -> None:
     """One shape, static per-tensor activation scale, per-tensor weight scale (alpha = one
-    scalar); rows: bias only (q/k/v-like) and bias + GELU (fc1-like), bf16 out; fp8 out."""
+    scalar); rows: bias only (q/k/v-like) and bias + GELU (fc1-like), bf16 out."""
     w = two_four(n, k, "cuda")
     wq, sw = fp8(w)
     x = torch.randn(m, k, device="cuda")

@@ -501,7 +501,8 @@ def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
                             "applied after the GEMM; a model quantized with "
                             "quantize_(model, 'fp8_static_tensor', calibration=...) first runs "
                             "scale and bias inside it (faster: docs/gpu.md)")
-    elif any(getattr(layer, "scheme", None) == "fp8_static_tensor" and d.variant == "fp8_2:4"
+    elif any(isinstance(layer, QuantLinear) and d.variant == "fp8_2:4"
+             and get_scheme(layer.scheme).weight_granularity == "tensor"
              for layer, _, _, d in chosen.values()) and cslt_ext.reason():
         report.notes.append(f"epilogue: sparsekit's cuSPARSELt binding unavailable "
                             f"({cslt_ext.reason()}); scales applied after torch's binding")

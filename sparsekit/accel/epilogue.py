@@ -76,8 +76,7 @@ class FuseGelu(_compat.custom_graph_pass()):
 
 def uses_alpha_path(model: torch.nn.Module) -> bool:
     """Whether any layer of ``model`` runs :func:`~sparsekit.accel.ops.sparse24_mm_alpha`."""
-    return any(getattr(m, "alpha", None) is not None and getattr(m, "path", "") == "cslt_alpha"
-               for m in model.modules())
+    return any(getattr(m, "path", "") == "cslt_alpha" for m in model.modules())
 
 
 __all__ = ["FuseGelu", "uses_alpha_path"]

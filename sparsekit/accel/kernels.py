@@ -47,6 +47,12 @@ def _weights(layer: nn.Module, fmt: Format | None) -> tuple[torch.Tensor, torch.
     return quantize(w, scale[:, None], fmt), scale
 
 
+def one_scale(scale: torch.Tensor | None) -> bool:
+    """Whether per-channel weight ``scale`` holds one value (a per-tensor scheme's scale,
+    stored once per output channel): the rescale is then a scalar a GEMM epilogue can take."""
+    return scale is not None and bool((scale == scale.reshape(-1)[0]).all())
+
+
 class _AccelLinear(nn.Module):
     variant = ""
     sparse = False
@@ -162,8 +168,7 @@ class FP8Sparse24(_AccelLinear):
     def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True):
         super().__init__(linear, alg_id, fused_quant)
         self.alpha: float | None = None
-        per_tensor = bool((self.w_scale == self.w_scale[0]).all())
-        if self.act_scale is not None and per_tensor and (
+        if self.act_scale is not None and one_scale(self.w_scale) and (
                 not self.packed.is_cuda or ops.alpha_path()):
             self.alpha = float(self.act_scale.reshape(-1)[0]) * float(self.w_scale[0])
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
+from sparsekit.accel.kernels import one_scale
 from sparsekit.prune.calibration import feed
 from sparsekit.quant.modules import QuantLinear
 
@@ -202,14 +203,14 @@ def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
         if src is None:
             notes.append(f"siblings {members} not fused: {why}")
             continue
-        variant = variants.pop()
-        mod = build(variant, src, chosen[members[0]][1])
-        installed = [model.get_submodule(n) for n in members]
-        if any(getattr(m, "path", "") == "cslt_alpha" for m in installed) and \
-                getattr(mod, "path", "") != "cslt_alpha":
+        # decided before building (which compresses and may search algorithms)
+        if any(getattr(model.get_submodule(n), "path", "") == "cslt_alpha" for n in members) \
+                and not one_scale(getattr(src, "weight_scale", None)):
             notes.append(f"siblings {members} not fused: their per-tensor weight scales differ, "
                          f"and one GEMM would lose the scale and bias inside it")
             continue
+        variant = variants.pop()
+        mod = build(variant, src, chosen[members[0]][1])
         start = 0
         for name, layer in zip(members, layers):
             done.append((name, model.get_submodule(name), chosen[name][3].reason))
