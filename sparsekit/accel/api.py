@@ -27,7 +27,7 @@ from sparsekit import _compat
 from sparsekit.accel import algsearch, cslt_ext, planner
 from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.epilogue import FuseGelu, uses_alpha_path
-from sparsekit.accel.convert import Conv1x1AsLinear, conv_skip_reason, split_attention_
+from sparsekit.accel.convert import ConvAsLinear, conv_skip_reason, split_attention_
 from sparsekit.accel.kernels import SPARSITIES, VARIANTS, check_precision, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checks import positional_until
@@ -140,7 +140,8 @@ def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
 
 
 def _convert(model: nn.Module, keep: Callable[[str], bool], report: AccelReport) -> None:
-    """Replace convertible MultiheadAttention and 1x1 convs (skip reasons into the report)."""
+    """Replace convertible MultiheadAttention and convs over non-overlapping patches (1x1,
+    patch embeddings) by Linears (skip reasons into the report)."""
     report.skipped.update(split_attention_(model, keep))
     for name, module in list(model.named_modules()):
         if name and keep(name) and isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
@@ -148,7 +149,7 @@ def _convert(model: nn.Module, keep: Callable[[str], bool], report: AccelReport)
             if reason:
                 report.skipped[name] = reason
             else:
-                model.set_submodule(name, Conv1x1AsLinear(module))
+                model.set_submodule(name, ConvAsLinear(module))
 
 
 def _weight_24(layer: nn.Module) -> bool:

@@ -11,7 +11,7 @@ import sparsekit as sk
 from sparsekit.accel import algsearch
 from sparsekit.accel.api import layer_plan
 from sparsekit.accel.convert import (
-    Conv1x1AsLinear,
+    ConvAsLinear,
     SplitMultiheadAttention,
     conv_skip_reason,
     mha_skip_reason,
@@ -108,18 +108,28 @@ def test_skip_reasons():
     assert "kdim" in mha_skip_reason(nn.MultiheadAttention(32, 4, kdim=16, vdim=16))
     assert "add_bias_kv" in mha_skip_reason(nn.MultiheadAttention(32, 4, add_bias_kv=True))
     assert conv_skip_reason(nn.Conv2d(8, 16, 1)) is None
-    assert "(16, 16) is not 1x1" in conv_skip_reason(nn.Conv2d(3, 768, 16, stride=16))
-    assert "stride" in conv_skip_reason(nn.Conv2d(8, 16, 1, stride=2))
-    assert "only 1x1 Conv2d" in conv_skip_reason(nn.Conv1d(8, 16, 1))
-    with pytest.raises(ValueError, match="not 1x1"):
-        Conv1x1AsLinear(nn.Conv2d(8, 16, 3))
+    assert conv_skip_reason(nn.Conv2d(3, 768, 16, stride=16)) is None
+    assert conv_skip_reason(nn.Conv2d(3, 8, (2, 4), stride=(2, 4))) is None
+    assert "(3, 3) differs from its stride (1, 1)" in conv_skip_reason(nn.Conv2d(8, 16, 3))
+    assert "differs from its stride" in conv_skip_reason(nn.Conv2d(8, 16, 1, stride=2))
+    assert "padding" in conv_skip_reason(nn.Conv2d(8, 16, 2, stride=2, padding=1))
+    assert "groups" in conv_skip_reason(nn.Conv2d(8, 16, 2, stride=2, groups=2))
+    assert "only Conv2d" in conv_skip_reason(nn.Conv1d(8, 16, 1))
+    with pytest.raises(ValueError, match="differs from its stride"):
+        ConvAsLinear(nn.Conv2d(8, 16, 3))
 
 
-def test_conv1x1_as_linear_equals_conv():
+@pytest.mark.parametrize("kernel,size", [(1, (5, 6)), (4, (16, 12)), ((2, 3), (9, 10)),
+                                         (16, (64, 64))])
+def test_conv_as_linear_equals_conv(kernel, size):
+    """1x1 convs and patch embeddings (kernel == stride), also where the input is not a
+    multiple of the kernel (the conv drops the remainder), against the float64 conv."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(8, 16, 1).double()
-    x = torch.randn(2, 8, 5, 6, dtype=torch.float64)
-    torch.testing.assert_close(Conv1x1AsLinear(conv)(x), conv(x))
+    conv = nn.Conv2d(3, 16, kernel, stride=kernel).double()
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    fast = ConvAsLinear(conv)
+    assert fast.linear.in_features == 3 * conv.kernel_size[0] * conv.kernel_size[1]
+    torch.testing.assert_close(fast(x), conv(x))
 
 
 class _Writer:
@@ -138,7 +148,7 @@ def test_report_dict_markdown_and_tensorboard():
     report.layers.append(LayerDecision("mlp.fc1", 11008, 4096, 4096, True, "bf16_2:4",
                                        "auto: fastest measured", dict(H200_LLAMA)))
     report.layers.append(LayerDecision("head", 1000, 768, 1, False, "bf16_dense", "align"))
-    report.skipped["conv_proj"] = "conv kernel (16, 16) is not 1x1"
+    report.skipped["conv_proj"] = "conv kernel (3, 3) differs from its stride (1, 1)"
     report.model_us = {"dense": 200.0, "accelerated": 160.0}
     d = report.to_dict()
     assert d["model_speedup"] == pytest.approx(1.25)
