@@ -74,30 +74,6 @@ class FuseGelu(_compat.custom_graph_pass()):
                               + ops.GELU_APPROXIMATE.encode()).hexdigest()
 
 
-# Abramowitz & Stegun 7.1.26: erf(z) = 1 - t (a1 + t (a2 + ... + t a5)) exp(-z^2),
-# t = 1 / (1 + p z), z >= 0; absolute error <= 1.5e-7 in exact arithmetic
-_AS_P = 0.3275911
-_AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-
-
-def gelu_erf_fast(x: torch.Tensor) -> torch.Tensor:
-    """The erf GELU, ``x * Phi(x)``, with erf from Abramowitz & Stegun 7.1.26 (one exp, one
-    reciprocal, five multiply-adds) in float32, returned in ``x.dtype``. Its error against the
-    float64 GELU is at most 3.3e-7 |x| (6.8e-7 absolute), the size of float32's own error in
-    ``0.5 x (1 + erf(x / sqrt 2))`` (1.6e-7 |x|) and of torch's float32 GELU (4.1e-7 |x|),
-    far below bfloat16's step (3.9e-3 relative). It compiles to fewer instructions than
-    libdevice's erf, which makes the GELU + 8-bit quantization kernel compute-bound."""
-    xf = x.float()
-    z = xf * 0.7071067811865476
-    a = z.abs()
-    t = 1.0 / (1.0 + _AS_P * a)
-    a1, a2, a3, a4, a5 = _AS_A
-    poly = t * (a1 + t * (a2 + t * (a3 + t * (a4 + t * a5))))
-    e = 1.0 - poly * torch.exp(-a * a)
-    erf = torch.where(z < 0, -e, e)
-    return (0.5 * xf * (1.0 + erf)).to(x.dtype)
-
-
 def uses_alpha_path(model: torch.nn.Module) -> bool:
     """Whether any layer of ``model`` runs :func:`~sparsekit.accel.ops.sparse24_mm_alpha`."""
     return any(getattr(m, "path", "") == "cslt_alpha" for m in model.modules())
