@@ -256,7 +256,14 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
     else:
         ms = {}
         big = planner.weight_bytes(model) >= planner.SHORTEN_MIN_BYTES
-        blocks = planner.repeated_blocks(model, plans) if big else None
+        # a decode-sized step is timed whole: on the H200 (2026-12-04, run 24) 1 and 5 of a
+        # 32-layer Llama's blocks put its attention-bound decode step 20% off both ways, and
+        # "auto" chose a 2:4 plan running at 0.77x; a step costs milliseconds, compiles are
+        # what planning a whole model costs
+        blocks = planner.repeated_blocks(model, plans) if big and not decode else None
+        if big and decode:
+            report.notes.append("decode-sized input: whole-model plans timed on the whole "
+                                "model, not extrapolated from a few blocks")
         for pname, assign in plans.items():
             install(assign)
             if pname == "dense" and blocks is not None:
