@@ -483,17 +483,23 @@ def test_extrapolate_ms_is_linear_in_blocks():
     assert planner.extrapolate_ms({1: 5.0, 5: 4.9}, 32) == pytest.approx(5.0)
 
 
-def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch):
-    """An 8-layer Llama: each plan runs with 1 and 5 decoder layers (fake timer: 1 ms plus
-    per-layer cost by variant) and is extrapolated to 8 exactly; the model has its 8 layers
-    back afterwards and gives the masked model's output."""
+def _deep_llama_24() -> nn.Module:
+    """An 8-layer tiny Llama, 2:4 by magnitude but its LM head (seed 0)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=8, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64)
     cfg._attn_implementation = "sdpa"
-    master = transformers.LlamaForCausalLM(cfg).eval()
-    sk.prune_(master, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
+    return model
+
+
+def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch):
+    """An 8-layer Llama: each plan runs with 1 and 5 decoder layers (fake timer: 1 ms plus
+    per-layer cost by variant) and is extrapolated to 8 exactly; the model has its 8 layers
+    back afterwards and gives the masked model's output."""
+    master = _deep_llama_24()
     x = {"input_ids": torch.randint(0, 128, (2, 48))}
     net = copy.deepcopy(master)
     cost = {"bf16_dense": 1.0, "bf16_2:4": 0.8, "fp8_dense": 0.7, "fp8_2:4": 0.5}
@@ -531,13 +537,7 @@ def test_decode_sized_plans_of_a_deep_model_are_timed_whole(monkeypatch):
     """A decode-sized input (<= DECODE_TOKENS tokens) on a model big enough to be shortened:
     every plan is timed on all 8 layers with the model's own cache behaviour (a few blocks
     mis-predicted a 32-layer decode step on the H200) and the report says so."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=8, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    net = transformers.LlamaForCausalLM(cfg).eval()
-    sk.prune_(net, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
+    net = _deep_llama_24()
     x = {"input_ids": torch.randint(0, 128, (planner.DECODE_TOKENS, 1))}
     seen = []
 
