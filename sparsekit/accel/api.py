@@ -248,7 +248,10 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
                                         "min_speedup": min_speedup,
                                         "plan_blocks": planner.PLAN_BLOCKS_TIMED,
                                         "plan_cold_l2": True,
-                                        "shorten_min_bytes": planner.SHORTEN_MIN_BYTES}))
+                                        "shorten_min_bytes": planner.SHORTEN_MIN_BYTES,
+                                        # decisions of the planner that extrapolated decode
+                                        # steps from a few blocks are not reused
+                                        "decode_timed_whole": True}))
     hit = plan.cache.get(key, {})
     if hit.get("plan") in plans and "ms" in hit:
         ms, best = {k: float(v) for k, v in hit["ms"].items()}, hit["plan"]

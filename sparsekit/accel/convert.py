@@ -114,10 +114,6 @@ class ConvAsLinear(nn.Module):
         return self.linear(patches).permute(0, 3, 1, 2)
 
 
-# the name before patch embeddings were converted too
-Conv1x1AsLinear = ConvAsLinear
-
-
 def split_attention_(model: nn.Module,
                      keep: Callable[[str], bool] = lambda name: True) -> dict[str, str]:
     """Replace every ``nn.MultiheadAttention`` named by ``keep`` by its
