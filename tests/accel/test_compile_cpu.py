@@ -359,11 +359,17 @@ def test_whole_model_plans_and_choice():
     assert plans["dense"] == {"q": "bf16_dense", "up": "bf16_dense", "head": "bf16_dense"}
     assert plans["fp8_2:4"] == {"q": "fp8_2:4", "up": "fp8_2:4", "head": "bf16_dense"}
     assert plans["per_layer"] == {"q": "bf16_2:4", "up": "fp8_2:4", "head": "bf16_dense"}
-    # fewer compiles: no all-fp8-dense plan at prefill, no all-bf16-2:4 plan at decode
+    # fewer compiles: no all-fp8-dense plan at prefill; at decode neither all-bf16-2:4 nor
+    # all-fp8-dense (a decode step is timed whole: each plan a whole-model compile)
     assert list(planner.whole_model_plans(layers, "fp8", decode=False)) == [
         "dense", "per_layer", "fp8_2:4", "bf16_2:4"]
     assert list(planner.whole_model_plans(layers, "fp8", decode=True)) == [
-        "dense", "per_layer", "fp8_2:4", "fp8_dense"]
+        "dense", "per_layer", "fp8_2:4"]
+    # bf16: at decode the per-layer choice is the only plan besides dense
+    bf16 = {n: ([c for c in cands if c.startswith("bf16")], "bf16_2:4")
+            for n, (cands, _) in layers.items() if n != "head"}
+    assert list(planner.whole_model_plans(bf16, "bf16", decode=True)) == ["dense", "per_layer"]
+    assert list(planner.whole_model_plans(bf16, "bf16", decode=False)) == ["dense", "per_layer"]
     # a plan equal to an earlier one is timed once
     same = planner.whole_model_plans({"q": (["bf16_dense", "bf16_2:4"], "bf16_2:4")}, "bf16")
     assert list(same) == ["dense", "per_layer"]

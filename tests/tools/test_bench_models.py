@@ -25,10 +25,22 @@ def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
         # the ratio's reference is the fastest dense, the recheck included
         assert e["fastest_dense"] == min(dense, key=dense.get)
         assert v[e["fastest_dense"]]["ratio"] == 1.0
-        for row in v.values():
+        for vname, row in v.items():
             if "ms" in row:
                 assert row["ratio"] == pytest.approx(dense[e["fastest_dense"]] / row["ms"])
                 assert row["output_type"] == out_type  # types survive accelerate + compile
+            # every row after the dense ones is timed again alternating with the fastest dense
+            # way, and its target judged on that ratio
+            paired = "ms" in row and vname not in ("dense_eager", "dense_compiled",
+                                                    "dense_recheck")
+            assert ("paired_ratio" in row) == paired, vname
+            if paired:
+                assert row["paired_ref"] == again["of"]  # the fastest before the recheck
+                assert row["paired_ms"] > 0 and row["paired_ref_ms"] > 0
+                assert row["paired_ratio"] == pytest.approx(row["paired_ref_ms"] /
+                                                            row["paired_ms"])
+                if "target" in row:
+                    assert row["met"] == (row["paired_ratio"] >= row["target"])
         # errors against fp32 of the same masked model: bf16 2:4 at the bf16 floor, fp8 larger
         floor = v["dense_eager"]["rel_err"]
         assert 0 < floor < 0.03
@@ -49,6 +61,7 @@ def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
         assert "CUDA" in v["torchao_fp8_dense"]["error"] and "CUDA" in v["stock_2:4"]["error"]
     md = (tmp_path / "bench_models.md").read_text()
     assert "## HF LlamaForCausalLM" in md and "| sk_fp8_2:4 |" in md and "fastest dense" in md
+    assert "paired ratio" in md
 
 
 def test_decode_step_is_the_same_step_every_call(monkeypatch):
