@@ -311,17 +311,22 @@ def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
 
 
 def time_paired(ref_fn, fn, device: torch.device, rounds: int = PAIRED_ROUNDS,
-                calls: int = PAIRED_CALLS) -> tuple[float, float]:
+                calls: int = PAIRED_CALLS, blocks: list | None = None) -> tuple[float, float]:
     """(median ms of ``ref_fn``, of ``fn``), timed in alternating blocks of ``calls`` calls
     (``rounds`` blocks each; the order flips every round, ref first, then the variant first:
     ABBA), each block after one warm-up call, the median over the blocks' medians. The GPU's
     clocks drift between rows timed a minute apart (up to 5% in one run, ``dense_recheck``);
-    blocks a second apart see the same clocks, so their ratio is the drift-free one."""
+    blocks a second apart see the same clocks, so their ratio is the drift-free one. ``blocks``
+    (a list) receives ``[ref|var, unix start, unix end, median ms]`` per block."""
     ref, var = [], []
     for r in range(rounds):
         order = ((ref_fn, ref), (fn, var)) if r % 2 == 0 else ((fn, var), (ref_fn, ref))
         for f, acc in order:
+            t0 = time.time()
             acc.append(planner.time_model_ms(f, device, calls=calls, warmup=1))
+            if blocks is not None:  # wall-clock span of the block (for a clock log beside it)
+                blocks.append(["ref" if acc is ref else "var", round(t0, 3),
+                               round(time.time(), 3), round(acc[-1], 4)])
     return statistics.median(ref), statistics.median(var)
 
 
@@ -606,14 +611,18 @@ def bench_row(name: str, vname: str, how: dict, case: tuple, args, device: torch
             row["rel_err"] = rel_err(main_output(out).float(), ref)
             row["output_type"] = type(out).__name__
             del out
+            t0 = time.time()
             row["ms"] = time_ms(fn, device, calls)
+            row["timed_at"] = [round(t0, 3), round(time.time(), 3)]  # unix seconds
             if vname in PROFILED and not args.smoke:
                 row["profile"] = profile_shares(fn, device)
             if pair is not None and args.paired:  # the fastest dense way, the same seconds
                 ref_name, ref_how = pair
                 rin = fresh_inputs(binputs, master)
                 ref_fn = run_variant(ref_how, master, rin, skip, device)[0]
-                row["paired_ref_ms"], row["paired_ms"] = time_paired(ref_fn, fn, device)
+                row["paired_blocks"] = []
+                row["paired_ref_ms"], row["paired_ms"] = time_paired(
+                    ref_fn, fn, device, blocks=row["paired_blocks"])
                 row["paired_ref"] = ref_name
                 ref_fn = rin = None
         row.update(compile_s=compile_s, plan_s=plan_s, compiles=compiles)
@@ -639,7 +648,8 @@ def bench_row(name: str, vname: str, how: dict, case: tuple, args, device: torch
     torch._dynamo.reset()
     summarize(entry, name)
     write()
-    shown = {k: v for k, v in row.items() if k not in ("trace", "profile")}
+    shown = {k: v for k, v in row.items()
+             if k not in ("trace", "profile", "paired_blocks", "timed_at")}
     if len(shown.get("notes", ())) > 3:  # e.g. one per fused sibling group: all in the JSON
         shown["notes"] = shown["notes"][:3] + [f"... {len(shown['notes']) - 3} more"]
     print(f"[{name}] {vname}: " + json.dumps(shown), flush=True)

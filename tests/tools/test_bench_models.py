@@ -2,6 +2,7 @@
 to the JSON and markdown the H200 run writes."""
 
 import json
+import statistics
 
 import pytest
 
@@ -37,6 +38,11 @@ def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
             if paired:
                 assert row["paired_ref"] == again["of"]  # the fastest before the recheck
                 assert row["paired_ms"] > 0 and row["paired_ref_ms"] > 0
+                blocks = row["paired_blocks"]  # ABBA: ref, var, var, ref, ...
+                assert [b[0] for b in blocks[:4]] == ["ref", "var", "var", "ref"]
+                assert len(blocks) == 16 and all(b[1] <= b[2] for b in blocks)
+                assert row["paired_ref_ms"] == pytest.approx(
+                    statistics.median(b[3] for b in blocks if b[0] == "ref"), rel=1e-3)
                 assert row["paired_ratio"] == pytest.approx(row["paired_ref_ms"] /
                                                             row["paired_ms"])
                 if "target" in row:
