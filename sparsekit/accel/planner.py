@@ -18,8 +18,8 @@ its input from memory, inside the model it is fused into the norm or activation 
 it (on the 8B-shaped Llama the per-layer choice picked bf16 2:4 for 40 of 56 layers and ran at
 1.18x where fp8 2:4 everywhere ran at 1.44x). So on CUDA ``accelerate`` then compares a few
 WHOLE-MODEL plans, each compiled and run as it will run: all layers dense (the floor), the
-per-layer choice, every 2:4 layer at the precision's 2:4, every 2:4 layer at bf16 2:4, every
-layer at the precision's dense (:func:`whole_model_plans`), and keeps the fastest
+per-layer choice, every 2:4 layer at the precision's 2:4, every 2:4 layer at bf16 2:4 (the
+last two not at every size: :func:`whole_model_plans`), and keeps the fastest
 (:func:`choose_plan`; a plan other than dense must beat it by ``min_speedup``). A model of
 many identical blocks and at least ``SHORTEN_MIN_BYTES`` of weights is timed on a few of its
 blocks and extrapolated (:func:`truncated`, :func:`extrapolate_ms`; the weights as they
