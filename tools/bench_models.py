@@ -68,6 +68,9 @@ from sparsekit._compat import compile_module, compiled_graph_count
 from sparsekit.accel import planner
 from sparsekit.accel.convert import split_attention_
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_log  # noqa: E402  (tools/gpu_log.py, beside this script)
+
 TARGETS = {  # (model, variant): ratio to the fastest dense, from issue 14
     ("llama", "sk_bf16_2:4"): 1.3, ("llama", "sk_fp8_2:4"): 1.8,
     ("bert", "sk_bf16_2:4"): 1.2, ("bert", "sk_fp8_2:4"): 1.6,
@@ -649,7 +652,7 @@ def bench_row(name: str, vname: str, how: dict, case: tuple, args, device: torch
     summarize(entry, name)
     write()
     shown = {k: v for k, v in row.items()
-             if k not in ("trace", "profile", "paired_blocks", "timed_at")}
+             if k not in ("trace", "profile", "paired_blocks", "timed_at", "clocks")}
     if len(shown.get("notes", ())) > 3:  # e.g. one per fused sibling group: all in the JSON
         shown["notes"] = shown["notes"][:3] + [f"... {len(shown['notes']) - 3} more"]
     print(f"[{name}] {vname}: " + json.dumps(shown), flush=True)
@@ -737,6 +740,19 @@ def to_markdown(res: dict) -> str:
                              f"{p.get('span_ms', float('nan')):.2f} | {p['gemm_pct']:.0f}"
                              f" | {p['attention_pct']:.0f} | {p['triton_pct']:.0f} | "
                              f"{p['other_pct']:.0f} |")
+        clocked = {k: r["clocks"] for k, r in e["variants"].items() if r.get("clocks")}
+        if clocked:
+            lines += ["", "| GPU clock (--gpu-log) | timed: SM MHz, W | paired dense: SM MHz, W "
+                      "| paired variant: SM MHz, W | throttle reasons |",
+                      "| --- | --- | --- | --- | --- |"]
+
+            def cell(c: dict | None) -> str:
+                return "" if not c else f"{c['sm_mhz']:.0f}, {c['watts']:.0f}"
+
+            for k, c in clocked.items():
+                seen = sorted({t for part in c.values() if part for t in part["throttle"]})
+                lines.append(f"| {k} | {cell(c.get('timed'))} | {cell(c.get('ref'))} | "
+                             f"{cell(c.get('var'))} | {' '.join(seen)} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -754,6 +770,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reserve-s", type=float, default=45.0,
                     help="no new variant starts with less than this left")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (reference ops)")
+    ap.add_argument("--gpu-log", action="store_true",
+                    help="log the GPU's SM clock and power every 100 ms (nvidia-smi) into "
+                         "gpu_clocks.csv and give each row the clock it was timed at")
     ap.add_argument("--no-paired", dest="paired", action="store_false",
                     help="skip timing each row again alternating with the fastest dense way")
     args = ap.parse_args(argv)
@@ -773,18 +792,48 @@ def main(argv: list[str] | None = None) -> dict:
            "torch": torch.__version__, "python": platform.python_version(),
            "smoke": args.smoke, "models": {}}
 
+    log = None
+    if args.gpu_log:
+        if not gpu_log.GpuLog.available():
+            raise SystemExit("--gpu-log: nvidia-smi not found on PATH; run without --gpu-log")
+        log = gpu_log.GpuLog(out_dir / "gpu_clocks.csv").start()
+        res["gpu_log"] = "gpu_clocks.csv"
+
     def write() -> None:
+        if log is not None:
+            add_clocks(res, gpu_log.read_log(log.path))
         (out_dir / "bench_models.json").write_text(json.dumps(res, indent=1))
         (out_dir / "bench_models.md").write_text(to_markdown(res))
 
-    for name in [m for m in args.models.split(",") if m]:
-        try:
-            bench_model(name, args, device, deadline, res, write)
-        except Exception as e:
-            res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:500]
-            traceback.print_exc()
-        write()
+    try:
+        for name in [m for m in args.models.split(",") if m]:
+            try:
+                bench_model(name, args, device, deadline, res, write)
+            except Exception as e:
+                res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:500]
+                traceback.print_exc()
+            write()
+    finally:
+        if log is not None:
+            log.stop()
+            write()
     return res
+
+
+def add_clocks(res: dict, samples: list[tuple]) -> None:
+    """Each timed row's GPU clock from the log (``--gpu-log``): mean SM clock, power, throttle
+    reasons while its calls were timed (``clocks["timed"]``) and over its paired blocks, each
+    side (``clocks["ref"]``, the dense way, and ``clocks["var"]``)."""
+    for entry in res["models"].values():
+        for row in entry["variants"].values():
+            clocks = {}
+            if "timed_at" in row:
+                clocks["timed"] = gpu_log.span_stats(samples, *row["timed_at"])
+            if "paired_blocks" in row:
+                clocks.update(gpu_log.blocks_stats(samples, row["paired_blocks"]))
+            clocks = {k: c for k, c in clocks.items() if c}  # a span between two samples: none
+            if clocks:
+                row["clocks"] = clocks
 
 
 if __name__ == "__main__":
