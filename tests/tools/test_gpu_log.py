@@ -94,6 +94,7 @@ def test_bench_rows_get_their_clocks():
         "sk": {**done, "timed_at": [102.0, 103.0],
                "paired_blocks": [["ref", 104.0, 104.5, 1.0], ["var", 104.6, 105.0, 1.0],
                                  ["var", 105.1, 105.5, 1.0], ["ref", 105.6, 106.0, 1.0]]},
+        "short": {**done, "timed_at": [100.01, 100.02]},  # between two samples
         "broken": {"error": "x"}}}}}
     bm.add_clocks(res, samples)
     v = res["models"]["m"]["variants"]
@@ -103,7 +104,7 @@ def test_bench_rows_get_their_clocks():
     assert v["sk"]["clocks"]["ref"]["sm_mhz"] == pytest.approx(statistics.mean(ref), abs=0.05)
     var = [s for s in samples if 104.6 <= s[0] <= 105.0 or 105.1 <= s[0] <= 105.5]
     assert v["sk"]["clocks"]["var"]["samples"] == len(var) >= 8
-    assert "clocks" not in v["broken"]
+    assert "clocks" not in v["broken"] and "clocks" not in v["short"]
     assert "| GPU clock (--gpu-log) |" in bm.to_markdown(
         {"device": "d", "torch": "t", "date": "now", "command": "c",
          "models": {"m": {"label": "m", "variants": v}}})
