@@ -3,7 +3,7 @@ and the mean SM clock, power and throttle reasons over any wall-clock span of it
 
 Why: on the H200 the whole-model rows run at the card's power cap, and its SM clock falls as a
 run goes on (2026-12-04, run 29: 1581 MHz while the first dense row was timed, 1501-1506 MHz
-ten seconds of load later); a compute-bound dense model's time follows the clock, a 2:4 model's
+30-50 s later); a compute-bound dense model's time follows the clock, a 2:4 model's
 much less. A row's speed means little without the clock it ran at.
 
     log = GpuLog("out/gpu_clocks.csv").start()
