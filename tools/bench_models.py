@@ -38,8 +38,10 @@ seconds (first call) and planning seconds, and the number of graphs compiled. Ev
 the dense ones is also timed alternating with a fresh build of the fastest dense way
 (:func:`time_paired`, ABBA blocks a second apart): its "paired ratio" is free of the GPU's
 drift between rows (the fastest dense way timed again last, ``dense_recheck``, has differed
-by up to 5% from its first time), and targets are judged on it. A ``--deadline-s``
-budget skips what would not finish; the JSON and markdown are rewritten after every variant.
+by up to 6.5% from its first time: the H200 at its power cap lowers its clock as a run goes
+on), and targets are judged on it. ``--gpu-log`` records the GPU's clock beside each row. A
+``--deadline-s`` budget skips what would not finish; the JSON and markdown are rewritten after
+every variant.
 """
 
 from __future__ import annotations
@@ -318,8 +320,10 @@ def time_paired(ref_fn, fn, device: torch.device, rounds: int = PAIRED_ROUNDS,
     """(median ms of ``ref_fn``, of ``fn``), timed in alternating blocks of ``calls`` calls
     (``rounds`` blocks each; the order flips every round, ref first, then the variant first:
     ABBA), each block after one warm-up call, the median over the blocks' medians. The GPU's
-    clocks drift between rows timed a minute apart (up to 5% in one run, ``dense_recheck``);
-    blocks a second apart see the same clocks, so their ratio is the drift-free one. ``blocks``
+    clock drifts between rows timed a minute apart (the same dense model 6.5% slower at the
+    end of one run, ``dense_recheck``); blocks a second apart run at nearly one clock (H200,
+    run 29: 1506 and 1470 MHz mean over the dense and the 2:4 blocks, against 1581 MHz while
+    the first dense row was timed), so their ratio is the drift-free one. ``blocks``
     (a list) receives ``[ref|var, unix start, unix end, median ms]`` per block."""
     ref, var = [], []
     for r in range(rounds):
@@ -703,10 +707,11 @@ def to_markdown(res: dict) -> str:
                   + (f" The fastest dense way timed again last ({RECHECK}) took "
                      f"{e['dense_drift']:.3f}x its first time (the GPU's drift in this run)."
                      if "dense_drift" in e else ""), "",
-                  f"paired: each non-dense row timed again in {PAIRED_ROUNDS} alternating "
-                  f"blocks of {PAIRED_CALLS} calls with a fresh build of the fastest dense way "
-                  "(ms of both, medians over blocks); targets are judged on the paired ratio.",
-                  "",
+                  *([f"paired: each non-dense row timed again in {PAIRED_ROUNDS} alternating "
+                     f"blocks of {PAIRED_CALLS} calls with a fresh build of the fastest dense "
+                     "way (ms of both, medians over blocks); targets are judged on the paired "
+                     "ratio.", ""] if any("paired_ratio" in r for r in e["variants"].values())
+                    else []),
                   "| variant | ms | ratio | paired ms (dense) | paired ratio | target | "
                   "rel err vs fp32 | compile s | plan s | graphs | note |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -232,3 +232,20 @@ def test_launch_option_rows_and_their_dense_reference(tmp_path):
     md = bm.to_markdown({"command": "x", "date": "d", "device": "H200", "torch": "2.11",
                          "models": {"bert": {"label": "BERT", **entry}}})
     assert "| sk_bf16_2:4_combo | 3 | 1.00 | 1.25 | 50 | 20 | 30 | 0 |" in md
+
+
+def test_without_paired_timing_targets_fall_back_to_the_sequential_ratio(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import bench_models as bm
+
+    res = bm.main(["--smoke", "--no-paired", "--models", "vit", "--variants", "sk_bf16_2:4",
+                   "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")])
+    v = res["models"]["vit"]["variants"]
+    assert not any("paired_ratio" in r or "paired_blocks" in r for r in v.values())
+    row = v["sk_bf16_2:4"]
+    assert row["target"] == 1.15 and row["met"] == (row["ratio"] >= 1.15)
+    md = (tmp_path / "bench_models.md").read_text()
+    assert "| sk_bf16_2:4 |" in md and "paired: each" not in md
