@@ -420,9 +420,9 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
     fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
                          compile=False, whole_model=True)
     r = fast.report
-    # M=6 is decode-sized: no all-bf16-2:4 plan
+    # M=6 is decode-sized: no all-bf16-2:4 plan and no all-fp8-dense one
     assert r.plan == "fp8_2:4" and r.plans_ms == {"dense": 10.0, "per_layer": 8.0,
-                                                   "fp8_2:4": 5.0, "fp8_dense": 7.0}
+                                                   "fp8_2:4": 5.0}
     assert {d.name: d.variant for d in r.layers} == {"a": "fp8_2:4", "b": "fp8_2:4"}
     assert "overridden" in r.layers[0].reason and r.model_speedup == 2.0
     assert type(net.a).__name__ == "FP8Sparse24" and type(net.b).__name__ == "FP8Sparse24"
