@@ -322,7 +322,7 @@ def time_paired(ref_fn, fn, device: torch.device, rounds: int = PAIRED_ROUNDS,
     ABBA), each block after one warm-up call, the median over the blocks' medians. The GPU's
     clock drifts between rows timed a minute apart (the same dense model 6.5% slower at the
     end of one run, ``dense_recheck``); blocks a second apart run at nearly one clock (H200,
-    run 29: 1506 and 1470 MHz mean over the dense and the 2:4 blocks, against 1581 MHz while
+    run 29: 1506 and 1468 MHz mean over the dense and the 2:4 blocks, against 1581 MHz while
     the first dense row was timed), so their ratio is the drift-free one. ``blocks``
     (a list) receives ``[ref|var, unix start, unix end, median ms]`` per block."""
     ref, var = [], []
@@ -806,7 +806,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def write() -> None:
         if log is not None:
-            add_clocks(res, gpu_log.read_log(log.path))
+            gpu_log.add_clocks(res, gpu_log.read_log(log.path))
         (out_dir / "bench_models.json").write_text(json.dumps(res, indent=1))
         (out_dir / "bench_models.md").write_text(to_markdown(res))
 
@@ -823,22 +823,6 @@ def main(argv: list[str] | None = None) -> dict:
             log.stop()
             write()
     return res
-
-
-def add_clocks(res: dict, samples: list[tuple]) -> None:
-    """Each timed row's GPU clock from the log (``--gpu-log``): mean SM clock, power, throttle
-    reasons while its calls were timed (``clocks["timed"]``) and over its paired blocks, each
-    side (``clocks["ref"]``, the dense way, and ``clocks["var"]``)."""
-    for entry in res["models"].values():
-        for row in entry["variants"].values():
-            clocks = {}
-            if "timed_at" in row:
-                clocks["timed"] = gpu_log.span_stats(samples, *row["timed_at"])
-            if "paired_blocks" in row:
-                clocks.update(gpu_log.blocks_stats(samples, row["paired_blocks"]))
-            clocks = {k: c for k, c in clocks.items() if c}  # a span between two samples: none
-            if clocks:
-                row["clocks"] = clocks
 
 
 if __name__ == "__main__":

@@ -10,11 +10,18 @@ much less. A row's speed means little without the clock it ran at.
     t0 = time.time(); work(); t1 = time.time()
     span_stats(read_log(log.path), t0, t1)   # {"samples": ..., "sm_mhz": ..., ...}
     log.stop()
+
+A bench_models JSON and the log written beside it, read back (the clock of every row):
+
+    python tools/gpu_log.py docs/bench/bench_models_run29_llama32_bf16_clocks.json \
+        docs/bench/bench_models_run29_clocks.csv --tz UTC
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import shutil
 import statistics
 import subprocess
@@ -101,3 +108,49 @@ def blocks_stats(samples: list[tuple], blocks: list[list]) -> dict[str, dict]:
         if inside:
             out[side] = span_stats(inside, float("-inf"), float("inf"))
     return out
+
+
+def add_clocks(res: dict, samples: list[tuple], after_s: float = 1.0) -> None:
+    """Each timed row of a ``tools/bench_models.py`` result the GPU clock from the log: mean SM
+    clock, power and throttle reasons while its calls were timed (``clocks["timed"]``), in the
+    ``after_s`` seconds after them (``clocks["after"]``: where the bench's one profiled call
+    runs) and over its paired blocks, each side (``clocks["ref"]``, the dense way, and
+    ``clocks["var"]``). A span between two samples gets no entry."""
+    for entry in res["models"].values():
+        for row in entry["variants"].values():
+            clocks = {}
+            if "timed_at" in row:
+                t0, t1 = row["timed_at"]
+                clocks["timed"] = span_stats(samples, t0, t1)
+                clocks["after"] = span_stats(samples, t1, t1 + after_s)
+            if "paired_blocks" in row:
+                clocks.update(blocks_stats(samples, row["paired_blocks"]))
+            clocks = {k: c for k, c in clocks.items() if c}
+            if clocks:
+                row["clocks"] = clocks
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description="the GPU clock of every row of a bench_models "
+                                 "JSON, from the nvidia-smi log written beside it")
+    ap.add_argument("bench_json")
+    ap.add_argument("log_csv")
+    ap.add_argument("--tz", default=None, help="the log's time zone: UTC or local (default)")
+    args = ap.parse_args(argv)
+    if args.tz not in (None, "UTC", "local"):
+        raise SystemExit(f"--tz: expected UTC or local, got {args.tz!r}")
+    tz = datetime.timezone.utc if args.tz == "UTC" else None
+    res = json.loads(Path(args.bench_json).read_text())
+    add_clocks(res, read_log(args.log_csv, tz=tz))
+    for model, entry in res["models"].items():
+        for name, row in entry["variants"].items():
+            for part, c in row.get("clocks", {}).items():
+                ms = row.get("ms") if part in ("timed", "after") else None
+                print(f"{model} {name} {part}: SM {c['sm_mhz']:.0f} MHz, {c['watts']:.0f} W, "
+                      f"{c['samples']} samples, throttle {' '.join(c['throttle'])}"
+                      + (f" (row {ms:.3f} ms)" if ms is not None and part == "timed" else ""))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -96,7 +96,7 @@ def test_bench_rows_get_their_clocks():
                                  ["var", 105.1, 105.5, 1.0], ["ref", 105.6, 106.0, 1.0]]},
         "short": {**done, "timed_at": [100.01, 100.02]},  # between two samples
         "broken": {"error": "x"}}}}}
-    bm.add_clocks(res, samples)
+    gpu_log.add_clocks(res, samples)
     v = res["models"]["m"]["variants"]
     assert v["dense"]["clocks"]["timed"]["samples"] == 11
     assert v["dense"]["clocks"]["timed"]["sm_mhz"] == pytest.approx(1895.0)
@@ -104,7 +104,11 @@ def test_bench_rows_get_their_clocks():
     assert v["sk"]["clocks"]["ref"]["sm_mhz"] == pytest.approx(statistics.mean(ref), abs=0.05)
     var = [s for s in samples if 104.6 <= s[0] <= 105.0 or 105.1 <= s[0] <= 105.5]
     assert v["sk"]["clocks"]["var"]["samples"] == len(var) >= 8
-    assert "clocks" not in v["broken"] and "clocks" not in v["short"]
+    assert "clocks" not in v["broken"] and "timed" not in v["short"]["clocks"]
+    # the second after the timed calls (where the bench's profiled call runs)
+    after = [s[1] for s in samples if 101.0 <= s[0] <= 102.0]
+    assert v["dense"]["clocks"]["after"]["sm_mhz"] == pytest.approx(statistics.mean(after),
+                                                                   abs=0.05)
     assert "| GPU clock (--gpu-log) |" in bm.to_markdown(
         {"device": "d", "torch": "t", "date": "now", "command": "c",
          "models": {"m": {"label": "m", "variants": v}}})
@@ -151,3 +155,20 @@ def test_bench_models_with_a_gpu_log_end_to_end(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "bench_models.json").read_text())
     assert saved["models"]["vit"]["variants"]["sk_bf16_2:4"]["clocks"] == row["clocks"]
     assert "| GPU clock (--gpu-log) |" in (tmp_path / "bench_models.md").read_text()
+
+
+def test_the_command_line_reads_a_bench_json_beside_its_log(capsys):
+    """``python tools/gpu_log.py BENCH_JSON LOG --tz UTC`` on run 29 (the figures docs/gpu.md
+    cites): the first dense row timed near 1581 MHz, the profiled call after it at the boost
+    clock, the paired blocks near 1500 MHz."""
+    res = gpu_log.main([str(RUN29_JSON), str(RUN29), "--tz", "UTC"])
+    v = res["models"]["llama_causal"]["variants"]
+    first = v["dense_compiled_ro"]["clocks"]
+    assert first["timed"]["sm_mhz"] == pytest.approx(1580.9, abs=0.1)
+    assert first["after"]["sm_mhz"] > first["timed"]["sm_mhz"] + 200  # rising to the boost
+    paired = v["sk_bf16_2:4"]["clocks"]
+    assert paired["ref"]["sm_mhz"] < 1530 and paired["var"]["sm_mhz"] < 1530
+    out = capsys.readouterr().out
+    assert "llama_causal dense_compiled_ro timed: SM 1581 MHz" in out
+    with pytest.raises(SystemExit):
+        gpu_log.main([str(RUN29_JSON), str(RUN29), "--tz", "Mars"])
