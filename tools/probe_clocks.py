@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_log  # noqa: E402
-from sparsekit.accel import algsearch, kernels  # noqa: E402
+from sparsekit.accel import algsearch, kernels, timing  # noqa: E402
 from sparsekit.prune.patterns import nm_mask  # noqa: E402
 
 
@@ -59,18 +59,16 @@ def build(n: int, k: int, m: int, device: torch.device) -> dict[str, nn.Module]:
 
 
 def block_runner(fn, device: torch.device, calls: int):
-    """A callable running ``calls`` of ``fn`` (one CUDA graph replay on CUDA) and returning
-    ms per call of that run."""
+    """A callable running ``calls`` of ``fn`` once (one CUDA-graph replay on CUDA) and returning
+    ms per call of that run, by sparsekit's one timing loop (:func:`timing.time_ms`)."""
     if device.type != "cuda":
-        def run_cpu() -> float:
-            t0 = time.perf_counter()
+        def many() -> None:
             for _ in range(calls):
                 fn()
-            return (time.perf_counter() - t0) * 1e3 / calls
-        return run_cpu
+        return lambda: timing.time_ms(many, device, warmup=0, repeats=1) / calls
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
@@ -78,16 +76,7 @@ def block_runner(fn, device: torch.device, calls: int):
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-
-    def run() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
-    run.graph = graph  # kept alive with the runner
-    return run
+    return lambda: timing.time_ms(graph.replay, device, warmup=0, repeats=1) / calls
 
 
 def probe(n: int, k: int, m: int, seconds: float, block_s: float, idle_s: float,
