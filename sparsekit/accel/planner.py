@@ -122,10 +122,13 @@ def whole_model_plans(layers: dict[str, tuple[list[str], str]], precision: str,
         "dense": {n: c[0] for n, (c, _) in layers.items()},
         "per_layer": {n: ch for n, (_, ch) in layers.items()},
     }
-    uniform = [variant_name(precision, True), "bf16_2:4", variant_name(precision, False)]
-    if decode is not None:
-        # decode: bf16 2:4 never as a plan of its own (the per-layer choice may still pick it)
-        uniform = (uniform[:1] if precision != "bf16" else []) if decode else uniform[:2]
+    sparse, dense = variant_name(precision, True), variant_name(precision, False)
+    if decode is None:  # size unknown: every uniform plan
+        uniform = [sparse, "bf16_2:4", dense]
+    elif decode:  # bf16 2:4 never as a plan of its own (the per-layer choice may pick it)
+        uniform = [sparse] if precision != "bf16" else []
+    else:
+        uniform = [sparse, "bf16_2:4"]
     for v in dict.fromkeys(uniform):
         plans[v] = {n: (v if v in c else ch) for n, (c, ch) in layers.items()}
     out: dict[str, dict[str, str]] = {}
