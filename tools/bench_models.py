@@ -55,7 +55,6 @@ import inspect
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -317,24 +316,13 @@ def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
 
 def time_paired(ref_fn, fn, device: torch.device, rounds: int = PAIRED_ROUNDS,
                 calls: int = PAIRED_CALLS, blocks: list | None = None) -> tuple[float, float]:
-    """(median ms of ``ref_fn``, of ``fn``), timed in alternating blocks of ``calls`` calls
-    (``rounds`` blocks each; the order flips every round, ref first, then the variant first:
-    ABBA), each block after one warm-up call, the median over the blocks' medians. The GPU's
-    clock drifts between rows timed a minute apart (the same dense model 6.5% slower at the
-    end of one run, ``dense_recheck``); blocks a second apart run at nearly one clock (H200,
-    run 29: 1506 and 1468 MHz mean over the dense and the 2:4 blocks, against 1581 MHz while
-    the first dense row was timed), so their ratio is the drift-free one. ``blocks``
-    (a list) receives ``[ref|var, unix start, unix end, median ms]`` per block."""
-    ref, var = [], []
-    for r in range(rounds):
-        order = ((ref_fn, ref), (fn, var)) if r % 2 == 0 else ((fn, var), (ref_fn, ref))
-        for f, acc in order:
-            t0 = time.time()
-            acc.append(planner.time_model_ms(f, device, calls=calls, warmup=1))
-            if blocks is not None:  # wall-clock span of the block (for a clock log beside it)
-                blocks.append(["ref" if acc is ref else "var", round(t0, 3),
-                               round(time.time(), 3), round(acc[-1], 4)])
-    return statistics.median(ref), statistics.median(var)
+    """(median ms of ``ref_fn``, of ``fn``) from alternating ABBA blocks
+    (:func:`sparsekit.accel.planner.time_paired`, the clock "auto" confirms its choice with).
+    The bench's own drift: the fastest dense way timed again last (``dense_recheck``) has
+    differed by up to 6.5% from its first time; in run 29 the paired blocks ran at 1506 and
+    1468 MHz mean (dense, 2:4) against 1581 MHz while the first dense row was timed, so their
+    ratio is the drift-free one."""
+    return planner.time_paired(ref_fn, fn, device, rounds=rounds, calls=calls, blocks=blocks)
 
 
 def profile_shares(fn, device: torch.device) -> dict | None:

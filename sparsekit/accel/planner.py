@@ -20,7 +20,9 @@ it (on the 8B-shaped Llama the per-layer choice picked bf16 2:4 for 40 of 56 lay
 WHOLE-MODEL plans, each compiled and run as it will run: all layers dense (the floor), the
 per-layer choice, every 2:4 layer at the precision's 2:4, every 2:4 layer at bf16 2:4 (the
 last two not at every size: :func:`whole_model_plans`), and keeps the fastest
-(:func:`choose_plan`; a plan other than dense must beat it by ``min_speedup``). A model of
+(:func:`choose_plan`; a plan other than dense must beat it by ``min_speedup``; one within
+``CONFIRM_BELOW`` of dense is timed again alternating with it, :func:`time_paired`, and must
+beat it there by ``PLAN_MARGIN``). A model of
 many identical blocks and at least ``SHORTEN_MIN_BYTES`` of weights is timed on a few of its
 blocks and extrapolated (:func:`truncated`, :func:`extrapolate_ms`; the weights as they
 are held while planning). The choice and
@@ -31,6 +33,8 @@ the plans' times are cached under a key of the model's layer shapes, input shape
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,6 +156,15 @@ def choose_plan(ms: dict[str, float], min_speedup: float = 1.0) -> tuple[str, st
     return best, f"whole model: plan {best} fastest ({ratio:.2f}x dense)"
 
 
+# a non-dense plan timed within CONFIRM_BELOW of dense is timed again alternating with it
+# (time_paired, CONFIRM_ROUNDS blocks each) and kept only if it beats dense by PLAN_MARGIN
+# there: plans timed one after the other are 5% apart by drift and host state alone (H200,
+# 2026-12-04, run 30: BERT-large fp8 per-layer plan timed 1.002x dense, ran at 0.953x of it
+# alternating; run 28: 1.058x timed, 1.007x alternating)
+CONFIRM_BELOW = 1.10
+CONFIRM_ROUNDS = 6
+PLAN_MARGIN = 1.02
+
 # a model of at least MIN_REPEATED_BLOCKS identical blocks and SHORTEN_MIN_BYTES of weights is
 # timed with PLAN_BLOCKS_TIMED of its blocks. Smaller models are timed whole: their compiles
 # take seconds, and on them the extrapolation misled (H200, BERT-large, 0.7 GB of weights, run
@@ -254,6 +267,30 @@ def time_model_ms(fn: Callable[[], object], device: torch.device, calls: int = 1
                    before=(lambda: flush_l2(device)) if cold_l2 else None)
 
 
+def time_paired(ref_fn: Callable[[], object], fn: Callable[[], object], device: torch.device,
+                rounds: int = 8, calls: int = 3, blocks: list | None = None
+                ) -> tuple[float, float]:
+    """(median ms of ``ref_fn``, of ``fn``), timed in alternating blocks of ``calls`` calls
+    (``rounds`` blocks each; the order flips every round, ref first, then ``fn`` first: ABBA),
+    each block after one warm-up call (:func:`time_model_ms`), the median over the blocks'
+    medians. Two models timed minutes apart are timed at different GPU clocks (an H200 at its
+    power cap lowers its clock as a run goes on: the same dense model 6.5% slower at the end of
+    one bench run) and, on a 6 ms model, different host states; blocks a second apart compare
+    them under one condition. ``blocks`` (a list) receives ``[ref|var, unix start, unix end,
+    median ms]`` per block."""
+    ref: list[float] = []
+    var: list[float] = []
+    for r in range(rounds):
+        order = ((ref_fn, ref), (fn, var)) if r % 2 == 0 else ((fn, var), (ref_fn, ref))
+        for f, acc in order:
+            t0 = time.time()
+            acc.append(time_model_ms(f, device, calls=calls, warmup=1))
+            if blocks is not None:  # wall-clock span of the block (for a clock log beside it)
+                blocks.append(["ref" if acc is ref else "var", round(t0, 3),
+                               round(time.time(), 3), round(acc[-1], 4)])
+    return statistics.median(ref), statistics.median(var)
+
+
 def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
                 inductor: dict | None = None) -> float:
     """Microseconds per call of ``module(x)`` as it will run: compiled with ``backend`` and
@@ -268,7 +305,8 @@ def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
         return time_ms(lambda: fn(x), "cpu", warmup=1, repeats=5) * 1e3
 
 
-__all__ = ["DECODE_TOKENS", "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "cache_path", "choose",
-           "SHORTEN_MIN_BYTES", "choose_plan", "extrapolate_ms", "load", "model_key", "plan_key",
-           "repeated_blocks", "store", "time_model_ms", "time_module", "truncated",
-           "weight_bytes", "whole_model_plans"]
+__all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_TOKENS", "MIN_REPEATED_BLOCKS",
+           "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES", "cache_path", "choose",
+           "choose_plan", "extrapolate_ms", "load", "model_key", "plan_key", "repeated_blocks",
+           "store", "time_model_ms", "time_module", "time_paired", "truncated", "weight_bytes",
+           "whole_model_plans"]

@@ -452,6 +452,85 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
     assert {d.variant for d in fast.report.layers} == {"bf16_dense"}
 
 
+def _close_call_plans(monkeypatch, tmp_path, alternating: tuple[float, float]):
+    """accelerate(fp8, auto) of _Net where, timed one after the other, the fp8 2:4 plan looks
+    5% faster than dense (a close call) and, timed alternating, runs ``alternating`` (dense ms,
+    fp8 2:4 ms). Returns (master, net, fast, the models handed to the alternating timer)."""
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    master = _Net().eval()
+    sk.prune_(master, pattern="2:4", criterion="magnitude")
+    net = copy.deepcopy(master)
+    # per layer fp8 2:4 is fastest everywhere: the per-layer plan is all fp8 2:4 (the plan
+    # "fp8_2:4" is the same one, timed once as "per_layer")
+    monkeypatch.setattr(planner, "time_module",
+                        lambda mod, *a: 1.0 if mod.variant == "fp8_2:4" else 2.0)
+    monkeypatch.setattr(planner, "time_model_ms", lambda fn, device, **kw: fn() and (
+        10.0 if isinstance(net.a, nn.Linear) else 9.5))
+    seen = []
+
+    def paired(ref_fn, fn, device, **kw):
+        ref_fn(), fn()  # both models really run
+        seen.extend([ref_fn.args[0].model, fn.args[0].model])
+        return alternating
+
+    monkeypatch.setattr(planner, "time_paired", paired)
+    fast = sk.accelerate(net, torch.randn(96, 64), precision="fp8", sparsity="auto",
+                         device="cpu", compile=False, whole_model=True)
+    return master, net, fast, seen
+
+
+def test_a_close_plan_is_timed_alternating_with_dense_and_dropped_when_not_faster(
+        monkeypatch, tmp_path):
+    """fp8 2:4 timed 1.05x dense one after the other (within planner.CONFIRM_BELOW), 0.99x of
+    it alternating (the BERT case of the H200's run 30): dense is kept. The alternating models
+    are copies holding the two plans, sharing the model's weights; the model is untouched by
+    them and the decision is cached with both timings."""
+    master, net, fast, seen = _close_call_plans(monkeypatch, tmp_path, (10.0, 10.1))
+    r = fast.report
+    assert 1.0 < 10.0 / 9.5 < planner.CONFIRM_BELOW
+    dense_copy, fp8_copy = seen
+    assert dense_copy is not net and fp8_copy is not net
+    assert isinstance(dense_copy.a, nn.Linear) and type(fp8_copy.a).__name__ == "FP8Sparse24"
+    assert dense_copy.a is net.a  # the original layer object: weights shared, not copied
+    assert r.plan == "dense" and isinstance(net.a, nn.Linear) and isinstance(net.b, nn.Linear)
+    assert {d.variant for d in r.layers} == {"bf16_dense"}
+    assert any("timed alternating" in n and "per_layer 10.100" in n for n in r.notes)
+    assert r.model_us == {"dense": 10000.0, "accelerated": 10000.0}
+    cached = [v for k, v in planner.load(tmp_path / "plans.json").items()
+              if k.startswith("model|")]
+    assert len(cached) == 1 and cached[0]["plan"] == "dense"
+    assert cached[0]["confirm_ms"] == {"dense": 10.0, "per_layer": 10.1}
+    with torch.no_grad():
+        torch.testing.assert_close(fast(torch.ones(4, 64)).y.float(),
+                                   master(torch.ones(4, 64)).y, atol=0.05, rtol=0.02)
+
+
+def test_a_close_plan_faster_alternating_is_kept(monkeypatch, tmp_path):
+    """The same close call, fp8 2:4 1.11x dense alternating (above planner.PLAN_MARGIN): it
+    is installed, and the report's model speedup is the alternating one."""
+    _, net, fast, seen = _close_call_plans(monkeypatch, tmp_path, (10.0, 9.0))
+    r = fast.report
+    assert len(seen) == 2 and r.plan in ("fp8_2:4", "per_layer")
+    assert type(net.a).__name__ == "FP8Sparse24" and type(net.b).__name__ == "FP8Sparse24"
+    assert r.model_us == {"dense": 10000.0, "accelerated": 9000.0}
+    assert any("1.11x dense, timed alternating" in n for n in r.notes)
+    # just above 1.0 but under the margin: dense
+    _, net, fast, _ = _close_call_plans(monkeypatch, tmp_path / "b", (10.0, 9.9))
+    assert fast.report.plan == "dense" and 10.0 / 9.9 < planner.PLAN_MARGIN
+
+
+def test_time_paired_alternates_abba():
+    calls = []
+    ref_ms, var_ms = planner.time_paired(lambda: calls.append("A"), lambda: calls.append("B"),
+                                         torch.device("cpu"), rounds=4, calls=2,
+                                         blocks=(blocks := []))
+    assert [b[0] for b in blocks] == ["ref", "var", "var", "ref"] * 2
+    # each block: one warm-up call and two timed ones, of one side
+    assert "".join(calls) == ("AAA" + "BBB" + "BBB" + "AAA") * 2
+    assert ref_ms >= 0 and var_ms >= 0
+
+
 def test_fuse_argument_is_deprecated():
     with pytest.warns(DeprecationWarning, match="fuse"):
         sk.accelerate(_Net().eval(), torch.randn(6, 64), device="cpu", compile=False,
