@@ -85,10 +85,11 @@ DENSE = ("dense_eager", "dense_compiled", "dense_compiled_ro")
 MK = {"triton.multi_kernel": 1}  # inductor may use persistent reductions up to 16k wide
 CDT = {"coordinate_descent_tuning": True}
 OPT_IN = ("sk_fp8_2:4_max_autotune", "dense_compiled_max_autotune",  # minutes of compile each
-          "sk_fp8_auto_again")  # a second accelerate: warm plan and inductor caches
+          "sk_fp8_auto_again",  # a second accelerate: warm plan and inductor caches
+          "sk_bf16_dense")  # the stock layers on sparsekit's own CUDA graphs
 FRZ = {"freezing": True}  # weights as constants, folded; CSE over the inference graph
 # variants under extra inductor options or with sibling fusion: run when named
-OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib", "_head8", "_combo", "_pdl")
+OPT_IN_SUFFIXES = ("_mk", "_mk_cdt", "_frz", "_sib", "_head8", "_combo", "_pdl", "_nocap")
 # fewer launches: independent kernels (the q/k/v epilogues) horizontally fused into one
 COMBO = {"combo_kernels": True}
 # programmatic dependent launch (Hopper): a kernel's launch overlaps the previous one's tail
@@ -98,7 +99,8 @@ DENSE_SAME_OPTIONS = ("dense_compiled_ro_mk", "dense_compiled_ro_mk_cdt", "dense
                       "dense_compiled_ro_combo", "dense_compiled_ro_pdl")
 RECHECK = "dense_recheck"  # the fastest dense way timed again after every other row
 PAIRED_ROUNDS, PAIRED_CALLS = 8, 3  # each non-dense row timed again alternating with the dense
-PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
+PROFILED = ("dense_compiled_ro", "sk_bf16_2:4", "sk_bf16_2:4_sib_nocap", "sk_bf16_dense",
+            "sk_fp8_2:4", "sk_fp8_2:4_unfused_quant",
             "sk_fp8_2:4_max_autotune", "sk_fp8_2:4_mk", "dense_compiled_ro_mk", "sk_fp8s_2:4",
             "sk_bf16_2:4_sib", "sk_fp8s_2:4_sib", "sk_fp8s_2:4_head8", "sk_fp8st_2:4",
             *(f"{v}{s}" for s in ("_combo", "_pdl")
@@ -457,6 +459,12 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
             out.append((f"{name}_sib", {**how, "siblings": True}))
     for name in ("sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4"):
         out.append((f"{name}_frz", {**dict(out)[name], "inductor": FRZ}))
+    # sparsekit's own CUDA graphs off (torch.compile's reduce-overhead replays the model, as
+    # before 2026-12-04), and its all-dense model on its own graphs: what capture alone gives
+    for name in ("sk_bf16_2:4", "sk_bf16_2:4_sib", "sk_fp8st_2:4", "sk_fp8s_auto"):
+        out.append((f"{name}_nocap", {**dict(out)[name], "capture": False}))
+    out.append(("sk_bf16_dense", {"kind": "sk", "precision": "bf16", "sparsity": "dense",
+                                  "backend": backend}))
     # the layers left dense (the LM head) as fp8 dense too: accelerate's dense_precision="fp8"
     for name in ("sk_fp8_2:4", "sk_fp8s_2:4", "sk_fp8_auto", "sk_fp8s_auto"):
         out.append((f"{name}_head8", {**dict(out)[name], "dense_precision": "fp8"}))
@@ -504,7 +512,7 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
                              mode=how.get("mode"), inductor=how.get("inductor"),
                              fused_quant=how.get("fused_quant", True), clone_outputs=False,
                              dense_precision=how.get("dense_precision", "bf16"),
-                             siblings=how.get("siblings", False))
+                             siblings=how.get("siblings", False), capture=how.get("capture"))
         report = fast.report
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
             report.seconds.get("plan", 0.0), report.compiles, report

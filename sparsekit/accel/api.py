@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import algsearch, cslt_ext, planner
+from sparsekit.accel import algsearch, cslt_ext, graphs, planner
 from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.epilogue import FuseGelu, uses_alpha_path
 from sparsekit.accel.convert import ConvAsLinear, conv_skip_reason, split_attention_
@@ -73,7 +73,7 @@ class AcceleratedModel(nn.Module):
     def __init__(self, model: nn.Module, report: AccelReport, device: torch.device, *,
                  compile: bool = True, mode: str | None = None, dynamic: bool | None = None,
                  backend: str = "inductor", inductor: dict | None = None,
-                 clone_outputs: bool = True, max_compiles: int = 8):
+                 clone_outputs: bool = True, max_compiles: int = 8, capture: bool = False):
         super().__init__()
         self.model = model
         self.sparsekit_report = report
@@ -81,21 +81,32 @@ class AcceleratedModel(nn.Module):
         self.clone_outputs = clone_outputs
         self.max_compiles = max_compiles
         self.fuse_gelu: FuseGelu | None = None
+        self._compile_args = dict(dynamic=dynamic, backend=backend, inductor=inductor)
+        self.capture = capture and compile and device.type == "cuda"
         if compile:
             if mode is None:
-                mode = "reduce-overhead" if device.type == "cuda" else "default"
-            if backend == "inductor" and uses_alpha_path(model) and \
-                    "pre_grad_custom_pass" not in (inductor or {}):
-                # GELU into the epilogue of the GEMMs on sparsekit's binding
-                self.fuse_gelu = FuseGelu()
-                inductor = {**(inductor or {}), "pre_grad_custom_pass": self.fuse_gelu}
-            runner = _compat.compile_module(model, mode=mode, dynamic=dynamic, backend=backend,
-                                            options=inductor)
+                mode = "default" if self.capture or device.type != "cuda" else "reduce-overhead"
+            runner = self._compile(mode)
         else:
             runner = model
         self.compiled = compile
         # kept out of the module tree: the model's tensors are listed once, under ``model.``
         self.__dict__["runner"] = runner
+        self.__dict__["graphs"] = graphs.GraphCache(runner) if self.capture else None
+
+    def _compile(self, mode: str) -> Callable:
+        """The model through ``torch.compile`` in ``mode`` (with sparsekit's GELU pass where
+        its layers can take it)."""
+        dynamic, backend, inductor = (self._compile_args[k] for k in
+                                      ("dynamic", "backend", "inductor"))
+        if backend == "inductor" and uses_alpha_path(self.model) and \
+                "pre_grad_custom_pass" not in (inductor or {}):
+            # GELU into the epilogue of the GEMMs on sparsekit's binding
+            if self.fuse_gelu is None:
+                self.fuse_gelu = FuseGelu()
+            inductor = {**(inductor or {}), "pre_grad_custom_pass": self.fuse_gelu}
+        return _compat.compile_module(self.model, mode=mode, dynamic=dynamic, backend=backend,
+                                      options=inductor)
 
     @property
     def report(self) -> AccelReport:
@@ -103,20 +114,40 @@ class AcceleratedModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._as_input, (args, kwargs))
-        before = _compat.compiled_graph_count() if self.compiled else 0
         with torch.no_grad():
-            out = self.runner(*args, **kwargs)
-        if self.compiled:
-            new = _compat.compiled_graph_count() - before
-            if new:
-                self.report.compiles += new
-                if self.report.compiles > self.max_compiles:
-                    log.warning("sk.accelerate: the model was compiled %d times (input shapes "
-                                "vary); pass dynamic=True or fixed shapes",
-                                self.report.compiles)
+            out = self._captured(args, kwargs) if self.graphs is not None else None
+            if out is None:
+                before = _compat.compiled_graph_count() if self.compiled else 0
+                out = self.runner(*args, **kwargs)
+                if self.compiled:
+                    self._count(_compat.compiled_graph_count() - before)
         if self.clone_outputs and self.device.type == "cuda":
             out = tree_map(torch.clone, out)
         return out
+
+    def _captured(self, args: tuple, kwargs: dict) -> Any:
+        """The output of the call's captured CUDA graph (captured now if its signature is new),
+        or None: the model is then recompiled with ``mode="reduce-overhead"``, once, and this
+        and every later call runs that (the report says why)."""
+        cache = self.graphs
+        before = cache.compiled
+        call = cache.get(args, kwargs)
+        self._count(cache.compiled - before)
+        if call is not None:
+            return call(args, kwargs)
+        self.report.notes.append(f"own CUDA graphs off ({cache.why}): torch.compile's "
+                                 f"reduce-overhead mode replays the model instead")
+        self.__dict__["graphs"] = None
+        self.__dict__["runner"] = self._compile("reduce-overhead")
+        return None
+
+    def _count(self, new: int) -> None:
+        """Add ``new`` compiled graphs to the report (a warning past ``max_compiles``)."""
+        if new:
+            self.report.compiles += new
+            if self.report.compiles > self.max_compiles:
+                log.warning("sk.accelerate: the model was compiled %d times (input shapes "
+                            "vary); pass dynamic=True or fixed shapes", self.report.compiles)
 
     def _as_input(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.device)
@@ -344,7 +375,8 @@ def _plan_runner(model: nn.Module, report: AccelReport, plan: "_Planner",
                                                report.device), plan.device,
                             compile=options["compile"], mode=options["mode"],
                             dynamic=options["dynamic"], backend=options["backend"],
-                            inductor=options["inductor"], clone_outputs=False)
+                            inductor=options["inductor"], clone_outputs=False,
+                            capture=options["capture"])
 
 
 def _shell_copy(model: nn.Module) -> nn.Module:
@@ -422,6 +454,21 @@ def _check_options(precision: str, dense_precision: str, sparsity: str, min_spee
                       "siblings=True now (docs/gpu.md); drop the argument",
                       DeprecationWarning, stacklevel=3)
     return AccelReport(precision, sparsity, float(min_speedup), "")
+
+
+def _check_capture(capture: bool | None, device: torch.device, compile: bool,
+                   mode: str | None, inputs: Any) -> bool:
+    """Whether the model runs on sparsekit's own CUDA graphs (:mod:`sparsekit.accel.graphs`).
+    None: on a CUDA device, compiled, no ``mode`` asked for, and ``inputs`` of tensors and
+    scalars only (an HF ``Cache`` in them: ``mode="reduce-overhead"``)."""
+    if capture is None:
+        return (device.type == "cuda" and compile and mode is None
+                and graphs.input_key(inputs) is not None)
+    if capture and (device.type != "cuda" or not compile or mode == "reduce-overhead"):
+        raise ValueError(f"capture=True needs a CUDA device, compile=True and a mode other "
+                         f"than 'reduce-overhead' (CUDA graphs of its own), got "
+                         f"device={device}, compile={compile}, mode={mode!r}")
+    return bool(capture)
 
 
 def _check_inductor(inductor: dict | None, backend: str) -> None:
@@ -612,6 +659,7 @@ def accelerate(
     whole_model: bool | None = None,
     fuse: bool | None = None,
     siblings: bool = False,
+    capture: bool | None = None,
 ) -> AcceleratedModel:
     """Run ``model``'s linear layers on sparse / low-precision kernels, the model compiled
     (docs/gpu.md has the details and the measured speeds).
@@ -643,7 +691,11 @@ def accelerate(
     (default) or the opaque ``sparsekit::quant_rows`` op. ``fuse``: deprecated, ignored.
     ``siblings``: layers fed one tensor (q/k/v, gate/up), one variant: one GEMM (compiled, an
     inductor pass merging their calls; :mod:`sparsekit.accel.siblings`). Modifies ``model`` in
-    place (to ``device``, bfloat16, eval); returns the :class:`AcceleratedModel` wrapping it."""
+    place (to ``device``, bfloat16, eval); returns the :class:`AcceleratedModel` wrapping it.
+    ``capture``: sparsekit's own CUDA graph per input signature around the model compiled in
+    mode "default", replayed without dynamo's guard check (:mod:`sparsekit.accel.graphs`);
+    default on CUDA when ``mode`` is not given and the example inputs hold only tensors and
+    scalars; False: ``mode="reduce-overhead"``."""
     report = _check_options(precision, dense_precision, sparsity, min_speedup, fuse)
     _check_inductor(inductor, backend)
     device = _device_of(device)
@@ -663,8 +715,9 @@ def accelerate(
 
     install = _installer(model, chosen, plan)
     whole_model = device.type == "cuda" if whole_model is None else whole_model
+    capture = _check_capture(capture, device, compile, mode, inputs)
     compiled = dict(compile=compile, mode=mode, dynamic=dynamic, backend=backend,
-                    inductor=inductor)
+                    inductor=inductor, capture=capture)
     if sparsity == "auto" and whole_model and chosen:
         _plan_whole_model(model, inputs, chosen, install, plan, report, precision, min_speedup,
                           {**compiled, "fused_quant": fused_quant,

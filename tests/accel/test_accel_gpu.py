@@ -95,6 +95,43 @@ def test_compiled_model_accurate_and_recompiles_counted(precision):
     assert 1 <= fast.report.compiles <= 2  # the second shape compiles once, dynamic
 
 
+class _TwoGraphs(nn.Module):
+    """Two Linears with a graph break between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 512), nn.Linear(512, 256)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_own_cuda_graphs_replay_new_inputs_and_step_aside_for_graph_breaks():
+    """The default on CUDA: sparsekit's own graph per input signature, each call's values
+    copied in (every output right for its own input); a model compiled into two graphs runs
+    under reduce-overhead instead, still right, and the report says why."""
+    torch.manual_seed(0)
+    model = make_24_(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))).eval()
+    ref = copy.deepcopy(model).double()
+    fast = sk.accelerate(copy.deepcopy(model), torch.randn(8, 256))
+    assert fast.capture and len(fast.graphs.graphs) == 1
+    xs = [torch.randn(8, 256) for _ in range(3)]
+    outs = [fast(x) for x in xs]
+    for x, out in zip(xs, outs):
+        assert rel_err(out, ref(x.double())) <= TOL["bf16"]
+    assert len(fast.graphs.graphs) == 1 and fast.report.compiles == 1
+    broken = make_24_(_TwoGraphs()).eval()
+    ref = copy.deepcopy(broken).double()
+    fb = sk.accelerate(copy.deepcopy(broken), xs[0])
+    assert fb.graphs is None
+    assert any(n.startswith("own CUDA graphs off (the compiled model is 2 graphs")
+               for n in fb.report.notes)
+    for x in xs:
+        assert rel_err(fb(x), ref(x.double())) <= TOL["bf16"]
+
+
 def test_alg_search_uses_cache():
     lin = make_24_(nn.Linear(512, 1024)).cuda()
     _, alg, timings = algsearch.search("bf16_2:4", lin, 256)

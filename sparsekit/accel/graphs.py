@@ -1,0 +1,121 @@
+"""sparsekit's own CUDA graphs around the compiled model: one graph per input signature.
+
+``torch.compile(mode="reduce-overhead")`` replays CUDA graphs too, but each call first runs
+dynamo's guard check over every guarded attribute of the model (the kernel modules add theirs)
+and the CUDA-graph trees' bookkeeping: on the H200 (2026-12-04, ``tools/probe_host.py``) an
+accelerated BERT-large call spent 782 us on the host before its graph ran (stock dense 661 us),
+against 260 us with the compiled model (mode "default") captured here and replayed. A call
+whose input signature (:func:`input_key`: the structure, every tensor's shape, strides, dtype
+and device, every other leaf's value) was seen before copies its tensors into the captured
+graph's static inputs and replays it; a new signature is warmed up (compiled) and captured.
+
+Capture freezes the Python that ran while capturing, so it is only sound where the compiled
+model is one graph: :class:`GraphCache` refuses a signature whose warm-up built more than one
+graph (a graph break: the Python between the pieces could branch on tensor data), and inputs
+holding other objects (an HF ``Cache``, whose tensors the model updates in place) have no
+signature. The caller then runs the model another way (``AcceleratedModel`` switches to
+``mode="reduce-overhead"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from sparsekit import _compat
+from sparsekit.prune.calibration import tree_map
+
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def input_key(obj: Any) -> tuple | None:
+    """A hashable signature of a call's inputs (nested tuples, lists, dicts, dataclasses of
+    tensors and plain scalars), or None when they hold anything else (not capturable)."""
+    if isinstance(obj, torch.Tensor):
+        return ("t", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad)
+    if isinstance(obj, _SCALARS):
+        return ("v", type(obj).__name__, obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        parts = [input_key(o) for o in obj]
+        return None if None in parts else (type(obj).__name__, *parts)
+    if isinstance(obj, Mapping):
+        parts = [(k, input_key(v)) for k, v in obj.items()]
+        if any(p is None for _, p in parts) or not all(isinstance(k, str) for k, _ in parts):
+            return None
+        return (type(obj).__name__, *parts)
+    return None
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` in :func:`tree_map`'s order."""
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) or t, obj)
+    return found
+
+
+class CapturedCall:
+    """``fn(*args, **kwargs)`` captured into one CUDA graph (static copies of the inputs, in a
+    memory ``pool`` shared by the graphs of one model: they are replayed one at a time)."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, pool: Any):
+        self.static = tree_map(torch.clone, (args, kwargs))
+        self.inputs = tensors(self.static)
+        sargs, skwargs = self.static
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn(*sargs, **skwargs)
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        for dst, src in zip(self.inputs, tensors((args, kwargs))):
+            dst.copy_(src)
+        self.graph.replay()
+        return self.out
+
+
+class GraphCache:
+    """The captured graphs of one compiled callable ``fn``, by input signature (at most
+    ``max_graphs``). :meth:`get` returns a signature's :class:`CapturedCall`, capturing it on
+    first sight after ``warmup`` calls on a side stream (where ``fn`` compiles), or None (and
+    ``why``) when the inputs have no signature, the limit is reached, or the warm-up built more
+    than one graph (the compiled model has graph breaks)."""
+
+    def __init__(self, fn: Callable, max_graphs: int = 16, warmup: int = 2):
+        self.fn, self.max_graphs, self.warmup = fn, max_graphs, warmup
+        self.graphs: dict[tuple, CapturedCall] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.compiled = 0  # graphs torch.compile built during warm-ups
+        self.why = ""  # why the last get() returned None
+
+    def get(self, args: tuple, kwargs: dict) -> CapturedCall | None:
+        key = input_key((args, kwargs))
+        if key is None:
+            self.why = "inputs holding objects other than tensors and scalars"
+            return None
+        hit = self.graphs.get(key)
+        if hit is not None:
+            return hit
+        if len(self.graphs) >= self.max_graphs:
+            self.why = f"more than {self.max_graphs} input signatures"
+            return None
+        before = _compat.compiled_graph_count()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.fn(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        built = _compat.compiled_graph_count() - before
+        self.compiled += built
+        if built > 1:
+            self.why = f"the compiled model is {built} graphs (graph breaks)"
+            return None
+        self.graphs[key] = CapturedCall(self.fn, args, kwargs, self.pool)
+        return self.graphs[key]
+
+
+__all__ = ["CapturedCall", "GraphCache", "input_key", "tensors"]
