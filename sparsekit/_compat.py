@@ -153,6 +153,15 @@ def reset_compiled() -> None:
         pass
 
 
+def clear_cublas_workspaces() -> None:
+    """Drop torch's cached cuBLAS/cuBLASLt workspaces (each stream's, kept across calls): the
+    next matmul allocates its own, inside a CUDA graph's pool when it runs under capture
+    (inductor's CUDA-graph trees do the same around their captures, and clear them again)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def check_module_apply() -> None:
     """``nn.Module._apply(fn, recurse)``, which sparsekit's quantized layers override so that
     ``.to(dtype)`` moves their 8-bit weights without converting them: the signature must hold."""

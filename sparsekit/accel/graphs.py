@@ -105,16 +105,28 @@ class GraphCache:
         before = _compat.compiled_graph_count()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # cuBLAS keeps one workspace per stream across calls; the graph must own the one it
+        # captures (allocated in its pool), or whoever frees the cached one next (inductor's
+        # CUDA-graph trees clear them when they record) frees memory the graph writes: on the
+        # H200 (2026-12-04, run 32) a captured BERT replayed after a reduce-overhead model was
+        # built failed with "unspecified launch failure". So: no cached workspace into the
+        # warm-up or the capture, none kept after either.
+        _compat.clear_cublas_workspaces()
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):
                 self.fn(*args, **kwargs)
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().synchronize()
+        _compat.clear_cublas_workspaces()
         built = _compat.compiled_graph_count() - before
         self.compiled += built
         if built > 1:
             self.why = f"the compiled model is {built} graphs (graph breaks)"
             return None
-        self.graphs[key] = CapturedCall(self.fn, args, kwargs, self.pool)
+        try:
+            self.graphs[key] = CapturedCall(self.fn, args, kwargs, self.pool)
+        finally:
+            _compat.clear_cublas_workspaces()
         return self.graphs[key]
 
 

@@ -132,6 +132,29 @@ def test_own_cuda_graphs_replay_new_inputs_and_step_aside_for_graph_breaks():
         assert rel_err(fb(x), ref(x.double())) <= TOL["bf16"]
 
 
+def test_own_graph_survives_a_reduce_overhead_model_built_after_it():
+    """Inductor's CUDA-graph trees clear cuBLAS's cached workspaces when they record; a graph
+    of ours captured with a cached workspace then wrote freed memory (H200, run 32: "unspecified
+    launch failure" in BERT's fp8s auto row). Ours, fp8 dense and 2:4 layers (cuBLASLt and
+    cuSPARSELt), still right after a reduce-overhead model was recorded and run."""
+    torch.manual_seed(0)
+    model = make_24_(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))).eval()
+    ref = copy.deepcopy(model).double()
+    fast = sk.accelerate(copy.deepcopy(model), torch.randn(64, 256), precision="fp8",
+                         sparsity="auto", whole_model=False)
+    assert fast.capture
+    x = torch.randn(64, 256)
+    other = torch.compile(copy.deepcopy(model).cuda().bfloat16(), mode="reduce-overhead")
+    for _ in range(3):  # warm-up, record, replay: the trees clear the workspaces
+        with torch.no_grad():
+            other(torch.randn(512, 256, device="cuda", dtype=torch.bfloat16))
+    for _ in range(3):
+        with torch.no_grad():
+            other(torch.randn(512, 256, device="cuda", dtype=torch.bfloat16))
+        assert rel_err(fast(x), ref(x.double())) <= TOL["fp8"]
+    torch.cuda.synchronize()
+
+
 def test_alg_search_uses_cache():
     lin = make_24_(nn.Linear(512, 1024)).cuda()
     _, alg, timings = algsearch.search("bf16_2:4", lin, 256)

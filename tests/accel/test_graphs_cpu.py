@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import sparsekit as sk
+from sparsekit import _compat
 from sparsekit.accel import graphs
 from sparsekit.accel.api import AcceleratedModel
 from sparsekit.accel.report import AccelReport
@@ -53,6 +54,9 @@ def fake_cuda_graphs(monkeypatch):
         def wait_stream(self, other):
             pass
 
+        def synchronize(self):
+            pass
+
     captured = []
 
     class GraphContext:
@@ -74,6 +78,9 @@ def fake_cuda_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     _FakeGraph.replays = 0
+    # cuBLAS's cached workspaces cleared: before the warm-up, before and after the capture
+    monkeypatch.setattr(_compat, "clear_cublas_workspaces",
+                        lambda: captured.append("clear cublas"))
     return captured
 
 
@@ -87,7 +94,10 @@ def test_graph_cache_captures_once_per_signature_and_copies_inputs_in(fake_cuda_
     cache = graphs.GraphCache(fn, max_graphs=2, warmup=2)
     first = cache.get((torch.ones(2, 3),), {"scale": 2.0})
     assert first is not None and len(calls) == 3  # two warm-up calls, one captured
-    assert fake_cuda_graphs == [(first.graph, "pool")]  # one pool for the model's graphs
+    # one pool for the model's graphs; the capture owns its cuBLAS workspace (none cached
+    # into the warm-up or the capture, none kept after)
+    assert fake_cuda_graphs == ["clear cublas", "clear cublas", (first.graph, "pool"),
+                                "clear cublas"]
     x = torch.full((2, 3), 5.0)
     assert cache.get((x,), {"scale": 2.0}) is first  # same signature: no new capture
     out = first((x,), {"scale": 2.0})
