@@ -2,12 +2,14 @@
 sparse / low-precision kernels (``sparsekit::`` custom ops), the whole model compiled.
 
 The default path: layers swapped for :mod:`sparsekit.accel.kernels` modules, then the model
-through ``torch.compile(mode="reduce-overhead")``: inductor fuses the norms, rotary, SiLU*mul,
-residual adds, the per-token activation quantization and the 8-bit scale epilogues around the
-GEMMs, and CUDA graphs remove the host work (cuSPARSELt builds its plan on every call, 0.5-0.9 ms
-of host time, which graph replay skips). On CPU the same modules run the ops' plain-torch
-references (``device="cpu"``): the model structure, the traced graph and the numerics are the
-GPU's, the speed is not.
+through ``torch.compile``: inductor fuses the norms, rotary, SiLU*mul, residual adds, the
+per-token activation quantization and the 8-bit scale epilogues around the GEMMs, and CUDA
+graphs remove the host work (cuSPARSELt builds its plan on every call, 0.5-0.9 ms of host time,
+which graph replay skips): sparsekit's own graph per input signature
+(:mod:`sparsekit.accel.graphs`, which also skips dynamo's per-call guard check), or
+``mode="reduce-overhead"`` where those cannot be captured. On CPU the same modules run the
+ops' plain-torch references (``device="cpu"``): the model structure, the traced graph and the
+numerics are the GPU's, the speed is not.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ class AcceleratedModel(nn.Module):
     ``torch._dynamo.config.recompile_limit`` bounds them, after which the frame runs eagerly).
     ``clone_outputs``: under CUDA graphs an output lives in the graph's memory until the next
     call; cloning hands out tensors of your own (turn it off when you consume each output
-    before the next call)."""
+    before the next call). ``capture`` (CUDA only): the model compiled in mode "default" and
+    replayed as sparsekit's own CUDA graphs (``graphs``, a
+    :class:`~sparsekit.accel.graphs.GraphCache`); a call that cannot be captured switches the
+    model to ``mode="reduce-overhead"`` for good, with a note in the report."""
 
     _sparsekit_accelerated = True
 
