@@ -16,6 +16,15 @@ from sparsekit.accel.api import AcceleratedModel
 from sparsekit.accel.report import AccelReport
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """What these tests compile leaves no dynamo state behind (its automatic-dynamic record of
+    ``nn.Sequential.forward`` would make another test's first compile dynamic)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def test_input_key_tells_apart_what_a_captured_graph_depends_on():
     x = torch.zeros(2, 3)
     key = graphs.input_key
@@ -112,7 +121,6 @@ def test_graph_cache_captures_once_per_signature_and_copies_inputs_in(fake_cuda_
 
 def test_graph_cache_refuses_a_model_with_graph_breaks(fake_cuda_graphs):
     """Capture would freeze the Python between the pieces (which may branch on data)."""
-    torch._dynamo.reset()
 
     def broken(x):
         y = x + 1
