@@ -73,11 +73,16 @@ def test_agreed_schema_names():
         "ratio", "criterion", "scope", "round_to", "steps", "exclude", *DEPRECATED_KEYS
     }
     assert {f.name for f in dataclasses.fields(cfg.accel)} == {
-        "enabled", "precision", "sparsity", "min_speedup", "siblings"
+        "enabled", "precision", "sparsity", "min_speedup", "siblings", "capture"
     }
     assert {"none", "int8_weight_only", "int8", "fp8"} <= set(options("quant"))
     assert {"nm24", "unstructured", "none"} <= set(options("prune"))
     assert {"oneshot", "linear", "cubic"} <= set(options("schedule"))
+
+
+def test_accel_capture_is_null_by_default_and_takes_a_bool(composer):
+    assert composer(["accel=gpu"]).accel.capture is None
+    assert composer(["accel=fp8", "accel.capture=false"]).accel.capture is False
 
 
 def test_every_recipe_composes_and_changes_something(composer):

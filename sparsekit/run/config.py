@@ -346,7 +346,9 @@ class BenchConfig(_Checked):
 @dataclass
 class AccelConfig(_Checked):
     """``precision``: one with dense and 2:4 accel variants registered (accel.kernels).
-    ``siblings``: layers fed one tensor (q/k/v, gate/up) as one GEMM (``sk.accelerate``)."""
+    ``siblings``: layers fed one tensor (q/k/v, gate/up) as one GEMM (``sk.accelerate``).
+    ``capture``: sparsekit's own CUDA graphs (null: where the inputs allow; false:
+    torch.compile's reduce-overhead mode)."""
 
     _key: ClassVar[str] = "accel"
     _open: ClassVar = {"precision": precisions, "sparsity": lambda: SPARSITIES}
@@ -355,6 +357,7 @@ class AccelConfig(_Checked):
     sparsity: str = "2:4"
     min_speedup: float = 1.0
     siblings: bool = False
+    capture: bool | None = None
 
 
 @dataclass

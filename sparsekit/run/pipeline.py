@@ -503,7 +503,8 @@ def stage_accelerate(ctx: RunContext) -> None:
         ctx.accel["skipped"] = "CUDA is not available"
         return
     fast = sk.accelerate(copy.deepcopy(ctx.model), ctx.example[:1], precision=a.precision,
-                         sparsity=a.sparsity, min_speedup=a.min_speedup, siblings=a.siblings)
+                         sparsity=a.sparsity, min_speedup=a.min_speedup, siblings=a.siblings,
+                         capture=a.capture)
     report = fast.sparsekit_report
     if ctx.tracker.writer is not None:
         report.log(ctx.tracker.writer)
