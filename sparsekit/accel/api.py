@@ -136,10 +136,10 @@ class AcceleratedModel(nn.Module):
         and every later call runs that (the report says why)."""
         cache = self.graphs
         before = cache.compiled
-        call = cache.get(args, kwargs)
+        out = cache.run(args, kwargs)
         self._count(cache.compiled - before)
-        if call is not None:
-            return call(args, kwargs)
+        if out is not None:
+            return out
         self.report.notes.append(f"own CUDA graphs off ({cache.why}): torch.compile's "
                                  f"reduce-overhead mode replays the model instead")
         self.__dict__["graphs"] = None

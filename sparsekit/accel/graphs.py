@@ -31,31 +31,27 @@ from sparsekit.prune.calibration import tree_map
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-def input_key(obj: Any) -> tuple | None:
+def input_key(obj: Any, found: list[torch.Tensor] | None = None) -> tuple | None:
     """A hashable signature of a call's inputs (nested tuples, lists, dicts, dataclasses of
-    tensors and plain scalars), or None when they hold anything else (not capturable)."""
+    tensors and plain scalars), or None when they hold anything else (not capturable). Their
+    tensors are appended to ``found`` (when given), in one fixed order."""
     if isinstance(obj, torch.Tensor):
+        if found is not None:
+            found.append(obj)
         return ("t", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad)
     if isinstance(obj, _SCALARS):
         return ("v", type(obj).__name__, obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
-        parts = [input_key(o) for o in obj]
+        parts = [input_key(o, found) for o in obj]
         return None if None in parts else (type(obj).__name__, *parts)
     if isinstance(obj, Mapping):
-        parts = [(k, input_key(v)) for k, v in obj.items()]
+        parts = [(k, input_key(v, found)) for k, v in obj.items()]
         if any(p is None for _, p in parts) or not all(isinstance(k, str) for k, _ in parts):
             return None
         return (type(obj).__name__, *parts)
     return None
-
-
-def tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors of ``obj`` in :func:`tree_map`'s order."""
-    found: list[torch.Tensor] = []
-    tree_map(lambda t: found.append(t) or t, obj)
-    return found
 
 
 class CapturedCall:
@@ -64,14 +60,16 @@ class CapturedCall:
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, pool: Any):
         self.static = tree_map(torch.clone, (args, kwargs))
-        self.inputs = tensors(self.static)
+        self.inputs: list[torch.Tensor] = []
+        input_key(self.static, self.inputs)
         sargs, skwargs = self.static
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = fn(*sargs, **skwargs)
 
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        for dst, src in zip(self.inputs, tensors((args, kwargs))):
+    def __call__(self, tensors: list[torch.Tensor]) -> Any:
+        """Replay on ``tensors`` (a call's inputs, as :func:`input_key` lists them)."""
+        for dst, src in zip(self.inputs, tensors):
             dst.copy_(src)
         self.graph.replay()
         return self.out
@@ -79,26 +77,29 @@ class CapturedCall:
 
 class GraphCache:
     """The captured graphs of one compiled callable ``fn``, by input signature (at most
-    ``max_graphs``). :meth:`get` returns a signature's :class:`CapturedCall`, capturing it on
-    first sight after ``warmup`` calls on a side stream (where ``fn`` compiles), or None (and
-    ``why``) when the inputs have no signature, the limit is reached, or the warm-up built more
-    than one graph (the compiled model has graph breaks)."""
+    ``max_graphs``). :meth:`run` replays a signature's :class:`CapturedCall`, capturing it on
+    first sight after ``warmup`` calls on a side stream (where ``fn`` compiles), or returns
+    None (and ``why``) when the inputs have no signature, the limit is reached, or the warm-up
+    built more than one graph (the compiled model has graph breaks)."""
 
     def __init__(self, fn: Callable, max_graphs: int = 16, warmup: int = 2):
         self.fn, self.max_graphs, self.warmup = fn, max_graphs, warmup
         self.graphs: dict[tuple, CapturedCall] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.compiled = 0  # graphs torch.compile built during warm-ups
-        self.why = ""  # why the last get() returned None
+        self.why = ""  # why the last run() returned None
 
-    def get(self, args: tuple, kwargs: dict) -> CapturedCall | None:
-        key = input_key((args, kwargs))
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)``'s output from its signature's graph, or None (see ``why``)."""
+        found: list[torch.Tensor] = []
+        key = input_key((args, kwargs), found)
         if key is None:
             self.why = "inputs holding objects other than tensors and scalars"
             return None
-        hit = self.graphs.get(key)
-        if hit is not None:
-            return hit
+        call = self.graphs.get(key) or self._capture(key, args, kwargs)
+        return None if call is None else call(found)
+
+    def _capture(self, key: tuple, args: tuple, kwargs: dict) -> CapturedCall | None:
         if len(self.graphs) >= self.max_graphs:
             self.why = f"more than {self.max_graphs} input signatures"
             return None
@@ -130,4 +131,4 @@ class GraphCache:
         return self.graphs[key]
 
 
-__all__ = ["CapturedCall", "GraphCache", "input_key", "tensors"]
+__all__ = ["CapturedCall", "GraphCache", "input_key"]

@@ -101,22 +101,24 @@ def test_graph_cache_captures_once_per_signature_and_copies_inputs_in(fake_cuda_
         return x * scale
 
     cache = graphs.GraphCache(fn, max_graphs=2, warmup=2)
-    first = cache.get((torch.ones(2, 3),), {"scale": 2.0})
-    assert first is not None and len(calls) == 3  # two warm-up calls, one captured
+    out = cache.run((torch.ones(2, 3),), {"scale": 2.0})
+    assert len(calls) == 3  # two warm-up calls, one captured
+    (first,) = cache.graphs.values()
+    assert out is first.out and _FakeGraph.replays == 1  # the capture ran nothing: replayed
     # one pool for the model's graphs; the capture owns its cuBLAS workspace (none cached
     # into the warm-up or the capture, none kept after)
     assert fake_cuda_graphs == ["clear cublas", "clear cublas", (first.graph, "pool"),
                                 "clear cublas"]
     x = torch.full((2, 3), 5.0)
-    assert cache.get((x,), {"scale": 2.0}) is first  # same signature: no new capture
-    out = first((x,), {"scale": 2.0})
-    assert _FakeGraph.replays == 1 and out is first.out
+    assert cache.run((x,), {"scale": 2.0}) is first.out  # same signature: no new capture
+    assert _FakeGraph.replays == 2 and len(cache.graphs) == 1
     assert torch.equal(first.inputs[0], x) and first.inputs[0] is not x  # copied in
     assert len(calls) == 3  # replay runs no Python of fn
-    assert cache.get((x,), {"scale": 3.0}) is not first  # another scalar: another graph
-    assert cache.get((torch.ones(4, 3),), {}) is None  # a third signature: over the limit
+    cache.run((x,), {"scale": 3.0})  # another scalar: another graph
+    assert len(cache.graphs) == 2 and len(calls) == 6
+    assert cache.run((torch.ones(4, 3),), {}) is None  # a third signature: over the limit
     assert "more than 2 input signatures" in cache.why
-    assert cache.get(({"cache": object()},), {}) is None and "objects other" in cache.why
+    assert cache.run(({"cache": object()},), {}) is None and "objects other" in cache.why
 
 
 def test_graph_cache_refuses_a_model_with_graph_breaks(fake_cuda_graphs):
@@ -128,11 +130,11 @@ def test_graph_cache_refuses_a_model_with_graph_breaks(fake_cuda_graphs):
         return y * 2
 
     cache = graphs.GraphCache(torch.compile(broken, backend="eager"))
-    assert cache.get((torch.ones(3),), {}) is None
+    assert cache.run((torch.ones(3),), {}) is None
     assert "2 graphs (graph breaks)" in cache.why and cache.compiled == 2 and not cache.graphs
     torch._dynamo.reset()
     whole = graphs.GraphCache(torch.compile(lambda x: (x + 1) * 2, backend="eager"))
-    assert whole.get((torch.ones(3),), {}) is not None and whole.compiled == 1
+    assert whole.run((torch.ones(3),), {}) is not None and whole.compiled == 1
 
 
 def test_accelerated_model_falls_back_to_reduce_overhead_once(monkeypatch):
@@ -147,7 +149,7 @@ def test_accelerated_model_falls_back_to_reduce_overhead_once(monkeypatch):
     class Refuses:
         compiled, why = 0, "inputs holding objects other than tensors and scalars"
 
-        def get(self, args, kwargs):
+        def run(self, args, kwargs):
             return None
 
     fast.__dict__["graphs"] = Refuses()
