@@ -36,12 +36,12 @@ the median time (ms, CUDA events around each call, 20 calls after warm-up), its 
 fastest dense, its relative output error against the fp32 model with the same masks, compile
 seconds (first call) and planning seconds, and the number of graphs compiled. Every row after
 the dense ones is also timed alternating with a fresh build of the fastest dense way
-(:func:`time_paired`, ABBA blocks a second apart): its "paired ratio" is free of the GPU's
-drift between rows (the fastest dense way timed again last, ``dense_recheck``, has differed
-by up to 6.5% from its first time: the H200 at its power cap lowers its clock as a run goes
-on), and targets are judged on it. ``--gpu-log`` records the GPU's clock beside each row. A
-``--deadline-s`` budget skips what would not finish; the JSON and markdown are rewritten after
-every variant.
+(:func:`sparsekit.accel.planner.time_paired`, ABBA blocks a second apart): its "paired ratio" is
+free of the GPU's drift between rows (the fastest dense way timed again last, ``dense_recheck``,
+has differed by up to 6.5% from its first time: the H200 at its power cap lowers its clock as a
+run goes on), and targets are judged on it. ``--gpu-log`` records the GPU's clock beside each
+row. A ``--deadline-s`` budget skips what would not finish; the JSON and markdown are rewritten
+after every variant.
 """
 
 from __future__ import annotations
@@ -314,17 +314,6 @@ def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
     """Median ms of one call, each a new cudagraph step on CUDA, as serving does (the planner's
     own clock, :func:`sparsekit.accel.planner.time_model_ms`)."""
     return planner.time_model_ms(fn, device, calls=calls, warmup=warmup)
-
-
-def time_paired(ref_fn, fn, device: torch.device, rounds: int = PAIRED_ROUNDS,
-                calls: int = PAIRED_CALLS, blocks: list | None = None) -> tuple[float, float]:
-    """(median ms of ``ref_fn``, of ``fn``) from alternating ABBA blocks
-    (:func:`sparsekit.accel.planner.time_paired`, the clock "auto" confirms its choice with).
-    The bench's own drift: the fastest dense way timed again last (``dense_recheck``) has
-    differed by up to 6.5% from its first time; in run 29 the paired blocks ran at 1506 and
-    1468 MHz mean (dense, 2:4) against 1581 MHz while the first dense row was timed, so their
-    ratio is the drift-free one."""
-    return planner.time_paired(ref_fn, fn, device, rounds=rounds, calls=calls, blocks=blocks)
 
 
 def profile_shares(fn, device: torch.device) -> dict | None:
@@ -600,7 +589,7 @@ def bench_row(name: str, vname: str, how: dict, case: tuple, args, device: torch
               entry: dict, write, pair: tuple[str, dict] | None = None) -> None:
     """Build, check and time one variant of one model; its row goes into ``entry``. With
     ``pair`` (the fastest dense way's name and recipe) the row is also timed alternating with
-    a fresh build of it (:func:`time_paired`)."""
+    a fresh build of it (:func:`sparsekit.accel.planner.time_paired`)."""
     master, inputs, binputs, skip, ref, calls = case
     row: dict = {}
     fn = None
@@ -624,8 +613,9 @@ def bench_row(name: str, vname: str, how: dict, case: tuple, args, device: torch
                 rin = fresh_inputs(binputs, master)
                 ref_fn = run_variant(ref_how, master, rin, skip, device)[0]
                 row["paired_blocks"] = []
-                row["paired_ref_ms"], row["paired_ms"] = time_paired(
-                    ref_fn, fn, device, blocks=row["paired_blocks"])
+                row["paired_ref_ms"], row["paired_ms"] = planner.time_paired(
+                    ref_fn, fn, device, rounds=PAIRED_ROUNDS, calls=PAIRED_CALLS,
+                    blocks=row["paired_blocks"])
                 row["paired_ref"] = ref_name
                 ref_fn = rin = None
         row.update(compile_s=compile_s, plan_s=plan_s, compiles=compiles)

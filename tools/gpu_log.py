@@ -101,7 +101,7 @@ def span_stats(samples: list[tuple], t0: float, t1: float) -> dict | None:
 
 def blocks_stats(samples: list[tuple], blocks: list[list]) -> dict[str, dict]:
     """:func:`span_stats` over all of the paired blocks of each side (``"ref"``, ``"var"``;
-    blocks as :func:`bench_models.time_paired` records them: ``[side, t0, t1, ms]``)."""
+    blocks as :func:`sparsekit.accel.planner.time_paired` records them: ``[side, t0, t1, ms]``)."""
     out = {}
     for side in ("ref", "var"):
         inside = [s for b in blocks if b[0] == side for s in samples if b[1] <= s[0] <= b[2]]

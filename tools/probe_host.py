@@ -26,7 +26,7 @@ Per way, in the JSON (rewritten after every way) and one printed line:
   ``max_diff_base`` from the base's output and ``host_us_saved``, the base's ``host_us``
   less their own;
 - every way but the reference: ``paired_ms``, ``paired_ref_ms`` and ``paired_ratio``, timed in
-  ABBA blocks alternating with ``dense_ro`` (:func:`bench_models.time_paired`).
+  ABBA blocks alternating with ``dense_ro`` (:func:`sparsekit.accel.planner.time_paired`).
 
     python tools/probe_host.py --out $OUT/probe_host.json      # H200
     python tools/probe_host.py --smoke --out /tmp/host.json    # tiny BERT on CPU (CI)
@@ -50,7 +50,7 @@ import torch
 
 import sparsekit as sk
 from sparsekit._compat import compile_module, reset_compiled
-from sparsekit.accel import graphs, timing
+from sparsekit.accel import graphs, planner, timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_models  # noqa: E402  (tools/bench_models.py, beside this script)
@@ -74,18 +74,19 @@ def skip_guards(fn):
 
 def own_graph(module, inputs: dict):
     """A call of ``module(**inputs)`` on sparsekit's own CUDA graph (the capture ``accelerate``
-    uses, :class:`sparsekit.accel.graphs.GraphCache`: warm-up on a side stream, then one
-    graph); each call of the returned function copies ``inputs`` in and replays. (The run of
+    uses, :class:`sparsekit.accel.graphs.GraphCache`: warm-up on a side stream, where the
+    module compiles, then one graph); each call copies ``inputs`` in and replays. (The run of
     2026-12-04 09:41 UTC used this tool's earlier capture of its own, the same steps without
     the cuBLAS workspace handling.)"""
     cache = graphs.GraphCache(module, warmup=3)
-    with torch.no_grad():
-        captured = cache.get((), inputs)
-    if captured is None:
-        raise RuntimeError(f"not captured: {cache.why}")
 
     def replay():
-        return captured((), inputs)
+        with torch.no_grad():
+            out = cache.run((), inputs)
+        if out is None:
+            raise RuntimeError(f"not captured: {cache.why}")
+        return out
+    replay()  # captured here, not in the first timed call
     replay.module = module  # the graph reads its weights: they must outlive it
     return replay
 
@@ -109,8 +110,6 @@ def build_group(first: str, master, inputs: dict, device: torch.device, backend:
             with torch.no_grad():
                 return module(**args)
         return go
-    with torch.no_grad():  # compile outside the capture
-        module(**args)
     return own_graph(module, args)
 
 
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 for _ in range(3):  # recompiled after a reset: compile, record its CUDA graph
                     ref_fn()
-                ref_ms, ms = bench_models.time_paired(ref_fn, fns[w], device)
+                ref_ms, ms = planner.time_paired(ref_fn, fns[w], device)
                 rows[w].update(paired_ref_ms=ref_ms, paired_ms=ms, paired_ratio=ref_ms / ms)
             except Exception as e:
                 rows[w].update(failure(e))
