@@ -50,3 +50,34 @@ def test_bench_gpu_helpers():
     assert s["gemm_llama_fp8_2:4_geomean"] == 2.0 and s["gemm_llama_bf16_2:4_min"] == 1.5
     out = bench_gpu.LlamaLayer(64, 4, 128)(torch.randn(2, 5, 64))
     assert out.shape == (2, 5, 64)
+
+
+def test_bench_gpu_fp8st_column_is_the_alpha_path(tmp_path):
+    """The GEMM bench's fp8st_2:4 layer: built from an fp8_static_tensor QuantLinear, it takes
+    the scale inside the GEMM (path "cslt_alpha") and computes what the QuantLinear does; its
+    geo-mean is summarized against the 2.5x target like fp8s's."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    import torch
+    from torch import nn
+
+    from sparsekit.accel import kernels
+
+    torch.manual_seed(0)
+    lin = bench_gpu.magnitude_24_(nn.Linear(64, 32))
+    x = torch.randn(16, 64).to(torch.bfloat16).float()  # both layers see the same values
+    q = bench_gpu.static_fp8(lin, x, "fp8_static_tensor")
+    assert q.scheme == "fp8_static_tensor"
+    mod = kernels.VARIANTS["fp8_2:4"](q)
+    assert mod.path == "cslt_alpha" and mod.alpha is not None
+    y, ref = mod(x.to(torch.bfloat16)).float(), q(x).float()
+    assert ((y - ref).norm() / ref.norm()).item() < 4e-3  # bf16 rounding of the same product
+    assert bench_gpu.TARGETS["gemm_llama_fp8st_2:4_geomean"] == 2.5
+    s = bench_gpu.summarize({"gemm": [{"model": "Llama-7B", "M": 4096,
+                                        "ratio": {"fp8st_2:4": 2.0}},
+                                       {"model": "Llama-70B", "M": 1024,
+                                        "ratio": {"fp8st_2:4": 8.0}}]})
+    assert abs(s["gemm_llama_fp8st_2:4_geomean"] - 4.0) < 1e-12
