@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, ".")
-from sparsekit.accel.timing import graph_time_us  # noqa: E402
-from sparsekit.prune.patterns import nm_mask  # noqa: E402
+from sparsekit.accel.timing import graph_time_us
+from sparsekit.prune.patterns import nm_mask
 
 SHAPES = {"Llama-7B up": (4096, 11008), "Llama-7B down": (11008, 4096),
           "Llama-70B up": (8192, 28672), "Llama-70B down": (28672, 8192)}  # name: (K, N)
