@@ -10,7 +10,11 @@ tiles it; a GEMM consumer after a copy). For each Llama-7B/70B MLP shape at M in
 {1024, 4096, 16384} (the GEMM bench's geo-mean set) and each input dtype (bf16; fp8 e4m3 with
 a bf16 product), every cuSPARSELt algorithm is timed under CUDA-graph replay in both layouts,
 and the fastest of each is given as a ratio to cuBLAS bf16 dense timed in the same run, with
-and without the copy back to (M, N). JSON to --out; the geo-means are printed.
+and without the copy back to (M, N). ``--cutlass`` adds torch's other 2:4 backend for bf16
+(``SparseSemiStructuredTensorCUTLASS``, its CUTLASS kernels, through ``F.linear``), timed the
+same way. JSON to --out; the geo-means are printed.
+
+    python tools/probe_layout.py --dtypes bf16 --cutlass --out probe_cutlass.json
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def best_alg(fn_of_alg) -> tuple[float, int]:
     return best
 
 
-def probe_shape(k: int, n: int, m: int, dtype: torch.dtype) -> dict:
+def probe_shape(k: int, n: int, m: int, dtype: torch.dtype, cutlass: bool = False) -> dict:
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda")
     w = (w * nm_mask(w.abs(), 2, 4)).to(torch.bfloat16)
@@ -68,6 +72,14 @@ def probe_shape(k: int, n: int, m: int, dtype: torch.dtype) -> dict:
             row[name]["with_copy_ratio"] = dense_us / copy_us
     # both layouts agree with a float32 reference (the layouts must be the same product)
     ref = xin.float() @ win.float().t()
+    if cutlass and dtype == torch.bfloat16:
+        from torch.sparse import SparseSemiStructuredTensorCUTLASS
+
+        wc = SparseSemiStructuredTensorCUTLASS.from_dense(w)
+        us = graph_time_us(lambda: F.linear(x, wc))
+        y = F.linear(x, wc)
+        row["cutlass"] = {"us": us, "ratio": dense_us / us,
+                          "rel_err": ((y.float() - ref).norm() / ref.norm()).item()}
     for tr in (True, False):
         y = torch._cslt_sparse_mm(packed, xin.t(), None, transpose_result=tr,
                                   alg_id=row["row_major_MN" if tr else "row_major_NM"]["alg_id"],
@@ -80,30 +92,45 @@ def probe_shape(k: int, n: int, m: int, dtype: torch.dtype) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="probe_layout.json")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="comma list of bf16, fp8")
+    ap.add_argument("--cutlass", action="store_true",
+                    help="also time torch's CUTLASS 2:4 backend (bf16)")
     args = ap.parse_args(argv)
+    names = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    bad = set(args.dtypes.split(",")) - set(names)
+    if bad:
+        raise SystemExit(f"--dtypes: unknown {sorted(bad)}; allowed: bf16, fp8")
+    dtypes = [names[d] for d in args.dtypes.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("probe_layout.py: needs a CUDA GPU (it calls cuSPARSELt)")
     rows = []
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for dtype in dtypes:
         for name, (k, n) in SHAPES.items():
             for m in TOKENS:
-                r = {"shape": name, **probe_shape(k, n, m, dtype)}
+                r = {"shape": name, **probe_shape(k, n, m, dtype, args.cutlass)}
                 rows.append(r)
                 print(f"{name} {dtype} M={m}: MN {r['row_major_MN']['ratio']:.3f} "
                       f"NM {r['row_major_NM']['ratio']:.3f} "
-                      f"(+copy {r['row_major_NM']['with_copy_ratio']:.3f})", flush=True)
+                      f"(+copy {r['row_major_NM']['with_copy_ratio']:.3f})"
+                      + (f" cutlass {r['cutlass']['ratio']:.3f}" if "cutlass" in r else ""),
+                      flush=True)
                 with open(args.out, "w") as f:
                     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "cusparselt": torch.backends.cusparselt.version(), "rows": rows},
                               f, indent=1)
     summary = {}
-    for dtype in ("torch.bfloat16", "torch.float8_e4m3fn"):
+
+    def geo(xs: list[float]) -> float:
+        return math.exp(sum(map(math.log, xs)) / len(xs))
+
+    for dtype in map(str, dtypes):
+        mine = [r for r in rows if r["dtype"] == dtype]
         for lay in ("row_major_MN", "row_major_NM"):
-            xs = [r[lay]["ratio"] for r in rows if r["dtype"] == dtype]
-            summary[f"{dtype}|{lay}"] = math.exp(sum(map(math.log, xs)) / len(xs))
-        xs = [max(r["row_major_MN"]["ratio"], r["row_major_NM"]["ratio"])
-              for r in rows if r["dtype"] == dtype]
-        summary[f"{dtype}|best_of_both"] = math.exp(sum(map(math.log, xs)) / len(xs))
+            summary[f"{dtype}|{lay}"] = geo([r[lay]["ratio"] for r in mine])
+        summary[f"{dtype}|best_of_both"] = geo(
+            [max(r["row_major_MN"]["ratio"], r["row_major_NM"]["ratio"]) for r in mine])
+        if any("cutlass" in r for r in mine):
+            summary[f"{dtype}|cutlass"] = geo([r["cutlass"]["ratio"] for r in mine])
     print(json.dumps(summary, indent=1))
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
