@@ -4,16 +4,17 @@
 
 sparsekit's 2:4 layers call ``torch._cslt_sparse_mm(packed, x.t(), transpose_result=True)``:
 the product is written (M, N) row-major, as the next op reads it. With
-``transpose_result=False`` cuSPARSELt writes (N, M) row-major instead (the transposed
-problem, for which it may pick other kernels); a consumer would then read it transposed (an elementwise consumer for free, inductor
-tiles it; a GEMM consumer after a copy). For each Llama-7B/70B MLP shape at M in
-{1024, 4096, 16384} (the GEMM bench's geo-mean set) and each input dtype (bf16; fp8 e4m3 with
-a bf16 product), every cuSPARSELt algorithm is timed under CUDA-graph replay in both layouts,
-and the fastest of each is given as a ratio to cuBLAS bf16 dense timed in the same run, with
-and without the copy back to (M, N). ``--cutlass`` adds torch's other 2:4 backend for bf16
-(``SparseSemiStructuredTensorCUTLASS``, its CUTLASS kernels, through ``F.linear``), timed the
-same way (torch 2.11 refuses it on the H200: its kernels run on compute capability 8.x only;
-the refusal is recorded). JSON to --out; the geo-means are printed.
+``transpose_result=False`` cuSPARSELt writes (N, M) row-major instead (the transposed problem,
+for which it may pick other kernels); a consumer would then read it transposed (an elementwise
+consumer for free, inductor tiles it; a GEMM consumer after a copy). For each Llama-7B/70B MLP
+shape at M in {1024, 4096, 16384} (the GEMM bench's geo-mean set) and each input dtype (bf16;
+fp8 e4m3 with a bf16 product), every cuSPARSELt algorithm is timed under CUDA-graph replay in
+both layouts, and the fastest of each is given as a ratio to cuBLAS bf16 dense timed in the
+same run, with and without the copy back to (M, N). ``--cutlass`` adds torch's other 2:4
+backend for bf16 (``SparseSemiStructuredTensorCUTLASS``, its CUTLASS kernels, through
+``F.linear``), timed the same way (torch 2.11 refuses it on the H200: its kernels run on
+compute capability 8.x only; the refusal is recorded). JSON to --out; the geo-means are
+printed.
 
     python tools/probe_layout.py --dtypes bf16 --cutlass --out probe_cutlass.json
 """
