@@ -87,17 +87,17 @@ class AcceleratedModel(nn.Module):
         self.max_compiles = max_compiles
         self.fuse_gelu: FuseGelu | None = None
         self._compile_args = dict(dynamic=dynamic, backend=backend, inductor=inductor)
-        self.capture = capture and compile and device.type == "cuda"
+        capture = capture and compile and device.type == "cuda"
         if compile:
             if mode is None:
-                mode = "default" if self.capture or device.type != "cuda" else "reduce-overhead"
+                mode = "default" if capture or device.type != "cuda" else "reduce-overhead"
             runner = self._compile(mode)
         else:
             runner = model
         self.compiled = compile
         # kept out of the module tree: the model's tensors are listed once, under ``model.``
         self.__dict__["runner"] = runner
-        self.__dict__["graphs"] = graphs.GraphCache(runner) if self.capture else None
+        self.__dict__["graphs"] = graphs.GraphCache(runner) if capture else None
 
     def _compile(self, mode: str) -> Callable:
         """The model through ``torch.compile`` in ``mode`` (with sparsekit's GELU pass where
@@ -116,6 +116,12 @@ class AcceleratedModel(nn.Module):
     @property
     def report(self) -> AccelReport:
         return self.sparsekit_report
+
+    @property
+    def capture(self) -> bool:
+        """Whether calls run on sparsekit's own CUDA graphs now (False after a fallback to
+        reduce-overhead)."""
+        return self.graphs is not None
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._as_input, (args, kwargs))
