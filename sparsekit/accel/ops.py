@@ -17,6 +17,10 @@ Nothing in a forward reads tensor data on the host.
   cuSPARSELt's epilogue through sparsekit's own binding (:mod:`sparsekit.accel.cslt_ext`).
   ``gelu`` is set by the compiler pass :class:`sparsekit.accel.epilogue.FuseGelu`, never by a
   layer.
+- ``sk24_mm(x, values, meta, x_scale, w_scale, bias)``: bf16 ``(x @ W.T) * x_scale * w_scale
+  + bias`` for a 2:4 weight in sparsekit's own format (:mod:`sparsekit.accel.sk24`: values and
+  2-bit indices), bf16 or float8 e4m3 ``x`` of the weight's dtype, on sparsekit's Triton kernel
+  for small M (decode, M <= 32; it takes any M); the CPU reference expands the weight.
 - ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
   ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
 - ``quant_rows(x, dtype)``: dynamic activation quantization per token (row), with the
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit import _compat
-from sparsekit.accel import cslt_ext
+from sparsekit.accel import cslt_ext, sk24
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import quantize, row_scales
@@ -154,6 +158,25 @@ def int8_acc_dtype(device_index: int) -> torch.dtype:
         return torch.bfloat16
 
 
+# --- sk24_mm (small-M 2:4, sparsekit's format) ---------------------------------------------
+
+@torch.library.custom_op("sparsekit::sk24_mm", mutates_args=(), device_types="cuda")
+def sk24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+            x_scale: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return sk24.launch(x, values, meta, x_scale, w_scale, bias)
+
+
+@sk24_mm.register_kernel("cpu")
+def _sk24_mm_ref(x, values, meta, x_scale, w_scale, bias):
+    return sk24.reference(x, values, meta, x_scale, w_scale, bias)
+
+
+@sk24_mm.register_fake
+def _sk24_mm_fake(x, values, meta, x_scale, w_scale, bias):
+    return x.new_empty((x.shape[0], values.shape[0]), dtype=torch.bfloat16)
+
+
 # --- scaled_mm (dense W8A8) ------------------------------------------------------------------
 
 @torch.library.custom_op("sparsekit::scaled_mm", mutates_args=(), device_types="cuda")
@@ -201,4 +224,4 @@ def _quant_rows_fake(x, dtype):
 
 
 __all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "fmt_of", "int8_acc_dtype",
-           "pack_24", "quant_rows", "scaled_mm", "sparse24_mm", "sparse24_mm_alpha"]
+           "pack_24", "quant_rows", "scaled_mm", "sk24_mm", "sparse24_mm", "sparse24_mm_alpha"]

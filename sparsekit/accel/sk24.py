@@ -1,0 +1,149 @@
+"""sparsekit's own 2:4 format and its small-M (decode) GEMM kernel, written in Triton.
+
+At batch 1-32 a decode step's GEMMs read every weight once and do almost no arithmetic per
+byte: they are bound by HBM bandwidth. cuSPARSELt is built for large M and runs slower than
+dense there; this kernel streams the compressed weight once and expands it in registers.
+
+The format (per weight W (N, K) with at most 2 nonzeros in every group of 4 along K):
+- ``values`` (N, K/2), W's dtype (bfloat16 or float8 e4m3fn): the two kept entries of each
+  group, in increasing column order (zeros where a group keeps fewer than two);
+- ``meta`` (N, K/32) int32: one 4-bit code per group, ``i0 | i1 << 2`` with i0 < i1 the kept
+  columns' positions inside the group, group ``g`` in bits ``4*(g % 8)`` of word ``g // 8``.
+Bytes per dense weight: bf16 1.125 (values 1, metadata 0.125), fp8 0.625.
+
+``matmul(x, values, meta, x_scale, w_scale, bias)`` computes, in float32,
+``(x @ W.T) * x_scale * w_scale + bias`` in bfloat16, with x (M, K) of ``values``' dtype,
+``x_scale`` (M, 1) or (1, 1) float32 or None, ``w_scale`` (N,) float32 or None, ``bias`` (N,)
+bfloat16 or None. For M <= 4 it multiplies on CUDA cores; beyond, on tensor cores (``tl.dot``,
+M padded to 16). :func:`reference` is the same product in plain torch (CPU and tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+GROUPS_PER_WORD = 8
+K_MULTIPLE = 64  # the smallest K tile; K must be a multiple (Llama-style K all are)
+MAX_M = 32       # the M range the kernel is tuned for (decode batches)
+DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def check_shape(out_features: int, in_features: int) -> str | None:
+    """None when a weight (out_features, in_features) can take the format, else why not."""
+    if in_features % K_MULTIPLE:
+        return (f"in_features {in_features} is not a multiple of {K_MULTIPLE} "
+                f"(sparsekit's 2:4 decode kernel takes whole 64-column tiles)")
+    if out_features < 1:
+        return "out_features must be at least 1"
+    return None
+
+
+def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (N, K/2), meta (N, K/32) int32) of a 2:4 weight (N, K); ValueError when a group
+    of 4 holds more than two nonzeros or K is not a multiple of 64."""
+    n, k = weight.shape
+    reason = check_shape(n, k)
+    if reason:
+        raise ValueError(f"2:4 decode format: {reason}")
+    if weight.dtype not in DTYPES:
+        raise ValueError(f"2:4 decode format: weight dtype must be one of {DTYPES}, "
+                         f"got {weight.dtype}")
+    w4 = weight.reshape(n, k // 4, 4)
+    nz = w4.float() != 0
+    if bool((nz.sum(-1) > 2).any()):
+        raise ValueError("2:4 decode format: the weight has a group of 4 (along in_features) "
+                         "with more than 2 nonzeros; prune it to 2:4 first")
+    # kept positions: the nonzeros first, then the lowest free positions; sorted ascending
+    key = nz.to(torch.int32) * 8 + (3 - torch.arange(4, device=weight.device, dtype=torch.int32))
+    idx = key.topk(2, dim=-1).indices.sort(dim=-1).values
+    bits = torch.int8 if weight.element_size() == 1 else torch.int16  # gather the raw bits
+    values = torch.gather(w4.view(bits), -1, idx).view(weight.dtype).reshape(n, k // 2)
+    values = values.contiguous()
+    code = (idx[..., 0] | (idx[..., 1] << 2)).to(torch.int64)  # (N, K/4)
+    shifts = 4 * torch.arange(GROUPS_PER_WORD, device=weight.device, dtype=torch.int64)
+    words = (code.reshape(n, k // 32, GROUPS_PER_WORD) << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # as signed int32 bits
+    return values, words.to(torch.int32).contiguous()
+
+
+def decompress(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The dense weight (N, K) in ``values``' dtype: the inverse of :func:`compress`."""
+    n, half = values.shape
+    k = 2 * half
+    shifts = 4 * torch.arange(GROUPS_PER_WORD, device=meta.device, dtype=torch.int64)
+    code = (meta.to(torch.int64)[..., None] >> shifts) & 0xF  # (N, K/32, 8)
+    code = code.reshape(n, k // 4)
+    idx = torch.stack([code & 3, code >> 2], dim=-1)  # (N, K/4, 2)
+    dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
+    dense.scatter_(-1, idx, values.float().reshape(n, k // 4, 2))
+    return dense.reshape(n, k).to(values.dtype)
+
+
+def reference(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+              x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in plain torch: float32 products of the dense weight."""
+    y = x.float() @ decompress(values, meta).float().t()
+    if x_scale is not None:
+        y = y * x_scale.float()
+    if w_scale is not None:
+        y = y * w_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
+@functools.cache
+def _kernel():
+    """(triton, the autotuned kernel, the plain kernel), imported on first use."""
+    import triton
+
+    from sparsekit.accel import sk24_triton
+    return triton, sk24_triton.tuned, sk24_triton.sk24_kernel
+
+
+def m_bucket(m: int) -> int:
+    """The autotuner's M key: 1, 2, 4, 8, 16, 32 (the next power of two, at most 32)."""
+    return 1 if m <= 1 else min(1 << (m - 1).bit_length(), MAX_M)
+
+
+def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+           x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+           bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
+    """Run the Triton kernel: autotuned per (M bucket, N, K, dtype) on CUDA; with ``config``
+    (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``) fixed, as on CPU tensors under
+    ``TRITON_INTERPRET=1`` (the interpreter cannot time)."""
+    triton, tuned, raw = _kernel()
+    if config is None and not x.is_cuda:
+        config = {"BLOCK_N": 16, "BLOCK_K": K_MULTIPLE}
+    kernel = tuned if config is None else raw
+    m, k = x.shape
+    n = values.shape[0]
+    if x.dtype != values.dtype:
+        raise ValueError(f"sk24 kernel: x is {x.dtype}, the weight {values.dtype}")
+    x = x.contiguous()
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    use_dot = m > 4
+    block_m = 1 if m == 1 else (4 if m <= 4 else (16 if m <= 16 else 32))
+    dummy = y
+    xs = x_scale.reshape(-1).float() if x_scale is not None else None
+    grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+    kernel[grid](x, values, meta, dummy if xs is None else xs,
+                 dummy if w_scale is None else w_scale, dummy if bias is None else bias, y,
+                 m, n, k, x.stride(0), 0 if xs is None or xs.numel() == 1 else 1,
+                 m_bucket(m), X_FP8=x.dtype == torch.float8_e4m3fn,
+                 HAS_XS=xs is not None, HAS_WS=w_scale is not None, HAS_BIAS=bias is not None,
+                 BLOCK_M=block_m, USE_DOT=use_dot, DOT_F32=not x.is_cuda, **(config or {}))
+    return y
+
+
+def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
+    """Bytes a decode GEMM must move at least: compressed weight, x in, y out (bias ignored)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return n * (k // 2) * item + n * (k // 32) * 4 + m * k * item + m * n * 2
+
+
+__all__ = ["DTYPES", "K_MULTIPLE", "MAX_M", "bound_bytes", "check_shape", "compress",
+           "decompress", "launch", "m_bucket", "reference"]
