@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import ops
+from sparsekit.accel import ops, sk24
 from sparsekit.errors import UsageError
 from sparsekit.quant.formats import FP8, INT8, Format, get_scheme
 from sparsekit.quant.modules import QuantLinear
@@ -57,6 +57,7 @@ class _AccelLinear(nn.Module):
     variant = ""
     sparse = False
     uses_alg = False
+    decodes = False  # has the small-M path (sparsekit::sk24_mm) for M <= decode_max_m
     fmt: Format | None = None
 
     def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True):
@@ -77,11 +78,30 @@ class _AccelLinear(nn.Module):
         self.register_buffer("act_scale", linear.input_scale.detach().float().clone()
                              if static else None)
         w = w.contiguous()
+        # the small-M (decode) path: sparsekit's own 2:4 format and Triton kernel for the
+        # bf16 and fp8 2:4 layers, used for M <= decode_max_m (the planner may lower it)
+        self.decode_max_m = 0
+        self.register_buffer("dvalues", None)
+        self.register_buffer("dmeta", None)
         if self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
+            if self.decodes and sk24.check_shape(*w.shape) is None:
+                self.dvalues, self.dmeta = sk24.compress(w)
+                self.decode_max_m = sk24.MAX_M
         else:
             self.register_buffer("weight", w)
         self.register_buffer("w_scale", scale)
+
+    def _decode(self, x2d: torch.Tensor) -> torch.Tensor | None:
+        """The product on the small-M kernel (:func:`ops.sk24_mm`) when this layer has it and
+        ``x2d`` has at most ``decode_max_m`` rows, else None. The numerics are the large-M
+        path's: the same activation quantization, scales and bias, in float32."""
+        if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
+            return None
+        if self.fmt is None:
+            return ops.sk24_mm(x2d, self.dvalues, self.dmeta, None, None, self.bias)
+        q, sx = self._quant(x2d)
+        return ops.sk24_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias)
 
     def _quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.act_scale is not None:  # static: elementwise, fused into the producer
@@ -103,7 +123,10 @@ class _AccelLinear(nn.Module):
         return "cslt" if self.sparse else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._mm(x.reshape(-1, self.in_features))
+        x2d = x.reshape(-1, self.in_features)
+        y = self._decode(x2d)
+        if y is None:
+            y = self._mm(x2d)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -111,7 +134,8 @@ class _AccelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         alg = f", alg_id={self.alg_id}" if self.uses_alg else ""
-        return f"{self.in_features}, {self.out_features}, variant={self.variant}{alg}"
+        dec = f", decode_max_m={self.decode_max_m}" if self.dvalues is not None else ""
+        return f"{self.in_features}, {self.out_features}, variant={self.variant}{alg}{dec}"
 
 
 class DenseBF16(_AccelLinear):
@@ -129,6 +153,7 @@ class Sparse24BF16(_AccelLinear):
     variant = "bf16_2:4"
     sparse = True
     uses_alg = True
+    decodes = True
 
     def _mm(self, x2d):
         return ops.sparse24_mm(x2d, self.packed, self.bias, self.out_features, self.alg_id,
@@ -163,6 +188,7 @@ class FP8Sparse24(_AccelLinear):
     variant = "fp8_2:4"
     sparse = True
     uses_alg = True
+    decodes = True
     fmt = FP8
 
     def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True):

@@ -1,0 +1,162 @@
+"""Token generation on an accelerated Hugging Face causal LM: HF's own ``generate()`` (greedy,
+sampling, its logits processors and stopping criteria), with the model's forward routed to two
+compiled runners over one static KV cache:
+
+- prefill (a prompt of L tokens): the prompt is left-padded to a bucket (a power of two, at
+  least 16) with its attention mask zero there, so every prompt length in a bucket runs one
+  compiled graph; the 2:4 layers see M = batch x bucket rows (the large-M kernels);
+- decode (one token per sequence): M = batch rows, the small-M kernels
+  (:mod:`sparsekit.accel.sk24`).
+
+Both are ``torch.compile``d; on CUDA in mode "reduce-overhead" (CUDA graphs, the static cache's
+tensors kept in place). The cache is sparsekit's, one per (batch, length), reset between calls,
+so its tensors keep their addresses and the graphs stay valid. Compiles are counted in the
+model's report (``report.compiles``): one per prefill bucket and one per batch size for decode,
+and one more of each on a cache's second use (its layers are allocated on its first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsekit import _compat
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+MIN_CACHE = 256
+
+
+def bucket(length: int) -> int:
+    """The prompt length a prompt of ``length`` tokens is padded to: the next power of two,
+    at least 16."""
+    return max(MIN_BUCKET, 1 << max(0, length - 1).bit_length())
+
+
+def cache_length(prompt_bucket: int, max_new_tokens: int) -> int:
+    """The static cache's length: the next power of two holding the padded prompt and the new
+    tokens, at least 256 (few distinct lengths: each one is a new cache and new graphs)."""
+    need = prompt_bucket + max_new_tokens
+    return max(MIN_CACHE, 1 << (need - 1).bit_length())
+
+
+def check_generates(model: nn.Module) -> None:
+    """TypeError unless ``model`` is a Hugging Face model with ``generate`` (a causal LM)."""
+    if not callable(getattr(model, "generate", None)) or not hasattr(model, "config"):
+        raise TypeError(f"generate() needs a Hugging Face model with a generate method (a "
+                        f"causal LM such as LlamaForCausalLM), got {type(model).__name__}")
+
+
+class Generator:
+    """The runners and caches behind :meth:`AcceleratedModel.generate` for one model."""
+
+    def __init__(self, model: nn.Module, device: torch.device, *, compile: bool,
+                 backend: str, count: Callable[[int], None]):
+        check_generates(model)
+        self.model = model
+        self.device = device
+        self.count = count
+        self.caches: dict[tuple[int, int], Any] = {}
+        forward = type(model).forward.__get__(model)
+        self.forward = forward
+        if compile:
+            mode = "reduce-overhead" if device.type == "cuda" else None
+            self.prefill = torch.compile(forward, mode=mode, backend=backend, dynamic=False)
+            self.decode = torch.compile(forward, mode=mode, backend=backend, dynamic=False)
+        else:
+            self.prefill = self.decode = forward
+        self.compiled = compile
+
+    def _cache(self, batch: int, length: int) -> Any:
+        from transformers import StaticCache
+
+        key = (batch, length)
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = StaticCache(config=self.model.config, max_cache_len=length)
+            self.caches[key] = cache
+        else:
+            cache.reset()
+        return cache
+
+    @contextlib.contextmanager
+    def _routed(self):
+        """The model's forward routed to the prefill or decode runner for the call."""
+        def forward(*args, **kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None:
+                ids = kwargs["inputs_embeds"]
+            fn = self.decode if ids.shape[1] == 1 else self.prefill
+            before = _compat.compiled_graph_count() if self.compiled else 0
+            out = fn(*args, **kwargs)
+            if self.compiled:
+                self.count(_compat.compiled_graph_count() - before)
+            return out
+
+        self.model.forward = forward
+        try:
+            yield
+        finally:
+            del self.model.forward
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
+        """HF ``generate`` on the routed model; returns the sequences (prompt + new tokens,
+        without sparsekit's padding), as ``model.generate`` does."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else \
+                type(input_ids).__name__
+            raise ValueError(f"generate: input_ids must be a 2-D tensor (batch, tokens), got "
+                             f"{got}")
+        for key in ("past_key_values", "cache_implementation", "return_dict_in_generate",
+                    "num_beams", "assistant_model"):
+            if kwargs.get(key) not in (None, False, 1):
+                raise ValueError(f"generate: {key}= is not supported on an accelerated model "
+                                 f"(it runs its own static cache, greedy or sampling, and "
+                                 f"returns the sequences)")
+        new = max_new_tokens if max_new_tokens is not None else \
+            self.model.generation_config.max_new_tokens
+        if not isinstance(new, int) or new < 1:
+            raise ValueError(f"generate: max_new_tokens must be a positive int, got {new!r}")
+        input_ids = input_ids.to(self.device)
+        batch, length = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(self.device)
+        padded = bucket(length)
+        pad = padded - length
+        if pad:
+            pad_id = self._pad_id()
+            input_ids = torch.cat([input_ids.new_full((batch, pad), pad_id), input_ids], 1)
+            attention_mask = torch.cat([attention_mask.new_zeros((batch, pad)),
+                                        attention_mask], 1)
+        cache = self._cache(batch, cache_length(padded, new))
+        kwargs.setdefault("pad_token_id", self._pad_id())
+        with self._routed(), torch.no_grad(), warnings.catch_warnings():
+            # transformers >= 5.2x renamed generate's past_key_values to cache (older: no cache)
+            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated",
+                                    category=FutureWarning)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      max_new_tokens=new, past_key_values=cache,
+                                      disable_compile=True, **kwargs)
+        return out[:, pad:]
+
+    def _pad_id(self) -> int:
+        gc = self.model.generation_config
+        for pid in (gc.pad_token_id, gc.eos_token_id, getattr(self.model.config, "pad_token_id",
+                                                               None)):
+            if isinstance(pid, (list, tuple)):
+                pid = pid[0] if pid else None
+            if pid is not None:
+                return int(pid)
+        return 0
+
+
+__all__ = ["Generator", "bucket", "cache_length", "check_generates"]

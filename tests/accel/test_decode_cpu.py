@@ -1,0 +1,176 @@
+"""The small-M 2:4 path (sparsekit's format + Triton kernel) and generate() on CPU: the
+format's round trip, the op's reference against dense matmul of the masked weight for every M
+in 1..32, the Triton kernel itself under Triton's interpreter, the layers' decode numerics
+against their large-M path, and an accelerated tiny Llama generating HF's own tokens."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.accel import ops, sk24
+from sparsekit.accel.generate import bucket, cache_length
+from sparsekit.accel.kernels import VARIANTS
+
+
+def masked_24(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w4 = w.view(n, k // 4, 4)
+    keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
+    w = (w4 * keep).view(n, k)
+    w[0, :4] = 0  # a group with no nonzero
+    w[1, 4:8] = torch.tensor([0.0, 0.0, 0.5, 0.0])  # a group with one
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_format_round_trip(dtype):
+    w = masked_24(48, 192).to(dtype)
+    values, meta = sk24.compress(w)
+    assert values.shape == (48, 96) and meta.shape == (48, 6) and meta.dtype == torch.int32
+    assert torch.equal(sk24.decompress(values, meta).float(), w.float())
+
+
+def test_format_refuses_bad_weights():
+    with pytest.raises(ValueError, match="more than 2 nonzeros"):
+        sk24.compress(torch.ones(16, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="in_features 96 is not a multiple of 64"):
+        sk24.compress(masked_24(16, 96).bfloat16())
+    with pytest.raises(ValueError, match="dtype"):
+        sk24.compress(masked_24(16, 64))
+
+
+def test_reference_equals_dense_matmul_every_m():
+    w = masked_24(40, 128)
+    values, meta = sk24.compress(w.bfloat16())
+    bias = torch.randn(40).bfloat16()
+    for m in range(1, 33):
+        x = torch.randn(m, 128).bfloat16()
+        y = ops.sk24_mm(x, values, meta, None, None, bias)
+        ref = (x.double() @ w.bfloat16().double().t() + bias.double())
+        torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_op_passes_opcheck():
+    values, meta = sk24.compress(masked_24(32, 64).bfloat16())
+    x = torch.randn(3, 64).bfloat16()
+    torch.library.opcheck(ops.sk24_mm, (x, values, meta, None, None, None))
+    # with scales (opcheck's schema check cannot multiply float8 tensors on CPU)
+    xs, ws = torch.rand(3, 1) + 0.5, torch.rand(32) + 0.5
+    torch.library.opcheck(ops.sk24_mm, (x, values, meta, xs, ws, torch.randn(32).bfloat16()))
+
+
+_INTERPRETED = r"""
+import torch
+from sparsekit.accel import sk24
+from tests.accel.test_decode_cpu import masked_24
+for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for m in (1, 3, 7, 20):
+        w = masked_24(48, 128, seed=m).to(dtype)
+        values, meta = sk24.compress(w)
+        x = torch.randn(m, 128).to(dtype)
+        xs = None if dtype == torch.bfloat16 else torch.rand(m, 1) + 0.5
+        ws = None if dtype == torch.bfloat16 else torch.rand(48) + 0.5
+        bias = torch.randn(48).bfloat16()
+        ref = sk24.reference(x, values, meta, xs, ws, bias).float()
+        y = sk24.launch(x, values, meta, xs, ws, bias).float()
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, (dtype, m, err)
+print("ok")
+"""
+
+
+def test_triton_kernel_under_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("variant", ["bf16_2:4", "fp8_2:4"])
+def test_layer_decode_path_has_prefill_numerics(variant):
+    lin = nn.Linear(128, 64)
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(64, 128))
+    mod = VARIANTS[variant](lin)
+    assert mod.decode_max_m == sk24.MAX_M and mod.dvalues is not None
+    x = torch.randn(2, 5, 128).bfloat16()
+    decode = mod(x)
+    mod.decode_max_m = 0  # the large-M path (cuSPARSELt's op; its reference on CPU)
+    prefill = mod(x)
+    assert decode.shape == prefill.shape == (2, 5, 64)
+    # the same quantization and scales; only where bf16 rounding happens differs
+    torch.testing.assert_close(decode.float(), prefill.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_layer_without_decode_shape_keeps_large_m_path():
+    lin = nn.Linear(96, 32)
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(32, 96))
+    mod = VARIANTS["bf16_2:4"](lin)
+    assert mod.dvalues is None and mod.decode_max_m == 0
+
+
+def test_buckets():
+    assert [bucket(n) for n in (1, 16, 17, 100, 512, 513)] == [16, 16, 32, 128, 512, 1024]
+    assert cache_length(16, 12) == 256 and cache_length(512, 256) == 1024
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    return model, ref.to(torch.bfloat16)
+
+
+def test_generate_equals_hf_generate_and_bounds_compiles():
+    model, ref = _tiny_llama()
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", backend="eager")
+    kinds = {type(m).__name__ for m in fast.model.modules()}
+    assert "Sparse24BF16" in kinds
+    out = fast.generate(ids, max_new_tokens=12)
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want)
+    fast.generate(ids[:, :9], max_new_tokens=12)  # the cache's second use
+    before = fast.report.compiles
+    for length in (10, 13, 15):  # one bucket (16): no new graph
+        got = fast.generate(ids[:, :length] if length <= 11 else
+                            torch.cat([ids, ids[:, :length - 11]], 1), max_new_tokens=12)
+        assert got.shape == (2, length + 12)
+    assert fast.report.compiles == before
+
+
+def test_generate_sampling_and_errors():
+    model, _ = _tiny_llama()
+    ids = torch.randint(0, 256, (1, 5))
+    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", compile=False)
+    torch.manual_seed(3)
+    a = fast.generate(ids, max_new_tokens=6, do_sample=True, top_k=20)
+    torch.manual_seed(3)
+    b = fast.generate(ids, max_new_tokens=6, do_sample=True, top_k=20)
+    assert a.shape == (1, 11) and torch.equal(a, b) and torch.equal(a[:, :5], ids)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        fast.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="num_beams"):
+        fast.generate(ids, max_new_tokens=2, num_beams=4)
+    with pytest.raises(ValueError, match="2-D"):
+        fast.generate(ids[0], max_new_tokens=2)
+    vision = sk.accelerate(nn.Sequential(nn.Linear(64, 64)), torch.randn(2, 64), device="cpu",
+                           compile=False)
+    with pytest.raises(TypeError, match="Hugging Face"):
+        vision.generate(ids, max_new_tokens=2)

@@ -1,0 +1,301 @@
+"""Token generation speed: decode GEMMs against the bandwidth bound, and HF ``generate()`` end to
+end against the fastest dense way, on the GPU.
+
+Sections (``--sections``, default both):
+- ``gemm``: one decode GEMM (x (M, K) @ W.T) on Llama-3-8B and 70B shapes at M = 1, 4, 16, 32:
+  cuBLAS bf16 dense (``F.linear``), sparsekit's small-M 2:4 kernel in bf16 and in fp8 (W8A8,
+  activation already quantized), each in a CUDA graph. Per row: microseconds, the bytes a GEMM
+  must move at least (weights as stored, x, y), achieved TB/s and its share of the H200's
+  4.8 TB/s, and the ratio to cuBLAS. The summary gives the geo-means at M <= 16 against the
+  targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the rows under 80% of the bound.
+- ``generate``: an HF ``LlamaForCausalLM`` with Llama-3-8B shapes (``--layers`` of 32, random
+  weights, 2:4 by magnitude on every Linear but the LM head), a prompt of ``--prompt`` tokens
+  and ``--new`` new tokens, greedy, per batch in ``--batches``. Ways: ``dense_hf`` (HF's static
+  cache + ``torch.compile(mode="reduce-overhead")`` of the forward: HF's documented fast path),
+  ``dense_sk`` (sparsekit's generate on a dense accelerated model: its prefill buckets and
+  graphs, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8, per-token activation and
+  per-channel weight scales), and the peers ``torchao_fp8_dense`` and ``torchao_int4_wo``
+  (weight-only int4, HF's static cache + compile) when torchao runs. Each way's time is paired
+  (alternating ABBA blocks, :func:`sparsekit.accel.planner.time_paired`) with the fastest dense
+  way, and its ratio is to that. Per row: tokens/s, ms per new token, the paired ratio, the
+  greedy tokens' agreement with the dense run of the same (masked) weights, and for sparsekit's
+  ways the seconds of ``accelerate`` and of the first ``generate`` (compiles).
+
+``--smoke`` runs a one-layer tiny model on CPU (reference kernels, no timing claims): what CI
+runs. JSON to ``--out``.
+
+    python tools/bench_generate.py --out gen.json                   # on the H200
+    python tools/bench_generate.py --smoke --out /tmp/gen.json      # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.accel import ops, planner, sk24
+from sparsekit.accel.timing import graph_time_us
+from sparsekit.prune.patterns import nm_mask
+
+BOUND_TBS = 4.8  # H200 HBM3e peak
+# (name, N, K): Llama-3-8B attention (q+k+v fused, o) and MLP (gate+up fused, down); 70B MLP
+# and attention
+SHAPES = [("8b_qkv", 6144, 4096), ("8b_o", 4096, 4096), ("8b_gate_up", 28672, 4096),
+          ("8b_down", 4096, 14336), ("70b_qkv", 10240, 8192), ("70b_o", 8192, 8192),
+          ("70b_gate_up", 57344, 8192), ("70b_down", 8192, 28672)]
+MS = (1, 4, 16, 32)
+TARGETS = {"bf16_2:4": 1.6, "fp8_2:4": 2.8}
+
+
+def masked_weight(n: int, k: int, device, gen: torch.Generator) -> torch.Tensor:
+    w = torch.randn(n, k, generator=gen).to(device, torch.bfloat16)
+    return w * nm_mask(w.abs(), 2, 4)
+
+
+def gemm_rows(device: torch.device, shapes, ms, smoke: bool) -> list[dict]:
+    """Time one decode GEMM per shape, M and kernel (CUDA graphs)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, n, k in shapes:
+        w = masked_weight(n, k, "cpu", gen).to(device)
+        vals, meta = sk24.compress(w)
+        w8 = (w.float() / (w.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
+        ws = (w.float().abs().amax(1) / 448).contiguous()
+        v8, m8 = sk24.compress(w8)
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            x8, xs = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device=device)
+            ways = {"bf16_dense": (functools.partial(F.linear, x, w),
+                                   2 * n * k + 2 * m * k + 2 * m * n),
+                    "bf16_2:4": (functools.partial(ops.sk24_mm, x, vals, meta, None, None,
+                                                   None),
+                                 sk24.bound_bytes(m, n, k, torch.bfloat16)),
+                    "fp8_2:4": (functools.partial(ops.sk24_mm, x8, v8, m8, xs, ws, None),
+                                sk24.bound_bytes(m, n, k, torch.float8_e4m3fn))}
+            ref = ways["bf16_dense"][0]().float()
+            row = {"shape": name, "N": n, "K": k, "M": m}
+            for way, (fn, nbytes) in ways.items():
+                if smoke:
+                    us = float("nan")
+                else:
+                    fn()  # autotune outside the graph
+                    torch.cuda.synchronize()
+                    us = graph_time_us(fn)
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                row[way] = {"us": us, "bytes": nbytes, "tb_s": nbytes / us / 1e6 if us else None,
+                            "rel_err": err}
+                if row[way]["tb_s"] is not None:
+                    row[way]["bound_share"] = row[way]["tb_s"] / BOUND_TBS
+            for way in ("bf16_2:4", "fp8_2:4"):
+                row[way]["over_dense"] = row["bf16_dense"]["us"] / row[way]["us"]
+            rows.append(row)
+            print(json.dumps({k_: (v if not isinstance(v, dict) else
+                                   {kk: round(vv, 4) if isinstance(vv, float) else vv
+                                    for kk, vv in v.items()}) for k_, v in row.items()}),
+                  flush=True)
+    return rows
+
+
+def gemm_summary(rows: list[dict]) -> dict:
+    out = {}
+    for way, target in TARGETS.items():
+        r = [row[way]["over_dense"] for row in rows if row["M"] <= 16
+             and math.isfinite(row[way]["over_dense"])]
+        geo = math.exp(statistics.fmean(math.log(v) for v in r)) if r else float("nan")
+        out[way] = {"geomean_over_cublas_m_le_16": geo, "target": target,
+                    "met": bool(geo >= target),
+                    "rows_under_80pct_bound": [f"{row['shape']} M={row['M']}" for row in rows
+                                               if row[way].get("bound_share", 1) < 0.8]}
+    return out
+
+
+# --- generate ----------------------------------------------------------------------------------
+
+def llama(smoke: bool, layers: int, device):
+    import transformers
+
+    if smoke:
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                       num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=1024)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+            max_position_embeddings=8192, rope_theta=500000.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear) and name != "lm_head":
+                mod.weight.mul_(nm_mask(mod.weight.abs(), 2, 4))
+    return model
+
+
+def hf_generate_fn(model, ids, new: int):
+    """HF's documented fast path: static cache, forward compiled with reduce-overhead."""
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+
+    def run():
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  cache_implementation="static", pad_token_id=0)
+    return run
+
+
+def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
+    t0 = time.perf_counter()
+    # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
+    fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
+                         device=device, backend="inductor" if device.type == "cuda" else "eager")
+    t_acc = time.perf_counter() - t0
+
+    def run():
+        return fast.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    t0 = time.perf_counter()
+    run()
+    info = {"accelerate_s": t_acc, "first_generate_s": time.perf_counter() - t0}
+    return run, info, fast
+
+
+def torchao_fn(model, ids, new: int, kind: str):
+    from torchao.quantization import quantize_
+
+    if kind == "fp8":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+        cfg = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
+                                                        set_inductor_config=False)
+    else:
+        from torchao.quantization import Int4WeightOnlyConfig
+        cfg = Int4WeightOnlyConfig(group_size=128, set_inductor_config=False)
+    quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
+    return hf_generate_fn(model, ids, new)
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor, prompt: int) -> dict:
+    a, b = a[:, prompt:].cpu(), b[:, prompt:].cpu()
+    n = min(a.shape[1], b.shape[1])
+    same = (a[:, :n] == b[:, :n])
+    first = [int(row.logical_not().nonzero()[0]) if not row.all() else n for row in same]
+    return {"equal_fraction": same.float().mean().item(), "first_divergence": first}
+
+
+def generate_rows(args, device) -> dict:
+    out = {}
+    smoke = args.smoke
+    new = 8 if smoke else args.new
+    prompt = 12 if smoke else args.prompt
+    master = llama(smoke, args.layers, device)
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids = torch.randint(0, master.config.vocab_size, (batch, prompt),
+                            generator=torch.Generator().manual_seed(batch)).to(device)
+        res: dict = {"batch": batch, "prompt": prompt, "new_tokens": new, "ways": {}}
+        out[str(batch)] = res
+        ways: dict = {}
+        dense = copy.deepcopy(master)
+        if not smoke:
+            ways["dense_hf"] = (hf_generate_fn(dense, ids, new), {})
+        fn, info, _ = sk_generate_fn(copy.deepcopy(master), ids, new, "bf16", "dense", device)
+        ways["dense_sk"] = (fn, info)
+        for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):
+            if name.split("_")[1] not in args.precisions.split(","):
+                continue
+            try:
+                fn, info, fast = sk_generate_fn(copy.deepcopy(master), ids, new, prec, "2:4",
+                                                device)
+                info["compiles"] = fast.report.compiles
+                ways[name] = (fn, info)
+            except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
+                res["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if not smoke and args.peers:
+            for name, kind in (("torchao_fp8_dense", "fp8"), ("torchao_int4_wo", "int4")):
+                try:
+                    fn = torchao_fn(copy.deepcopy(master), ids, new, kind)
+                    fn()
+                    ways[name] = (fn, {})
+                except Exception as e:  # noqa: BLE001
+                    res["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        outputs = {name: fn() for name, (fn, _) in ways.items()}
+        seq = {}
+        for name, (fn, info) in ways.items():
+            if smoke:
+                ms = float("nan")
+            else:
+                ms = planner.time_model_ms(fn, device, calls=args.calls, warmup=1)
+            seq[name] = ms
+            res["ways"][name] = {"ms_sequential": ms, **info}
+        dense_names = [n for n in ("dense_hf", "dense_sk") if n in ways]
+        ref_name = min(dense_names, key=lambda n: seq[n]) if not smoke else "dense_sk"
+        res["reference"] = ref_name
+        for name, (fn, _) in ways.items():
+            row = res["ways"][name]
+            if smoke:
+                ref_ms = ms = float("nan")
+            elif name == ref_name:
+                ref_ms = ms = seq[name]
+            else:
+                ref_ms, ms = planner.time_paired(ways[ref_name][0], fn, device,
+                                                 rounds=args.rounds, calls=args.calls)
+            row.update(ms=ms, paired_ref_ms=ref_ms, ratio=ref_ms / ms,
+                       tokens_per_s=batch * new / ms * 1e3, ms_per_token=ms / new,
+                       agreement=agreement(outputs[name], outputs[ref_name], prompt))
+            print(json.dumps({"batch": batch, "way": name,
+                              **{k: row[k] for k in ("ms", "ratio", "tokens_per_s")}}),
+                  flush=True)
+        del ways, outputs, dense
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="gemm,generate")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--precisions", default="bf16,fp8")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=1)
+    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
+    ap.add_argument("--out", default="bench_generate.json")
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_generate.py needs a CUDA GPU (--smoke runs on CPU)")
+    res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "args": vars(args),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    sections = args.sections.split(",")
+    if "gemm" in sections:
+        shapes = SHAPES if args.shapes == "all" else [s for s in SHAPES
+                                                      if s[0] in args.shapes.split(",")]
+        if args.smoke:
+            shapes = [("smoke", 64, 128)]
+        res["gemm"] = gemm_rows(device, shapes, (1, 3) if args.smoke else MS, args.smoke)
+        res["gemm_summary"] = gemm_summary(res["gemm"])
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    if "generate" in sections:
+        res["generate"] = generate_rows(args, device)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
