@@ -8,11 +8,15 @@ compiled runners over one static KV cache:
 - decode (one token per sequence): M = batch rows, the small-M kernels
   (:mod:`sparsekit.accel.sk24`).
 
-Both are ``torch.compile``d; on CUDA in mode "reduce-overhead" (CUDA graphs, the static cache's
-tensors kept in place). The cache is sparsekit's, one per (batch, length), reset between calls,
-so its tensors keep their addresses and the graphs stay valid. Compiles are counted in the
-model's report (``report.compiles``): one per prefill bucket and one per batch size for decode,
-and one more of each on a cache's second use (its layers are allocated on its first).
+Both are ``torch.compile``d; on CUDA each is replayed as sparsekit's own CUDA graph per input
+signature and cache (:class:`~sparsekit.accel.graphs.GraphCache`; torch's CUDA-graph trees skip
+graphs whose inputs are mutated, as the cache's position counters are). The cache is
+sparsekit's, one per (batch, length), reset between calls, so its tensors keep their addresses
+and the graphs stay valid; the prefill computes the logits of the last position only.
+Compiles are counted in the model's report (``report.compiles``): one per prefill bucket and
+one per batch size for decode, and one more of each on a cache's second use (its layers are
+allocated on its first), and a prompt that fills its bucket exactly runs without a mask: one
+more graph for that length.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
+from sparsekit.accel import graphs
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +72,14 @@ class Generator:
         forward = type(model).forward.__get__(model)
         self.forward = forward
         if compile:
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self.prefill = torch.compile(forward, mode=mode, backend=backend, dynamic=False)
-            self.decode = torch.compile(forward, mode=mode, backend=backend, dynamic=False)
+            self.prefill = torch.compile(forward, backend=backend, dynamic=False)
+            self.decode = torch.compile(forward, backend=backend, dynamic=False)
         else:
             self.prefill = self.decode = forward
         self.compiled = compile
+        self.capture = compile and device.type == "cuda"
+        self.graphs: dict[tuple[int, str], graphs.GraphCache] = {}
+        self.notes: list[str] = []
 
     def _cache(self, batch: int, length: int) -> Any:
         from transformers import StaticCache
@@ -86,16 +93,53 @@ class Generator:
             cache.reset()
         return cache
 
+    def _replay(self, kind: str, fn: Callable, cache: Any, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, past_key_values=cache, **kwargs)`` from its CUDA graph, or None when the
+        call cannot be captured. A new signature is warmed up and captured, which runs the model
+        (warm-up) and so advances the cache's position counters: they are put back and the
+        graph replayed from the state before the call."""
+        gc = self.graphs.get((id(cache), kind))
+        if gc is None:
+            def bound(*a, **kw):
+                return fn(*a, past_key_values=cache, **kw)
+            gc = self.graphs[(id(cache), kind)] = graphs.GraphCache(bound)
+        found: list[torch.Tensor] = []
+        key = graphs.input_key((args, kwargs), found)
+        if key is None:
+            return None
+        if key in gc.graphs:
+            return gc.graphs[key](found)
+        state = _small_state(cache)
+        before = gc.compiled
+        out = gc.run(args, kwargs)
+        self.count(gc.compiled - before)
+        for dst, src in state:
+            dst.copy_(src)
+        if out is None:
+            self.notes.append(f"generate: {kind} not captured ({gc.why}); compiled only")
+            return None
+        return gc.graphs[key](found)
+
     @contextlib.contextmanager
-    def _routed(self):
+    def _routed(self, cache: Any):
         """The model's forward routed to the prefill or decode runner for the call."""
         def forward(*args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:
                 ids = kwargs["inputs_embeds"]
-            fn = self.decode if ids.shape[1] == 1 else self.prefill
+            decode = ids.shape[1] == 1
+            fn = self.decode if decode else self.prefill
+            if not decode and "logits_to_keep" in self._params:
+                kwargs["logits_to_keep"] = 1  # generate reads the last position's logits
+            for name in ("past_key_values", "cache"):
+                if kwargs.get(name) is cache:
+                    del kwargs[name]
+            if self.capture:
+                out = self._replay("decode" if decode else "prefill", fn, cache, args, kwargs)
+                if out is not None:
+                    return out
             before = _compat.compiled_graph_count() if self.compiled else 0
-            out = fn(*args, **kwargs)
+            out = fn(*args, past_key_values=cache, **kwargs)
             if self.compiled:
                 self.count(_compat.compiled_graph_count() - before)
             return out
@@ -139,7 +183,7 @@ class Generator:
                                         attention_mask], 1)
         cache = self._cache(batch, cache_length(padded, new))
         kwargs.setdefault("pad_token_id", self._pad_id())
-        with self._routed(), torch.no_grad(), warnings.catch_warnings():
+        with self._routed(cache), torch.no_grad(), warnings.catch_warnings():
             # transformers >= 5.2x renamed generate's past_key_values to cache (older: no cache)
             warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated",
                                     category=FutureWarning)
@@ -147,6 +191,12 @@ class Generator:
                                       max_new_tokens=new, past_key_values=cache,
                                       disable_compile=True, **kwargs)
         return out[:, pad:]
+
+    @property
+    def _params(self) -> set[str]:
+        import inspect
+
+        return set(inspect.signature(self.forward).parameters)
 
     def _pad_id(self) -> int:
         gc = self.model.generation_config
@@ -157,6 +207,16 @@ class Generator:
             if pid is not None:
                 return int(pid)
         return 0
+
+
+def _small_state(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, copy) of the cache layers' small tensors (position counters; not the KV)."""
+    out = []
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor) and value.numel() <= 64:
+                out.append((value, value.clone()))
+    return out
 
 
 __all__ = ["Generator", "bucket", "cache_length", "check_generates"]

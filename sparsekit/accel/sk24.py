@@ -8,7 +8,9 @@ The format (per weight W (N, K) with at most 2 nonzeros in every group of 4 alon
 - ``values`` (N, K/2), W's dtype (bfloat16 or float8 e4m3fn): the two kept entries of each
   group, in increasing column order (zeros where a group keeps fewer than two);
 - ``meta`` (N, K/32) int32: one 4-bit code per group, ``i0 | i1 << 2`` with i0 < i1 the kept
-  columns' positions inside the group, group ``g`` in bits ``4*(g % 8)`` of word ``g // 8``.
+  columns' positions inside the group; with W = K/32 words per row, word ``w`` holds group
+  ``s * W + w`` in bits ``4*s`` (s = 0..7: eight slabs of K/8 columns, so that the kernel
+  never reshapes a register tile, :mod:`sparsekit.accel.sk24_triton`).
 Bytes per dense weight: bf16 1.125 (values 1, metadata 0.125), fp8 0.625.
 
 ``matmul(x, values, meta, x_scale, w_scale, bias)`` computes, in float32,
@@ -25,7 +27,7 @@ import functools
 import torch
 
 GROUPS_PER_WORD = 8
-K_MULTIPLE = 64  # the smallest K tile; K must be a multiple (Llama-style K all are)
+K_MULTIPLE = 512  # K must be a multiple (16 metadata words per slab; Llama-style K all are)
 MAX_M = 32       # the M range the kernel is tuned for (decode batches)
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -34,7 +36,7 @@ def check_shape(out_features: int, in_features: int) -> str | None:
     """None when a weight (out_features, in_features) can take the format, else why not."""
     if in_features % K_MULTIPLE:
         return (f"in_features {in_features} is not a multiple of {K_MULTIPLE} "
-                f"(sparsekit's 2:4 decode kernel takes whole 64-column tiles)")
+                f"(sparsekit's 2:4 decode kernel takes whole {K_MULTIPLE}-column blocks)")
     if out_features < 1:
         return "out_features must be at least 1"
     return None
@@ -63,7 +65,8 @@ def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = values.contiguous()
     code = (idx[..., 0] | (idx[..., 1] << 2)).to(torch.int64)  # (N, K/4)
     shifts = 4 * torch.arange(GROUPS_PER_WORD, device=weight.device, dtype=torch.int64)
-    words = (code.reshape(n, k // 32, GROUPS_PER_WORD) << shifts).sum(-1)
+    # slab s of the groups (K/32 of them) goes to nibble s of the row's words
+    words = (code.reshape(n, GROUPS_PER_WORD, k // 32) << shifts[:, None]).sum(1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # as signed int32 bits
     return values, words.to(torch.int32).contiguous()
 
@@ -73,7 +76,7 @@ def decompress(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     n, half = values.shape
     k = 2 * half
     shifts = 4 * torch.arange(GROUPS_PER_WORD, device=meta.device, dtype=torch.int64)
-    code = (meta.to(torch.int64)[..., None] >> shifts) & 0xF  # (N, K/32, 8)
+    code = (meta.to(torch.int64)[:, None, :] >> shifts[:, None]) & 0xF  # (N, 8, K/32)
     code = code.reshape(n, k // 4)
     idx = torch.stack([code & 3, code >> 2], dim=-1)  # (N, K/4, 2)
     dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
@@ -113,29 +116,31 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
            bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
     """Run the Triton kernel: autotuned per (M bucket, N, K, dtype) on CUDA; with ``config``
-    (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``) fixed, as on CPU tensors under
-    ``TRITON_INTERPRET=1`` (the interpreter cannot time)."""
+    (``BLOCK_N``, ``BLOCK_W``, ``USE_DOT``, optionally ``num_warps``, ``num_stages``) fixed, as
+    on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter cannot time)."""
     triton, tuned, raw = _kernel()
-    if config is None and not x.is_cuda:
-        config = {"BLOCK_N": 16, "BLOCK_K": K_MULTIPLE}
-    kernel = tuned if config is None else raw
     m, k = x.shape
+    if config is None and not x.is_cuda:
+        config = {"BLOCK_N": 16, "BLOCK_W": 16, "USE_DOT": m > 4}
+    kernel = tuned if config is None else raw
     n = values.shape[0]
     if x.dtype != values.dtype:
         raise ValueError(f"sk24 kernel: x is {x.dtype}, the weight {values.dtype}")
     x = x.contiguous()
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    use_dot = m > 4
-    block_m = 1 if m == 1 else (4 if m <= 4 else (16 if m <= 16 else 32))
+    small_m = 1 if m == 1 else (2 if m == 2 else 4)  # rows per program on CUDA cores
     dummy = y
     xs = x_scale.reshape(-1).float() if x_scale is not None else None
-    grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+
+    def grid(meta_):
+        return (triton.cdiv(n, meta_["BLOCK_N"]),
+                triton.cdiv(m, 16 if meta_["USE_DOT"] else small_m))
     kernel[grid](x, values, meta, dummy if xs is None else xs,
                  dummy if w_scale is None else w_scale, dummy if bias is None else bias, y,
                  m, n, k, x.stride(0), 0 if xs is None or xs.numel() == 1 else 1,
                  m_bucket(m), X_FP8=x.dtype == torch.float8_e4m3fn,
                  HAS_XS=xs is not None, HAS_WS=w_scale is not None, HAS_BIAS=bias is not None,
-                 BLOCK_M=block_m, USE_DOT=use_dot, DOT_F32=not x.is_cuda, **(config or {}))
+                 DOT_F32=not x.is_cuda, SMALL_M=small_m, **(config or {}))
     return y
 
 

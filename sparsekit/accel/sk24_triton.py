@@ -1,83 +1,107 @@
 """The Triton source of :mod:`sparsekit.accel.sk24`'s decode kernel (imported only when the
-kernel runs: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``)."""
+kernel runs: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``).
+
+The metadata is laid out in slabs so that no register tensor is ever reshaped: word ``w`` of a
+row holds in its nibble ``s`` the code of group ``s * W + w`` (W = K / 32 words per row). One
+step loads BLOCK_W words of a row block and walks the 8 slabs: slab ``s`` takes nibble ``s`` of
+every loaded word, the values of groups ``s * W + w`` as a (BLOCK_N, BLOCK_W, 2) tile (split
+into the first and second kept value), and x at the same groups' four columns as four tiles
+(one per position in the group). Small M multiplies on CUDA cores, choosing each kept value's
+x by its position; larger M builds each position's weight plane and runs four ``tl.dot``s."""
 
 import triton
 import triton.language as tl
 
-K_MULTIPLE = 64
-
 
 def _configs() -> list:
     out = []
-    for bn, bk, warps, stages in ((16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5),
-                                  (64, 128, 4, 4), (64, 256, 8, 3), (16, 512, 4, 3),
-                                  (32, 512, 8, 3), (128, 128, 8, 3), (16, 128, 2, 6)):
-        out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
-                                 num_stages=stages))
+    for bn, bw, warps, stages, dot in ((32, 32, 4, 3, False), (64, 32, 4, 3, False),
+                                       (16, 64, 4, 3, False), (32, 64, 8, 3, False),
+                                       (128, 16, 4, 4, False), (64, 16, 4, 4, False),
+                                       (32, 32, 4, 3, True), (64, 32, 4, 3, True),
+                                       (64, 64, 8, 3, True), (128, 32, 8, 3, True),
+                                       (32, 64, 4, 4, True), (16, 32, 4, 4, True)):
+        out.append(triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "USE_DOT": dot},
+                                 num_warps=warps, num_stages=stages))
     return out
 
 
 def _prune(configs, named_args, **kwargs):
-    k = named_args["K"]
-    kept = [c for c in configs if k % c.kwargs["BLOCK_K"] == 0]
-    return kept or [c for c in configs if c.kwargs["BLOCK_K"] == K_MULTIPLE] or configs
+    words = named_args["K"] // 32
+    m = named_args["M"]
+    fp8 = kwargs.get("X_FP8", named_args.get("X_FP8", False))
+    kept = [c for c in configs if words % c.kwargs["BLOCK_W"] == 0
+            and (c.kwargs["USE_DOT"] or m <= 4)
+            and not (fp8 and c.kwargs["USE_DOT"] and c.kwargs["BLOCK_W"] < 32)]
+    return kept or configs[:1]
 
 
 @triton.jit
-def expand(v, mw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Values (BLOCK_N, BLOCK_K/2) and metadata words (BLOCK_N, BLOCK_K/32) -> the dense
-    weight tile (BLOCK_N, BLOCK_K) in v's dtype."""
-    G: tl.constexpr = BLOCK_K // 4
-    shifts = tl.arange(0, 8) * 4
-    code = (mw[:, :, None] >> shifts[None, None, :]) & 0xF
-    code = tl.reshape(code, (BLOCK_N, G))
-    i0 = code & 3
-    i1 = code >> 2
-    v0, v1 = tl.split(tl.reshape(v, (BLOCK_N, G, 2)))
-    zero = tl.zeros((BLOCK_N, G), dtype=v.dtype)
-    w0 = tl.where(i0 == 0, v0, zero)
-    w1 = tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, zero))
-    w2 = tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero))
-    w3 = tl.where(i1 == 3, v1, zero)
-    # join(join(w0, w2), join(w1, w3)) flattens as w0, w1, w2, w3 per group
-    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_N, BLOCK_K))
+def _x_at(x_ptr, rm, m_ok, stride_xm, col, p: tl.constexpr, F32: tl.constexpr):
+    """x[rm, 4 * group + p] for the groups' first columns ``col`` (BLOCK_W,)."""
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :] + p, mask=m_ok[:, None],
+                other=0.0)
+    return x.to(tl.float32) if F32 else x
 
 
 @triton.jit
 def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                 stride_xm, stride_xs, M_BUCKET, X_FP8: tl.constexpr,
                 HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                DOT_F32: tl.constexpr, SMALL_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_W: tl.constexpr, USE_DOT: tl.constexpr):
+    BLOCK_M: tl.constexpr = 16 if USE_DOT else SMALL_M
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = rn < N
     m_ok = rm < M
-    half = K // 2
-    words = K // 32
+    W = K // 32
+    rw = tl.arange(0, BLOCK_W)
+    two = tl.arange(0, 2)
+    row_v = v_ptr + rn[:, None, None].to(tl.int64) * (K // 2)
+    row_m = m_ptr + rn[:, None].to(tl.int64) * W
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    rv = tl.arange(0, BLOCK_K // 2)
-    rw = tl.arange(0, BLOCK_K // 32)
-    rk = tl.arange(0, BLOCK_K)
-    v_ptrs = v_ptr + rn[:, None].to(tl.int64) * half + rv[None, :]
-    m_ptrs = m_ptr + rn[:, None].to(tl.int64) * words + rw[None, :]
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-    for _ in range(0, K, BLOCK_K):
-        v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
-        mw = tl.load(m_ptrs, mask=n_ok[:, None], other=0)
-        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        w = expand(v, mw, BLOCK_N, BLOCK_K)
-        if USE_DOT and DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-        elif USE_DOT:
-            acc += tl.dot(x, tl.trans(w))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        v_ptrs += BLOCK_K // 2
-        m_ptrs += BLOCK_K // 32
-        x_ptrs += BLOCK_K
+    for w0 in range(0, W, BLOCK_W):
+        mw = tl.load(row_m + w0 + rw[None, :], mask=n_ok[:, None], other=0)
+        for s in tl.static_range(8):
+            code = (mw >> (4 * s)) & 0xF
+            i0 = code & 3
+            i1 = code >> 2
+            g = s * W + w0 + rw  # the groups of this slab step
+            v = tl.load(row_v + 2 * g[None, :, None] + two[None, None, :],
+                        mask=n_ok[:, None, None], other=0.0)
+            v0, v1 = tl.split(v)
+            col = 4 * g
+            if USE_DOT:
+                zero = tl.zeros((BLOCK_N, BLOCK_W), dtype=v0.dtype)
+                for p in tl.static_range(4):
+                    if p == 0:
+                        wp = tl.where(i0 == 0, v0, zero)
+                    elif p == 3:
+                        wp = tl.where(i1 == 3, v1, zero)
+                    else:
+                        wp = tl.where(i0 == p, v0, tl.where(i1 == p, v1, zero))
+                    xp = _x_at(x_ptr, rm, m_ok, stride_xm, col, p, DOT_F32)
+                    if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
+                        acc += tl.dot(xp, tl.trans(wp.to(tl.float32)))
+                    else:
+                        acc += tl.dot(xp, tl.trans(wp))
+            else:
+                x0 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 0, True)
+                x1 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 1, True)
+                x2 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 2, True)
+                x3 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 3, True)
+                # (BLOCK_M, BLOCK_N, BLOCK_W): the x each kept value multiplies
+                a0 = i0[None, :, :]
+                a1 = i1[None, :, :]
+                xa = tl.where(a0 == 0, x0[:, None, :],
+                              tl.where(a0 == 1, x1[:, None, :], x2[:, None, :]))
+                xb = tl.where(a1 == 3, x3[:, None, :],
+                              tl.where(a1 == 2, x2[:, None, :], x1[:, None, :]))
+                prod = v0.to(tl.float32)[None, :, :] * xa + v1.to(tl.float32)[None, :, :] * xb
+                acc += tl.sum(prod, axis=2)
     if HAS_XS:
         acc *= tl.load(xs_ptr + rm * stride_xs, mask=m_ok, other=0.0)[:, None]
     if HAS_WS:

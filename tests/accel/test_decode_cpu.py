@@ -30,35 +30,35 @@ def masked_24(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_format_round_trip(dtype):
-    w = masked_24(48, 192).to(dtype)
+    w = masked_24(48, 1024).to(dtype)
     values, meta = sk24.compress(w)
-    assert values.shape == (48, 96) and meta.shape == (48, 6) and meta.dtype == torch.int32
+    assert values.shape == (48, 512) and meta.shape == (48, 32) and meta.dtype == torch.int32
     assert torch.equal(sk24.decompress(values, meta).float(), w.float())
 
 
 def test_format_refuses_bad_weights():
     with pytest.raises(ValueError, match="more than 2 nonzeros"):
-        sk24.compress(torch.ones(16, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="in_features 96 is not a multiple of 64"):
-        sk24.compress(masked_24(16, 96).bfloat16())
+        sk24.compress(torch.ones(16, 512, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="in_features 768 is not a multiple of 512"):
+        sk24.compress(masked_24(16, 768).bfloat16())
     with pytest.raises(ValueError, match="dtype"):
-        sk24.compress(masked_24(16, 64))
+        sk24.compress(masked_24(16, 512))
 
 
 def test_reference_equals_dense_matmul_every_m():
-    w = masked_24(40, 128)
+    w = masked_24(40, 512)
     values, meta = sk24.compress(w.bfloat16())
     bias = torch.randn(40).bfloat16()
     for m in range(1, 33):
-        x = torch.randn(m, 128).bfloat16()
+        x = torch.randn(m, 512).bfloat16()
         y = ops.sk24_mm(x, values, meta, None, None, bias)
         ref = (x.double() @ w.bfloat16().double().t() + bias.double())
         torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_op_passes_opcheck():
-    values, meta = sk24.compress(masked_24(32, 64).bfloat16())
-    x = torch.randn(3, 64).bfloat16()
+    values, meta = sk24.compress(masked_24(32, 512).bfloat16())
+    x = torch.randn(3, 512).bfloat16()
     torch.library.opcheck(ops.sk24_mm, (x, values, meta, None, None, None))
     # with scales (opcheck's schema check cannot multiply float8 tensors on CPU)
     xs, ws = torch.rand(3, 1) + 0.5, torch.rand(32) + 0.5
@@ -71,9 +71,9 @@ from sparsekit.accel import sk24
 from tests.accel.test_decode_cpu import masked_24
 for dtype in (torch.bfloat16, torch.float8_e4m3fn):
     for m in (1, 3, 7, 20):
-        w = masked_24(48, 128, seed=m).to(dtype)
+        w = masked_24(48, 512, seed=m).to(dtype)
         values, meta = sk24.compress(w)
-        x = torch.randn(m, 128).to(dtype)
+        x = torch.randn(m, 512).to(dtype)
         xs = None if dtype == torch.bfloat16 else torch.rand(m, 1) + 0.5
         ws = None if dtype == torch.bfloat16 else torch.rand(48) + 0.5
         bias = torch.randn(48).bfloat16()
@@ -97,12 +97,12 @@ def test_triton_kernel_under_interpreter():
 
 @pytest.mark.parametrize("variant", ["bf16_2:4", "fp8_2:4"])
 def test_layer_decode_path_has_prefill_numerics(variant):
-    lin = nn.Linear(128, 64)
+    lin = nn.Linear(512, 64)
     with torch.no_grad():
-        lin.weight.copy_(masked_24(64, 128))
+        lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS[variant](lin)
     assert mod.decode_max_m == sk24.MAX_M and mod.dvalues is not None
-    x = torch.randn(2, 5, 128).bfloat16()
+    x = torch.randn(2, 5, 512).bfloat16()
     decode = mod(x)
     mod.decode_max_m = 0  # the large-M path (cuSPARSELt's op; its reference on CPU)
     prefill = mod(x)
@@ -127,9 +127,10 @@ def test_buckets():
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512)
+    # hidden and intermediate sizes multiples of 512: every 2:4 layer takes the decode kernel
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=4, max_position_embeddings=512)
     model = transformers.LlamaForCausalLM(cfg).eval()
     sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
     ref = transformers.LlamaForCausalLM(cfg).eval()
@@ -141,8 +142,8 @@ def test_generate_equals_hf_generate_and_bounds_compiles():
     model, ref = _tiny_llama()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
     fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", backend="eager")
-    kinds = {type(m).__name__ for m in fast.model.modules()}
-    assert "Sparse24BF16" in kinds
+    sparse = [m for m in fast.model.modules() if type(m).__name__ == "Sparse24BF16"]
+    assert len(sparse) == 14 and all(m.dvalues is not None for m in sparse)
     out = fast.generate(ids, max_new_tokens=12)
     want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
