@@ -193,7 +193,9 @@ def agreement(a: torch.Tensor, b: torch.Tensor, prompt: int) -> dict:
     return {"equal_fraction": same.float().mean().item(), "first_divergence": first}
 
 
-def generate_rows(args, device) -> dict:
+def generate_rows(args, device, save=lambda out: None) -> dict:
+    """Rows per batch; ``save(rows so far)`` after each batch's timings (a run cut short by
+    its time limit keeps what it measured)."""
     out = {}
     smoke = args.smoke
     new = 8 if smoke else args.new
@@ -255,6 +257,7 @@ def generate_rows(args, device) -> dict:
             print(json.dumps({"batch": batch, "way": name,
                               **{k: row[k] for k in ("ms", "ratio", "tokens_per_s")}}),
                   flush=True)
+            save(out)
         del ways, outputs, dense
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -292,7 +295,10 @@ def main(argv: list[str] | None = None) -> dict:
         res["gemm_summary"] = gemm_summary(res["gemm"])
         Path(args.out).write_text(json.dumps(res, indent=1))
     if "generate" in sections:
-        res["generate"] = generate_rows(args, device)
+        def save(rows):
+            res["generate"] = rows
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        res["generate"] = generate_rows(args, device, save)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return res
 

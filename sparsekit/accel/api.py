@@ -621,6 +621,46 @@ def _fuse_siblings(model: nn.Module, inputs: Any, groups: list[list[str]], chose
                                 **(compiled["inductor"] or {})}
 
 
+DECODE_BUCKETS = (1, 4, 16, 32)  # token counts at which the small-M kernel is timed
+
+
+def _plan_decode(model: nn.Module, device: torch.device, report: AccelReport) -> None:
+    """Per 2:4 layer with the small-M kernel, the token counts it serves: on CUDA each shape is
+    timed at ``DECODE_BUCKETS`` against the layer's large-M path (CUDA graphs) and keeps the
+    small-M kernel up to the last count where it is faster (``decode_max_m``; 0: never). On
+    CPU the reference paths keep it for every M <= 32 (numerics, not speed)."""
+    if device.type != "cuda":
+        return
+    from sparsekit.accel.timing import graph_time_us
+
+    limits: dict[tuple, int] = {}
+    timed: dict[tuple, dict] = {}
+    for mod in model.modules():
+        if getattr(mod, "dvalues", None) is None:
+            continue
+        key = (type(mod).__name__, mod.out_features, mod.in_features, mod.path,
+               mod.act_scale is None)
+        if key not in limits:
+            limit, timed[key] = 0, {}
+            for m in DECODE_BUCKETS:
+                x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
+                us = {}
+                for way, max_m in (("sk24", m), ("large_m", 0)):
+                    mod.decode_max_m = max_m
+                    us[way] = graph_time_us(functools.partial(mod, x))
+                timed[key][m] = us
+                if us["sk24"] >= us["large_m"]:
+                    break
+                limit = m
+            limits[key] = limit
+        mod.decode_max_m = limits[key]
+    for key, limit in limits.items():
+        report.notes.append(
+            f"decode: {key[0]} {key[1]}x{key[2]} on the small-M kernel for M <= {limit} "
+            f"(us small-M/large-M: " + ", ".join(f"M={m} {t['sk24']:.1f}/{t['large_m']:.1f}"
+                                                  for m, t in timed[key].items()) + ")")
+
+
 def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
             device: torch.device, inputs: Any, t0: float, options: dict,
             groups: list[list[str]] | None) -> AcceleratedModel:
@@ -649,6 +689,7 @@ def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
              for layer, _, _, d in chosen.values()) and cslt_ext.reason():
         report.notes.append(f"epilogue: sparsekit's cuSPARSELt binding unavailable "
                             f"({cslt_ext.reason()}); scales applied after torch's binding")
+    _plan_decode(model, device, report)
     plan.save()
     report.seconds["plan"] = time.perf_counter() - t0
     fast = AcceleratedModel(model, report, device, **options)

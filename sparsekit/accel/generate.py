@@ -99,26 +99,31 @@ class Generator:
         (warm-up) and so advances the cache's position counters: they are put back and the
         graph replayed from the state before the call."""
         gc = self.graphs.get((id(cache), kind))
+        state: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def reset() -> None:
+            for dst, src in state:
+                dst.copy_(src)
+
         if gc is None:
             def bound(*a, **kw):
                 return fn(*a, past_key_values=cache, **kw)
             gc = self.graphs[(id(cache), kind)] = graphs.GraphCache(bound)
+        gc.reset = reset
         found: list[torch.Tensor] = []
         key = graphs.input_key((args, kwargs), found)
         if key is None:
             return None
         if key in gc.graphs:
             return gc.graphs[key](found)
-        state = _small_state(cache)
+        state.extend(_small_state(cache))
         before = gc.compiled
         out = gc.run(args, kwargs)
         self.count(gc.compiled - before)
-        for dst, src in state:
-            dst.copy_(src)
         if out is None:
+            reset()
             self.notes.append(f"generate: {kind} not captured ({gc.why}); compiled only")
-            return None
-        return gc.graphs[key](found)
+        return out
 
     @contextlib.contextmanager
     def _routed(self, cache: Any):

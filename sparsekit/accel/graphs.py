@@ -82,8 +82,11 @@ class GraphCache:
     None (and ``why``) when the inputs have no signature, the limit is reached, or the warm-up
     built more than one graph (the compiled model has graph breaks)."""
 
-    def __init__(self, fn: Callable, max_graphs: int = 16, warmup: int = 2):
-        self.fn, self.max_graphs, self.warmup = fn, max_graphs, warmup
+    def __init__(self, fn: Callable, max_graphs: int = 16, warmup: int = 2,
+                 reset: Callable[[], None] | None = None):
+        # reset(): puts back state a call advances (an HF cache's position counters) before
+        # each warm-up call and before the first replay of a new capture
+        self.fn, self.max_graphs, self.warmup, self.reset = fn, max_graphs, warmup, reset
         self.graphs: dict[tuple, CapturedCall] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.compiled = 0  # graphs torch.compile built during warm-ups
@@ -96,7 +99,11 @@ class GraphCache:
         if key is None:
             self.why = "inputs holding objects other than tensors and scalars"
             return None
-        call = self.graphs.get(key) or self._capture(key, args, kwargs)
+        call = self.graphs.get(key)
+        if call is None:
+            call = self._capture(key, args, kwargs)
+            if call is not None and self.reset is not None:
+                self.reset()
         return None if call is None else call(found)
 
     def _capture(self, key: tuple, args: tuple, kwargs: dict) -> CapturedCall | None:
@@ -115,6 +122,8 @@ class GraphCache:
         _compat.clear_cublas_workspaces()
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):
+                if self.reset is not None:
+                    self.reset()
                 self.fn(*args, **kwargs)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.current_stream().synchronize()
