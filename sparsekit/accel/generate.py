@@ -116,6 +116,11 @@ class Generator:
             return None
         if key in gc.graphs:
             return gc.graphs[key](found)
+        if not all(getattr(layer, "is_initialized", True) for layer in getattr(cache, "layers",
+                                                                                ())):
+            # the cache allocates its tensors (and counters) on its first update: that call
+            # runs compiled, uncaptured, so the counters exist before any capture saves them
+            return None
         state.extend(_small_state(cache))
         before = gc.compiled
         out = gc.run(args, kwargs)
