@@ -70,7 +70,7 @@ import torch
 from sparsekit.accel import sk24
 from tests.accel.test_decode_cpu import masked_24
 for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-    for m in (1, 3, 7, 20):
+    for m in (1, 20):  # the CUDA-core path and the tl.dot path
         w = masked_24(48, 512, seed=m).to(dtype)
         values, meta = sk24.compress(w)
         x = torch.randn(m, 512).to(dtype)
@@ -144,15 +144,15 @@ def test_generate_equals_hf_generate_and_bounds_compiles():
     fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", backend="eager")
     sparse = [m for m in fast.model.modules() if type(m).__name__ == "Sparse24BF16"]
     assert len(sparse) == 14 and all(m.dvalues is not None for m in sparse)
-    out = fast.generate(ids, max_new_tokens=12)
-    want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = fast.generate(ids, max_new_tokens=8)
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
-    fast.generate(ids[:, :9], max_new_tokens=12)  # the cache's second use
+    fast.generate(ids[:, :9], max_new_tokens=8)  # the cache's second use
     before = fast.report.compiles
-    for length in (10, 13, 15):  # one bucket (16): no new graph
+    for length in (10, 15):  # one bucket (16): no new graph
         got = fast.generate(ids[:, :length] if length <= 11 else
-                            torch.cat([ids, ids[:, :length - 11]], 1), max_new_tokens=12)
-        assert got.shape == (2, length + 12)
+                            torch.cat([ids, ids[:, :length - 11]], 1), max_new_tokens=8)
+        assert got.shape == (2, length + 8)
     assert fast.report.compiles == before
 
 
