@@ -94,18 +94,15 @@ class _Int4Linear(nn.Module):
         if prefill not in allowed:
             raise ValueError(f"{self.variant}: prefill must be one of {allowed}, got {prefill!r}")
         self.prefill = prefill
-        q, scales, self.group_size = int4_weights(linear)
-        reason = w4a16.check_shape(self.out_features, self.in_features, self.group_size)
-        if reason:
-            raise ValueError(f"{self.variant}: {reason}")
+        try:  # a shape or a weight the format cannot take: the error names this layer
+            q, scales, self.group_size = int4_weights(linear)
+            self._pack(q, scales)
+        except ValueError as e:
+            raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
+                             f"{e}") from None
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else
                              bias.detach().to(torch.bfloat16).contiguous())
-        try:
-            self._pack(q, scales)
-        except ValueError as e:
-            raise ValueError(f"{self.variant} ({self.out_features}x{self.in_features}): {e}") \
-                from None
         if prefill == "bf16_2:4":
             self.register_buffer("packed", ops.pack_24(self.dequantized_weight(torch.bfloat16)))
 

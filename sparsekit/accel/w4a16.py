@@ -56,12 +56,12 @@ def check_shape(out_features: int, in_features: int, group_size: int) -> str | N
     shape = f"weight {out_features}x{in_features} (out x in), group_size {group_size}"
     if out_features < 1:
         return f"{shape}: out_features must be at least 1"
-    if group_size < 1 or (group_size % K_MULTIPLE and group_size not in _SMALL_GROUPS):
-        return (f"{shape}: group_size must be a multiple of {K_MULTIPLE} or one of "
-                f"{_SMALL_GROUPS}")
     if in_features % K_MULTIPLE:
         return (f"{shape}: in_features is not a multiple of {K_MULTIPLE} (the int4 kernels "
                 f"take whole {K_MULTIPLE}-column tiles)")
+    if group_size < 1 or (group_size % K_MULTIPLE and group_size not in _SMALL_GROUPS):
+        return (f"{shape}: group_size must be a multiple of {K_MULTIPLE} or one of "
+                f"{_SMALL_GROUPS}")
     if in_features % group_size:
         return f"{shape}: in_features is not a multiple of group_size"
     return None
