@@ -102,7 +102,7 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
     n_ok = rn < N
     m_ok = rm < M
     G: tl.constexpr = BLOCK_K // 4  # groups of 4 per tile = packed bytes per row
-    TG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
+    TG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups per tile (1: inside one)
     n_groups = K // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rv = tl.arange(0, G)
@@ -164,7 +164,7 @@ def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, M_BUCKET,
     n_ok = rn < N
     m_ok = rm < M
     H: tl.constexpr = BLOCK_K // 2  # packed bytes per row per tile
-    TG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
+    TG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups per tile (1: inside one)
     n_groups = K // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rv = tl.arange(0, H)
