@@ -3,6 +3,7 @@ trips, the ops' references and the Triton kernels (under ``TRITON_INTERPRET=1``)
 matmuls of the dequantized masked weight, opcheck, shapes refused, and the int4 layers against
 ``F.linear`` of their dequantized weight."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -269,6 +270,24 @@ def test_layer_traces_without_graph_breaks():
         assert explain.graph_break_count == 0, explain.break_reasons
     torch._dynamo.reset()
 
+
+@pytest.mark.parametrize("sparsity,variant", [("2:4", "int4_2:4"), ("dense", "int4_dense")])
+def test_accelerate_precision_int4(sparsity, variant):
+    """The public entry: accelerate(precision="int4") swaps the int4 layers in; the output is
+    the float model's up to int4 rounding."""
+    import sparsekit as sk
+
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).eval()
+    sk.prune_(model, pattern="2:4", criterion="magnitude")
+    x = torch.randn(4, 128)
+    with torch.no_grad():
+        ref = copy.deepcopy(model).double()(x.double())
+    fast = sk.accelerate(model, x, precision="int4", sparsity=sparsity, device="cpu",
+                         backend="eager")
+    assert [d.variant for d in fast.report.layers] == [variant, variant]
+    assert isinstance(fast.model[0], kernels.VARIANTS[variant])
+    y = fast(x)
+    assert (y.double() - ref).norm() / ref.norm() < 0.12
 
 if __name__ == "__main__":
     _check_interpreted_kernels()

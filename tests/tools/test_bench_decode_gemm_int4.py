@@ -1,4 +1,5 @@
-"""tools/bench_decode_gemm_int4.py --smoke: the int4 decode GEMM benchmark's pipeline on CPU."""
+"""tools/bench_decode_gemm_int4.py --smoke: the int4 decode GEMM benchmark's pipeline on CPU
+(in process: main() with the arguments the command line takes)."""
 
 import json
 import sys
