@@ -114,8 +114,8 @@ class _Int4Linear(nn.Module):
         raise NotImplementedError
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``q * scale`` (N, K) in ``dtype`` (computed in float32)."""
-        return w4a16.dequantize(self.int_weight(), self.scales, dtype)
+        """``q * scale`` (N, K) in ``dtype`` (computed in float32; elementwise ops)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -149,6 +149,9 @@ class Int4Dense(_Int4Linear):
     def int_weight(self):
         return w4a16.unpack(self.values)
 
+    def dequantized_weight(self, dtype=torch.float32):
+        return w4a16.dequantize_packed(self.values, self.scales, dtype)
+
     def _decode(self, x2d):
         return ops.int4_mm(x2d, self.values, self.scales, self.bias)
 
@@ -168,6 +171,9 @@ class Int4Sparse24(_Int4Linear):
 
     def int_weight(self):
         return w4a16.unpack_24(self.values, self.meta)
+
+    def dequantized_weight(self, dtype=torch.float32):
+        return w4a16.dequantize_packed_24(self.values, self.meta, self.scales, dtype)
 
     def _decode(self, x2d):
         return ops.int4_24_mm(x2d, self.values, self.meta, self.scales, self.bias)

@@ -143,6 +143,37 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor,
     return (q.float() * scales.float().repeat_interleave(group, dim=1)).to(dtype)
 
 
+def _scaled(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = w.shape
+    groups = scales.shape[1]
+    w = w.reshape(n, groups, k // groups) * scales.float()[:, :, None]
+    return w.reshape(n, k).to(dtype)
+
+
+def _nibble_floats(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (values & 0xF).float() - 8, (values >> 4).float() - 8
+
+
+def dequantize_packed(values: torch.Tensor, scales: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense format's weight ``q * scale`` (N, K) in ``dtype`` (float32 products), in
+    elementwise torch ops that a compiler fuses into one pass (prefill dequantizes this way)."""
+    lo, hi = _nibble_floats(values)
+    return _scaled(torch.stack([lo, hi], dim=-1).reshape(values.shape[0], -1), scales, dtype)
+
+
+def dequantize_packed_24(values: torch.Tensor, meta: torch.Tensor, scales: torch.Tensor,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 2:4 format's weight ``q * scale`` (N, K), zeros in place, as
+    :func:`dequantize_packed` (the kept values placed by where-selects, no scatter)."""
+    v0, v1 = _nibble_floats(values)  # (N, K/4): the kept entries of each group of 4
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=meta.device)
+    code = ((meta[..., None] >> shifts) & 0xF).reshape(values.shape)
+    i0, i1 = code & 3, code >> 2
+    cols = [torch.where(i0 == j, v0, torch.where(i1 == j, v1, 0.0)) for j in range(4)]
+    return _scaled(torch.stack(cols, dim=-1).reshape(values.shape[0], -1), scales, dtype)
+
+
 def _check_call(name: str, x: torch.Tensor, n: int, k: int, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> None:
     """Shape and dtype checks of one product (no tensor data is read)."""
@@ -171,7 +202,7 @@ def reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
     """What the dense kernel computes, in plain torch (float32 products)."""
     n, k = values.shape[0], 2 * values.shape[1]
     _check_call("int4 GEMM", x, n, k, scales, bias)
-    return _dense_product(x, dequantize(unpack(values), scales), bias)
+    return _dense_product(x, dequantize_packed(values, scales), bias)
 
 
 def reference_24(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
@@ -179,7 +210,7 @@ def reference_24(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
     """What the 2:4 kernel computes, in plain torch (float32 products)."""
     n, k = values.shape[0], 4 * values.shape[1]
     _check_call("int4 2:4 GEMM", x, n, k, scales, bias)
-    return _dense_product(x, dequantize(unpack_24(values, meta), scales), bias)
+    return _dense_product(x, dequantize_packed_24(values, meta, scales), bias)
 
 
 @functools.cache
@@ -242,6 +273,7 @@ def bound_bytes(m: int, n: int, k: int, group_size: int, sparse: bool,
 
 
 __all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "SCALE_DTYPES", "bound_bytes",
-           "check_shape", "dequantize", "launch", "launch_24", "pack", "pack_24",
+           "check_shape", "dequantize", "dequantize_packed", "dequantize_packed_24", "launch",
+           "launch_24", "pack", "pack_24",
            "pack_nibbles", "reference", "reference_24", "unpack", "unpack_24",
            "unpack_nibbles"]

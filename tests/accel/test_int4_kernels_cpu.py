@@ -66,10 +66,14 @@ def test_pack_round_trips_and_bytes(group):
     assert values.shape == (8, 64) and values.dtype == torch.uint8
     assert meta.shape == (8, 8) and meta.dtype == torch.int32 and torch.equal(s2, s)
     assert torch.equal(w4a16.unpack_24(values, meta), q24)
+    # the elementwise dequantization (prefill, references) is q * scale exactly
+    assert torch.equal(w4a16.dequantize_packed_24(values, meta, s), w4a16.dequantize(q24, s))
     bytes_per_weight = (values.numel() + 4 * meta.numel()) / q24.numel()
     assert bytes_per_weight == 0.25 + 0.125
     dvalues, _ = w4a16.pack(qd, s)
     assert dvalues.shape == (8, 128) and torch.equal(w4a16.unpack(dvalues), qd)
+    assert torch.equal(w4a16.dequantize_packed(dvalues, s, torch.bfloat16),
+                       w4a16.dequantize(qd, s, torch.bfloat16))
     assert w4a16.bound_bytes(1, 8, 256, group, True) == 8 * 96 + 8 * (256 // group) * 4 + 512 + 16
 
 
