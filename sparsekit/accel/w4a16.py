@@ -236,8 +236,12 @@ def _launch(kernel, raw, x, weight_args, n, k, scales, bias, config):
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     block_m = _block_m(m)
     grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
-    kernel[grid](x, *weight_args, scales.contiguous(), y if bias is None else bias, y,
-                 m, n, k, x.stride(0), sk24.m_bucket(m), k // scales.shape[1],
+    weight_args = tuple(t.contiguous() for t in weight_args)  # values (and 2:4 metadata)
+    stride_meta = weight_args[1].stride(0) if len(weight_args) == 2 else 0
+    scales = scales.contiguous()
+    kernel[grid](x, *weight_args, scales, y if bias is None else bias, y,
+                 m, n, k, x.stride(0), weight_args[0].stride(0), stride_meta, scales.stride(0),
+                 sk24.m_bucket(m), k // scales.shape[1],
                  HAS_BIAS=bias is not None, BLOCK_M=block_m, USE_DOT=m > 4,
                  DOT_F32=not x.is_cuda, **(config or {}))
     return y

@@ -1,17 +1,21 @@
 """The Triton source of :mod:`sparsekit.accel.w4a16`'s kernels (imported only when a kernel
 runs: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``).
 
-Both kernels walk K in tiles of ``BLOCK_K`` columns for a ``BLOCK_M x BLOCK_N`` output tile.
+Row strides are arguments (not derived from K in the kernel) so that Triton sees them divisible
+by 16 and loads the packed bytes in wide vectors rather than one byte at a time. Both kernels
+walk K in tiles of ``BLOCK_K`` columns for a ``BLOCK_M x BLOCK_N`` output tile.
 Per tile they load the packed bytes (and the 2:4 metadata words), turn nibbles into int
 values, and multiply:
 - ``USE_DOT`` false (M <= 4, CUDA cores): the 2:4 kernel never builds the dense tile; it picks
   each kept value's activation (``x[4g + i]``) by the position code and does two multiply-adds
   per group of 4; the dense kernel multiplies even and odd columns by the low and high nibbles.
+  Products accumulate elementwise over the K loop and are summed across threads once, at the
+  end (a sum per tile cost a quarter of the loop's instructions in shuffles and adds).
 - ``USE_DOT`` true: the int values (exact in bf16) are expanded into the dense weight tile and
   multiplied on tensor cores (``tl.dot``, float32 accumulation).
-Group scales: a tile inside one group (``BLOCK_K <= GROUP``) multiplies its partial product by
-the group's scale per output column; a tile covering ``BLOCK_K / GROUP`` whole groups scales
-the values before the product.
+Group scales: on tensor cores a tile inside one group (``BLOCK_K <= GROUP``) multiplies its
+partial product by the group's scale per output column; on CUDA cores, and for a tile covering
+``BLOCK_K / GROUP`` whole groups, the scales multiply the values before the product.
 """
 
 import triton
@@ -61,13 +65,13 @@ def _group_scale(v, s, BLOCK_N: tl.constexpr, COLS: tl.constexpr, TG: tl.constex
 
 
 @triton.jit
-def _load_scales(s_ptr, rn, n_ok, k0, n_groups, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_scales(s_ptr, rn, n_ok, k0, stride_s, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """The tile's scales: (BLOCK_N,) when the tile lies in one group, else (BLOCK_N, TG)."""
     if BLOCK_K <= GROUP:
-        s = tl.load(s_ptr + rn.to(tl.int64) * n_groups + k0 // GROUP, mask=n_ok, other=0.0)
+        s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + k0 // GROUP, mask=n_ok, other=0.0)
     else:
         rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_ptr + rn[:, None].to(tl.int64) * n_groups + rg[None, :],
+        s = tl.load(s_ptr + rn[:, None].to(tl.int64) * stride_s + rg[None, :],
                     mask=n_ok[:, None], other=0.0)
     return s.to(tl.float32)
 
@@ -94,7 +98,8 @@ def _expand24(v0, v1, i0, i1, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, M_BUCKET,
+def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_v,
+                   stride_m, stride_s, M_BUCKET,
                    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
@@ -106,20 +111,20 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
     m_ok = rm < M
     G: tl.constexpr = BLOCK_K // 4  # groups of 4 per tile = packed bytes per row
     TG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups per tile (1: inside one)
-    n_groups = K // GROUP
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # tensor cores
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, G), dtype=tl.float32)  # CUDA cores: summed at the end
     rv = tl.arange(0, G)
     rw = tl.arange(0, BLOCK_K // 32)
     rk = tl.arange(0, BLOCK_K)
-    v_ptrs = v_ptr + rn[:, None].to(tl.int64) * (K // 4) + rv[None, :]
-    m_ptrs = m_ptr + rn[:, None].to(tl.int64) * (K // 32) + rw[None, :]
+    v_ptrs = v_ptr + rn[:, None].to(tl.int64) * stride_v + rv[None, :]
+    m_ptrs = m_ptr + rn[:, None].to(tl.int64) * stride_m + rw[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     shifts = tl.arange(0, 8) * 4
     for k0 in range(0, K, BLOCK_K):
         b = tl.load(v_ptrs, mask=n_ok[:, None], other=0x88)
         mw = tl.load(m_ptrs, mask=n_ok[:, None], other=0)
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        s = _load_scales(s_ptr, rn, n_ok, k0, n_groups, GROUP, BLOCK_K)
+        s = _load_scales(s_ptr, rn, n_ok, k0, stride_s, GROUP, BLOCK_K)
         code = tl.reshape((mw[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, G))
         i0 = code & 3
         i1 = code >> 2
@@ -142,19 +147,25 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                           tl.where(i0[None, :, :] == 1, x1[:, None, :], x2[:, None, :]))
             a1 = tl.where(i1[None, :, :] == 3, x3[:, None, :],
                           tl.where(i1[None, :, :] == 2, x2[:, None, :], x1[:, None, :]))
-            part = tl.sum(a0 * v0[None, :, :] + a1 * v1[None, :, :], axis=2)
-        if BLOCK_K <= GROUP:
+            if BLOCK_K <= GROUP:
+                v0 = v0 * s[:, None]
+                v1 = v1 * s[:, None]
+            acc3 += a0 * v0[None, :, :] + a1 * v1[None, :, :]
+        if USE_DOT and BLOCK_K <= GROUP:
             acc += part * s[None, :]
-        else:
+        elif USE_DOT:
             acc += part
         v_ptrs += G
         m_ptrs += BLOCK_K // 32
         x_ptrs += BLOCK_K
+    if not USE_DOT:  # one cross-thread reduction, after the loop
+        acc = tl.sum(acc3, axis=2)
     _epilogue(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS)
 
 
 @triton.jit
-def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, M_BUCKET,
+def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_v, stride_m,
+                stride_s, M_BUCKET,
                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                 USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr):
@@ -166,16 +177,16 @@ def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, M_BUCKET,
     m_ok = rm < M
     H: tl.constexpr = BLOCK_K // 2  # packed bytes per row per tile
     TG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups per tile (1: inside one)
-    n_groups = K // GROUP
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # tensor cores
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, H), dtype=tl.float32)  # CUDA cores: summed at the end
     rv = tl.arange(0, H)
     rk = tl.arange(0, BLOCK_K)
-    v_ptrs = v_ptr + rn[:, None].to(tl.int64) * (K // 2) + rv[None, :]
+    v_ptrs = v_ptr + rn[:, None].to(tl.int64) * stride_v + rv[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     for k0 in range(0, K, BLOCK_K):
         b = tl.load(v_ptrs, mask=n_ok[:, None], other=0x88)
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        s = _load_scales(s_ptr, rn, n_ok, k0, n_groups, GROUP, BLOCK_K)
+        s = _load_scales(s_ptr, rn, n_ok, k0, stride_s, GROUP, BLOCK_K)
         lo, hi = _nibbles(b)  # columns 2j and 2j + 1
         if BLOCK_K > GROUP:
             lo = _group_scale(lo, s, BLOCK_N, H, TG)
@@ -188,14 +199,18 @@ def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, M_BUCKET,
             part = tl.dot(x, tl.trans(w))
         else:
             xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_M, H, 2)))
-            part = tl.sum(xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :],
-                          axis=2)
-        if BLOCK_K <= GROUP:
+            if BLOCK_K <= GROUP:
+                lo = lo * s[:, None]
+                hi = hi * s[:, None]
+            acc3 += xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]
+        if USE_DOT and BLOCK_K <= GROUP:
             acc += part * s[None, :]
-        else:
+        elif USE_DOT:
             acc += part
         v_ptrs += H
         x_ptrs += BLOCK_K
+    if not USE_DOT:  # one cross-thread reduction, after the loop
+        acc = tl.sum(acc3, axis=2)
     _epilogue(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS)
 
 
