@@ -150,7 +150,8 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
             if BLOCK_K <= GROUP:
                 v0 = v0 * s[:, None]
                 v1 = v1 * s[:, None]
-            acc3 += a0 * v0[None, :, :] + a1 * v1[None, :, :]
+            acc3 += a0 * v0[None, :, :]  # two statements: two fused multiply-adds
+            acc3 += a1 * v1[None, :, :]
         if USE_DOT and BLOCK_K <= GROUP:
             acc += part * s[None, :]
         elif USE_DOT:
@@ -202,7 +203,8 @@ def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_v,
             if BLOCK_K <= GROUP:
                 lo = lo * s[:, None]
                 hi = hi * s[:, None]
-            acc3 += xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]
+            acc3 += xe[:, None, :] * lo[None, :, :]  # two statements: two fused multiply-adds
+            acc3 += xo[:, None, :] * hi[None, :, :]
         if USE_DOT and BLOCK_K <= GROUP:
             acc += part * s[None, :]
         elif USE_DOT:
