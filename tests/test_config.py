@@ -165,7 +165,7 @@ def test_enum_fields_take_strings_and_give_plain_values():
     assert listed["schedule.kind"] == ("oneshot", "linear", "cubic")
     assert listed["quant.scheme"] == ("none", "int8_weight_only", "int8", "fp8", "int8_static",
                                       "fp8_static", "fp8_static_tensor")
-    assert listed["accel.precision"] == ("bf16", "fp8", "int8")
+    assert listed["accel.precision"] == ("bf16", "fp8", "int8", "int4")
     for key, values in listed.items():  # each value is accepted, and nothing else
         section, _, name = key.rpartition(".")
         node = cfg

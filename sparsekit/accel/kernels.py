@@ -1,5 +1,6 @@
 """Accelerated linear layers: bf16 / fp8 / int8, dense or 2:4, as drop-in modules calling the
-``sparsekit::`` custom ops (:mod:`sparsekit.accel.ops`).
+``sparsekit::`` custom ops (:mod:`sparsekit.accel.ops`); the int4 weight-only ones (W4A16) are in
+:mod:`sparsekit.accel.int4` and registered here too.
 
 Each class computes ``x @ W.T + b`` for x (..., K) -> (..., N) in bfloat16, and is built from a
 float ``nn.Linear`` (weights already holding their 2:4 zeros for the sparse ones) or from a
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.accel import ops, sk24
+from sparsekit.accel.int4 import Int4Dense, Int4Sparse24
 from sparsekit.errors import UsageError
 from sparsekit.quant.formats import FP8, INT8, Format, get_scheme
 from sparsekit.quant.modules import QuantLinear
@@ -244,8 +246,10 @@ class Int8Sparse24(_AccelLinear):
         return self._epilogue(acc, sx)
 
 
-VARIANTS: Registry[type[_AccelLinear]] = Registry("accel variant")
-for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, Int8Dense, Int8Sparse24):
+VARIANTS: Registry[type[nn.Module]] = Registry("accel variant")
+# the W4A16 layers (int4 weights, bf16 activations) live in sparsekit.accel.int4
+for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, Int8Dense, Int8Sparse24, Int4Dense,
+             Int4Sparse24):
     VARIANTS.register(_cls.variant, _cls)
 # what accelerate(sparsity=...) may ask for: the 2:4 variant, the planner's choice, dense only
 SPARSITIES = ("2:4", "auto", "dense")

@@ -28,6 +28,10 @@ Nothing in a forward reads tensor data on the host.
   layers call the same plain-torch definitions directly (:func:`act_quant_rows`) so inductor
   fuses them into the op that produces the activation; the op form is the opaque (unfused)
   alternative, kept to measure the difference.
+- ``int4_24_mm(x, values, meta, scales, bias)`` and ``int4_mm(x, values, scales, bias)``: bf16
+  ``x @ (q * scale).T + bias`` for int4 weights with group scales (W4A16), 2:4 or dense, in
+  sparsekit's packed formats (:mod:`sparsekit.accel.w4a16`), on its Triton kernels for small M
+  (decode, M <= 32; they take any M); the CPU references dequantize the weight.
 """
 
 import functools
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 
 from sparsekit import _compat
 from sparsekit.accel import cslt_ext, sk24
+from sparsekit.accel import w4a16
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import quantize, row_scales
@@ -223,5 +228,40 @@ def _quant_rows_fake(x, dtype):
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
-__all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "fmt_of", "int8_acc_dtype",
-           "pack_24", "quant_rows", "scaled_mm", "sk24_mm", "sparse24_mm", "sparse24_mm_alpha"]
+# --- int4_24_mm / int4_mm (W4A16, small M; sparsekit's formats) ----------------------------
+
+@torch.library.custom_op("sparsekit::int4_24_mm", mutates_args=(), device_types="cuda")
+def int4_24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scales: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return w4a16.launch_24(x, values, meta, scales, bias)
+
+
+@int4_24_mm.register_kernel("cpu")
+def _int4_24_mm_ref(x, values, meta, scales, bias):
+    return w4a16.reference_24(x, values, meta, scales, bias)
+
+
+@int4_24_mm.register_fake
+def _int4_24_mm_fake(x, values, meta, scales, bias):
+    return x.new_empty((x.shape[0], values.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("sparsekit::int4_mm", mutates_args=(), device_types="cuda")
+def int4_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+            bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return w4a16.launch(x, values, scales, bias)
+
+
+@int4_mm.register_kernel("cpu")
+def _int4_mm_ref(x, values, scales, bias):
+    return w4a16.reference(x, values, scales, bias)
+
+
+@int4_mm.register_fake
+def _int4_mm_fake(x, values, scales, bias):
+    return x.new_empty((x.shape[0], values.shape[0]), dtype=torch.bfloat16)
+
+
+__all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "fmt_of", "int4_24_mm", "int4_mm",
+           "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm", "sk24_mm", "sparse24_mm",
+           "sparse24_mm_alpha"]

@@ -30,6 +30,7 @@ GROUPS_PER_WORD = 8
 K_MULTIPLE = 512  # K must be a multiple (16 metadata words per slab; Llama-style K all are)
 MAX_M = 32       # the M range the kernel is tuned for (decode batches)
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+LAYOUTS = ("slabs", "interleaved")
 
 
 def check_shape(out_features: int, in_features: int) -> str | None:
@@ -42,11 +43,16 @@ def check_shape(out_features: int, in_features: int) -> str | None:
     return None
 
 
-def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compress(weight: torch.Tensor, layout: str = "slabs") -> tuple[torch.Tensor, torch.Tensor]:
     """(values (N, K/2), meta (N, K/32) int32) of a 2:4 weight (N, K); ValueError when a group
-    of 4 holds more than two nonzeros or K is not a multiple of 64."""
+    of 4 holds more than two nonzeros or K does not fit the layout. ``layout`` "slabs" (the
+    small-M kernel's, K a multiple of 512) or "interleaved" (group g in nibble g % 8 of word
+    g // 8, K a multiple of 32: the int4 kernels' :mod:`sparsekit.accel.w4a16`)."""
     n, k = weight.shape
-    reason = check_shape(n, k)
+    reason = check_shape(n, k) if layout == "slabs" else (
+        None if k % 32 == 0 else f"in_features {k} is not a multiple of 32")
+    if layout not in LAYOUTS:
+        raise ValueError(f"2:4 decode format: layout must be one of {LAYOUTS}, got {layout!r}")
     if reason:
         raise ValueError(f"2:4 decode format: {reason}")
     if weight.dtype not in DTYPES:
@@ -65,18 +71,23 @@ def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = values.contiguous()
     code = (idx[..., 0] | (idx[..., 1] << 2)).to(torch.int64)  # (N, K/4)
     shifts = 4 * torch.arange(GROUPS_PER_WORD, device=weight.device, dtype=torch.int64)
-    # slab s of the groups (K/32 of them) goes to nibble s of the row's words
-    words = (code.reshape(n, GROUPS_PER_WORD, k // 32) << shifts[:, None]).sum(1)
+    if layout == "slabs":  # slab s of the groups (K/32 of them) goes to nibble s of the words
+        words = (code.reshape(n, GROUPS_PER_WORD, k // 32) << shifts[:, None]).sum(1)
+    else:
+        words = (code.reshape(n, k // 32, GROUPS_PER_WORD) << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # as signed int32 bits
     return values, words.to(torch.int32).contiguous()
 
 
-def decompress(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+def decompress(values: torch.Tensor, meta: torch.Tensor, layout: str = "slabs") -> torch.Tensor:
     """The dense weight (N, K) in ``values``' dtype: the inverse of :func:`compress`."""
     n, half = values.shape
     k = 2 * half
     shifts = 4 * torch.arange(GROUPS_PER_WORD, device=meta.device, dtype=torch.int64)
-    code = (meta.to(torch.int64)[:, None, :] >> shifts[:, None]) & 0xF  # (N, 8, K/32)
+    if layout == "slabs":
+        code = (meta.to(torch.int64)[:, None, :] >> shifts[:, None]) & 0xF  # (N, 8, K/32)
+    else:
+        code = (meta.to(torch.int64)[..., None] >> shifts) & 0xF  # (N, K/32, 8)
     code = code.reshape(n, k // 4)
     idx = torch.stack([code & 3, code >> 2], dim=-1)  # (N, K/4, 2)
     dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
