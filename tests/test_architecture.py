@@ -1,4 +1,4 @@
-"""The package's shape: imports point down the layers (run > accel > quant > prune >
+"""The package's shape: imports point down the layers (run > accel > quant > prune > nn >
 io/models/data > core), with no cycles, lazy imports inside functions included."""
 
 import importlib.util
@@ -47,6 +47,19 @@ def test_no_import_cycles(graph):
 
 def test_imports_point_down_the_layers(graph):
     assert arch.upward_imports(graph) == []
+
+
+def test_quant_and_accel_import_prune_only_for_pruning(graph):
+    # the helpers all three use live in nn/; what quant and accel still take from prune is
+    # pruning itself: masks (QAT keeps them), the sparsity report, the N:M pattern parser
+    edges = {(a, b) for a, deps in graph.items() for b in deps
+             if a.startswith(("sparsekit.quant", "sparsekit.accel"))
+             and b.startswith("sparsekit.prune.")}
+    assert edges <= {("sparsekit.quant.qat", "sparsekit.prune.masks"),
+                     ("sparsekit.quant.layers", "sparsekit.prune.report"),
+                     ("sparsekit.accel.api", "sparsekit.prune.patterns")}
+    assert arch.layer("sparsekit.nn.shards") < arch.layer("sparsekit.prune.pruner")
+    assert arch.layer("sparsekit.nn.timing") < arch.layer("sparsekit.quant.quantize")
 
 
 def test_only_the_core_helpers_sit_outside_the_layer_folders(graph):

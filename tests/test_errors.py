@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 import sparsekit as sk
 import sparsekit.run.context as context
 import sparsekit.run.pipeline as pipeline
-from sparsekit.prune.calibration import call_model, eval_mode, run_calibration
+from sparsekit.nn.calibration import call_model, eval_mode, run_calibration
 from sparsekit.run.cli import check_overrides, main, register_configs
 from sparsekit.errors import (
     ConfigTypeError,

@@ -12,8 +12,8 @@ from torch import nn
 
 from sparsekit.imports import import_object
 from sparsekit.io.cache import cache_root
-from sparsekit.prune.calibration import feed, to_device, tree_map
-from sparsekit.prune.calibration import conv_columns, im2col
+from sparsekit.nn.calibration import feed, to_device, tree_map
+from sparsekit.nn.calibration import conv_columns, im2col
 
 
 def test_one_cache_variable_and_the_old_one_warns(tmp_path, monkeypatch):

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_log  # noqa: E402
-from sparsekit.accel import algsearch, kernels, timing  # noqa: E402
+from sparsekit.accel import algsearch, kernels  # noqa: E402
+from sparsekit.nn import timing  # noqa: E402
 from sparsekit.prune.patterns import nm_mask  # noqa: E402
 
 

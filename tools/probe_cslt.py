@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from sparsekit.accel.timing import graph_time_us  # noqa: E402
+from sparsekit.nn.timing import graph_time_us  # noqa: E402
 
 
 def two_four(n: int, k: int, device: str) -> torch.Tensor:

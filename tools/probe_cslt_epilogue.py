@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from sparsekit.accel import cslt_ext  # noqa: E402
-from sparsekit.accel.timing import graph_time_us  # noqa: E402
+from sparsekit.nn.timing import graph_time_us  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
 from probe_cslt import fp8, two_four  # noqa: E402

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from sparsekit.accel import kernels
 from sparsekit.quant.formats import FP8 as FP8_FORMAT
-from sparsekit.accel.timing import graph_time_us
+from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from sparsekit.accel.timing import graph_time_us  # noqa: E402
+from sparsekit.nn.timing import graph_time_us  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 QMAX = 448.0

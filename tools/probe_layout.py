@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sparsekit.accel.timing import graph_time_us
+from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
 SHAPES = {"Llama-7B up": (4096, 11008), "Llama-7B down": (11008, 4096),

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu  # noqa: E402
 
 import sparsekit as sk  # noqa: E402
-from sparsekit.accel.timing import graph_time_us  # noqa: E402
+from sparsekit.nn.timing import graph_time_us  # noqa: E402
 
 
 def kernels_of(fn, reps: int = 5) -> dict[str, float]:

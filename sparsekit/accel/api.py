@@ -37,9 +37,9 @@ from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
 from sparsekit.checks import positional_until
 from sparsekit.quant.formats import get_scheme
 from sparsekit.quant.modules import QuantLinear
-from sparsekit.prune.calibration import feed, tree_map
+from sparsekit.nn.calibration import feed, tree_map
 from sparsekit.prune.patterns import is_nm
-from sparsekit.prune.select import name_filter
+from sparsekit.nn.select import name_filter
 
 log = logging.getLogger(__name__)
 

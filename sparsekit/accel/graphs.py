@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from sparsekit import _compat
-from sparsekit.prune.calibration import tree_map
+from sparsekit.nn.calibration import tree_map
 
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 

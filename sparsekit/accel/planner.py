@@ -45,7 +45,7 @@ from sparsekit import _compat
 from sparsekit.io.files import atomic_write
 from sparsekit.accel.report import BASELINE, decide
 from sparsekit.io.cache import cache_root
-from sparsekit.accel.timing import flush_l2, graph_time_us, time_ms
+from sparsekit.nn.timing import flush_l2, graph_time_us, time_ms
 
 DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (docs/gpu.md)
 DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one by 5%
@@ -255,9 +255,9 @@ def model_key(device_name: str, torch_version: str, signature: str) -> str:
 def time_model_ms(fn: Callable[[], object], device: torch.device, calls: int = 10,
                   warmup: int = 3, cold_l2: bool = False) -> float:
     """Median ms of one whole-model call as it will run (the first warm-up call compiles), by
-    :func:`~sparsekit.accel.timing.time_ms`; on CUDA each call starts a new CUDA-graph step,
+    :func:`~sparsekit.nn.timing.time_ms`; on CUDA each call starts a new CUDA-graph step,
     as serving does. ``cold_l2``: the L2 cache is flushed before each timed call (outside the
-    timed span; :func:`~sparsekit.accel.timing.flush_l2`)."""
+    timed span; :func:`~sparsekit.nn.timing.flush_l2`)."""
     def step() -> object:
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()

@@ -29,7 +29,7 @@ from torch import nn
 
 from sparsekit import _compat
 from sparsekit.accel.kernels import one_scale
-from sparsekit.prune.calibration import feed
+from sparsekit.nn.calibration import feed
 from sparsekit.quant.modules import QuantLinear
 
 

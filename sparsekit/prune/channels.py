@@ -32,7 +32,7 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.prune.calibration import call_model, eval_mode, feed
+from sparsekit.nn.calibration import call_model, eval_mode, feed
 from sparsekit import _compat
 from sparsekit.checks import check_fraction, check_int, positional_until, renamed
 from sparsekit.errors import ConfigTypeError, UsageError
@@ -40,7 +40,7 @@ from sparsekit.io import checkpoint
 from sparsekit.registry import Registry
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
-from sparsekit.prune.select import PRUNABLE_TYPES, as_patterns, name_matches
+from sparsekit.nn.select import PRUNABLE_TYPES, as_patterns, name_matches
 
 SCOPES = ("layer", "global")
 PLAN_FORMAT = "sparsekit.channel_plan"

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit.prune import shards as D
+from sparsekit.nn import shards as D
 from sparsekit.prune import masks as M
-from sparsekit.prune.calibration import CalibrationFn, check_calibration
+from sparsekit.nn.calibration import CalibrationFn, check_calibration
 from sparsekit.prune.criteria import (
     CRITERIA,
     Layers,
@@ -41,7 +41,7 @@ from sparsekit.prune.patterns import (
 )
 from sparsekit.prune.report import SparsityReport
 from sparsekit.prune.schedules import OneShot, Schedule
-from sparsekit.prune.select import name_matches, select_modules
+from sparsekit.nn.select import name_matches, select_modules
 from sparsekit.prune.stores import pick_store
 
 SCOPES = ("layer", "global")

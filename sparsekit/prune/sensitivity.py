@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
-from sparsekit.prune.calibration import CalibrationFn
+from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.checks import positional_until
 from sparsekit.prune.patterns import parse_pattern
 from sparsekit.prune.pruner import prune_
 from sparsekit.reporting import Report, markdown_table
-from sparsekit.prune.select import select_modules
+from sparsekit.nn.select import select_modules
 
 DEFAULT_LEVELS = (0.25, 0.5, 0.75, 0.9)
 

@@ -35,8 +35,8 @@ from torch.nn.utils import parametrize
 
 from sparsekit.errors import UsageError
 from sparsekit.checks import positional_until
-from sparsekit.prune import shards
-from sparsekit.prune.calibration import CalibrationFn
+from sparsekit.nn import shards
+from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
-from sparsekit.prune import shards
-from sparsekit.prune.calibration import CalibrationFn, run_calibration
+from sparsekit.nn import shards
+from sparsekit.nn.calibration import CalibrationFn, run_calibration
 from sparsekit.checks import positional_until
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
@@ -43,7 +43,7 @@ def quantize_(
     values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
     cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
     Dynamic schemes need no calibration: ``calibration`` batches (fed as in
-    :func:`sparsekit.prune.calibration.call_model`) then only measure each layer's output error,
+    :func:`sparsekit.nn.calibration.call_model`) then only measure each layer's output error,
     which the report lists. Static schemes (``int8_static``, ``fp8_static``) require them: each
     layer's ``input_scale`` is the largest input magnitude seen on them (over all ranks under
     torchrun) divided by the format's ``qmax``; a selected layer the batches never call is
