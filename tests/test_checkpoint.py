@@ -229,7 +229,7 @@ from torch import nn
 model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
 if sys.argv[1] == "save":
     import sparsekit as sk
-    sk.prune_channels_(model, torch.randn(2, 16), 0.5, round_to=None, ignore=["2"])
+    sk.prune_channels_(model, torch.randn(2, 16), ratio=0.5, round_to=None, exclude=["2"])
     sk.quantize_(model, "int8_weight_only")
     sk.save(model, sys.argv[2])
     torch.save(model(torch.ones(1, 16)), sys.argv[2] + ".out")

@@ -191,20 +191,7 @@ def test_range_checks_live_in_the_dataclasses():
     assert ScheduleConfig(kind="cubic").kind == "cubic"
 
 
-
-def test_old_channel_keys_still_work_with_a_deprecation_warning(composer):
-    """prune.channel.importance / ignore were renamed criterion / exclude, as in the API."""
+def test_channel_keys_are_criterion_and_exclude_as_in_the_api(composer):
     cfg = composer(["prune=channel", "prune.channel.criterion=lamp",
                     "prune.channel.exclude=[fc]"])
     assert cfg.prune.channel.criterion == "lamp" and cfg.prune.channel.exclude == ["fc"]
-    with pytest.warns(FutureWarning, match=r"prune\.channel\.importance is deprecated: use "
-                                                r"prune\.channel\.criterion"):
-        cfg = composer(["prune=channel", "prune.channel.importance=taylor"])
-    assert cfg.prune.channel.criterion == "taylor" and cfg.prune.channel.importance is None
-    with pytest.warns(FutureWarning, match=r"prune\.channel\.ignore is deprecated"):
-        cfg = composer(["prune=channel", "prune.channel.ignore=[conv1]"])
-    assert cfg.prune.channel.exclude == ["conv1"] and cfg.prune.channel.ignore is None
-    with pytest.raises(ConfigError, match=r"importance is the old name of "
-                                          r"prune\.channel\.criterion: give one of them"):
-        composer(["prune=channel", "prune.channel.criterion=lamp",
-                  "prune.channel.importance=taylor"])

@@ -27,7 +27,7 @@ from sparsekit.prune.criteria import (
     is_solver,
     needs_calibration,
 )
-from sparsekit.checks import check_fraction, positional_until
+from sparsekit.checks import check_fraction
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.prune.masks import check_finite_weight
 from sparsekit.prune.patterns import (
@@ -87,8 +87,6 @@ class Pruner:
     fraction of M-groups, those losing the least score first, and the full pattern at ``end``.
     """
 
-    @positional_until(("pattern", "criterion", "scope", "schedule", "include", "exclude",
-                       "calibration", "calibration_fn", "strict", "process_group"), leading=3)
     def __init__(
         self,
         model: nn.Module,
@@ -433,8 +431,6 @@ class Pruner:
         return self.model
 
 
-@positional_until(("pattern", "criterion", "scope", "include", "exclude", "calibration",
-                   "calibration_fn", "strict"))
 def prune_(
     model: nn.Module,
     sparsity: float | Mapping[str, float] | None = None,

@@ -12,7 +12,6 @@ from torch import nn
 from sparsekit.errors import UsageError
 from sparsekit.nn import shards
 from sparsekit.nn.calibration import CalibrationFn, run_calibration
-from sparsekit.checks import positional_until
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
     foreign_parametrizations,
@@ -25,7 +24,6 @@ from sparsekit.quant.numerics import absmax_scale
 from sparsekit.quant.report import QuantReport
 
 
-@positional_until(("include", "exclude", "calibration", "calibration_fn", "strict"))
 def quantize_(
     model: nn.Module,
     scheme: str | Scheme,

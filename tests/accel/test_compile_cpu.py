@@ -531,12 +531,6 @@ def test_time_paired_alternates_abba():
     assert ref_ms >= 0 and var_ms >= 0
 
 
-def test_fuse_argument_is_deprecated():
-    with pytest.warns(DeprecationWarning, match="fuse"):
-        sk.accelerate(_Net().eval(), torch.randn(6, 64), device="cpu", compile=False,
-                      fuse=True)
-
-
 def test_repeated_blocks_found_only_when_every_plan_is_periodic():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=8, num_attention_heads=4,
