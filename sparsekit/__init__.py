@@ -54,6 +54,7 @@ _EXPORTS = {
     "convert_": "sparsekit.quant",
     "prepare_qat_": "sparsekit.quant",
     "quantize_": "sparsekit.quant",
+    "register_scheme": "sparsekit.quant",
     "SparsityReport": "sparsekit.prune.report",
     "sparsity_report": "sparsekit.prune.report",
     "Cubic": "sparsekit.prune.schedules",
