@@ -304,10 +304,10 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
     else:
         ms = {}
         big = planner.weight_bytes(model) >= planner.SHORTEN_MIN_BYTES
-        # a decode-sized step is timed whole: on the H200 (2026-12-04, run 24) 1 and 5 of a
-        # 32-layer Llama's blocks put its attention-bound decode step 20% off both ways, and
-        # "auto" chose a 2:4 plan running at 0.77x; a step costs milliseconds, compiles are
-        # what planning a whole model costs
+        # a decode-sized step is timed whole: on the H200 1 and 5 of a 32-layer Llama's blocks
+        # put its attention-bound decode step 20% off both ways, and "auto" chose a 2:4 plan
+        # running at 0.77x; a step costs milliseconds, compiles are what planning a whole
+        # model costs
         blocks = planner.repeated_blocks(model, plans) if big and not decode else None
         if big and decode:
             report.notes.append("decode-sized input: whole-model plans timed on the whole "
@@ -400,8 +400,8 @@ def _confirm_plan(model: nn.Module, inputs: Any, chosen: dict, plans: dict, best
     """(plan, why, {"dense": ms, best: ms}): ``best`` and "dense" built side by side (module
     copies sharing the weights) and timed alternating (:func:`planner.time_paired`); ``best``
     is kept if it beats dense by ``min_speedup`` and ``planner.PLAN_MARGIN`` there, else
-    dense. Plans timed one after the other misjudged close calls: on the H200 (2026-12-04,
-    run 30) BERT-large's fp8 per-layer plan timed 1.002x dense and ran at 0.953x of it."""
+    dense. Plans timed one after the other misjudged close calls: on the H200 BERT-large's fp8
+    per-layer plan timed 1.002x dense and ran at 0.953x of it."""
     fns = []
     for name in ("dense", best):
         shell = _shell_copy(model)
