@@ -109,7 +109,8 @@ class GraphCache:
         # cuBLAS keeps one workspace per stream across calls; the graph must own the one it
         # captures (allocated in its pool), or whoever frees the cached one next (inductor's
         # CUDA-graph trees clear them when they record) frees memory the graph writes: on the
-        # H200 a captured BERT replayed after a reduce-overhead model was built failed with "unspecified launch failure". So: no cached workspace into the
+        # H200 a captured BERT replayed after a reduce-overhead model was built failed with
+        # "unspecified launch failure". So: no cached workspace into the
         # warm-up or the capture, none kept after either.
         _compat.clear_cublas_workspaces()
         with torch.cuda.stream(stream):

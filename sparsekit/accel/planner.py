@@ -116,7 +116,8 @@ def whole_model_plans(layers: dict[str, tuple[list[str], str]], precision: str,
     plan costs a compile of the whole model, so at decode sizes (``decode``) only an 8-bit
     precision's 2:4 is tried of these (bf16 2:4 runs at 0.57-0.84x of dense at M <= 64; the
     precision's dense everywhere ran slower than bf16 dense on the H200's 32-layer decode step,
-    18.74 vs 17.39 ms, and a decode step is timed whole, about 45 s a plan), and at prefill sizes the precision's dense is not (its 2:4 is faster
+    18.74 vs 17.39 ms, and a decode step is timed whole, about 45 s a plan), and at prefill
+    sizes the precision's dense is not (its 2:4 is faster
     wherever 8-bit pays); the per-layer choice still covers each layer's every candidate. A
     plan equal to an earlier one is left out. Pure."""
     from sparsekit.accel.kernels import variant_name
