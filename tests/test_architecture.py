@@ -72,6 +72,28 @@ def test_only_the_core_helpers_sit_outside_the_layer_folders(graph):
                     "sparsekit.reporting"}
 
 
+# Functions longer than 60 lines (decorators and docstring included) as they stand: each may
+# shrink, none may grow, and no other function may pass 60. Drop an entry once it is split.
+LONG_FUNCTIONS = {
+    "sparsekit.accel.api:accelerate": 88,
+    "sparsekit.accel.api:_plan_whole_model": 87,
+    "sparsekit.prune.patterns:lowest_k_masks": 77,
+    "sparsekit.prune.sparsegpt:obs_prune": 70,
+    "sparsekit.prune.sparsegpt:sparsegpt_prune": 70,
+    "sparsekit.prune.sensitivity:sensitivity": 68,
+    "sparsekit.run.train:fit": 68,
+    "sparsekit.prune.pruner:__init__": 67,
+    "sparsekit.quant.quantize:quantize_": 66,
+    "sparsekit.prune.channels:__init__": 62,
+}
+
+
+def test_no_function_grows_past_60_lines():
+    found = dict(arch.long_functions(ROOT, limit=60))
+    grown = {name: n for name, n in found.items() if n > LONG_FUNCTIONS.get(name, 60)}
+    assert not grown, f"functions over their limit (60 lines, or LONG_FUNCTIONS): {grown}"
+
+
 def test_import_sparsekit_loads_no_heavy_optional_modules():
     code = ("import sys, sparsekit; heavy = ('torch_pruning', 'hydra', 'safetensors', 'triton', "
             "'transformers', 'tensorboard', 'omegaconf'); "
