@@ -280,8 +280,10 @@ needs_gloo = pytest.mark.skipif(
 
 
 @needs_gloo
-def test_distributed_threshold_ddp_and_wanda():
-    _spawn("check_all_replicated")
+def test_replicated_and_sharded_masks_on_two_gloo_ranks():
+    """Every check above in one pair of spawned ranks (each spawn imports torch and sparsekit
+    twice over: the checks share it)."""
+    _spawn("check_all")
 
 
 def check_static_scales(rank: int, out_dir: str) -> None:
@@ -313,16 +315,12 @@ def check_static_scales(rank: int, out_dir: str) -> None:
     assert torch.equal(ranges[0], ranges[1])
 
 
-def check_all_replicated(rank: int, out_dir: str) -> None:
+def check_all(rank: int, out_dir: str) -> None:
     check_threshold(rank, out_dir)
     check_ddp(rank, out_dir)
     check_wanda(rank, out_dir)
     check_static_scales(rank, out_dir)
-
-
-@needs_gloo
-def test_fsdp2_sharded_masks():
-    _spawn("check_fsdp2")
+    check_fsdp2(rank, out_dir)
 
 
 def test_single_process_helpers_are_identities():
