@@ -52,6 +52,7 @@ def toy_plugin(tmp_path, monkeypatch):
                                    "Version: 0.1\n")
     (info / "entry_points.txt").write_text(f"[sparsekit.criteria]\ntoy = {PLUGIN}:Smallest\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    CRITERIA.unregister("toy")  # forget earlier scans, as a process started after the install
     yield tmp_path
     CRITERIA.unregister("toy")
     sys.modules.pop(PLUGIN, None)
