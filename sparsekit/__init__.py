@@ -32,7 +32,6 @@ by a library call):
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -55,6 +54,7 @@ _EXPORTS = {
     "convert_": "sparsekit.quant",
     "prepare_qat_": "sparsekit.quant",
     "quantize_": "sparsekit.quant",
+    "register_scheme": "sparsekit.quant",
     "SparsityReport": "sparsekit.prune.report",
     "sparsity_report": "sparsekit.prune.report",
     "Cubic": "sparsekit.prune.schedules",
@@ -84,10 +84,6 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name in _SUBPACKAGES:
         return importlib.import_module(f"sparsekit.{name}")
-    if name == "log_accel_report":  # before the report protocol: report.log(writer, step)
-        warnings.warn("sk.log_accel_report is deprecated; use report.log(writer, step)",
-                      DeprecationWarning, stacklevel=2)
-        return importlib.import_module("sparsekit.accel.report").log_accel_report
     if name not in _EXPORTS:
         raise AttributeError(f"module 'sparsekit' has no attribute {name!r}")
     if name in ("save", "load"):

@@ -1,6 +1,5 @@
 """One API shape: include=/exclude= everywhere, criterion= for both pruners, keyword-only
-arguments after the first two (old positional calls and old names still work, with a
-DeprecationWarning and the same result), one report protocol, consistent top-level exports."""
+arguments after the first two, one report protocol, consistent top-level exports."""
 
 import json
 import warnings
@@ -28,15 +27,6 @@ def widths(model: nn.Module) -> dict[str, int]:
     return {n: m.out_channels for n, m in model.named_modules() if isinstance(m, nn.Conv1d)}
 
 
-def test_prune_positional_call_warns_and_gives_the_same_masks():
-    new, old = mlp(), mlp()
-    sk.prune_(new, 0.5, criterion="magnitude", scope="global", exclude=["4"])
-    with pytest.warns(DeprecationWarning, match="pattern, criterion, scope, include, exclude"):
-        sk.prune_(old, 0.5, "unstructured", "magnitude", "global", ["*"], ["4"])
-    assert all(torch.equal(masks_of(new)[k], masks_of(old)[k]) for k in masks_of(new))
-    assert not masks_of(new)["4.weight"].any()
-
-
 def test_keyword_only_after_the_first_two_in_the_public_verbs():
     import inspect
 
@@ -47,32 +37,8 @@ def test_keyword_only_after_the_first_two_in_the_public_verbs():
         assert len(positional) <= 2, (fn.__name__, positional)
     with pytest.raises(TypeError, match="positional arguments"):
         sk.quantize_(mlp(), "int8", ["*"], [], None, None, False, "extra")
-
-
-@pytest.mark.parametrize("old, new", [
-    ({"importance": "lamp"}, {"criterion": "lamp"}),
-    ({"ignore": ["conv2"]}, {"exclude": ["conv2"]}),
-    ({"ignore": "re:conv[12]"}, {"exclude": ["re:conv[12]"]}),
-])
-def test_channel_pruning_old_names_warn_and_prune_the_same(old, new):
-    x = torch.randn(1, 1, 40)
-    a, b = mnist1d_cnn(), mnist1d_cnn()
-    b.load_state_dict(a.state_dict())
-    ra = sk.prune_channels_(a, x, ratio=0.5, **new)
-    with pytest.warns(DeprecationWarning, match=f"{next(iter(old))}= is deprecated"):
-        rb = sk.prune_channels_(b, x, ratio=0.5, **old)
-    assert widths(a) == widths(b)
-    assert all(torch.equal(pa, pb) for pa, pb in zip(a.state_dict().values(),
-                                                     b.state_dict().values()))
-    assert ra.criterion == rb.criterion
-
-
-def test_channel_pruner_positional_ratio_and_both_spellings():
-    x = torch.randn(1, 1, 40)
-    with pytest.warns(DeprecationWarning, match="pass ratio by keyword"):
-        sk.ChannelPruner(mnist1d_cnn(), x, 0.5)
-    with pytest.raises(ValueError, match="pass criterion= only"):
-        sk.ChannelPruner(mnist1d_cnn(), x, ratio=0.5, criterion="lamp", importance="lamp")
+    with pytest.raises(TypeError, match="importance"):  # the old names are gone (pre-1.0)
+        sk.ChannelPruner(mnist1d_cnn(), torch.randn(1, 1, 40), ratio=0.5, importance="lamp")
 
 
 def test_channel_include_limits_pruning_like_exclude_of_the_rest():
@@ -108,7 +74,7 @@ def test_accelerate_selects_layers_like_the_pruner():
         assert type(fast.model[0]) is nn.Linear
     with pytest.raises(ValueError, match="exclude pattern 'fc9' matches no"):
         sk.accelerate(net(), x, exclude=["fc9"], **kw)
-    with pytest.warns(DeprecationWarning, match="pass precision by keyword"):
+    with pytest.raises(TypeError, match="positional argument"):
         sk.accelerate(net(), x, "bf16", device="cpu", compile=False, plan_cache=False)
 
 
@@ -150,24 +116,6 @@ def test_every_report_follows_one_protocol():
                 writer.scalars[(key, 7)]
     assert reports["sparsity"].scalars()["sparsity/global"] == pytest.approx(0.5)
     assert reports["quant"].scalars()["quant/quantized"] == 3
-
-
-def test_deprecated_log_functions_still_log_the_same():
-    from sparsekit.prune.sensitivity import log_sensitivity
-
-    table = _reports()["sensitivity"]
-    new, old = _Writer(), _Writer()
-    table.log(new)
-    with pytest.warns(DeprecationWarning, match=r"table.log\(writer\)"):
-        log_sensitivity(old, table)
-    assert new.scalars == old.scalars
-    with pytest.warns(DeprecationWarning, match="report.log"):
-        log = sk.log_accel_report
-    report = sk.AccelReport("bf16", "2:4", 1.0, "cpu", model_us={"dense": 2.0,
-                                                                 "accelerated": 1.0})
-    with pytest.warns(DeprecationWarning):
-        log(old, report)
-    assert old.scalars[("accel/model_speedup", 0)] == 2.0
 
 
 def test_exports_are_consistent():

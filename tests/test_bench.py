@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from sparsekit.accel.timing import flush_l2, time_ms
+from sparsekit.nn.timing import flush_l2, time_ms
 from sparsekit.run.bench import benchmark
 
 

@@ -25,9 +25,6 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-DEPRECATED_KEYS = ("importance", "ignore")  # prune.channel's old names: None unless given
-
-
 def test_default_is_mnist1d_24(composer):
     cfg = composer()
     assert (cfg.model.name, cfg.data.name, cfg.prune.pattern, cfg.prune.fine_tune) == (
@@ -58,8 +55,7 @@ def test_every_option_composes_and_validates(composer, group):
                 assert got == "my.factory"
                 continue
             if dataclasses.is_dataclass(got):
-                got = {k: v for k, v in dataclasses.asdict(got).items()
-                       if k not in DEPRECATED_KEYS or v is not None}
+                got = dataclasses.asdict(got)
             assert OmegaConf.to_container(file_cfg)[key] == got, (group, name, key)
 
 
@@ -70,7 +66,7 @@ def test_agreed_schema_names():
         "calibration_batches", "strict", "fine_tune", "channel",
     }
     assert {f.name for f in dataclasses.fields(cfg.prune.channel)} == {
-        "ratio", "criterion", "scope", "round_to", "steps", "exclude", *DEPRECATED_KEYS
+        "ratio", "criterion", "scope", "round_to", "steps", "exclude"
     }
     assert {f.name for f in dataclasses.fields(cfg.accel)} == {
         "enabled", "precision", "sparsity", "min_speedup", "siblings", "capture"
@@ -191,20 +187,7 @@ def test_range_checks_live_in_the_dataclasses():
     assert ScheduleConfig(kind="cubic").kind == "cubic"
 
 
-
-def test_old_channel_keys_still_work_with_a_deprecation_warning(composer):
-    """prune.channel.importance / ignore were renamed criterion / exclude, as in the API."""
+def test_channel_keys_are_criterion_and_exclude_as_in_the_api(composer):
     cfg = composer(["prune=channel", "prune.channel.criterion=lamp",
                     "prune.channel.exclude=[fc]"])
     assert cfg.prune.channel.criterion == "lamp" and cfg.prune.channel.exclude == ["fc"]
-    with pytest.warns(FutureWarning, match=r"prune\.channel\.importance is deprecated: use "
-                                                r"prune\.channel\.criterion"):
-        cfg = composer(["prune=channel", "prune.channel.importance=taylor"])
-    assert cfg.prune.channel.criterion == "taylor" and cfg.prune.channel.importance is None
-    with pytest.warns(FutureWarning, match=r"prune\.channel\.ignore is deprecated"):
-        cfg = composer(["prune=channel", "prune.channel.ignore=[conv1]"])
-    assert cfg.prune.channel.exclude == ["conv1"] and cfg.prune.channel.ignore is None
-    with pytest.raises(ConfigError, match=r"importance is the old name of "
-                                          r"prune\.channel\.criterion: give one of them"):
-        composer(["prune=channel", "prune.channel.criterion=lamp",
-                  "prune.channel.importance=taylor"])

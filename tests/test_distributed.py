@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.prune import shards as S
+from sparsekit.nn import shards as S
+from sparsekit.prune import checksums as C
 from sparsekit.run import distributed as D
 from sparsekit.prune.criteria import collect_input_norms, wanda
 from sparsekit.prune import sparsegpt
@@ -128,7 +129,7 @@ def check_ddp(rank: int, out_dir: str) -> None:
     bad = {"0": torch.ones(4, 4, dtype=torch.bool), "2": torch.ones(3, dtype=torch.bool)}
     bad["2"][rank] = False  # same count of kept entries on both ranks, different positions
     with pytest.raises(RuntimeError, match=r"masks differ across ranks for layer\(s\) \['2'\]"):
-        S.verify_masks(bad, S.comm())
+        C.verify_masks(bad, S.comm())
 
 
 def _ddp_run(rank: int, wrap_first: bool) -> None:
@@ -279,8 +280,10 @@ needs_gloo = pytest.mark.skipif(
 
 
 @needs_gloo
-def test_distributed_threshold_ddp_and_wanda():
-    _spawn("check_all_replicated")
+def test_replicated_and_sharded_masks_on_two_gloo_ranks():
+    """Every check above in one pair of spawned ranks (each spawn imports torch and sparsekit
+    twice over: the checks share it)."""
+    _spawn("check_all")
 
 
 def check_static_scales(rank: int, out_dir: str) -> None:
@@ -312,23 +315,19 @@ def check_static_scales(rank: int, out_dir: str) -> None:
     assert torch.equal(ranges[0], ranges[1])
 
 
-def check_all_replicated(rank: int, out_dir: str) -> None:
+def check_all(rank: int, out_dir: str) -> None:
     check_threshold(rank, out_dir)
     check_ddp(rank, out_dir)
     check_wanda(rank, out_dir)
     check_static_scales(rank, out_dir)
-
-
-@needs_gloo
-def test_fsdp2_sharded_masks():
-    _spawn("check_fsdp2")
+    check_fsdp2(rank, out_dir)
 
 
 def test_single_process_helpers_are_identities():
     assert S.rank() == 0 and S.world_size() == 1 and D.is_main() and S.comm() is None
     model = nn.Linear(4, 4)
     assert S.unwrap(model) is model and S.local(model.weight) is model.weight
-    S.verify_masks({"w": torch.ones(2, dtype=torch.bool)}, None)
+    C.verify_masks({"w": torch.ones(2, dtype=torch.bool)}, None)
     h = torch.eye(2)[None]
     assert sparsegpt.reduce_hessian(h, 3, None) == (h, 3)
 
@@ -360,8 +359,8 @@ def test_distributed_mode_outside_torchrun():
 def test_mask_checksum_sees_moved_entries():
     a = torch.tensor([True, False, False, True])
     b = torch.tensor([False, True, True, False])  # same count, same position sum
-    assert S.mask_checksum(a) != S.mask_checksum(b)
-    assert S.mask_checksum(a) == S.mask_checksum(a.clone())
+    assert C.mask_checksum(a) != C.mask_checksum(b)
+    assert C.mask_checksum(a) == C.mask_checksum(a.clone())
 
 
 # ---- the command line under torchrun --------------------------------------------------------

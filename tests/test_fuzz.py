@@ -139,7 +139,7 @@ def check_pruned(model: nn.Module, report, pattern, criterion, scope, sparsity, 
 
     def level_of(name: str) -> float:
         if isinstance(sparsity, dict):
-            from sparsekit.prune.select import name_matches
+            from sparsekit.nn.select import name_matches
             return next(v for p, v in sparsity.items() if name_matches(name, p))
         return float(sparsity)
 

@@ -12,17 +12,13 @@ from torch import nn
 
 from sparsekit.imports import import_object
 from sparsekit.io.cache import cache_root
-from sparsekit.prune.calibration import feed, to_device, tree_map
-from sparsekit.prune.calibration import conv_columns, im2col
+from sparsekit.nn.calibration import feed, to_device, tree_map
+from sparsekit.nn.calibration import conv_columns, im2col
 
 
-def test_one_cache_variable_and_the_old_one_warns(tmp_path, monkeypatch):
+def test_one_cache_variable(tmp_path, monkeypatch):
     from sparsekit.accel import algsearch, planner
 
-    monkeypatch.delenv("SPARSEKIT_CACHE", raising=False)
-    monkeypatch.setenv("SPARSEKIT_CACHE_DIR", str(tmp_path / "old"))
-    with pytest.warns(DeprecationWarning, match="SPARSEKIT_CACHE_DIR is deprecated"):
-        assert planner.cache_path() == tmp_path / "old" / "plans.json"
     monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path / "new"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the current variable does not warn

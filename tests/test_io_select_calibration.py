@@ -11,9 +11,9 @@ from sparsekit.io.files import (
     safe_torch_load,
     unique_dir,
 )
-from sparsekit.prune.calibration import call_model, run_calibration
+from sparsekit.nn.calibration import call_model, run_calibration
 from sparsekit.errors import FileFormatError, UnsafeFileError
-from sparsekit.prune.select import select_modules
+from sparsekit.nn.select import select_modules
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path):

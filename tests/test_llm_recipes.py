@@ -13,7 +13,7 @@ import torch
 
 import sparsekit as sk
 from sparsekit.quant.compressed_tensors import ct_available as compressed_tensors_available
-from sparsekit.prune.select import select_modules
+from sparsekit.nn.select import select_modules
 from test_cli import run_cli
 
 transformers = pytest.importorskip("transformers")

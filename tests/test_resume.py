@@ -40,12 +40,30 @@ CHANNELS = ["prune=channel", "prune.channel.ratio=0.5", "prune.channel.steps=2",
             "prune.channel.round_to=1"]
 
 
-@pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run that two tests compare with, started once in the background (each test starts
+    its killed run beside it): ``(process, directory)``; wait for the process before reading.
+    A cache of its own: two processes training one baseline at once would race on its file."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    proc = sparsekit([*TINY, f"cache_dir={root / 'cache_full'}", "hydra.run.dir=full"], root)
+    yield proc, root / "full"
+    proc.kill()
+
+
+def _started(extra: list[str], tmp_path: Path, uninterrupted) -> tuple[subprocess.Popen, Path]:
+    if not extra:
+        return uninterrupted
     # a cache each: both processes train the same baseline at once, and two writers of one
     # dense checkpoint file race (one removes it as the other replaces it)
     full = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache_full'}",
                       "hydra.run.dir=full"], tmp_path)
+    return full, tmp_path / "full"
+
+
+@pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra, uninterrupted):
+    full, full_dir = _started(extra, tmp_path, uninterrupted)
     killed = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache'}",
                         "hydra.run.dir=runs/killed"], tmp_path,
                        kill=("finetune", 9))
@@ -61,7 +79,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
     assert resumed.returncode == 0, err
     assert "TensorBoard logdir" in out
 
-    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    a = json.loads((full_dir / "summary.json").read_text())
     b = json.loads((run_dir / "summary.json").read_text())
     for key in ("accuracy", "loss", "size_bytes"):
         assert a["compressed"][key] == b["compressed"][key], key
@@ -69,7 +87,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
     if extra:  # both increments happened: half of every prunable layer's channels are gone
         assert a["channels"] == b["channels"]
         assert a["channels"]["channels_removed"] == pytest.approx(0.5, abs=0.05)
-    wa = load_file(tmp_path / "full" / "model.safetensors")
+    wa = load_file(full_dir / "model.safetensors")
     wb = load_file(run_dir / "model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -79,11 +97,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra):
     assert "finetune_steps: 20" in (run_dir / "config.yaml").read_text()
 
 
-def test_sigkill_during_dense_training_then_resume(tmp_path):
+def test_sigkill_during_dense_training_then_resume(tmp_path, uninterrupted):
     """Killed while training the dense baseline: the baseline's checkpoint (beside its cache
     entry) carries the run on, and the result equals an uninterrupted run's, bit for bit."""
-    full = sparsekit([*TINY, f"cache_dir={tmp_path / 'cache_full'}", "hydra.run.dir=full"],
-                     tmp_path)
+    full, full_dir = uninterrupted
     cache = tmp_path / "cache"
     killed = sparsekit([*TINY, f"cache_dir={cache}", "hydra.run.dir=runs/killed"], tmp_path,
                        kill=("dense", 19))
@@ -101,10 +118,10 @@ def test_sigkill_during_dense_training_then_resume(tmp_path):
     b = json.loads((run_dir / "summary.json").read_text())
     assert b["dense_source"].startswith("trained (resumed at step 20, 30 steps)")
     assert not partial.exists()  # replaced by the finished baseline
-    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    a = json.loads((full_dir / "summary.json").read_text())
     for key in ("accuracy", "loss"):
         assert a["dense"][key] == b["dense"][key], key
         assert a["compressed"][key] == b["compressed"][key], key
-    wa = load_file(tmp_path / "full" / "model.safetensors")
+    wa = load_file(full_dir / "model.safetensors")
     wb = load_file(run_dir / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -253,7 +253,7 @@ def test_bad_input():
 def _ranks_entry(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from sparsekit.prune import shards as S
+    from sparsekit.nn import shards as S
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Layers, highest first: a module may import from its own layer or a lower one, never a higher.
+# ``nn`` holds what prune, quant and accel all use (calibration, selection, shards, timing).
 # The public API (the top-level package, lazy) re-exports accel, quant, prune, io and models and
 # sits between them and the run app, which may use it; ``__main__`` (the command) is on top.
 LAYERS = {
@@ -30,6 +31,7 @@ LAYERS = {
     "sparsekit.accel": 4,
     "sparsekit.quant": 3,
     "sparsekit.prune": 2,
+    "sparsekit.nn": 1.5,
     "sparsekit.io": 1,
     "sparsekit.models": 1,
     "sparsekit.data": 1,

@@ -29,7 +29,7 @@ from torch import nn
 from torch.fx.experimental.optimization import fuse
 
 import sparsekit as sk
-from sparsekit.accel.timing import time_ms
+from sparsekit.nn.timing import time_ms
 from sparsekit.models import build_model
 
 

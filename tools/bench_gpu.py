@@ -43,7 +43,7 @@ import sparsekit as sk
 from sparsekit.prune.patterns import nm_mask
 from sparsekit.accel import algsearch, kernels, ops, planner
 from sparsekit.quant.formats import FP8
-from sparsekit.accel.timing import eager_time_us, graph_time_us
+from sparsekit.nn.timing import eager_time_us, graph_time_us
 
 GEMM_SHAPES = {  # model: [(layer, in_features K, out_features N)]; the targets' shapes first
     "Llama-7B": [("up", 4096, 11008), ("down", 11008, 4096)],

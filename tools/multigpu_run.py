@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.prune import shards as S
+from sparsekit.nn import shards as S
+from sparsekit.prune import checksums as C
 from sparsekit.run import distributed as D
 from sparsekit.io.files import atomic_torch_save, atomic_write, safe_torch_load
 
@@ -124,7 +125,7 @@ def kept_fraction(pruner: sk.Pruner) -> float:
 
 def mask_checksum(pruner: sk.Pruner) -> int:
     """Sum of every layer's whole-mask checksum (equal for equal masks, however sharded)."""
-    return sum(S.global_mask_checksum(m) for m in pruner.masks.values()) % (1 << 62)
+    return sum(C.global_mask_checksum(m) for m in pruner.masks.values()) % (1 << 62)
 
 
 def save(mode, path, step, model, opt, pruner) -> None:

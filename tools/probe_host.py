@@ -50,7 +50,8 @@ import torch
 
 import sparsekit as sk
 from sparsekit._compat import compile_module, reset_compiled
-from sparsekit.accel import graphs, planner, timing
+from sparsekit.accel import graphs, planner
+from sparsekit.nn import timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_models  # noqa: E402  (tools/bench_models.py, beside this script)

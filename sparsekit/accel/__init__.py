@@ -2,7 +2,7 @@
 search, CUDA graphs per input-shape bucket, and the speed-aware planner (``accelerate``)."""
 
 from sparsekit.accel.api import AcceleratedModel, accelerate, layer_plan
-from sparsekit.accel.report import AccelReport, LayerDecision, decide, log_accel_report
+from sparsekit.accel.report import AccelReport, LayerDecision, decide
 from sparsekit.io import checkpoint
 
 checkpoint.register_accelerator(accelerate)
@@ -14,5 +14,4 @@ __all__ = [
     "accelerate",
     "decide",
     "layer_plan",
-    "log_accel_report",
 ]

@@ -19,7 +19,7 @@ from torch import nn
 from sparsekit.io.files import atomic_write
 from sparsekit.accel.kernels import VARIANTS
 from sparsekit.io.cache import cache_root
-from sparsekit.accel.timing import graph_time_us
+from sparsekit.nn.timing import graph_time_us
 
 MAX_ALG_ID = 64
 

@@ -20,7 +20,6 @@ import functools
 import gc
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,12 +33,11 @@ from sparsekit.accel.epilogue import FuseGelu, uses_alpha_path
 from sparsekit.accel.convert import ConvAsLinear, conv_skip_reason, split_attention_
 from sparsekit.accel.kernels import SPARSITIES, VARIANTS, check_precision, variant_name
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision
-from sparsekit.checks import positional_until
 from sparsekit.quant.formats import get_scheme
 from sparsekit.quant.modules import QuantLinear
-from sparsekit.prune.calibration import feed, tree_map
+from sparsekit.nn.calibration import feed, tree_map
 from sparsekit.prune.patterns import is_nm
-from sparsekit.prune.select import name_filter
+from sparsekit.nn.select import name_filter
 
 log = logging.getLogger(__name__)
 
@@ -326,10 +324,10 @@ def _plan_whole_model(model: nn.Module, inputs: Any, chosen: dict, install, plan
     else:
         ms = {}
         big = planner.weight_bytes(model) >= planner.SHORTEN_MIN_BYTES
-        # a decode-sized step is timed whole: on the H200 (2026-12-04, run 24) 1 and 5 of a
-        # 32-layer Llama's blocks put its attention-bound decode step 20% off both ways, and
-        # "auto" chose a 2:4 plan running at 0.77x; a step costs milliseconds, compiles are
-        # what planning a whole model costs
+        # a decode-sized step is timed whole: on the H200 1 and 5 of a 32-layer Llama's blocks
+        # put its attention-bound decode step 20% off both ways, and "auto" chose a 2:4 plan
+        # running at 0.77x; a step costs milliseconds, compiles are what planning a whole
+        # model costs
         blocks = planner.repeated_blocks(model, plans) if big and not decode else None
         if big and decode:
             report.notes.append("decode-sized input: whole-model plans timed on the whole "
@@ -422,8 +420,8 @@ def _confirm_plan(model: nn.Module, inputs: Any, chosen: dict, plans: dict, best
     """(plan, why, {"dense": ms, best: ms}): ``best`` and "dense" built side by side (module
     copies sharing the weights) and timed alternating (:func:`planner.time_paired`); ``best``
     is kept if it beats dense by ``min_speedup`` and ``planner.PLAN_MARGIN`` there, else
-    dense. Plans timed one after the other misjudged close calls: on the H200 (2026-12-04,
-    run 30) BERT-large's fp8 per-layer plan timed 1.002x dense and ran at 0.953x of it."""
+    dense. Plans timed one after the other misjudged close calls: on the H200 BERT-large's fp8
+    per-layer plan timed 1.002x dense and ran at 0.953x of it."""
     fns = []
     for name in ("dense", best):
         shell = _shell_copy(model)
@@ -471,8 +469,8 @@ def _time_plan(model: nn.Module, inputs: Any, blocks: tuple[str, nn.Module] | No
     return planner.extrapolate_ms(times, len(blocks[1]))
 
 
-def _check_options(precision: str, dense_precision: str, sparsity: str, min_speedup: float,
-                   fuse: bool | None) -> AccelReport:
+def _check_options(precision: str, dense_precision: str, sparsity: str,
+                   min_speedup: float) -> AccelReport:
     """Validate accelerate's options; the (empty) report that records its choices."""
     check_precision("precision", precision)
     check_precision("dense_precision", dense_precision)
@@ -480,10 +478,6 @@ def _check_options(precision: str, dense_precision: str, sparsity: str, min_spee
         raise ValueError(f"sparsity must be one of {SPARSITIES}, got {sparsity!r}")
     if not min_speedup > 0:
         raise ValueError(f"min_speedup must be > 0, got {min_speedup}")
-    if fuse is not None:
-        warnings.warn("sk.accelerate(fuse=...) is deprecated and ignored: sibling fusion is "
-                      "siblings=True now (docs/gpu.md); drop the argument",
-                      DeprecationWarning, stacklevel=3)
     return AccelReport(precision, sparsity, float(min_speedup), "")
 
 
@@ -707,7 +701,6 @@ def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
     return fast
 
 
-@positional_until(("precision", "sparsity", "min_speedup"))
 def accelerate(
     model: nn.Module,
     example_inputs: Any,
@@ -729,7 +722,6 @@ def accelerate(
     plan_cache: bool = True,
     clone_outputs: bool = True,
     whole_model: bool | None = None,
-    fuse: bool | None = None,
     siblings: bool = False,
     capture: bool | None = None,
 ) -> AcceleratedModel:
@@ -760,7 +752,7 @@ def accelerate(
     sizes (``report.compiles`` counts graphs; a warning names more than 8). ``inductor``: extra
     inductor options (e.g. ``{"triton.multi_kernel": 1}``) over ``mode``'s, model and planner.
     ``fused_quant``: activation quantization as plain torch ops fused into its producer
-    (default) or the opaque ``sparsekit::quant_rows`` op. ``fuse``: deprecated, ignored.
+    (default) or the opaque ``sparsekit::quant_rows`` op.
     ``siblings``: layers fed one tensor (q/k/v, gate/up), one variant: one GEMM (compiled, an
     inductor pass merging their calls; :mod:`sparsekit.accel.siblings`). Modifies ``model`` in
     place (to ``device``, bfloat16, eval); returns the :class:`AcceleratedModel` wrapping it.
@@ -768,7 +760,7 @@ def accelerate(
     mode "default", replayed without dynamo's guard check (:mod:`sparsekit.accel.graphs`);
     default on CUDA when ``mode`` is not given and the example inputs hold only tensors and
     scalars; False: ``mode="reduce-overhead"``."""
-    report = _check_options(precision, dense_precision, sparsity, min_speedup, fuse)
+    report = _check_options(precision, dense_precision, sparsity, min_speedup)
     _check_inductor(inductor, backend)
     device = _device_of(device)
     report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

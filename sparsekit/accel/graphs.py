@@ -2,7 +2,7 @@
 
 ``torch.compile(mode="reduce-overhead")`` replays CUDA graphs too, but each call first runs
 dynamo's guard check over every guarded attribute of the model (the kernel modules add theirs)
-and the CUDA-graph trees' bookkeeping: on the H200 (2026-12-04, ``tools/probe_host.py``) an
+and the CUDA-graph trees' bookkeeping: on the H200 (``docs/bench/probe_host_*.json``) an
 accelerated BERT-large call spent 782 us on the host before its graph ran (stock dense 661 us),
 against 260 us with the compiled model (mode "default") captured here and replayed. A call
 whose input signature (:func:`input_key`: the structure, every tensor's shape, strides, dtype
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from sparsekit import _compat
-from sparsekit.prune.calibration import tree_map
+from sparsekit.nn.calibration import tree_map
 
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
@@ -116,8 +116,8 @@ class GraphCache:
         # cuBLAS keeps one workspace per stream across calls; the graph must own the one it
         # captures (allocated in its pool), or whoever frees the cached one next (inductor's
         # CUDA-graph trees clear them when they record) frees memory the graph writes: on the
-        # H200 (2026-12-04, run 32) a captured BERT replayed after a reduce-overhead model was
-        # built failed with "unspecified launch failure". So: no cached workspace into the
+        # H200 a captured BERT replayed after a reduce-overhead model was built failed with
+        # "unspecified launch failure". So: no cached workspace into the
         # warm-up or the capture, none kept after either.
         _compat.clear_cublas_workspaces()
         with torch.cuda.stream(stream):

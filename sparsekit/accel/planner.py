@@ -45,7 +45,7 @@ from sparsekit import _compat
 from sparsekit.io.files import atomic_write
 from sparsekit.accel.report import BASELINE, decide
 from sparsekit.io.cache import cache_root
-from sparsekit.accel.timing import flush_l2, graph_time_us, time_ms
+from sparsekit.nn.timing import flush_l2, graph_time_us, time_ms
 
 DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (docs/gpu.md)
 DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one by 5%
@@ -114,10 +114,10 @@ def whole_model_plans(layers: dict[str, tuple[list[str], str]], precision: str,
     choices; "<variant>" for the precision's 2:4, bf16 2:4 and the precision's dense: that
     variant on every layer that has it as a candidate, the per-layer choice elsewhere. Each
     plan costs a compile of the whole model, so at decode sizes (``decode``) only an 8-bit
-    precision's 2:4 is tried of these (bf16 2:4 runs at 0.57-0.84x of dense at M <= 64,
-    GPU_NOTES; the precision's dense everywhere ran slower than bf16 dense on the H200's
-    32-layer decode step, 18.74 vs 17.39 ms, run 25, and a decode step is timed whole, about
-    45 s a plan), and at prefill sizes the precision's dense is not (its 2:4 is faster
+    precision's 2:4 is tried of these (bf16 2:4 runs at 0.57-0.84x of dense at M <= 64; the
+    precision's dense everywhere ran slower than bf16 dense on the H200's 32-layer decode step,
+    18.74 vs 17.39 ms, and a decode step is timed whole, about 45 s a plan), and at prefill
+    sizes the precision's dense is not (its 2:4 is faster
     wherever 8-bit pays); the per-layer choice still covers each layer's every candidate. A
     plan equal to an earlier one is left out. Pure."""
     from sparsekit.accel.kernels import variant_name
@@ -158,17 +158,17 @@ def choose_plan(ms: dict[str, float], min_speedup: float = 1.0) -> tuple[str, st
 
 # a non-dense plan timed within CONFIRM_BELOW of dense is timed again alternating with it
 # (time_paired, CONFIRM_ROUNDS blocks each) and kept only if it beats dense by PLAN_MARGIN
-# there: plans timed one after the other are 5% apart by drift and host state alone (H200,
-# 2026-12-04, run 30: BERT-large fp8 per-layer plan timed 1.002x dense, ran at 0.953x of it
-# alternating; run 28: 1.058x timed, 1.007x alternating)
+# there: plans timed one after the other are 5% apart by drift and host state alone (H200:
+# BERT-large's fp8 per-layer plan timed 1.002x dense, ran at 0.953x of it alternating; in
+# another run 1.058x timed, 1.007x alternating; docs/bench/JOURNAL.md)
 CONFIRM_BELOW = 1.10
 CONFIRM_ROUNDS = 6
 PLAN_MARGIN = 1.02
 
 # a model of at least MIN_REPEATED_BLOCKS identical blocks and SHORTEN_MIN_BYTES of weights is
 # timed with PLAN_BLOCKS_TIMED of its blocks. Smaller models are timed whole: their compiles
-# take seconds, and on them the extrapolation misled (H200, BERT-large, 0.7 GB of weights, run
-# of 2026-12-03 16:23 UTC: bf16 2:4 predicted 4.49 ms, ran 6.17; fp8 plans off by up to 10%,
+# take seconds, and on them the extrapolation misled (H200, BERT-large, 0.7 GB of weights:
+# bf16 2:4 predicted 4.49 ms, ran 6.17; fp8 plans off by up to 10%,
 # which flipped fp8 2:4 and dense); on the 8B-shaped Llama (16 GB) prefill within 1-8%, its
 # decode step up to 22% (fp8 2:4 predicted 12.45 ms, ran 15.24) with the plans' order kept.
 PLAN_BLOCKS_TIMED = (1, 5)
@@ -255,9 +255,9 @@ def model_key(device_name: str, torch_version: str, signature: str) -> str:
 def time_model_ms(fn: Callable[[], object], device: torch.device, calls: int = 10,
                   warmup: int = 3, cold_l2: bool = False) -> float:
     """Median ms of one whole-model call as it will run (the first warm-up call compiles), by
-    :func:`~sparsekit.accel.timing.time_ms`; on CUDA each call starts a new CUDA-graph step,
+    :func:`~sparsekit.nn.timing.time_ms`; on CUDA each call starts a new CUDA-graph step,
     as serving does. ``cold_l2``: the L2 cache is flushed before each timed call (outside the
-    timed span; :func:`~sparsekit.accel.timing.flush_l2`)."""
+    timed span; :func:`~sparsekit.nn.timing.flush_l2`)."""
     def step() -> object:
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()

@@ -13,7 +13,6 @@ under CUDA-graph replay at the example input's shape; tests feed it recorded tim
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -149,11 +148,3 @@ class AccelReport(Report):
 
     def __str__(self) -> str:
         return self.to_markdown()
-
-
-def log_accel_report(writer: Any, report: AccelReport, step: int = 0) -> None:
-    """Deprecated: ``report.log(writer, step)`` (the report protocol,
-    :mod:`sparsekit.reporting`)."""
-    warnings.warn("log_accel_report(writer, report) is deprecated; use report.log(writer, step)",
-                  DeprecationWarning, stacklevel=2)
-    report.log(writer, step)

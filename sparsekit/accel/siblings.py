@@ -10,10 +10,10 @@ The model's code still calls q, k and v one by one, so the traced graph holds th
 computation three times, on the same input and the same buffers; :class:`MergeSameCalls`, an
 inductor post-grad pass that ``accelerate(siblings=True)`` installs, keeps one of them.
 (Inductor's own ``freezing`` does that merge too, but under CUDA graphs it measured slower: on
-the H200, 2026-12-03, the rows with freezing ran 197 / 453 device copies per forward on the
-32-layer Llama, as many as its weight and scale tensors, and dense with freezing alone ran 12%
-slower.) Nothing is fused when the model is not compiled (eagerly each slice would run the
-whole GEMM).
+the H200 the rows with freezing ran 197 / 453 device copies per forward on the 32-layer Llama,
+as many as its weight and scale tensors, and dense with freezing alone ran 12% slower;
+docs/bench/JOURNAL.md.) Nothing is fused when the model is not compiled (eagerly each slice
+would run the whole GEMM).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 
 from sparsekit import _compat
 from sparsekit.accel.kernels import one_scale
-from sparsekit.prune.calibration import feed
+from sparsekit.nn.calibration import feed
 from sparsekit.quant.modules import QuantLinear
 
 

@@ -57,6 +57,7 @@ from sparsekit.errors import (
     file_errors,
 )
 from sparsekit.io.zeros import COMPRESSIBLE, is_2to4, mask_from_zeros
+from sparsekit.registry import Registry
 
 FORMAT = "sparsekit"
 VERSION = 1
@@ -164,7 +165,8 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 # (``apply(model, plan)``), so storage imports nothing above it. Rebuilt in this order.
 SECTIONS = ("channels", "quant")
 _OWNERS = {"channels": "sparsekit.prune.channels", "quant": "sparsekit.quant"}
-_PLANS: dict[str, tuple[Callable[[nn.Module], Any], Callable[[nn.Module, Any], Any]]] = {}
+_PLANS: Registry[tuple[Callable[[nn.Module], Any], Callable[[nn.Module, Any], Any]]] = Registry(
+    "checkpoint section")
 # ``load(accelerate=...)`` hands the loaded model to sparsekit.accel, which registers itself
 _ACCELERATE: list[Callable[..., nn.Module]] = []
 
@@ -175,7 +177,7 @@ def register_plan(section: str, plan: Callable[[nn.Module], Any],
     ``apply(model, plan)`` on the fresh model before :func:`load` reads the weights."""
     if section not in SECTIONS:
         raise UsageError(f"checkpoint section {section!r} is not one of {SECTIONS}")
-    _PLANS[section] = (plan, apply)
+    _PLANS.register(section, (plan, apply))
 
 
 def register_accelerator(accelerate: Callable[..., nn.Module]) -> None:

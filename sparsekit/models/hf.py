@@ -36,8 +36,6 @@ AUTO_CLASSES = {
     "sequence_classification": "AutoModelForSequenceClassification",
     "feature_extraction": "AutoModel",
 }
-# which tasks the perplexity pipeline (data=text) can evaluate
-LM_TASKS = ("causal_lm", "masked_lm")
 
 
 def transformers_module() -> Any:
@@ -193,15 +191,6 @@ def load_tokenizer(path: str | os.PathLike, option: str = "model.path") -> Any:
             f"{option}={os.fspath(path)!r} holds no loadable tokenizer ({str(e).splitlines()[0]});"
             " save one there with tokenizer.save_pretrained or set data.tokenizer=DIR"
         ) from None
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    """A transformers ``PreTrainedModel``."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
 
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -27,8 +27,9 @@ from torch import nn
 
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.imports import load_internal
+from sparsekit.registry import Registry
 
-_BUILDERS: dict[str, Callable[..., nn.Module]] = {}
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model builder")
 _DOCS: dict[str, str] = {}
 # built-in names whose module registers them on import (keys of sparsekit.imports.INTERNAL)
 _LAZY = ("hf",)
@@ -40,32 +41,30 @@ def register_model(name: str, builder: Callable[..., nn.Module], *, doc: str = "
     """Make ``builder`` (called with keyword arguments, returning an ``nn.Module``) buildable
     by ``name`` from model specs, for example the header of a file :func:`sparsekit.save`
     wrote. Registering a name again replaces its builder."""
-    if not isinstance(name, str) or not name:
-        raise ConfigTypeError(f"register_model: name must be a non-empty string, got {name!r}")
     if not callable(builder):
         raise ConfigTypeError(f"register_model({name!r}): builder must be callable")
-    _BUILDERS[name] = builder
+    MODELS.register(name, builder)
     _DOCS[name] = doc or (inspect.getdoc(builder) or "").split("\n")[0]
 
 
 def registered_models() -> list[str]:
     """The names :func:`build_registered` accepts (lazily registered built-ins included)."""
-    return sorted(set(_BUILDERS) | set(_LAZY))
+    return sorted(set(MODELS.names()) | set(_LAZY))
 
 
 def _builder(name: str) -> Callable[..., nn.Module]:
-    if name not in _BUILDERS and name in _LAZY:
+    if name not in MODELS and name in _LAZY:
         try:
             load_internal(name)
         except ImportError as e:
             raise UsageError(f"model builder {name!r} is not available here: {e}") from None
-    if name not in _BUILDERS:
+    if name not in MODELS:
         raise UsageError(
             f"model builder {name!r} is not registered; registered: "
             f"{', '.join(registered_models())} (register your own with "
             "sparsekit.register_model, or build the model yourself)"
         )
-    return _BUILDERS[name]
+    return MODELS[name]
 
 
 def _check_json(value: Any, where: str) -> None:

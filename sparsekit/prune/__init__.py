@@ -1,1 +1,1 @@
-"""Pruning: masks on a schedule, criteria, N:M patterns, layer selection, sensitivity, channels."""
+"""Pruning: masks on a schedule, criteria, N:M patterns, sensitivity, channels."""

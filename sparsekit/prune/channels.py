@@ -32,15 +32,15 @@ import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.prune.calibration import call_model, eval_mode, feed
+from sparsekit.nn.calibration import call_model, eval_mode, feed
 from sparsekit import _compat
-from sparsekit.checks import check_fraction, check_int, positional_until, renamed
+from sparsekit.checks import check_fraction, check_int
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.io import checkpoint
 from sparsekit.registry import Registry
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
-from sparsekit.prune.select import PRUNABLE_TYPES, as_patterns, name_matches
+from sparsekit.nn.select import PRUNABLE_TYPES, as_patterns, name_matches
 
 SCOPES = ("layer", "global")
 PLAN_FORMAT = "sparsekit.channel_plan"
@@ -297,8 +297,6 @@ class ChannelPruner:
     [(False, 64), (True, 48), (False, 48), (True, 32)]
     """
 
-    @positional_until(("ratio", "criterion", "scope", "round_to", "exclude", "schedule",
-                       "loss_fn"), leading=3)
     def __init__(
         self,
         model: nn.Module,
@@ -312,12 +310,7 @@ class ChannelPruner:
         exclude: str | Sequence[str] = (),
         schedule: Schedule | None = None,
         loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
-        importance: str | None = None,
-        ignore: str | Sequence[str] | None = None,
     ) -> None:
-        criterion = renamed("ChannelPruner", "importance", "criterion", importance, criterion,
-                            "magnitude")
-        exclude = renamed("ChannelPruner", "ignore", "exclude", ignore, exclude, ())
         self.ratio = check_fraction("ratio", ratio, _RATIO)
         scorer = channel_criterion(criterion)
         if scope not in SCOPES:
@@ -641,7 +634,6 @@ class ChannelPruner:
         )
 
 
-@positional_until(("ratio", "criterion", "scope", "round_to", "exclude", "steps", "loss_fn"))
 def prune_channels_(
     model: nn.Module, example_inputs: Any, *, ratio: float, steps: int = 1, **options: Any
 ) -> ChannelReport:

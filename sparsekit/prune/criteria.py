@@ -39,8 +39,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from sparsekit.prune.calibration import CalibrationFn, gemm_inputs, run_calibration
-from sparsekit.prune.shards import ShardComm, all_reduce_dict, local, reshard
+from sparsekit.nn.calibration import CalibrationFn, gemm_inputs, run_calibration
+from sparsekit.nn.shards import ShardComm, all_reduce_dict, local, reshard
 from sparsekit.errors import ConfigTypeError, ModelCallError, NumericsError, UsageError
 from sparsekit.registry import Registry
 from sparsekit.prune.sparsegpt import SparseGPT
@@ -208,7 +208,7 @@ def collect_input_norms(
 ) -> dict[str, torch.Tensor]:
     """Run the calibration batches and return each module's input feature L2 norms.
 
-    With ``comm`` (several ranks, see :mod:`sparsekit.prune.shards`) each rank runs its own share
+    With ``comm`` (several ranks, see :mod:`sparsekit.nn.shards`) each rank runs its own share
     of the calibration data and the squared norms are summed over ranks before the square root,
     so every rank gets the norms of all ranks' data together."""
     with InputNormCollector(modules) as collector:

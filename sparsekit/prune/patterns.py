@@ -17,7 +17,7 @@ import torch
 from sparsekit.errors import ConfigTypeError, UsageError
 
 if TYPE_CHECKING:
-    from sparsekit.prune.shards import ShardComm
+    from sparsekit.nn.shards import ShardComm
 
 _NM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _CHUNK = 1 << 24  # elements per pass of the global selection: bounds temporary memory
@@ -153,7 +153,7 @@ def lowest_k_masks(
     processed in chunks: no tensor holding all scores is ever built, so memory stays at one
     chunk's worth above the masks, whatever the total size.
 
-    ``comm`` (see :class:`sparsekit.prune.shards.ShardComm`) selects over tensors sharded across
+    ``comm`` (see :class:`sparsekit.nn.shards.ShardComm`) selects over tensors sharded across
     ranks: every rank passes its local shards of the same tensors in the same order, ``k``
     counts entries of all ranks, the two histograms are summed over ranks, and ties are broken
     as if each tensor's shards were concatenated in rank order. The result on every rank equals

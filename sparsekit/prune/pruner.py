@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit.prune import shards as D
+from sparsekit.nn import shards as D
 from sparsekit.prune import masks as M
-from sparsekit.prune.calibration import CalibrationFn, check_calibration
+from sparsekit.nn.calibration import CalibrationFn, check_calibration
 from sparsekit.prune.criteria import (
     CRITERIA,
     Layers,
@@ -27,7 +27,7 @@ from sparsekit.prune.criteria import (
     is_solver,
     needs_calibration,
 )
-from sparsekit.checks import check_fraction, positional_until
+from sparsekit.checks import check_fraction
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.prune.masks import check_finite_weight
 from sparsekit.prune.patterns import (
@@ -41,7 +41,7 @@ from sparsekit.prune.patterns import (
 )
 from sparsekit.prune.report import SparsityReport
 from sparsekit.prune.schedules import OneShot, Schedule
-from sparsekit.prune.select import name_matches, select_modules
+from sparsekit.nn.select import name_matches, select_modules
 from sparsekit.prune.stores import pick_store
 
 SCOPES = ("layer", "global")
@@ -87,8 +87,6 @@ class Pruner:
     fraction of M-groups, those losing the least score first, and the full pattern at ``end``.
     """
 
-    @positional_until(("pattern", "criterion", "scope", "schedule", "include", "exclude",
-                       "calibration", "calibration_fn", "strict", "process_group"), leading=3)
     def __init__(
         self,
         model: nn.Module,
@@ -433,8 +431,6 @@ class Pruner:
         return self.model
 
 
-@positional_until(("pattern", "criterion", "scope", "include", "exclude", "calibration",
-                   "calibration_fn", "strict"))
 def prune_(
     model: nn.Module,
     sparsity: float | Mapping[str, float] | None = None,

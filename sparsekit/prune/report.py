@@ -10,9 +10,8 @@ from torch import nn
 
 from sparsekit.io.zeros import mask_from_zeros
 from sparsekit.reporting import Report, markdown_table
-from sparsekit.checks import positional_until
 from sparsekit.prune.patterns import is_nm, nm_incompatibility, parse_pattern
-from sparsekit.prune.select import PRUNABLE_TYPES, select_modules
+from sparsekit.nn.select import PRUNABLE_TYPES, select_modules
 
 # The layer types the report counts: the prunable ones, and those that higher layers register
 # (sparsekit.quant registers its quantized layers, which keep their zeros too).
@@ -108,7 +107,6 @@ class SparsityReport(Report):
         return "\n".join(lines)
 
 
-@positional_until(("include", "exclude", "pattern", "skipped"), leading=1)
 def sparsity_report(
     model: nn.Module,
     *,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -20,12 +19,11 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
-from sparsekit.prune.calibration import CalibrationFn
-from sparsekit.checks import positional_until
+from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.patterns import parse_pattern
 from sparsekit.prune.pruner import prune_
 from sparsekit.reporting import Report, markdown_table
-from sparsekit.prune.select import select_modules
+from sparsekit.nn.select import select_modules
 
 DEFAULT_LEVELS = (0.25, 0.5, 0.75, 0.9)
 
@@ -146,8 +144,6 @@ def _levels(pattern: str, nm: tuple[int, int] | None,
     return levels
 
 
-@positional_until(("sparsities", "pattern", "criterion", "include", "exclude", "calibration",
-                   "calibration_fn", "higher_is_better"))
 def sensitivity(
     model: nn.Module,
     evaluate: Callable[[nn.Module], float],
@@ -218,13 +214,6 @@ def sensitivity(
     return table
 
 
-def log_sensitivity(writer: Any, table: SensitivityTable, tag: str = "sensitivity") -> None:
-    """Deprecated: ``table.log(writer)`` (the report protocol, :mod:`sparsekit.reporting`)."""
-    warnings.warn("log_sensitivity(writer, table) is deprecated; use table.log(writer)",
-                  DeprecationWarning, stacklevel=2)
-    table._log(writer, 0, tag)
-
-
 def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Lower convex hull of (x, y) points sorted by x (monotone chain)."""
     hull: list[tuple[float, float]] = []
@@ -239,7 +228,6 @@ def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return hull
 
 
-@positional_until(("max_level",))
 def allocate(
     table: SensitivityTable, target: float, *, max_level: float | None = None
 ) -> dict[str, float]:

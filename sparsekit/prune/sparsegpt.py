@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit.prune.calibration import (
+from sparsekit.nn.calibration import (
     CalibrationFn,
     check_calibration,
     conv_columns,
@@ -46,7 +46,7 @@ from sparsekit.prune.calibration import (
 )
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 from sparsekit.prune.masks import check_finite_weight, original_weight
-from sparsekit.prune.shards import ShardComm
+from sparsekit.nn.shards import ShardComm
 from sparsekit.prune.patterns import prune_count
 
 __all__ = ["SparseGPT", "conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
@@ -320,11 +320,11 @@ def sparsegpt_prune(
     ``sparsity[name]`` is the layer's unstructured target in [0, 1) (exactly
     ``prune_count(numel, sparsity)`` weights are pruned); with ``nm=(N, M)`` every group of ``M``
     consecutive inputs keeps ``N`` weights and ``sparsity`` is ignored. ``calibration`` is an
-    iterable of model inputs, fed as :func:`sparsekit.prune.calibration.call_model` does (or through
+    iterable of model inputs, fed as :func:`sparsekit.nn.calibration.call_model` does (or through
     ``calibration_fn(model, batch)``); it is read into a list and replayed once per layer group.
     Each layer's weight is overwritten with the OBS-compensated weights (zeros where pruned).
     Returns bool keep-masks (True = kept) of each weight's shape. With ``comm`` (data-parallel
-    ranks, each calibrating on its own batches; see :func:`sparsekit.prune.shards.comm`) every
+    ranks, each calibrating on its own batches; see :func:`sparsekit.nn.shards.comm`) every
     Hessian is averaged over all ranks' inputs, so every rank computes the same weights.
 
     >>> torch.manual_seed(0) and None

@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from sparsekit.prune import shards as D
-from sparsekit.prune import masks as M
 from sparsekit.errors import UsageError
+from sparsekit.nn import shards as D
+from sparsekit.prune import masks as M
+from sparsekit.prune.checksums import verify_masks
 from sparsekit.prune.report import SparsityReport, build_report
 
 
@@ -115,7 +116,7 @@ class _WholeMasks:
     comm: D.ShardComm | None
 
     def verify(self) -> None:
-        D.verify_masks(self.masks(), self.comm)
+        verify_masks(self.masks(), self.comm)
 
     def allsum(self, counts: list[int]) -> list[int]:
         return counts

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit.errors import UsageError
 from sparsekit.io.zeros import is_2to4, mask_from_zeros
 
 # the directory beside <run>/hf/ that holds the export
@@ -96,15 +97,18 @@ def ct_scheme(scheme: str, targets: list[str]) -> Any:
     for a static scheme, the layer's one calibrated ``input_scale`` (``tensor``, not dynamic)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    from sparsekit.quant.formats import FP8, get_scheme
+    from sparsekit.quant.formats import FP8, INT8, get_scheme
 
     s = get_scheme(scheme)
-    kind = "float" if s.weight is FP8 else "int"
+    if s.weight not in (INT8, FP8) or s.activation not in (None, INT8, FP8):
+        raise UsageError(f"scheme {s.name!r}: the compressed-tensors export takes the int8 and "
+                         "fp8 formats only (its own format names no other)")
+    kind = "float" if s.weight == FP8 else "int"
     weights = QuantizationArgs(num_bits=8, type=kind, symmetric=True,
                                strategy=s.weight_granularity, dynamic=False)
     acts = None
     if s.activation is not None:
-        acts = QuantizationArgs(num_bits=8, type="float" if s.activation is FP8 else "int",
+        acts = QuantizationArgs(num_bits=8, type="float" if s.activation == FP8 else "int",
                                 symmetric=True, strategy="tensor" if s.static else "token",
                                 dynamic=not s.static)
     return QuantizationScheme(targets=targets, weights=weights, input_activations=acts)

@@ -40,13 +40,29 @@ from sparsekit.registry import Registry
 
 @dataclass(frozen=True)
 class Format:
-    """An 8-bit storage format: ``dtype`` holds the values, ``qmax`` is the largest magnitude a
+    """A storage format: ``dtype`` holds the values, ``qmax`` is the largest magnitude a
     symmetric scale maps the absolute maximum to (127 for int8, so -128 is never used and the
-    grid is symmetric; 448 for float8 e4m3fn, its largest finite value)."""
+    grid is symmetric; 448 for float8 e4m3fn, its largest finite value).
+
+    :meth:`cast` is the format's handler: how values already divided by their scale become
+    stored values. A scheme with a format of its own subclasses ``Format``, overrides ``cast``
+    and registers the scheme (:func:`register_scheme`); quantization, QAT and checkpoints then
+    use it. The built-in GPU kernels (``sparsekit.accel``) and the compressed-tensors export
+    take only the built-in ``INT8`` and ``FP8``."""
 
     name: str
     dtype: torch.dtype = field(repr=False)
     qmax: float = field(repr=False)
+
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (float32, already divided by the scale) as stored values in ``dtype``: an
+        integer dtype rounds half to even and clamps to [-qmax, qmax]; a float dtype clamps,
+        then casts (round to nearest even). May work in place on ``t``."""
+        if not self.dtype.is_floating_point:
+            return t.round_().clamp_(-self.qmax, self.qmax).to(self.dtype)
+        # Clamp first: how an out-of-range cast to float8 behaves (saturate or NaN) varies by
+        # torch version.
+        return t.clamp_(-self.qmax, self.qmax).to(self.dtype)
 
 
 INT8 = Format("int8", torch.int8, 127.0)
@@ -83,8 +99,17 @@ SCHEMES: Registry[Scheme] = Registry("quantization scheme")
 
 
 def register_scheme(scheme: Scheme) -> None:
-    """Make ``scheme`` available by its name to ``quantize_``, ``prepare_qat_`` and
-    ``quant.scheme`` (its formats are the ones quant's numerics and kernels know)."""
+    """Make ``scheme`` available by its name to ``quantize_``, ``prepare_qat_``, ``sk.load``
+    and ``quant.scheme``. Its formats' :meth:`Format.cast` is how its values are stored.
+
+    >>> class Int4(Format):  # int8 storage, [-7, 7], halves rounded away from zero
+    ...     def cast(self, t):
+    ...         return (t.sign() * (t.abs() + 0.5).floor()).clamp_(-7, 7).to(torch.int8)
+    >>> register_scheme(Scheme("int4_weight_only", Int4("int4", torch.int8, 7.0), None))
+    >>> get_scheme("int4_weight_only").weight.cast(torch.tensor([2.5, -0.5, 9.0]))
+    tensor([ 3, -1,  7], dtype=torch.int8)
+    >>> SCHEMES.unregister("int4_weight_only")
+    """
     if not isinstance(scheme, Scheme):
         raise ConfigTypeError(f"register_scheme takes a Scheme, got {type(scheme).__name__}")
     SCHEMES.register(scheme.name, scheme)

@@ -12,7 +12,7 @@ from sparsekit.quant.formats import Scheme
 from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight, unsupported_reason
 from sparsekit.quant.report import QuantLayer, QuantReport
 from sparsekit.prune.report import register_reported_types
-from sparsekit.prune.select import PRUNABLE_TYPES, select_modules
+from sparsekit.nn.select import PRUNABLE_TYPES, select_modules
 
 LAYER_TYPES = (*PRUNABLE_TYPES, QuantLinear, QuantConv)
 register_reported_types(QuantLinear, QuantConv)

@@ -35,7 +35,7 @@ from torch import nn
 
 from sparsekit import _compat
 from sparsekit.errors import UsageError
-from sparsekit.prune.calibration import conv_pads, im2col
+from sparsekit.nn.calibration import conv_pads, im2col
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from sparsekit.errors import UsageError
-from sparsekit.quant.formats import INT8, WEIGHT_GRANULARITIES, Format
+from sparsekit.quant.formats import INT8, WEIGHT_GRANULARITIES, Format  # noqa: F401 (doctests)
 
 # Smallest absmax a scale is built from: an all-zero group (a fully pruned channel, a row of
 # ReLU zeros) gets a tiny positive scale instead of 0/0, and its values quantize to 0.
@@ -65,13 +65,10 @@ def sample_scales(x: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """``x / scale`` in ``fmt.dtype``: int8 rounds half to even and clamps to [-127, 127];
-    fp8 clamps to [-448, 448] then casts (round to nearest even). ``scale`` broadcasts."""
-    t = x.detach().float() / scale
-    if fmt is INT8:
-        return t.round_().clamp_(-fmt.qmax, fmt.qmax).to(fmt.dtype)
-    # Clamp first: how an out-of-range cast to float8 behaves (saturate or NaN) varies by torch.
-    return t.clamp_(-fmt.qmax, fmt.qmax).to(fmt.dtype)
+    """``x / scale`` in ``fmt.dtype``, as the format's :meth:`~Format.cast` stores it: int8
+    rounds half to even and clamps to [-127, 127]; fp8 clamps to [-448, 448] then casts (round
+    to nearest even). ``scale`` broadcasts."""
+    return fmt.cast(x.detach().float() / scale)
 
 
 def dequantize(

@@ -34,9 +34,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.errors import UsageError
-from sparsekit.checks import positional_until
-from sparsekit.prune import shards
-from sparsekit.prune.calibration import CalibrationFn
+from sparsekit.nn import shards
+from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
@@ -125,7 +124,6 @@ def static_scale(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return absmax_scale(torch.where(amax > 0, amax, batch), fmt)
 
 
-@positional_until(("include", "exclude", "strict"))
 def prepare_qat_(
     model: nn.Module,
     scheme: str | Scheme,

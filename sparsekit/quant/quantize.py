@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
-from sparsekit.prune import shards
-from sparsekit.prune.calibration import CalibrationFn, run_calibration
-from sparsekit.checks import positional_until
+from sparsekit.nn import shards
+from sparsekit.nn.calibration import CalibrationFn, run_calibration
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
     foreign_parametrizations,
@@ -25,7 +24,6 @@ from sparsekit.quant.numerics import absmax_scale
 from sparsekit.quant.report import QuantReport
 
 
-@positional_until(("include", "exclude", "calibration", "calibration_fn", "strict"))
 def quantize_(
     model: nn.Module,
     scheme: str | Scheme,
@@ -43,7 +41,7 @@ def quantize_(
     values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
     cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
     Dynamic schemes need no calibration: ``calibration`` batches (fed as in
-    :func:`sparsekit.prune.calibration.call_model`) then only measure each layer's output error,
+    :func:`sparsekit.nn.calibration.call_model`) then only measure each layer's output error,
     which the report lists. Static schemes (``int8_static``, ``fp8_static``) require them: each
     layer's ``input_scale`` is the largest input magnitude seen on them (over all ranks under
     torchrun) divided by the format's ``qmax``; a selected layer the batches never call is

@@ -8,9 +8,6 @@ from typing import Any, ClassVar
 
 from sparsekit.reporting import Report, markdown_table
 
-STATUSES = ("quantized", "qat", "skipped", "excluded")
-
-
 @dataclass
 class QuantLayer:
     """One layer's outcome. ``rel_error`` is the relative L2 error of the quantized layer's
@@ -18,7 +15,7 @@ class QuantLayer:
 
     name: str
     kind: str
-    status: str
+    status: str  # "quantized" | "qat" | "skipped" | "excluded"
     reason: str = ""
     rel_error: float | None = None
 

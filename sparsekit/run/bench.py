@@ -1,6 +1,6 @@
 """Timing a model's forward pass: latency at batch 1, throughput at a large batch.
 
-Each repeat is timed by :func:`sparsekit.accel.timing.time_ms` (CUDA events after warm-up; on
+Each repeat is timed by :func:`sparsekit.nn.timing.time_ms` (CUDA events after warm-up; on
 CPU ``perf_counter``). The reported figure is the median over repeats (robust to a noisy
 neighbour).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsekit.accel.timing import time_ms
-from sparsekit.prune.calibration import eval_mode
+from sparsekit.nn.timing import time_ms
+from sparsekit.nn.calibration import eval_mode
 from sparsekit.progress import progress
 
 

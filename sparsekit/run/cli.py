@@ -335,7 +335,7 @@ def shared_resume_argv(argv: list[str]) -> list[str]:
     and every rank takes its answer, or exits with its exit code (rank 0 printed the error;
     :func:`~sparsekit.run.distributed.from_rank0`). Each rank resolving on its own raced with
     rank 0's Hydra rewriting the run's ``.hydra`` files in place: another rank could read them
-    half-written and find no run to continue (seen once in CI on 2026-12-03)."""
+    half-written and find no run to continue (seen once in CI)."""
     if not launched_by_torchrun() or not any(a.startswith("resume=") for a in argv):
         return resume_argv(argv)
     init()

@@ -12,7 +12,6 @@ True
 
 from __future__ import annotations
 
-import warnings
 
 import dataclasses
 import functools
@@ -184,29 +183,11 @@ class ChannelConfig(_Checked):
     round_to: int = 8
     steps: int = 1
     exclude: list[str] = field(default_factory=list)
-    importance: str | None = None  # deprecated: criterion
-    ignore: list[str] | None = None  # deprecated: exclude
 
     def check(self) -> None:
         self._fraction("ratio")
         self._at_least("round_to", "steps", low=1)
-        self._renamed("importance", "criterion", "magnitude")
-        self._renamed("ignore", "exclude", [])
-        self._choice("criterion", CHANNEL_CRITERIA.names())  # the old key's value too
-
-    def _renamed(self, old: str, new: str, default: Any) -> None:
-        """The old key's value moves to the new one, with a FutureWarning naming both."""
-        value = getattr(self, old)
-        if value is None:
-            return
-        if getattr(self, new) != default and getattr(self, new) != value:
-            raise ConfigError(f"{self._option(old)} is the old name of {self._option(new)}: "
-                              "give one of them")
-        # FutureWarning: Python shows it to command-line users (DeprecationWarning it hides)
-        warnings.warn(f"{self._option(old)} is deprecated: use {self._option(new)}",
-                      FutureWarning, stacklevel=2)
-        setattr(self, new, list(value) if isinstance(value, list) else value)
-        setattr(self, old, None)
+        self._choice("criterion", CHANNEL_CRITERIA.names())
 
 
 @dataclass

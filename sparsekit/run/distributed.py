@@ -2,7 +2,7 @@
 each rank's share of a batch, and sharded training state for resuming.
 
 Everything here is a no-op, or the identity, in a single process (no process group, or a world
-of one). How the ranks' masks agree: :mod:`sparsekit.prune.shards`.
+of one). How the ranks' masks agree: :mod:`sparsekit.nn.shards`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparsekit.prune.shards import is_distributed, is_initialized, rank, world_size
+from sparsekit.nn.shards import is_distributed, is_initialized, rank, world_size
 
 BACKENDS = ("auto", "gloo", "nccl")
 MODES = ("auto", "none", "ddp", "fsdp2")

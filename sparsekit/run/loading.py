@@ -27,7 +27,7 @@ from sparsekit.io.cache import cache_root
 from sparsekit.io.checkpoint import is_sparsekit_file, load_state_dict
 from sparsekit.io.files import safe_torch_load
 from sparsekit.progress import is_quiet
-from sparsekit.prune.calibration import call_model, eval_mode
+from sparsekit.nn.calibration import call_model, eval_mode
 from sparsekit.run.config import Config
 from sparsekit.run.train import get_batch
 

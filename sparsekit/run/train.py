@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit.run import distributed as D
-from sparsekit.prune.calibration import to_device, eval_mode
+from sparsekit.nn.calibration import to_device, eval_mode
 from sparsekit.errors import UsageError
 from sparsekit.progress import progress
 from sparsekit.io.runstate import follow_parameters

@@ -284,7 +284,7 @@ def test_siblings_one_gemm_and_no_weight_copies(precision):
 
 
 def test_flush_l2_writes_twice_the_l2():
-    from sparsekit.accel import timing
+    from sparsekit.nn import timing
 
     timing.flush_l2("cuda")
     buf = timing._FLUSH[torch.device("cuda")]

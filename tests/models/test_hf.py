@@ -13,7 +13,7 @@ import torch
 import sparsekit as sk
 from sparsekit.prune import sparsegpt
 from sparsekit.errors import UsageError
-from sparsekit.prune.select import select_modules
+from sparsekit.nn.select import select_modules
 
 transformers = pytest.importorskip("transformers")
 from sparsekit.models import hf  # noqa: E402

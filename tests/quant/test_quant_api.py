@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.quant import QuantConv, QuantLinear
+from sparsekit.quant import SCHEMES, QuantConv, QuantLinear, Scheme
+from sparsekit.quant.formats import Format
 
 
 def _model():
@@ -147,3 +148,52 @@ def test_layers_read_by_their_parent_are_skipped_and_the_model_still_runs(scheme
     assert report.quantized == [] and len(report.skipped) == 3
     with torch.no_grad():
         assert torch.isfinite(layer(x)).all()
+
+
+class _Int4(Format):
+    """int8 storage, [-7, 7], halves rounded away from zero (int8's own handler rounds them to
+    even): a format that only its handler can produce."""
+
+    def cast(self, t):
+        return (t.sign() * (t.abs() + 0.5).floor()).clamp_(-7, 7).to(torch.int8)
+
+
+@pytest.fixture
+def int4_schemes():
+    fmt = _Int4("int4", torch.int8, 7.0)
+    schemes = [Scheme("test_int4_weight_only", fmt, None), Scheme("test_int4", fmt, fmt)]
+    for s in schemes:
+        sk.register_scheme(s)
+    yield fmt
+    for s in schemes:
+        SCHEMES.unregister(s.name)
+
+
+def test_a_scheme_brings_its_own_format_handler(int4_schemes, tmp_path):
+    # one row whose values over its scale (7 / 7 = 1) sit on halves: 2.5 -> 3, -3.5 -> -4,
+    # 0.5 -> 1 away from zero (half to even would give 2, -4, 0)
+    row = torch.tensor([7.0, 2.5, -3.5, 0.5])
+    model = nn.Sequential(nn.Linear(4, 2, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.stack([row, row * 2]))
+    assert sk.quantize_(model, "test_int4_weight_only").quantized == ["0"]
+    expected = torch.tensor([7, 3, -4, 1], dtype=torch.int8)
+    assert torch.equal(model[0].weight, torch.stack([expected, expected]))
+    # the checkpoint stores the scheme's name; loading rebuilds the layer with its format
+    sk.save(model, tmp_path / "m.safetensors")
+    back = sk.load(tmp_path / "m.safetensors", model=nn.Sequential(nn.Linear(4, 2, bias=False)))
+    assert torch.equal(back[0].weight, model[0].weight)
+    # W8A8 with the custom format: the input is cast by the handler too
+    x = torch.tensor([[1.0, 0.25, -0.75, 0.0]])  # over its scale 1/7: 7, 1.75, -5.25, 0
+    w8a8 = nn.Sequential(nn.Linear(4, 1, bias=False))
+    with torch.no_grad():
+        w8a8[0].weight.copy_(torch.tensor([[7.0, 7.0, 7.0, 7.0]]))
+    sk.quantize_(w8a8, "test_int4")
+    xq = torch.tensor([7.0, 2.0, -5.0, 0.0]) / 7  # 1.75 -> 2, -5.25 -> -5
+    torch.testing.assert_close(w8a8(x), (xq * 7).sum().reshape(1, 1), rtol=0, atol=1e-6)
+    # QAT's fake quantization goes through the same handler
+    qat = nn.Sequential(nn.Linear(4, 1, bias=False))
+    with torch.no_grad():
+        qat[0].weight.copy_(row[None])
+    sk.prepare_qat_(qat, "test_int4_weight_only")
+    torch.testing.assert_close(qat[0].weight, expected[None].float())
