@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit.accel import int4, ops, w4a16
-from sparsekit.accel.timing import graph_time_us, time_ms
+from sparsekit.nn.timing import graph_time_us, time_ms
 
 SHAPES = {  # name: (N, K) of a weight (out x in)
     "llama3-8b.qkv": (6144, 4096),

@@ -45,7 +45,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.accel import ops, planner, sk24
-from sparsekit.accel.timing import graph_time_us
+from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
 BOUND_TBS = 4.8  # H200 HBM3e peak

@@ -625,7 +625,7 @@ def _plan_decode(model: nn.Module, device: torch.device, report: AccelReport) ->
     CPU the reference paths keep it for every M <= 32 (numerics, not speed)."""
     if device.type != "cuda":
         return
-    from sparsekit.accel.timing import graph_time_us
+    from sparsekit.nn.timing import graph_time_us
 
     limits: dict[tuple, int] = {}
     timed: dict[tuple, dict] = {}

@@ -45,6 +45,41 @@ def _x_at(x_ptr, rm, m_ok, stride_xm, col, p: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
+def _dot_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col, DOT_F32: tl.constexpr):
+    """acc + x @ W.T over one slab step on tensor cores: each position's weight plane."""
+    zero = tl.zeros(v0.shape, dtype=v0.dtype)
+    for p in tl.static_range(4):
+        if p == 0:
+            wp = tl.where(i0 == 0, v0, zero)
+        elif p == 3:
+            wp = tl.where(i1 == 3, v1, zero)
+        else:
+            wp = tl.where(i0 == p, v0, tl.where(i1 == p, v1, zero))
+        xp = _x_at(x_ptr, rm, m_ok, stride_xm, col, p, DOT_F32)
+        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
+            acc += tl.dot(xp, tl.trans(wp.to(tl.float32)))
+        else:
+            acc += tl.dot(xp, tl.trans(wp))
+    return acc
+
+
+@triton.jit
+def _core_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col):
+    """acc + x @ W.T over one slab step on CUDA cores: each kept value times its x."""
+    x0 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 0, True)
+    x1 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 1, True)
+    x2 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 2, True)
+    x3 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 3, True)
+    # (BLOCK_M, BLOCK_N, BLOCK_W): the x each kept value multiplies
+    a0 = i0[None, :, :]
+    a1 = i1[None, :, :]
+    xa = tl.where(a0 == 0, x0[:, None, :], tl.where(a0 == 1, x1[:, None, :], x2[:, None, :]))
+    xb = tl.where(a1 == 3, x3[:, None, :], tl.where(a1 == 2, x2[:, None, :], x1[:, None, :]))
+    prod = v0.to(tl.float32)[None, :, :] * xa + v1.to(tl.float32)[None, :, :] * xb
+    return acc + tl.sum(prod, axis=2)
+
+
+@triton.jit
 def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                 stride_xm, stride_xs, M_BUCKET, X_FP8: tl.constexpr,
                 HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -75,33 +110,9 @@ def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
             v0, v1 = tl.split(v)
             col = 4 * g
             if USE_DOT:
-                zero = tl.zeros((BLOCK_N, BLOCK_W), dtype=v0.dtype)
-                for p in tl.static_range(4):
-                    if p == 0:
-                        wp = tl.where(i0 == 0, v0, zero)
-                    elif p == 3:
-                        wp = tl.where(i1 == 3, v1, zero)
-                    else:
-                        wp = tl.where(i0 == p, v0, tl.where(i1 == p, v1, zero))
-                    xp = _x_at(x_ptr, rm, m_ok, stride_xm, col, p, DOT_F32)
-                    if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
-                        acc += tl.dot(xp, tl.trans(wp.to(tl.float32)))
-                    else:
-                        acc += tl.dot(xp, tl.trans(wp))
+                acc = _dot_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col, DOT_F32)
             else:
-                x0 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 0, True)
-                x1 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 1, True)
-                x2 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 2, True)
-                x3 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 3, True)
-                # (BLOCK_M, BLOCK_N, BLOCK_W): the x each kept value multiplies
-                a0 = i0[None, :, :]
-                a1 = i1[None, :, :]
-                xa = tl.where(a0 == 0, x0[:, None, :],
-                              tl.where(a0 == 1, x1[:, None, :], x2[:, None, :]))
-                xb = tl.where(a1 == 3, x3[:, None, :],
-                              tl.where(a1 == 2, x2[:, None, :], x1[:, None, :]))
-                prod = v0.to(tl.float32)[None, :, :] * xa + v1.to(tl.float32)[None, :, :] * xb
-                acc += tl.sum(prod, axis=2)
+                acc = _core_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col)
     if HAS_XS:
         acc *= tl.load(xs_ptr + rm * stride_xs, mask=m_ok, other=0.0)[:, None]
     if HAS_WS:

@@ -98,6 +98,26 @@ def _expand24(v0, v1, i0, i1, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _core24(acc3, x, v0, v1, i0, i1, s, BLOCK_M: tl.constexpr, G: tl.constexpr,
+            SCALE: tl.constexpr):
+    """acc3 + the CUDA-core products of one tile: each kept value times its activation,
+    x[4g + i0] (i0 in 0..2) and x[4g + i1] (i1 in 1..3); SCALE: the tile's one group scale."""
+    xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_M, G, 2, 2)))
+    x0, x2 = tl.split(xe)
+    x1, x3 = tl.split(xo)
+    a0 = tl.where(i0[None, :, :] == 0, x0[:, None, :],
+                  tl.where(i0[None, :, :] == 1, x1[:, None, :], x2[:, None, :]))
+    a1 = tl.where(i1[None, :, :] == 3, x3[:, None, :],
+                  tl.where(i1[None, :, :] == 2, x2[:, None, :], x1[:, None, :]))
+    if SCALE:
+        v0 = v0 * s[:, None]
+        v1 = v1 * s[:, None]
+    acc3 += a0 * v0[None, :, :]  # two statements: two fused multiply-adds
+    acc3 += a1 * v1[None, :, :]
+    return acc3
+
+
+@triton.jit
 def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_v,
                    stride_m, stride_s, M_BUCKET,
                    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -139,19 +159,7 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
             w = _expand24(v0.to(tl.bfloat16), v1.to(tl.bfloat16), i0, i1, BLOCK_N, BLOCK_K)
             part = tl.dot(x, tl.trans(w))
         else:
-            # the activation at each kept position: x[4g + i0] (i0 in 0..2), x[4g + i1] (1..3)
-            xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_M, G, 2, 2)))
-            x0, x2 = tl.split(xe)
-            x1, x3 = tl.split(xo)
-            a0 = tl.where(i0[None, :, :] == 0, x0[:, None, :],
-                          tl.where(i0[None, :, :] == 1, x1[:, None, :], x2[:, None, :]))
-            a1 = tl.where(i1[None, :, :] == 3, x3[:, None, :],
-                          tl.where(i1[None, :, :] == 2, x2[:, None, :], x1[:, None, :]))
-            if BLOCK_K <= GROUP:
-                v0 = v0 * s[:, None]
-                v1 = v1 * s[:, None]
-            acc3 += a0 * v0[None, :, :]  # two statements: two fused multiply-adds
-            acc3 += a1 * v1[None, :, :]
+            acc3 = _core24(acc3, x, v0, v1, i0, i1, s, BLOCK_M, G, BLOCK_K <= GROUP)
         if USE_DOT and BLOCK_K <= GROUP:
             acc += part * s[None, :]
         elif USE_DOT:
