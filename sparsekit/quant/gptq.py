@@ -19,6 +19,10 @@ layer seeing the outputs of the layers already quantized before it), the sweep
    rounding and pruning error over the later columns: ``W[:, j:] -= ((w_j - q_j) / U_jj)
    U[j, j:]``.
 
+Weights that are exactly zero when the sweep starts (an already pruned model) stay zero: they
+are treated as pruned, their compensated value moved onto the later columns like any pruning
+error, so quantizing a finalized 2:4 model keeps its pattern.
+
 ``act_order`` processes columns in order of decreasing ``diag H`` (the GPTQ paper's "act-order"
 heuristic); the group scales are then computed up front from the unquantized weight (the
 reference's ``static_groups``), so every group stays a contiguous block of 128 inputs and the
@@ -166,6 +170,7 @@ def gptq_sweep(
                          "exclude it")
     h[dead, dead] = 1.0
     original, h_error = w.clone(), hessian.detach().float()
+    fixed = w == 0  # already pruned: stays zero
     groups = cols // group_size
     scale = torch.zeros(rows, groups, dtype=torch.float32, device=w.device)
     perm = None
@@ -174,7 +179,7 @@ def gptq_sweep(
         amax = w.abs().reshape(rows, groups, group_size).amax(dim=2)
         scale = absmax_scale(amax, fmt)
         perm = torch.argsort(h.diagonal(), descending=True)
-        w, h, dead = w[:, perm], h[perm][:, perm], dead[perm]
+        w, h, dead, fixed = w[:, perm], h[perm][:, perm], dead[perm], fixed[:, perm]
     group_of = (perm if perm is not None else torch.arange(cols, device=w.device)) // group_size
     u = _inverse_cholesky(h, method.percdamp, name)
     del h
@@ -187,12 +192,13 @@ def gptq_sweep(
         u1 = u[i1:i2, i1:i2]
         d = u1.diagonal()
         err = torch.zeros_like(w1)
-        prune1 = torch.zeros_like(w1, dtype=torch.bool)
+        prune1 = fixed[:, i1:i2].clone()
         for i in range(i2 - i1):
             j = i1 + i
             if nm is not None and i % nm[1] == 0:
                 score = w1[:, i : i + nm[1]].square() / d[i : i + nm[1]].square()
                 score[:, dead[j : j + nm[1]]] = 0.0
+                score[prune1[:, i : i + nm[1]]] = -1.0  # zeros already: pruned first
                 idx = score.topk(nm[1] - nm[0], dim=1, largest=False).indices
                 prune1[:, i : i + nm[1]].scatter_(1, idx, True)
             if perm is None and j % group_size == 0:

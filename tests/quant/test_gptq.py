@@ -158,3 +158,13 @@ def test_quantize_gptq_end_to_end_better_than_rtn_and_joint_2_4():
         assert ((q.reshape(q.shape[0], -1, 4) != 0).sum(-1) <= 2).all()
     layers = sk.sparsity_report(joint).to_dict()["layers"]
     assert layers["0"]["sparsity"] >= 0.5 and layers["2"]["sparsity"] >= 0.5
+
+
+def test_gptq_keeps_the_zeros_of_a_pruned_model():
+    model, batches = _mlp_and_batches()
+    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["4"])
+    zeros = {n: model.get_submodule(n).weight == 0 for n in ("0", "2")}
+    sk.quantize_(model, "int4_weight", calibration=batches, method="gptq", exclude=["4"])
+    for name, z in zeros.items():
+        q = model.get_submodule(name).weight
+        assert not q[z].any()  # every pruned weight is still zero
