@@ -488,7 +488,7 @@ def compare_variants(ctx: RunContext, joint: bool) -> None:
     """``quant.compare``: the metric of the dense model, the pruned model before quantization
     (a joint sweep's is SparseGPT alone, on a copy) and the pruned model quantized by rounding
     to nearest (a copy), into ``ctx.variants``; :func:`stage_evaluate` adds the GPTQ model."""
-    cfg, q, p = ctx.cfg, ctx.cfg.quant, ctx.cfg.prune
+    q, p = ctx.cfg.quant, ctx.cfg.prune
     metric = ctx.metric
     pruned_name = "dense" if p.pattern == "none" else str(p.pattern)
     ctx.variants["dense"] = ctx.dense_eval[metric]

@@ -16,7 +16,8 @@ from sparsekit.quant.numerics import expand_groups, fake_quantize, group_scales,
 def _weight(rows=6, cols=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     # group magnitudes spread over three decades: a shared scale would crush the small groups
-    return torch.randn(rows, cols, generator=g) * torch.logspace(-2, 1, cols // 32).repeat_interleave(32)
+    spread = torch.logspace(-2, 1, cols // 32).repeat_interleave(32)
+    return torch.randn(rows, cols, generator=g) * spread
 
 
 def _reference(w, group):
@@ -39,7 +40,8 @@ def test_group_scales_and_rounding_match_float64(group):
     q = quantize(w, expand_groups(s, group), INT4)
     assert q.dtype == torch.int8 and torch.equal(q.double(), q_ref)
     # each group's absmax lands on +-7 exactly; error at most half a step of its own group
-    assert torch.equal(q.abs().reshape(6, -1, group).amax(2), torch.full_like(s, 7, dtype=torch.int8))
+    sevens = torch.full_like(s, 7, dtype=torch.int8)
+    assert torch.equal(q.abs().reshape(6, -1, group).amax(2), sevens)
     err = (q.double() * expand_groups(s, group).double() - w.double()).abs()
     assert (err <= 0.5 * expand_groups(s_ref, group) * (1 + 1e-6)).all()
     torch.testing.assert_close(q.double() * expand_groups(s, group).double(), deq_ref,
@@ -113,7 +115,8 @@ def test_odd_groups_refused_naming_the_layer():
 
 def test_int4_takes_linear_only_and_is_weight_only():
     report = sk.quantize_(nn.Sequential(nn.Conv1d(128, 4, 1)), "int4_weight_channel")
-    assert report.skipped == {"0": "int4_weight_channel (int4 weight-only) takes Linear layers only"}
+    assert report.skipped == {
+        "0": "int4_weight_channel (int4 weight-only) takes Linear layers only"}
     with pytest.raises(UsageError, match="weight-only"):
         Scheme("bad", INT4, INT4)
     assert get_scheme("int4_weight").activation is None
