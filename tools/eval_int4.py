@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--calibration-batches", type=int, default=16, help="of data.batch_size")
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--stdlib-d-model", type=int, default=128)
+    ap.add_argument("--no-stdlib", action="store_true", help="the small Llama only")
     ap.add_argument("--work-dir", type=Path, default=Path("eval_int4"))
     ap.add_argument("--out", type=Path, help="the JSON (default docs/bench/int4_<date>.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny models, seconds")
@@ -124,11 +125,12 @@ def main() -> None:
         base = ["recipe=llm_sparsegpt_24_int4", f"model.path={llama / 'model'}",
                 f"data.path={llama / 'corpus.txt'}", f"data.seq_len={a.seq_len}", *common]
         result["models"]["small_llama"] = evaluate_model("small_llama", base, scheme, work)
-    base = ["recipe=stdlib_lm_24", "prune.criterion=sparsegpt", "prune.fine_tune=false",
-            "schedule=oneshot", "quant=int4_weight", "quant.method=gptq", "quant.compare=true",
-            "quant.exclude=[lm_head]", f"model.kwargs.d_model={a.stdlib_d_model}", *tiny_lm,
-            *common]
-    result["models"]["stdlib_lm"] = evaluate_model("stdlib_lm", base, scheme, work)
+    if not a.no_stdlib:
+        base = ["recipe=stdlib_lm_24", "prune.criterion=sparsegpt", "prune.fine_tune=false",
+                "schedule=oneshot", "quant=int4_weight", "quant.method=gptq",
+                "quant.compare=true", "quant.exclude=[lm_head]",
+                f"model.kwargs.d_model={a.stdlib_d_model}", *tiny_lm, *common]
+        result["models"]["stdlib_lm"] = evaluate_model("stdlib_lm", base, scheme, work)
     out = a.out or Path(__file__).resolve().parents[1] / "docs" / "bench" / (
         f"int4_{date.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
