@@ -210,3 +210,30 @@ def test_old_channel_keys_still_work_with_a_deprecation_warning(composer):
                                           r"prune\.channel\.criterion: give one of them"):
         composer(["prune=channel", "prune.channel.criterion=lamp",
                   "prune.channel.importance=taylor"])
+
+
+def test_every_registered_scheme_has_a_quant_config_file():
+    from sparsekit.quant.formats import SCHEMES
+    from sparsekit.run.resources import conf_dir
+
+    files = {p.stem for p in (conf_dir() / "quant").glob("*.yaml")}
+    assert files == {"none", *SCHEMES.names()}
+
+
+def test_gptq_options_are_checked():
+    cfg = Config()
+    cfg.quant.scheme, cfg.quant.method = "int8", "gptq"
+    with pytest.raises(ConfigError, match="quant.method=gptq quantizes int4 weights"):
+        validate(cfg)
+    cfg.quant.scheme, cfg.quant.qat = "int4_weight", True
+    with pytest.raises(ConfigError, match="post-training"):
+        validate(cfg)
+    cfg.quant.qat, cfg.prune.criterion, cfg.prune.fine_tune = False, "sparsegpt", False
+    cfg.schedule.kind, cfg.quant.exclude = "oneshot", ["lm_head"]
+    with pytest.raises(ConfigError, match="same include/exclude"):
+        validate(cfg)
+    cfg.prune.exclude = ["lm_head"]
+    validate(cfg)
+    cfg.quant.act_order = True
+    with pytest.raises(ConfigError, match="act_order=true cannot go with a joint"):
+        validate(cfg)
