@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from llm_common import llama_config, stdlib_corpus, train_tokenizer
 
 from sparsekit.models.hf import hf
@@ -46,20 +46,29 @@ from sparsekit.run.resources import conf_dir
 TARGET_RATIO = 1.05
 
 
-def run_variants(overrides: list[str], run_dir: Path) -> dict:
-    """One pipeline run of ``overrides`` into ``run_dir``: its variants and seconds."""
+def run_variants(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
+    """One pipeline run of ``overrides`` into ``run_dir``: its variants and seconds. ``reuse``:
+    read the summary.json a finished run left in ``run_dir`` instead (its resolved config must
+    be the one ``overrides`` compose)."""
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = to_config(compose("config", overrides=overrides))
-    t0 = time.perf_counter()
-    summary = run(cfg, run_dir)
-    return {"overrides": overrides, "variants": summary["variants"],
-            "sparsity": summary["sparsity"], "seconds": round(time.perf_counter() - t0, 1)}
+    if reuse and (run_dir / "summary.json").exists():
+        saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+        want = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+        if saved != want:
+            raise SystemExit(f"{run_dir}: its config.yaml is not what the overrides give")
+        summary = json.loads((run_dir / "summary.json").read_text())
+    else:
+        summary = run(cfg, run_dir)
+    return {"overrides": overrides, "started_utc": summary["started_utc"],
+            "variants": summary["variants"], "sparsity": summary["sparsity"],
+            "seconds": summary["seconds"]}
 
 
-def evaluate_model(name: str, base: list[str], scheme: str, out: Path) -> dict:
+def evaluate_model(name: str, base: list[str], scheme: str, out: Path, reuse: bool) -> dict:
     """The 2:4 run and the dense (``prune.pattern=none``) run of one model, with targets."""
-    sparse = run_variants(base, out / name / "2_4")
-    dense = run_variants([*base, "prune.pattern=none"], out / name / "dense")
+    sparse = run_variants(base, out / name / "2_4", reuse)
+    dense = run_variants([*base, "prune.pattern=none"], out / name / "dense", reuse)
     v, d = sparse["variants"], dense["variants"]
     joint, pruned = v[f"2:4+{scheme}/gptq"], v["2:4"]
     return {
@@ -100,6 +109,8 @@ def main() -> None:
     ap.add_argument("--no-stdlib", action="store_true", help="the small Llama only")
     ap.add_argument("--work-dir", type=Path, default=Path("eval_int4"))
     ap.add_argument("--out", type=Path, help="the JSON (default docs/bench/int4_<date>.json)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take finished runs' summary.json from --work-dir instead of rerunning")
     ap.add_argument("--smoke", action="store_true", help="tiny models, seconds")
     a = ap.parse_args()
     work = a.work_dir.resolve()
@@ -124,13 +135,15 @@ def main() -> None:
         llama = a.llama_dir.resolve()
         base = ["recipe=llm_sparsegpt_24_int4", f"model.path={llama / 'model'}",
                 f"data.path={llama / 'corpus.txt'}", f"data.seq_len={a.seq_len}", *common]
-        result["models"]["small_llama"] = evaluate_model("small_llama", base, scheme, work)
+        result["models"]["small_llama"] = evaluate_model("small_llama", base, scheme, work,
+                                                         a.reuse)
     if not a.no_stdlib:
         base = ["recipe=stdlib_lm_24", "prune.criterion=sparsegpt", "prune.fine_tune=false",
                 "schedule=oneshot", "quant=int4_weight", "quant.method=gptq",
                 "quant.compare=true", "quant.exclude=[lm_head]",
                 f"model.kwargs.d_model={a.stdlib_d_model}", *tiny_lm, *common]
-        result["models"]["stdlib_lm"] = evaluate_model("stdlib_lm", base, scheme, work)
+        result["models"]["stdlib_lm"] = evaluate_model("stdlib_lm", base, scheme, work,
+                                                       a.reuse)
     out = a.out or Path(__file__).resolve().parents[1] / "docs" / "bench" / (
         f"int4_{date.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
