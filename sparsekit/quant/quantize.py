@@ -45,9 +45,11 @@ def quantize_(
     weights, one scale per 128 inputs; Linear only) or "int4_weight_channel", ...; see
     :mod:`sparsekit.quant.modules` for the scales. ``method``: "rtn" rounds every weight to
     nearest; "gptq" (int4 schemes, needs ``calibration``) quantizes layer by layer with GPTQ's
-    error compensation, and ``GPTQ(pattern="2:4", act_order=..., percdamp=...)`` sets its
-    options, a pattern pruning N:M in the same sweep (joint SparseGPT + GPTQ: finalize no
-    pruner first; the model must be dense). Weights are quantized from their current
+    error compensation (:mod:`sparsekit.quant.gptq`; the report's ``rel_error`` is then each
+    layer's relative output error on the inputs the sweep gave it), and
+    ``GPTQ(pattern="2:4", act_order=..., percdamp=...)`` sets its options, a pattern pruning
+    N:M in the same sweep (joint SparseGPT + GPTQ, on a model with no pruner attached).
+    Weights are quantized from their current
     values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
     cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
     Dynamic schemes need no calibration: ``calibration`` batches (fed as in
