@@ -1,6 +1,9 @@
 import json
 
+import pytest
 
+
+@pytest.mark.slow  # four pipeline runs and a tiny dense training: about 12 s of CPU
 def test_smoke_reports_every_variant_and_the_targets(tmp_path, run_tool):
     """The smoke run measures both models through the pipeline: every variant's perplexity (a
     random tiny model's: about its vocabulary size) and targets computed from those figures."""
