@@ -48,6 +48,7 @@ _EXPORTS = {
     "register_channel_criterion": "sparsekit.prune.channels",
     "Pruner": "sparsekit.prune.pruner",
     "prune_": "sparsekit.prune.pruner",
+    "GPTQ": "sparsekit.quant",
     "QuantReport": "sparsekit.quant",
     "apply_quant_plan": "sparsekit.quant",
     "quant_plan": "sparsekit.quant",

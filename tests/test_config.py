@@ -160,7 +160,9 @@ def test_enum_fields_take_strings_and_give_plain_values():
     assert listed["prune.scope"] == ("layer", "global")
     assert listed["schedule.kind"] == ("oneshot", "linear", "cubic")
     assert listed["quant.scheme"] == ("none", "int8_weight_only", "int8", "fp8", "int8_static",
-                                      "fp8_static", "fp8_static_tensor")
+                                      "fp8_static", "fp8_static_tensor", "int4_weight",
+                                      "int4_weight_channel")
+    assert listed["quant.method"] == ("rtn", "gptq")
     assert listed["accel.precision"] == ("bf16", "fp8", "int8", "int4")
     for key, values in listed.items():  # each value is accepted, and nothing else
         section, _, name = key.rpartition(".")
@@ -191,3 +193,30 @@ def test_channel_keys_are_criterion_and_exclude_as_in_the_api(composer):
     cfg = composer(["prune=channel", "prune.channel.criterion=lamp",
                     "prune.channel.exclude=[fc]"])
     assert cfg.prune.channel.criterion == "lamp" and cfg.prune.channel.exclude == ["fc"]
+
+
+def test_every_registered_scheme_has_a_quant_config_file():
+    from sparsekit.quant.formats import SCHEMES
+    from sparsekit.run.resources import conf_dir
+
+    files = {p.stem for p in (conf_dir() / "quant").glob("*.yaml")}
+    assert files == {"none", *SCHEMES.names()}
+
+
+def test_gptq_options_are_checked():
+    cfg = Config()
+    cfg.quant.scheme, cfg.quant.method = "int8", "gptq"
+    with pytest.raises(ConfigError, match="quant.method=gptq quantizes int4 weights"):
+        validate(cfg)
+    cfg.quant.scheme, cfg.quant.qat = "int4_weight", True
+    with pytest.raises(ConfigError, match="post-training"):
+        validate(cfg)
+    cfg.quant.qat, cfg.prune.criterion, cfg.prune.fine_tune = False, "sparsegpt", False
+    cfg.schedule.kind, cfg.quant.exclude = "oneshot", ["lm_head"]
+    with pytest.raises(ConfigError, match="same include/exclude"):
+        validate(cfg)
+    cfg.prune.exclude = ["lm_head"]
+    validate(cfg)
+    cfg.quant.act_order = True
+    with pytest.raises(ConfigError, match="act_order=true cannot go with a joint"):
+        validate(cfg)

@@ -121,3 +121,39 @@ def test_missing_model_dir_from_a_real_process(hf_dirs, tmp_path):
     assert proc.returncode in (1, 2)
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "no such directory" in proc.stderr
+
+
+@pytest.mark.parametrize("recipe", ["llm_sparsegpt_24_int4", "llm_wanda_24_int4_qat"])
+def test_llm_int4_recipes(recipe, hf_dirs, tmp_path, capsys):
+    # the tiny Llama's inputs (32, 64) are not multiples of 128: one scale per output channel
+    code, out, err = run_cli([f"recipe={recipe}", f"model.path={hf_dirs['llama']}",
+                              f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
+                              "quant.scheme=int4_weight_channel", *TINY], tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["sparsity"] >= 0.5 and s["quant"]["scheme"] == "int4_weight_channel"
+    pruned = sk.load(run_dir / "model.safetensors").eval()
+    layers = {n: m for n, m in pruned.named_modules() if isinstance(m, sk.quant.QuantLinear)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape[1] == 1
+        assert -8 <= int(layer.weight.min()) and int(layer.weight.max()) <= 7
+        groups = layer.weight.reshape(layer.weight.shape[0], -1, 4)
+        assert (groups != 0).sum(-1).le(2).all(), name
+    if recipe == "llm_sparsegpt_24_int4":  # the variants measured beside the joint sweep
+        v = s["variants"]
+        assert list(v) == ["dense", "2:4", "2:4+int4_weight_channel/rtn",
+                           "2:4+int4_weight_channel/gptq"]
+        assert v["dense"] == s["dense"]["perplexity"]
+        assert v["2:4+int4_weight_channel/gptq"] == s["compressed"]["perplexity"]
+    else:
+        assert s["variants"] is None and s["finetune_steps"] == 3
+    if compressed_tensors_available():
+        assert s["hf"]["compressed_tensors"].startswith(
+            "written: pack-quantized (int4_weight_channel, 14 layers)")
+        ct = transformers.AutoModelForCausalLM.from_pretrained(
+            run_dir / "hf-compressed-tensors", local_files_only=True).eval()
+        ids = torch.randint(0, 300, (2, 32))
+        with torch.no_grad():
+            torch.testing.assert_close(ct(ids).logits, pruned(ids).logits, rtol=0, atol=0)

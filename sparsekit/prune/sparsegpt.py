@@ -27,6 +27,10 @@ share one, and one calibration pass). Everything runs in float32; weights are wr
 their own dtype. Conv layers of any dimension, padding mode and group count are supported: the
 inputs are unfolded into patches matching the weight flattened as ``(out, in/groups * kernel)``,
 with one Hessian per group.
+
+``solver`` (of :func:`sparsegpt_prune`) replaces the per-layer column sweep while keeping the
+calibration machinery above: GPTQ (:mod:`sparsekit.quant.gptq`) passes its quantizing sweep
+(with or without N:M pruning in the same pass) through it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ from sparsekit.nn.shards import ShardComm
 from sparsekit.prune.patterns import prune_count
 
 __all__ = ["SparseGPT", "conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
+
+# A per-layer column sweep replacing obs_prune: (layer name, weight (rows, cols) float32,
+# Hessian (cols, cols) float32) -> (new float32 weight, bool keep-mask), both (rows, cols).
+LayerSolver = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def reduce_hessian(h: torch.Tensor, n: int, c: ShardComm | None) -> tuple[torch.Tensor, int]:
@@ -227,8 +235,10 @@ def _solve_layer(
     nm: tuple[int, int] | None,
     blocksize: int,
     percdamp: float,
+    solver: LayerSolver | None = None,
 ) -> torch.Tensor:
-    """Prune ``module`` in place from its accumulated Hessian; returns its keep-mask."""
+    """Prune ``module`` in place from its accumulated Hessian (with ``solver`` instead of
+    :func:`obs_prune` when given); returns its keep-mask."""
     if hess.h is None:
         raise UsageError(f"sparsegpt: layer {name!r} received only empty inputs; exclude it")
     if not bool(torch.isfinite(hess.h).all()):
@@ -243,6 +253,11 @@ def _solve_layer(
     new, keep = torch.empty_like(w2), torch.empty_like(w2, dtype=torch.bool)
     for g in range(groups):
         sl = slice(g * rows_g, (g + 1) * rows_g)
+        if solver is not None:
+            if groups != 1:
+                raise UsageError(f"layer {name!r}: a custom solver takes ungrouped layers only")
+            new[sl], keep[sl] = solver(name, w2[sl], hess.h[g])
+            continue
         new[sl], keep[sl] = obs_prune(
             w2[sl],
             hess.h[g],
@@ -313,6 +328,7 @@ def sparsegpt_prune(
     blocksize: int = 128,
     percdamp: float = 0.01,
     comm: ShardComm | None = None,
+    solver: LayerSolver | None = None,
 ) -> dict[str, torch.Tensor]:
     """Prune ``modules`` (qualified name -> Linear/Conv layer of ``model``) one shot with
     SparseGPT, in place, in the order the model calls them.
@@ -326,6 +342,8 @@ def sparsegpt_prune(
     Returns bool keep-masks (True = kept) of each weight's shape. With ``comm`` (data-parallel
     ranks, each calibrating on its own batches; see :func:`sparsekit.nn.shards.comm`) every
     Hessian is averaged over all ranks' inputs, so every rank computes the same weights.
+    ``solver(name, weight, hessian)`` replaces :func:`obs_prune` for every layer (Linear and
+    ungrouped convs; ``sparsity`` and ``nm`` are then checked here but applied by the solver).
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -353,7 +371,7 @@ def sparsegpt_prune(
         raise UsageError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
 
     masks: dict[str, torch.Tensor] = {}
-    solve = (blocksize, percdamp, comm)
+    solve = (blocksize, percdamp, comm, solver)
     order = _call_order(model, modules, batches[0], calibration_fn)
     found = find_blocks(model, modules)
     if found is not None:
@@ -396,7 +414,7 @@ def _prune_full(
     calibration_fn: CalibrationFn | None, solve: tuple, masks: dict[str, torch.Tensor],
 ) -> None:
     """Each group in turn: its Hessian from a pass of every batch through the whole model."""
-    blocksize, percdamp, comm = solve
+    blocksize, percdamp, comm, solver = solve
     for group in groups:
         hess = _Hessian()
         handle = modules[group[0]].register_forward_pre_hook(hess.hook, with_kwargs=True)
@@ -407,7 +425,8 @@ def _prune_full(
         hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
         for name in group:
             level = None if nm is not None else sparsity[name]
-            masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp)
+            masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp,
+                                       solver)
 
 
 def find_blocks(
@@ -479,7 +498,7 @@ def _prune_blocks(
     does); a group's pass over the block stops at the group's first layer. Only one block's
     input activations are alive at a time. Returns False, having pruned
     nothing, when the blocks are not each called once per batch (shared blocks)."""
-    blocksize, percdamp, comm = solve
+    blocksize, percdamp, comm, solver = solve
     inputs = _BlockInputs(blocks)
     handles = [b.register_forward_pre_hook(inputs.hook(i), with_kwargs=True)
                for i, b in enumerate(blocks)]
@@ -519,7 +538,7 @@ def _prune_blocks(
             for name in group:
                 level = None if nm is not None else sparsity[name]
                 masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize,
-                                           percdamp)
+                                           percdamp, solver)
         if index + 1 < len(blocks) and by_block.keys() - set(range(index + 1)):
             with eval_mode(block):
                 hidden = [inputs.feed(block, item) for item in items]

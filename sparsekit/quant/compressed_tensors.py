@@ -7,8 +7,11 @@ int8 W8A8; ``pack_quantized`` for int weight-only); its sparse compressors (bitm
 marlin-24) are gone, only their config classes are left, and ``ModelCompressor.update_config``
 writes an empty ``sparsity_config``. So:
 
-- a model sparsekit quantized with ``fp8``, ``int8``, ``int8_weight_only`` or a static scheme
-  (Linear layers) is written with the format compressed-tensors infers for that scheme, through
+- a model sparsekit quantized with ``fp8``, ``int8``, ``int8_weight_only``, a static scheme or
+  an int4 scheme (Linear layers) is written with the format compressed-tensors infers for that
+  scheme (int4 weight-only: ``pack-quantized``, eight 4-bit values per int32 in
+  ``weight_packed``, beside ``weight_scale`` (out, in // 128), or (out, 1) per channel, and
+  ``weight_shape``; what vLLM and llm-compressor read for W4A16), through
   its own API: a :class:`~compressed_tensors.quantization.QuantizationScheme` per the sparsekit
   scheme (8-bit symmetric weights with one scale per output channel, or one per tensor for
   ``fp8_static_tensor``, the very scales sparsekit computed; W8A8: dynamic per-token
@@ -92,7 +95,9 @@ def reason_skipped(model: nn.Module) -> str | None:
 def ct_scheme(scheme: str, targets: list[str]) -> Any:
     """The compressed-tensors ``QuantizationScheme`` equal to sparsekit's ``scheme``: 8-bit
     symmetric weights, one scale per output channel (``channel``) or, for a scheme with
-    ``weight_granularity="tensor"``, one for the whole weight (``tensor``); for W8A8 also 8-bit
+    ``weight_granularity="tensor"``, one for the whole weight (``tensor``); int4 schemes: 4-bit
+    symmetric integer weights (range [-8, 7]), one scale per group of ``group_size`` inputs
+    (``group``) or per output channel (``channel``), activations unquantized; for W8A8 also 8-bit
     symmetric activations, same type as weights, with a dynamic scale per token (``token``) or,
     for a static scheme, the layer's one calibrated ``input_scale`` (``tensor``, not dynamic)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -100,6 +105,11 @@ def ct_scheme(scheme: str, targets: list[str]) -> Any:
     from sparsekit.quant.formats import FP8, INT8, get_scheme
 
     s = get_scheme(scheme)
+    if s.grouped:
+        weights = QuantizationArgs(num_bits=4, type="int", symmetric=True,
+                                   strategy=s.weight_granularity, group_size=s.group_size,
+                                   dynamic=False)
+        return QuantizationScheme(targets=targets, weights=weights)
     if s.weight not in (INT8, FP8) or s.activation not in (None, INT8, FP8):
         raise UsageError(f"scheme {s.name!r}: the compressed-tensors export takes the int8 and "
                          "fp8 formats only (its own format names no other)")
@@ -166,7 +176,8 @@ def compress_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], Any,
         # the package's shapes: (out, 1) per channel, (1,) per tensor (sparsekit stores it
         # once per output channel, all equal)
         w_scale = m.weight_scale.float().cpu()
-        w_scale = w_scale[:1] if scheme.weights.strategy == "tensor" else w_scale.reshape(-1, 1)
+        if w_scale.dim() == 1:  # int4 layers' scales are already (out, groups)
+            w_scale = w_scale[:1] if scheme.weights.strategy == "tensor" else w_scale.reshape(-1, 1)
         local = {"weight": want, "weight_scale": w_scale}
         packed = compressor.compress(local, scheme)
         back = compressor.decompress(packed, scheme)["weight"]

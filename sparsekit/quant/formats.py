@@ -1,4 +1,4 @@
-"""The 8-bit number formats and the schemes built from them.
+"""The number formats (int8, float8 e4m3, int4) and the schemes built from them.
 
 A *format* is a storage dtype plus the largest magnitude it represents; symmetric scales map a
 tensor's absolute maximum onto that magnitude. A *scheme* says which format the weights use,
@@ -7,7 +7,11 @@ whether (and in which format) activations are quantized, and how their scales ar
 Weights have one scale per output channel, except in ``fp8_static_tensor``: one scale for the
 whole weight (``max |W| / 448``, torchao's default fp8 granularity). With its static activation
 scale the GEMM's whole rescale is then one scalar, which a kernel taking only a scalar in its
-epilogue (cuSPARSELt's fp8 ``alpha``) applies inside the GEMM. Activation scales are:
+epilogue (cuSPARSELt's fp8 ``alpha``) applies inside the GEMM. The 4-bit weight-only schemes
+(W4A16, activations stay in the model's dtype) have one scale per *group* of input channels:
+``int4_weight`` one per 128 consecutive inputs of each output channel, ``int4_weight_channel``
+one per output channel (a single group spanning the input); see :mod:`sparsekit.quant.modules`
+for how those layers store them. Activation scales are:
 
 - dynamic (``int8``, ``fp8``): one scale per token (per sample for convolutions), from the
   activation itself at every call. Nothing to calibrate; one extra pass over each row.
@@ -26,6 +30,8 @@ True
 True
 >>> get_scheme("fp8_static_tensor").weight_granularity
 'tensor'
+>>> get_scheme("int4_weight").group_size, get_scheme("int4_weight").weight.qmin
+(128, -8.0)
 """
 
 from __future__ import annotations
@@ -42,24 +48,36 @@ from sparsekit.registry import Registry
 class Format:
     """A storage format: ``dtype`` holds the values, ``qmax`` is the largest magnitude a
     symmetric scale maps the absolute maximum to (127 for int8, so -128 is never used and the
-    grid is symmetric; 448 for float8 e4m3fn, its largest finite value).
+    grid is symmetric; 448 for float8 e4m3fn, its largest finite value; 7 for int4), and
+    ``qmin`` the lowest value quantized values are clamped to (``-qmax`` unless given: -8 for
+    int4, reachable only where a fixed scale or GPTQ's error feedback pushes a value past
+    ``-7``). int4 values are held one per byte in an int8 tensor.
 
     :meth:`cast` is the format's handler: how values already divided by their scale become
     stored values. A scheme with a format of its own subclasses ``Format``, overrides ``cast``
     and registers the scheme (:func:`register_scheme`); quantization, QAT and checkpoints then
-    use it. The built-in GPU kernels (``sparsekit.accel``) and the compressed-tensors export
-    take only the built-in ``INT8`` and ``FP8``."""
+    use it. The built-in GPU kernels (``sparsekit.accel``) take the built-in formats only."""
 
     name: str
     dtype: torch.dtype = field(repr=False)
     qmax: float = field(repr=False)
+    qmin: float | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.qmin is None:
+            object.__setattr__(self, "qmin", -self.qmax)
+
+    @property
+    def integer(self) -> bool:
+        """Whether values round to integers (int8, int4) rather than cast to float8."""
+        return not self.dtype.is_floating_point
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (float32, already divided by the scale) as stored values in ``dtype``: an
-        integer dtype rounds half to even and clamps to [-qmax, qmax]; a float dtype clamps,
+        integer dtype rounds half to even and clamps to [qmin, qmax]; a float dtype clamps,
         then casts (round to nearest even). May work in place on ``t``."""
         if not self.dtype.is_floating_point:
-            return t.round_().clamp_(-self.qmax, self.qmax).to(self.dtype)
+            return t.round_().clamp_(self.qmin, self.qmax).to(self.dtype)
         # Clamp first: how an out-of-range cast to float8 behaves (saturate or NaN) varies by
         # torch version.
         return t.clamp_(-self.qmax, self.qmax).to(self.dtype)
@@ -67,9 +85,11 @@ class Format:
 
 INT8 = Format("int8", torch.int8, 127.0)
 FP8 = Format("fp8", torch.float8_e4m3fn, 448.0)
+INT4 = Format("int4", torch.int8, 7.0, -8.0)
 
-# How many weight scales a scheme has: one per output channel, or one for the whole tensor.
-WEIGHT_GRANULARITIES = ("channel", "tensor")
+# How many weight scales a scheme has: one per output channel, one for the whole tensor, or
+# one per group of ``group_size`` consecutive input channels of each output channel.
+WEIGHT_GRANULARITIES = ("channel", "tensor", "group")
 
 
 @dataclass(frozen=True)
@@ -77,14 +97,18 @@ class Scheme:
     """A quantization scheme: weight format, activation format (None keeps activations in
     float), whether activation scales are ``static`` (one per layer input, calibrated) rather
     than dynamic (one per token row or per sample), and ``weight_granularity``: ``"channel"``
-    (one weight scale per output channel) or ``"tensor"`` (one for the whole weight; the
-    quantized layers still store it once per output channel, all equal)."""
+    (one weight scale per output channel), ``"tensor"`` (one for the whole weight; the
+    quantized layers still store it once per output channel, all equal) or ``"group"`` (one
+    per ``group_size`` consecutive input channels of each output channel; int4 weights only).
+    int4 layers always store 2-D scales (out, in // group), a per-channel scheme as one group
+    spanning the input."""
 
     name: str
     weight: Format
     activation: Format | None
     static: bool = False
     weight_granularity: str = "channel"
+    group_size: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.static and self.activation is None:
@@ -93,6 +117,27 @@ class Scheme:
             raise UsageError(f"scheme {self.name!r}: unknown weight_granularity "
                              f"{self.weight_granularity!r}; allowed: "
                              f"{', '.join(map(repr, WEIGHT_GRANULARITIES))}")
+        grouped = self.weight_granularity == "group"
+        if grouped != (self.group_size is not None):
+            raise UsageError(f"scheme {self.name!r}: group_size goes with "
+                             "weight_granularity='group' (and only with it)")
+        if grouped and not (self.group_size > 0 and self.weight is INT4):
+            raise UsageError(f"scheme {self.name!r}: group scales need int4 weights and a "
+                             f"positive group_size, got {self.weight.name}, {self.group_size}")
+        if self.weight is INT4 and (self.activation is not None or
+                                    self.weight_granularity == "tensor"):
+            raise UsageError(f"scheme {self.name!r}: int4 weights are weight-only, with group "
+                             "or channel scales")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether layers store 2-D weight scales (out, in // group): the int4 schemes."""
+        return self.weight is INT4
+
+    def layer_group_size(self, in_features: int) -> int:
+        """Input channels per weight scale of a layer with ``in_features`` inputs (grouped
+        schemes): ``group_size``, or ``in_features`` for one scale per output channel."""
+        return self.group_size if self.group_size is not None else in_features
 
 
 SCHEMES: Registry[Scheme] = Registry("quantization scheme")
@@ -119,7 +164,9 @@ for _scheme in (Scheme("int8_weight_only", INT8, None), Scheme("int8", INT8, INT
                 Scheme("fp8", FP8, FP8), Scheme("int8_static", INT8, INT8, static=True),
                 Scheme("fp8_static", FP8, FP8, static=True),
                 Scheme("fp8_static_tensor", FP8, FP8, static=True,
-                       weight_granularity="tensor")):
+                       weight_granularity="tensor"),
+                Scheme("int4_weight", INT4, None, weight_granularity="group", group_size=128),
+                Scheme("int4_weight_channel", INT4, None)):
     register_scheme(_scheme)
 
 

@@ -9,7 +9,13 @@ from torch.nn.utils import parametrize
 
 from sparsekit.errors import UsageError
 from sparsekit.quant.formats import Scheme
-from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight, unsupported_reason
+from sparsekit.quant.modules import (
+    QuantConv,
+    QuantLinear,
+    _QuantWeight,
+    odd_group_reason,
+    unsupported_reason,
+)
 from sparsekit.quant.report import QuantLayer, QuantReport
 from sparsekit.prune.report import register_reported_types
 from sparsekit.nn.select import PRUNABLE_TYPES, select_modules
@@ -102,7 +108,9 @@ def plan_layers(
 ) -> tuple[QuantReport, dict[str, nn.Module]]:
     """The report of what ``verb`` (quantize_, prepare_qat_) does to every layer, and the layers
     it takes: chosen ones whose dtype and shape ``scheme`` supports. ``strict``: ValueError
-    naming the layers it cannot take instead of skipping them."""
+    naming the layers it cannot take instead of skipping them. A chosen Linear whose input
+    dimension is not a multiple of an int4 scheme's group size is always a ValueError naming
+    it (a silently unquantized layer would miss the model's size target)."""
     report = QuantReport(scheme.name)
     todo: dict[str, nn.Module] = {}
     read_by_parent = _read_by_parent(model)
@@ -114,6 +122,8 @@ def plan_layers(
             layer.status, layer.reason = "skipped", read_by_parent[name]
         elif (reason := unsupported_reason(m, scheme)) is not None:
             layer.status, layer.reason = "skipped", reason
+        elif (odd := odd_group_reason(m, scheme)) is not None:
+            raise UsageError(f"{verb}({scheme.name!r}): layer {name!r}: {odd}")
         else:
             todo[name] = m
         report.layers.append(layer)

@@ -1,4 +1,5 @@
-"""Quantized Linear and Conv modules: 8-bit weights with per-output-channel float32 scales.
+"""Quantized Linear and Conv modules: 8-bit weights with per-output-channel float32 scales,
+and 4-bit weight-only Linear layers with per-group scales.
 
 Both keep ``weight`` (int8 or float8 e4m3fn, the float layer's shape), ``weight_scale``
 (float32, shape (out,); all equal for a scheme with one weight scale per tensor,
@@ -19,9 +20,20 @@ others. The scales enter as a row vector of the epilogue ``acc * x_scale * w_sca
 dense kernels run unchanged. A conv uses one scale per sample, not per im2col row, so that each
 input value is quantized once, before it is copied into the overlapping patches.
 
+int4 schemes (``int4_weight``, ``int4_weight_channel``; Linear only, weight-only: W4A16) keep
+``weight`` as int8 (out, in) holding values in [-8, 7] (unpacked, one per byte; checkpoints
+store it that way, 2:4-compacted when it is 2:4), ``weight_scale`` float32 (out, in //
+group_size) and the int attribute ``group_size`` (``in`` for the per-channel scheme, whose
+scales are (out, 1)). The weight is ``weight.float() *
+weight_scale.repeat_interleave(group_size, dim=1)``, cast to the input's dtype for the float
+matmul. An input dimension that is not a multiple of the group size is refused.
+
 >>> layer = QuantLinear.from_float(nn.Linear(16, 4), "int8")
 >>> layer.weight.dtype, layer.weight_scale.shape, tuple(layer(torch.randn(2, 16)).shape)
 (torch.int8, torch.Size([4]), (2, 4))
+>>> layer4 = QuantLinear.from_float(nn.Linear(256, 4), "int4_weight")
+>>> layer4.weight_scale.shape, layer4.group_size, int(layer4.weight.min()) >= -8
+(torch.Size([4, 2]), 128, True)
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (
     dequantize,
+    expand_groups,
+    group_scales,
     quantize,
     row_scales,
     sample_scales,
@@ -55,6 +69,8 @@ def unsupported_reason(module: nn.Module, scheme: str | Scheme) -> str | None:
     scheme = get_scheme(scheme)
     if not isinstance(module, (nn.Linear, *CONV_TYPES)):
         return f"{type(module).__name__} has no quantized counterpart (Linear, Conv1d/2d/3d)"
+    if scheme.grouped and not isinstance(module, nn.Linear):
+        return f"{scheme.name} (int4 weight-only) takes Linear layers only"
     dtype = module.weight.dtype
     if dtype not in FLOAT_DTYPES:
         return f"weight dtype {dtype} is not one of float32, float16, bfloat16"
@@ -70,11 +86,24 @@ def unsupported_reason(module: nn.Module, scheme: str | Scheme) -> str | None:
     return None
 
 
+def odd_group_reason(module: nn.Module, scheme: str | Scheme) -> str | None:
+    """Why a grouped (int4) ``scheme`` refuses the Linear ``module``: its input dimension is
+    not a multiple of the group size; None when it fits (or the scheme has no groups)."""
+    scheme = get_scheme(scheme)
+    if not (scheme.grouped and isinstance(module, nn.Linear)):
+        return None
+    k, g = module.in_features, scheme.layer_group_size(module.in_features)
+    if k % g == 0:
+        return None
+    return (f"in_features={k} is not a multiple of {scheme.name}'s group size {g}; exclude the "
+            "layer or use int4_weight_channel (one scale per output channel)")
+
+
 _compat.check_module_apply()  # _QuantWeight overrides nn.Module._apply(fn, recurse)
 
 
 class _QuantWeight(nn.Module):
-    """Shared storage of an 8-bit weight, its scales and the float bias."""
+    """Shared storage of a quantized weight, its scales and the float bias."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: Scheme):
         super().__init__()
@@ -82,7 +111,16 @@ class _QuantWeight(nn.Module):
         fmt = scheme.weight
         kw = {"device": weight.device}
         self.register_buffer("weight", torch.zeros(weight.shape, dtype=fmt.dtype, **kw))
-        self.register_buffer("weight_scale", torch.ones(weight.shape[0], **kw))
+        if scheme.grouped:
+            k = weight.shape[1]
+            self.group_size = scheme.layer_group_size(k)
+            if weight.dim() != 2 or k % self.group_size:
+                raise UsageError(f"{scheme.name}: a weight of shape {tuple(weight.shape)} has no "
+                                 f"whole groups of {self.group_size} input channels")
+            scale_shape = (weight.shape[0], k // self.group_size)
+        else:
+            scale_shape = (weight.shape[0],)
+        self.register_buffer("weight_scale", torch.ones(scale_shape, **kw))
         if bias is None:
             self.register_parameter("bias", None)
         else:
@@ -105,16 +143,47 @@ class _QuantWeight(nn.Module):
             q.input_scale.copy_(input_scale.detach().float().reshape(1))
         return q
 
+    @classmethod
+    def from_quantized(cls, layer: nn.Module, scheme: str | Scheme, weight: torch.Tensor,
+                       weight_scale: torch.Tensor) -> Any:
+        """A new module of this class holding given quantized values (from a solver such as
+        GPTQ): ``weight`` in the scheme's storage dtype and range, ``weight_scale`` of the
+        layer's scale shape; the bias is ``layer``'s. ValueError when they do not fit."""
+        q = cls(layer, scheme)
+        fmt = get_scheme(scheme).weight
+        if (weight.shape != q.weight.shape or weight.dtype != q.weight.dtype
+                or weight_scale.shape != q.weight_scale.shape):
+            raise UsageError(
+                f"{q.scheme}: expected weight {tuple(q.weight.shape)} {q.weight.dtype} and "
+                f"weight_scale {tuple(q.weight_scale.shape)}, got {tuple(weight.shape)} "
+                f"{weight.dtype} and {tuple(weight_scale.shape)}")
+        if fmt.integer and weight.numel() and not (
+                fmt.qmin <= int(weight.min()) and int(weight.max()) <= fmt.qmax):
+            raise UsageError(f"{q.scheme}: weight values outside [{fmt.qmin:g}, {fmt.qmax:g}]")
+        with torch.no_grad():
+            q.weight.copy_(weight)
+            q.weight_scale.copy_(weight_scale)
+        return q
+
     @torch.no_grad()
     def _fill(self, weight: torch.Tensor) -> None:
         scheme = get_scheme(self.scheme)
         fmt = scheme.weight
+        if scheme.grouped:
+            scale = group_scales(weight, fmt, self.group_size)
+            self.weight.copy_(quantize(weight, expand_groups(scale, self.group_size), fmt))
+            self.weight_scale.copy_(scale)
+            return
         scale = weight_scales(weight, fmt, scheme.weight_granularity)
         self.weight.copy_(quantize(weight, scale.reshape((-1,) + (1,) * (weight.dim() - 1)), fmt))
         self.weight_scale.copy_(scale)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``weight * weight_scale`` (per output channel) in ``dtype``."""
+        """``weight * weight_scale`` (per output channel, or per group of ``group_size``
+        inputs) in ``dtype``."""
+        if self.weight_scale.dim() == 2:
+            return dequantize(self.weight, expand_groups(self.weight_scale, self.group_size),
+                              dtype)
         scale = self.weight_scale.reshape((-1,) + (1,) * (self.weight.dim() - 1))
         return dequantize(self.weight, scale, dtype)
 

@@ -13,6 +13,15 @@ tensor([[  64, -127,    0],
         [ 127,   16,   -8]], dtype=torch.int8)
 >>> weight_scales(w, INT8, "tensor") * 127
 tensor([2., 2.])
+
+int4 weights have one scale per group of consecutive input channels (2-D scales):
+
+>>> w4 = torch.tensor([[0.7, -0.35, 0.07, 1.4]])
+>>> s4 = group_scales(w4, INT4, 2)
+>>> s4 * 7
+tensor([[0.7000, 1.4000]])
+>>> quantize(w4, expand_groups(s4, 2), INT4)
+tensor([[ 7, -4,  0,  7]], dtype=torch.int8)
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from sparsekit.errors import UsageError
-from sparsekit.quant.formats import INT8, WEIGHT_GRANULARITIES, Format  # noqa: F401 (doctests)
+# INT4 and INT8 are imported for the doctests
+from sparsekit.quant.formats import INT4, INT8, WEIGHT_GRANULARITIES, Format  # noqa: F401
 
 # Smallest absmax a scale is built from: an all-zero group (a fully pruned channel, a row of
 # ReLU zeros) gets a tiny positive scale instead of 0/0, and its values quantize to 0.
@@ -52,6 +62,24 @@ def weight_scales(weight: torch.Tensor, fmt: Format,
                      f"{', '.join(map(repr, WEIGHT_GRANULARITIES))}")
 
 
+def group_scales(weight: torch.Tensor, fmt: Format, group_size: int) -> torch.Tensor:
+    """Scales of a 2-D weight (out, in) with one scale per ``group_size`` consecutive input
+    channels: shape (out, in // group_size), float32, ``max |group| / qmax``. ValueError when
+    ``in`` is not a multiple of ``group_size``."""
+    rows, cols = weight.shape
+    if group_size <= 0 or cols % group_size:
+        raise UsageError(f"input dimension {cols} is not a multiple of the group size "
+                         f"{group_size}")
+    amax = weight.detach().abs().reshape(rows, cols // group_size, group_size).amax(dim=2)
+    return absmax_scale(amax, fmt)
+
+
+def expand_groups(scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Group scales (out, groups) repeated to one per weight entry (out, groups * group_size):
+    ``scale.repeat_interleave(group_size, dim=1)``."""
+    return scale.repeat_interleave(group_size, dim=1)
+
+
 def row_scales(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Per-row (per-token) scales of a 2-D activation (rows, features): shape (rows, 1)."""
     return absmax_scale(x.detach().abs().amax(dim=1, keepdim=True), fmt)
@@ -65,9 +93,10 @@ def sample_scales(x: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """``x / scale`` in ``fmt.dtype``, as the format's :meth:`~Format.cast` stores it: int8
-    rounds half to even and clamps to [-127, 127]; fp8 clamps to [-448, 448] then casts (round
-    to nearest even). ``scale`` broadcasts."""
+    """``x / scale`` in ``fmt.dtype``, as the format's :meth:`~Format.cast` stores it: integer
+    formats round half to even and clamp to [qmin, qmax] (int8 [-127, 127], int4 [-8, 7] held
+    in int8); fp8 clamps to [-448, 448] then casts (round to nearest even). ``scale``
+    broadcasts."""
     return fmt.cast(x.detach().float() / scale)
 
 

@@ -50,7 +50,9 @@ from sparsekit.quant.layers import (
 from sparsekit.quant.modules import quantized_module
 from sparsekit.quant.numerics import (
     absmax_scale,
+    expand_groups,
     fake_quantize,
+    group_scales,
     row_scales,
     sample_scales,
     weight_scales,
@@ -61,8 +63,9 @@ from sparsekit.quant.report import QuantLayer, QuantReport
 
 class WeightFakeQuant(nn.Module):
     """Parametrization ``w -> dequantize(quantize(w))`` with the scheme's weight scales (per
-    output channel, or one per tensor) and a straight-through gradient. No state: scales follow
-    the weight as it trains."""
+    output channel, one per tensor, or an int4 scheme's one per group of input channels: the
+    same rounding, clamping and grouping as the quantized layer) and a straight-through
+    gradient. No state: scales follow the weight as it trains."""
 
     def __init__(self, scheme: str):
         super().__init__()
@@ -71,6 +74,10 @@ class WeightFakeQuant(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         scheme = get_scheme(self.scheme)
         fmt = scheme.weight
+        if scheme.grouped:
+            group = scheme.layer_group_size(weight.shape[1])
+            return fake_quantize(weight, expand_groups(group_scales(weight, fmt, group), group),
+                                 fmt)
         scale = weight_scales(weight, fmt, scheme.weight_granularity)
         scale = scale.reshape((-1,) + (1,) * (weight.dim() - 1))
         return fake_quantize(weight, scale, fmt)

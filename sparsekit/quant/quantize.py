@@ -1,4 +1,5 @@
-"""Post-training quantization: ``quantize_`` swaps float layers for 8-bit ones in place."""
+"""Post-training quantization: ``quantize_`` swaps float layers for quantized ones in place,
+rounding to nearest (RTN) or, for int4 weights, with GPTQ (:mod:`sparsekit.quant.gptq`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from sparsekit.errors import UsageError
 from sparsekit.nn import shards
 from sparsekit.nn.calibration import CalibrationFn, run_calibration
 from sparsekit.quant.formats import Scheme, get_scheme
+from sparsekit.quant.gptq import GPTQ, as_method, gptq_quantize
 from sparsekit.quant.layers import (
     foreign_parametrizations,
     plan_layers,
@@ -33,11 +35,19 @@ def quantize_(
     calibration: Iterable[Any] | None = None,
     calibration_fn: CalibrationFn | None = None,
     strict: bool = False,
+    method: str | GPTQ = "rtn",
 ) -> QuantReport:
     """Replace the selected Linear/ConvNd layers of ``model`` by quantized ones, in place.
 
-    ``scheme``: "int8_weight_only", "int8" (W8A8) or "fp8" (e4m3 W8A8); see
-    :mod:`sparsekit.quant.modules` for the scales. Weights are quantized from their current
+    ``scheme``: "int8_weight_only", "int8" (W8A8), "fp8" (e4m3 W8A8), "int4_weight" (int4
+    weights, one scale per 128 inputs; Linear only) or "int4_weight_channel", ...; see
+    :mod:`sparsekit.quant.modules` for the scales. ``method``: "rtn" rounds every weight to
+    nearest; "gptq" (int4 schemes, needs ``calibration``) quantizes layer by layer with GPTQ's
+    error compensation (:mod:`sparsekit.quant.gptq`; the report's ``rel_error`` is then each
+    layer's relative output error on the inputs the sweep gave it), and
+    ``GPTQ(pattern="2:4", act_order=..., percdamp=...)`` sets its options, a pattern pruning
+    N:M in the same sweep (joint SparseGPT + GPTQ, on a model with no pruner attached).
+    Weights are quantized from their current
     values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
     cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
     Dynamic schemes need no calibration: ``calibration`` batches (fed as in
@@ -54,6 +64,10 @@ def quantize_(
     (['0'], 'QuantLinear')
     """
     scheme = get_scheme(scheme)
+    gptq = as_method(method)
+    if gptq is not None and calibration is None:
+        raise UsageError("quantize_(method='gptq') solves each layer from its calibration "
+                         "inputs: pass calibration=<iterable of batches>")
     chosen = select_float_layers(model, include, exclude, "quantize_")
     for name, m in chosen.items():
         foreign = foreign_parametrizations(m)
@@ -81,6 +95,14 @@ def quantize_(
             raise UsageError(f"quantize_({scheme.name!r}, strict=True) cannot take: "
                              f"{report.skipped}")
         scales = {n: absmax_scale(amax[n], scheme.activation) for n in chosen_ok}
+    if gptq is not None:
+        calibration = list(calibration)
+        todo, errors = gptq_quantize(model, chosen_ok, scheme, calibration, gptq, calibration_fn)
+        for layer in report.layers:
+            layer.rel_error = errors.get(layer.name)
+        for name, q in todo.items():
+            set_module(model, name, q)
+        return report
     todo = {name: quantized_module(m, scheme, input_scale=scales[name])
             for name, m in chosen_ok.items()}
     if calibration is not None:

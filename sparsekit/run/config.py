@@ -31,6 +31,7 @@ from sparsekit.errors import UsageError
 from sparsekit.models.hf import AUTO_CLASSES
 from sparsekit.prune.patterns import parse_pattern
 from sparsekit.quant.formats import SCHEMES
+from sparsekit.quant.gptq import METHODS
 
 PATTERN_HELP = "'unstructured', 'none' or 'N:M' with 0 < N < M (e.g. '2:4')"
 
@@ -244,14 +245,33 @@ class ScheduleConfig(_Checked):
 
 @dataclass
 class QuantConfig(_Checked):
-    """``scheme``: none or a registered quantization scheme (:data:`quant.SCHEMES`)."""
+    """``scheme``: none or a registered quantization scheme (:data:`quant.SCHEMES`).
+    ``method`` (post-training): ``rtn`` rounds to nearest; ``gptq`` (int4 schemes) quantizes
+    layer by layer on the calibration batches with GPTQ's error compensation; with
+    ``prune.criterion=sparsegpt`` (N:M, no fine-tuning) pruning and quantization are then one
+    sweep (joint SparseGPT + GPTQ). ``act_order``: GPTQ's columns by decreasing Hessian diagonal
+    (not with a joint N:M sweep). ``compare``: with ``method=gptq``, also evaluate the pruned
+    model before quantization and with round-to-nearest, for summary.json's ``variants``."""
 
     _key: ClassVar[str] = "quant"
-    _open: ClassVar = {"scheme": lambda: ("none", *SCHEMES.names())}
+    _open: ClassVar = {"scheme": lambda: ("none", *SCHEMES.names()), "method": lambda: METHODS}
     scheme: str = "none"
     qat: bool = False
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
+    method: str = "rtn"
+    act_order: bool = False
+    compare: bool = False
+
+    def check(self) -> None:
+        if self.method == "gptq" and self.scheme != "none" and not SCHEMES[self.scheme].grouped:
+            raise ConfigError(f"quant.method=gptq quantizes int4 weights; quant.scheme="
+                              f"{self.scheme} takes quant.method=rtn")
+        if self.method == "gptq" and self.qat:
+            raise ConfigError("quant.method=gptq is post-training; set quant.qat=false (QAT "
+                              "converts its fake-quantized weights by rounding)")
+        if (self.act_order or self.compare) and self.method != "gptq":
+            raise ConfigError("quant.act_order and quant.compare go with quant.method=gptq")
 
 
 @dataclass
@@ -383,6 +403,14 @@ class Config(_Checked):
                 f"prune.criterion={p.criterion} is one shot: set schedule=oneshot (prune at "
                 "schedule.start, then fine-tune) or prune.fine_tune=false"
             )
+        if joint_gptq(self) and (p.include != self.quant.include
+                                 or p.exclude != self.quant.exclude):
+            raise ConfigError(
+                "prune.criterion=sparsegpt with quant.method=gptq prunes and quantizes in one "
+                "sweep: give prune and quant the same include/exclude")
+        if joint_gptq(self) and self.quant.act_order:
+            raise ConfigError("quant.act_order=true cannot go with a joint SparseGPT + GPTQ "
+                              "sweep (N:M groups must stay consecutive columns)")
         act = None if self.quant.scheme == "none" else SCHEMES[self.quant.scheme].activation
         if self.accel.enabled and act is not None and self.accel.precision != act.name:
             raise ConfigError(
@@ -400,6 +428,14 @@ class Config(_Checked):
                 f"sensitivity.target={sens.target!r} needs sensitivity.enabled=true, "
                 "prune.pattern=unstructured, prune.scope=layer and a value in [0, 1)"
             )
+
+
+def joint_gptq(cfg: Config) -> bool:
+    """Whether the run prunes and quantizes in one sweep: SparseGPT N:M in one shot (no
+    fine-tuning) with GPTQ post-training quantization."""
+    p, q = cfg.prune, cfg.quant
+    return (q.scheme != "none" and q.method == "gptq" and str(p.criterion) == "sparsegpt"
+            and not p.fine_tune and parse_nm(str(p.pattern)) is not None)
 
 
 def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:

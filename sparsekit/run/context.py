@@ -78,6 +78,8 @@ class RunContext:
     report: Any = None  # the SparsityReport of the compressed model
     # quantize, evaluate, benchmark, accelerate, save, export_hf, summarize
     quant_report: Any = None
+    # quant.compare: the evaluation metric of each model variant (dense, pruned, + rtn, + gptq)
+    variants: dict[str, float] = dataclasses.field(default_factory=dict)
     comp_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     speed: dict[str, dict[str, float]] = dataclasses.field(
         default_factory=lambda: {"dense": {}, "compressed": {}})

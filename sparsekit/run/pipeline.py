@@ -48,7 +48,7 @@ from sparsekit.run.loading import (
 )
 from sparsekit.prune.channels import channel_criterion
 from sparsekit.prune.criteria import needs_calibration
-from sparsekit.run.config import Config, validate
+from sparsekit.run.config import Config, joint_gptq, validate
 from sparsekit.run.context import (  # noqa: F401  (CHECKPOINT, Callback: public here too)
     CHECKPOINT,
     Callback,
@@ -385,7 +385,7 @@ def stage_prune(ctx: RunContext) -> None:
     """The Pruner (``prune.pattern``), the fine-tuning optimizer, and, resuming, the state of
     the last checkpoint loaded into both (and into the model)."""
     cfg, p, t = ctx.cfg, ctx.cfg.prune, ctx.cfg.train
-    if p.pattern != "none":
+    if p.pattern != "none" and not joint_gptq(cfg):  # a joint sweep prunes in stage_quantize
         ctx.masks = sk.Pruner(
             ctx.model, sparsity=ctx.sparsity, pattern=p.pattern, criterion=p.criterion,
             scope=p.scope, schedule=make_schedule(cfg), include=list(p.include),
@@ -460,16 +460,46 @@ def stage_finalize(ctx: RunContext) -> None:
 
 def stage_quantize(ctx: RunContext) -> None:
     """``quant.scheme``: QAT layers converted, or post-training quantization on the
-    calibration batches."""
-    q = ctx.cfg.quant
+    calibration batches (``quant.method``: round to nearest or GPTQ; with SparseGPT N:M in
+    one shot, GPTQ prunes in the same sweep). ``quant.compare``: the variants first."""
+    cfg, q, p = ctx.cfg, ctx.cfg.quant, ctx.cfg.prune
     if q.scheme == "none":
         return
+    joint = joint_gptq(cfg)
+    selection = {"include": list(q.include), "exclude": list(q.exclude)}
     if q.qat:
         ctx.quant_report = sk.convert_(ctx.model)
+    elif q.method == "gptq":
+        if q.compare:
+            compare_variants(ctx, joint)
+        gptq = sk.GPTQ(pattern=str(p.pattern) if joint else None, act_order=q.act_order)
+        ctx.quant_report = sk.quantize_(ctx.model, q.scheme, calibration=ctx.calibration,
+                                        method=gptq, **selection)
+        if joint:  # what the sweep pruned
+            ctx.report = sk.sparsity_report(ctx.model, include=list(p.include),
+                                            exclude=list(p.exclude), pattern=str(p.pattern))
     else:
         ctx.quant_report = sk.quantize_(ctx.model, q.scheme, calibration=ctx.calibration,
-                                        include=list(q.include), exclude=list(q.exclude))
+                                        **selection)
     ctx.tracker.text("quantization", f"```\n{ctx.quant_report}\n```", 0)
+
+
+def compare_variants(ctx: RunContext, joint: bool) -> None:
+    """``quant.compare``: the metric of the dense model, the pruned model before quantization
+    (a joint sweep's is SparseGPT alone, on a copy) and the pruned model quantized by rounding
+    to nearest (a copy), into ``ctx.variants``; :func:`stage_evaluate` adds the GPTQ model."""
+    q, p = ctx.cfg.quant, ctx.cfg.prune
+    metric = ctx.metric
+    pruned_name = "dense" if p.pattern == "none" else str(p.pattern)
+    ctx.variants["dense"] = ctx.dense_eval[metric]
+    ref = copy.deepcopy(ctx.model)
+    if joint:
+        sk.prune_(ref, pattern=str(p.pattern), criterion="sparsegpt",
+                  calibration=ctx.calibration, include=list(p.include), exclude=list(p.exclude))
+    ctx.variants[pruned_name] = ctx.evaluate(ref)[metric]
+    sk.quantize_(ref, q.scheme, include=list(q.include), exclude=list(q.exclude))
+    ctx.variants[f"{pruned_name}+{q.scheme}/rtn"] = ctx.evaluate(ref)[metric]
+    del ref
 
 
 def stage_evaluate(ctx: RunContext) -> None:
@@ -480,6 +510,11 @@ def stage_evaluate(ctx: RunContext) -> None:
     tracker.dense({f"eval/{m}": ctx.dense_eval[m]}, step)
     tracker.scalars(ctx.report.scalars(), step)
     tracker.layer_sparsity(ctx.report.to_dict()["layers"], step)
+    if ctx.variants:
+        q, p = ctx.cfg.quant, ctx.cfg.prune
+        pruned = "dense" if p.pattern == "none" else str(p.pattern)
+        ctx.variants[f"{pruned}+{q.scheme}/{q.method}"] = ctx.comp_eval[m]
+        tracker.scalars({f"variants/{m}/{name}": v for name, v in ctx.variants.items()}, step)
 
 
 def stage_benchmark(ctx: RunContext) -> None:
@@ -580,6 +615,7 @@ def run_summary(ctx: RunContext) -> dict[str, Any]:
         "skipped_layers": report.skipped,
         "channels": None if ctx.channel_report is None else ctx.channel_report.to_dict(),
         "quant": None if ctx.quant_report is None else ctx.quant_report.to_dict(),
+        "variants": ctx.variants or None,
         "speedup": (speed["dense"]["latency_ms"] / speed["compressed"]["latency_ms"]
                     if speed["compressed"] else None),
         "accel": ctx.accel,

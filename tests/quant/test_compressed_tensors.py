@@ -149,3 +149,53 @@ def test_skipped_with_the_reason(make, expected, hf_dirs, tmp_path, monkeypatch)
     result = skct.export_compressed_tensors(make(hf_dirs["llama"]), tmp_path / "ct")
     assert result["compressed_tensors"].startswith(expected), result
     assert not (tmp_path / "ct").exists()
+
+
+@needs_ct
+@pytest.mark.parametrize("scheme", ["int4_weight", "int4_weight_channel"])
+def test_int4_2_4_export_is_pack_quantized_and_round_trips(scheme, tmp_path):
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(1)
+    cal = [{"input_ids": torch.randint(0, 300, (2, 32), generator=g)} for _ in range(2)]
+    sk.quantize_(model, scheme, calibration=cal, method=sk.GPTQ(pattern="2:4"),
+                 exclude=["lm_head"])
+    layers = quant_layers(model)
+    out = tmp_path / skct.CT_DIR
+    result = skct.export_compressed_tensors(model, out)
+    assert result["compressed_tensors"].startswith(f"written: pack-quantized ({scheme}, 7 layers)"
+                                                   ", sparsity_config dense 2:4 (0.5")
+    qc = QuantizationConfig.model_validate(
+        json.loads((out / "config.json").read_text())["quantization_config"])
+    (group,) = qc.config_groups.values()
+    assert (group.weights.num_bits, group.weights.type, group.weights.symmetric) == (4, "int", True)
+    grouped = scheme == "int4_weight"
+    assert group.weights.strategy == ("group" if grouped else "channel")
+    assert group.weights.group_size == (128 if grouped else None)
+    assert group.input_activations is None and qc.format == "pack-quantized"
+    compressor = BaseCompressor.get_value_from_registry(qc.format)
+    stored = load_file(out / "model.safetensors")
+    for name, layer in layers.items():
+        local = {k[len(name) + 1:]: v for k, v in stored.items()
+                 if k.startswith(f"{name}.") and "." not in k[len(name) + 1:]}
+        n, k = layer.weight.shape
+        # eight 4-bit values per int32, the scales as sparsekit stores them, the shape
+        assert local["weight_packed"].dtype == torch.int32
+        assert local["weight_packed"].shape == (n, k // 8)
+        assert torch.equal(local["weight_scale"].float(), layer.weight_scale)
+        assert local["weight_scale"].shape == (n, k // 128 if grouped else 1)
+        assert local["weight_shape"].tolist() == [n, k]
+        got = compressor.decompress(local, group)["weight"]
+        assert torch.equal(got.float(), layer.dequantized_weight(torch.float32)), name
+        assert (got.reshape(n, -1, 4) != 0).sum(-1).le(2).all()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ids = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=0, atol=0)
