@@ -51,13 +51,16 @@ def test_imports_point_down_the_layers(graph):
 
 def test_quant_and_accel_import_prune_only_for_pruning(graph):
     # the helpers all three use live in nn/; what quant and accel still take from prune is
-    # pruning itself: masks (QAT keeps them), the sparsity report, the N:M pattern parser
+    # pruning itself: masks (QAT keeps them), the sparsity report, the N:M pattern parser,
+    # SparseGPT's sweep (joint 2:4 + GPTQ prunes as it quantizes)
     edges = {(a, b) for a, deps in graph.items() for b in deps
              if a.startswith(("sparsekit.quant", "sparsekit.accel"))
              and b.startswith("sparsekit.prune.")}
     assert edges <= {("sparsekit.quant.qat", "sparsekit.prune.masks"),
                      ("sparsekit.quant.layers", "sparsekit.prune.report"),
-                     ("sparsekit.accel.api", "sparsekit.prune.patterns")}
+                     ("sparsekit.accel.api", "sparsekit.prune.patterns"),
+                     ("sparsekit.quant.gptq", "sparsekit.prune.patterns"),
+                     ("sparsekit.quant.gptq", "sparsekit.prune.sparsegpt")}
     assert arch.layer("sparsekit.nn.shards") < arch.layer("sparsekit.prune.pruner")
     assert arch.layer("sparsekit.nn.timing") < arch.layer("sparsekit.quant.quantize")
 

@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
-from sparsekit.prune import shards
-from sparsekit.prune.calibration import CalibrationFn
+from sparsekit.nn import shards
+from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.patterns import parse_pattern
 from sparsekit.prune.sparsegpt import sparsegpt_prune
 from sparsekit.quant.formats import Format, Scheme, get_scheme
