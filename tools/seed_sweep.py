@@ -9,7 +9,8 @@ then a markdown table of dense and compressed accuracy (per seed, mean, and the 
 A seed changes the dense model's initialization and the order of training batches (dense and
 fine-tuning); the data set (MNIST-1D, seed 42) and its 1,000 test samples stay the same, so
 each run is compared with the dense model of its own seed. Runs reuse cached dense baselines
-(one per seed) from ``<out-dir>/cache``. Writes ``seed_sweep.json`` and ``seed_sweep.md``.
+(one per seed) from ``<out-dir>/cache``. Writes ``seed_sweep.md`` and ``seed_sweep.json``
+(``runs``: name -> seed -> figures; with the command, the date and the machine it ran on).
 ``--recipes`` runs every MNIST-1D recipe of the README's table and writes that table's rows
 (mean and range over the seeds); the table's stdlib LM and ResNet-18 rows are single runs.
 """
@@ -19,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 RUNS = {  # name: CLI arguments
@@ -62,6 +65,14 @@ def run_one(name: str, seed: int, out_dir: Path, smoke: bool) -> dict:
     return {"dense": s["dense"]["accuracy"], "compressed": s["compressed"]["accuracy"],
             "size_bytes": s["compressed"]["size_bytes"], "sparsity": s["sparsity"],
             "seconds": s["seconds"]}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` says."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def spread(values: list[float], fmt: str = ".1f") -> str:
@@ -122,10 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.seeds, args.runs = args.seeds[:1], args.runs[:1 if args.recipes else 2]
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    meta = {"command": " ".join(["python", "tools/seed_sweep.py", *(argv or sys.argv[1:])]),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "device": "cpu",
+            "machine": f"{cpu_name()}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "seeds": args.seeds}
     results: dict[str, dict[int, dict]] = {}
     for name in args.runs:  # the files grow row by row, so a long sweep shows where it is
         results[name] = {s: run_one(name, s, args.out_dir, args.smoke) for s in args.seeds}
-        (args.out_dir / "seed_sweep.json").write_text(json.dumps(results, indent=1))
+        (args.out_dir / "seed_sweep.json").write_text(
+            json.dumps({**meta, "runs": results}, indent=1))
         md = (recipe_table if args.recipes else table)(results, args.seeds)
         (args.out_dir / "seed_sweep.md").write_text(md + "\n")
     print(md)
