@@ -63,7 +63,8 @@ def run_one(name: str, seed: int, out_dir: Path, smoke: bool) -> dict:
         used.write_text(json.dumps(args))
     s = json.loads(summary.read_text())
     return {"dense": s["dense"]["accuracy"], "compressed": s["compressed"]["accuracy"],
-            "size_bytes": s["compressed"]["size_bytes"], "sparsity": s["sparsity"],
+            "size_bytes": s["compressed"]["size_bytes"],
+            "dense_size_bytes": s["dense"]["size_bytes"], "sparsity": s["sparsity"],
             "seconds": s["seconds"]}
 
 
