@@ -53,12 +53,17 @@ LLM_ROWS = (
 )
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    """``mean (min to max)``, or the one value when they agree at ``fmt``."""
+def _spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """``mean (min-max)`` with ``unit`` after each number, or the one value when they agree
+    at ``fmt``.
+
+    >>> _spread([92.8, 93.6, 93.1], ".1f", "%"), _spread([19510, 19510], ",.0f", " B")
+    ('93.2% (92.8-93.6%)', '19,510 B')
+    """
     if len({format(v, fmt) for v in values}) == 1:
-        return format(values[0], fmt)
-    return (f"{format(statistics.mean(values), fmt)} "
-            f"({format(min(values), fmt)} to {format(max(values), fmt)})")
+        return format(values[0], fmt) + unit
+    return (f"{format(statistics.mean(values), fmt)}{unit} "
+            f"({format(min(values), fmt)}-{format(max(values), fmt)}{unit})")
 
 
 def _mb(n: float) -> str:
@@ -76,11 +81,11 @@ def mnist_rows(path: Path) -> list[tuple[str, str]]:
     rows = []
     for name, what in MNIST_ROWS:
         runs = list(sweep["runs"][name].values())
-        dense = _spread([100 * r["dense"] for r in runs], ".1f")
-        comp = _spread([100 * r["compressed"] for r in runs], ".1f")
-        dsize = _spread([r["dense_size_bytes"] for r in runs], ",.0f")
-        csize = _spread([r["size_bytes"] for r in runs], ",.0f")
-        rows.append((f"| {what} | accuracy {dense}%, {dsize} B | accuracy {comp}%, {csize} B | "
+        dense = _spread([100 * r["dense"] for r in runs], ".1f", "%")
+        comp = _spread([100 * r["compressed"] for r in runs], ".1f", "%")
+        dsize = _spread([r["dense_size_bytes"] for r in runs], ",.0f", " B")
+        csize = _spread([r["size_bytes"] for r in runs], ",.0f", " B")
+        rows.append((f"| {what} | accuracy {dense}, {dsize} | accuracy {comp}, {csize} | "
                      f"{where} |", sweep["command"]))
     return rows
 
