@@ -60,6 +60,10 @@ LAYOUT = {
 # overrides that do not change what a run computes: left out of its name
 _NOT_IN_NAME = ("hydra.", "hydra/", "cache_dir", "resume", "train.quiet", "tracker.", "tracker=",
                 "bench.", "bench=")
+#: hparams every run records, beside the recipe and the keys its command line set: what tells
+#: runs apart at a glance (the dashboard shows five columns, those marked as differing first)
+CORE_HPARAMS = ("prune.pattern", "prune.criterion", "prune.sparsity", "quant.scheme",
+                "schedule.kind", "train.finetune_steps", "train.seed")
 #: TensorBoard's "color runs by regex": the dense and compressed runs of one run, one colour
 COLOR_GROUP = r"(.*)/(?:dense|compressed)$"
 NAME_MAX = 64  # characters of a run's short name
@@ -280,8 +284,8 @@ class Tracker:
                 overrides: Sequence[str] = (),
                 domains: Mapping[str, Sequence[str]] | None = None) -> None:
         """One hparams entry for this run: ``recipe`` and the keys set by ``overrides`` (a
-        sweep's swept keys among them) first, then the rest of the flattened ``config``; and
-        the final ``metrics``, in their order (also written as scalars, which is where the
+        sweep's swept keys among them) first, then the keys of :data:`CORE_HPARAMS` (the whole
+        config is the ``config`` text); and the final ``metrics``, in their order (also written as scalars, which is where the
         dashboard reads them). TensorBoard lists first, and shows by default, the hparams
         marked as differing between runs, so the overridden ones are marked. A string hparam
         is kept only with its set of values in ``domains`` (this run's value added; booleans
@@ -296,7 +300,8 @@ class Tracker:
                 if "=" in o and not o.lstrip("+~").startswith(_NOT_IN_NAME)]
         hp: dict[str, Any] = {}
         discrete: dict[str, list] = {}
-        for k in dict.fromkeys(["recipe", *(k for k in keys if k in flat), *flat]):
+        for k in dict.fromkeys(["recipe", *(k for k in keys if k in flat),
+                                *(k for k in CORE_HPARAMS if k in flat)]):
             v = flat[k]
             if isinstance(v, bool):
                 hp[k], discrete[k] = v, [False, True]
