@@ -105,6 +105,17 @@ def layout(tags: Iterable[str]) -> dict[str, dict[str, list]]:
     return out
 
 
+def anchored(charts: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    """A layout whose tags are exact: custom scalars read a chart's tags as regexes, and
+    ``speed/latency_ms`` alone would also draw ``speed/latency_ms_p10`` and ``_p90``.
+
+    >>> anchored({"c": {"latency": ["Multiline", ["speed/latency_ms"]]}})
+    {'c': {'latency': ['Multiline', ['^speed/latency_ms$']]}}
+    """
+    return {title: {name: [kind, [f"^{re.escape(t)}$" for t in tags]]
+                    for name, (kind, tags) in group.items()} for title, group in charts.items()}
+
+
 def read_overrides(run_dir: str | os.PathLike) -> list[str]:
     """The command-line overrides Hydra recorded for a run (``.hydra/overrides.yaml``), or []
     for a run made without Hydra (the API)."""
@@ -285,8 +296,8 @@ class Tracker:
                 domains: Mapping[str, Sequence[str]] | None = None) -> None:
         """One hparams entry for this run: ``recipe`` and the keys set by ``overrides`` (a
         sweep's swept keys among them) first, then the keys of :data:`CORE_HPARAMS` (the whole
-        config is the ``config`` text); and the final ``metrics``, in their order (also written as scalars, which is where the
-        dashboard reads them). TensorBoard lists first, and shows by default, the hparams
+        config is the ``config`` text); and the final ``metrics``, in their order (also
+        written as scalars, which is where the dashboard reads them). TensorBoard lists first, and shows by default, the hparams
         marked as differing between runs, so the overridden ones are marked. A string hparam
         is kept only with its set of values in ``domains`` (this run's value added; booleans
         are declared ``[False, True]``): the dashboard filters runs on a string's declared
@@ -319,7 +330,7 @@ class Tracker:
     def close(self) -> None:
         """Write the custom-scalars layout for the tags logged, and close the writers."""
         if self.writer is not None:
-            self.writer.add_custom_scalars(layout(self._tags))
+            self.writer.add_custom_scalars(anchored(layout(self._tags)))
             self.writer.close()
         if self._dense is not None:
             self._dense.close()
