@@ -297,8 +297,9 @@ class Tracker:
         """One hparams entry for this run: ``recipe`` and the keys set by ``overrides`` (a
         sweep's swept keys among them) first, then the keys of :data:`CORE_HPARAMS` (the whole
         config is the ``config`` text); and the final ``metrics``, in their order (also
-        written as scalars, which is where the dashboard reads them). TensorBoard lists first, and shows by default, the hparams
-        marked as differing between runs, so the overridden ones are marked. A string hparam
+        written as scalars, which is where the dashboard reads them). TensorBoard lists first,
+        and shows by default, the hparams marked as differing between runs, so the overridden
+        ones are marked. A string hparam
         is kept only with its set of values in ``domains`` (this run's value added; booleans
         are declared ``[False, True]``): the dashboard filters runs on a string's declared
         values and warns about a string without them. The others (paths, lists) are in the
