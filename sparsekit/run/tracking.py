@@ -60,10 +60,9 @@ LAYOUT = {
 # overrides that do not change what a run computes: left out of its name
 _NOT_IN_NAME = ("hydra.", "hydra/", "cache_dir", "resume", "train.quiet", "tracker.", "tracker=",
                 "bench.", "bench=")
-#: hparams every run records, beside the recipe and the keys its command line set: what tells
-#: runs apart at a glance (the dashboard shows five columns, those marked as differing first)
-CORE_HPARAMS = ("prune.pattern", "prune.criterion", "prune.sparsity", "quant.scheme",
-                "schedule.kind", "train.finetune_steps", "train.seed")
+#: hparams every run records, beside the recipe and the keys its command line set. Few: the
+#: dashboard shows five hparam columns (those marked as differing first) before the metrics
+CORE_HPARAMS = ("prune.pattern", "prune.sparsity", "quant.scheme")
 #: TensorBoard's "color runs by regex": the dense and compressed runs of one run, one colour
 COLOR_GROUP = r"(.*)/(?:dense|compressed)$"
 NAME_MAX = 64  # characters of a run's short name
