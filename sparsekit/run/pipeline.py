@@ -644,6 +644,7 @@ def stage_summarize(ctx: RunContext) -> None:
     tracker.text("summary", markdown, step)
     tracker.close()
     s["ended_utc"] = utc_now()
+    s["seconds"] = round(time.perf_counter() - ctx.t0, 1)  # the whole run, figures included
     if D.is_main():
         write_file(ctx.run_dir / "summary.json",
                    lambda tmp: Path(tmp).write_text(json.dumps(s, indent=2) + "\n"))
