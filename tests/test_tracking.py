@@ -392,6 +392,8 @@ def test_speed_and_pareto_figures_say_when_a_difference_is_within_noise():
              "compressed": {"latency_ms": 1.0, "latency_ms_p10": 0.9, "latency_ms_p90": 1.1}}
     assert figures.speed_spread(clear).axes[0].get_title() == "compressed 2.00x"
     assert figures.speed_spread({"dense": {}, "compressed": {}}) is None
+    equal = {"latency_ms": 0.1 + 0.2, "latency_ms_p10": 0.3, "latency_ms_p90": 0.3}
+    assert figures.speed_spread({"dense": equal, "compressed": equal}) is not None
     dense = {"value": 95.0, "size_bytes": 100, **noisy["dense"]}
     points = [  # b's 0.097 ms is an outlier inside a's range: not faster, and less accurate
         {"label": "a", "value": 93.0, "size_bytes": 50, "latency_ms": 0.060,

@@ -40,9 +40,10 @@ def spread(values: Sequence[float]) -> dict[str, float]:
         pos = q * (len(xs) - 1)
         lo = int(pos)
         hi = min(lo + 1, len(xs) - 1)
-        return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 12)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
-    return {"median": statistics.median(xs), "p10": pct(0.1), "p90": pct(0.9)}
+    median = statistics.median(xs)  # p10 <= median <= p90 whatever the rounding
+    return {"median": median, "p10": min(pct(0.1), median), "p90": max(pct(0.9), median)}
 
 
 def overlap(a: dict[str, float], b: dict[str, float]) -> bool:

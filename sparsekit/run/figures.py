@@ -77,7 +77,8 @@ SPEED_AXES = (("latency_ms", "latency, batch 1 (ms; lower is faster)"),
 def _range(side: Mapping[str, Any], key: str) -> tuple[float, float, float]:
     """(median, p10, p90) of a speed figure; the median thrice where no spread was kept."""
     mid = float(side[key])
-    return mid, float(side.get(f"{key}_p10", mid)), float(side.get(f"{key}_p90", mid))
+    return (mid, min(float(side.get(f"{key}_p10", mid)), mid),
+            max(float(side.get(f"{key}_p90", mid)), mid))
 
 
 def speed_spread(speed: Mapping[str, Mapping[str, Any]]) -> Any | None:
