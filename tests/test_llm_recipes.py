@@ -157,3 +157,103 @@ def test_llm_int4_recipes(recipe, hf_dirs, tmp_path, capsys):
         ids = torch.randint(0, 300, (2, 32))
         with torch.no_grad():
             torch.testing.assert_close(ct(ids).logits, pruned(ids).logits, rtol=0, atol=0)
+
+
+def test_llm_run_reads_like_a_classifier_run_and_skips_tokens_per_s_off_gpu(
+        hf_dirs, tmp_path, capsys):
+    """Perplexity before/after and size in the end-of-run table and TensorBoard (dense and
+    compressed runs, same tags); with accel=gpu on a CPU, the generation speed is skipped with
+    a note, and the run's short name holds the model's basename, not its path."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    code, out, err = run_cli(["recipe=llm_sparsegpt_24", f"model.path={hf_dirs['llama']}",
+                              f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
+                              *TINY, "tracker=tensorboard", "accel=gpu", "train.device=cpu"],
+                             tmp_path, capsys)
+    assert code == 0, err
+    assert "generation speed skipped: needs a CUDA GPU" in out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["generation"]["skipped"].startswith("needs a CUDA GPU")
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:4]]
+            for ln in (run_dir / "summary.md").read_text().splitlines() if ln.startswith("| ")}
+    assert rows["perplexity"] == [f"{s['dense']['perplexity']:.3f}",
+                                  f"{s['compressed']['perplexity']:.3f}"]
+    assert rows["size (bytes)"] == [f"{s['dense']['size_bytes']:,}",
+                                    f"{s['compressed']['size_bytes']:,}"]
+    assert rows["generation (tokens/s, b=1)"] == ["-", "-"]
+    (logdir,) = (run_dir / "tb").iterdir()
+    short = f"llm_sparsegpt_24,model={hf_dirs['llama'].name},data={hf_dirs['text'].name},"
+    assert logdir.name.startswith(short) and len(logdir.name) <= 64, logdir.name
+    tags = {}
+    for side in ("dense", "compressed"):
+        acc = EventAccumulator(str(logdir / side))
+        acc.Reload()
+        tags[side] = set(acc.Tags()["scalars"])
+    assert {"eval/perplexity", "size/bytes"} <= tags["dense"] & tags["compressed"]
+    assert not any(t.startswith("speed/") for t in tags["dense"] | tags["compressed"])
+
+
+def test_generation_stage_times_dense_and_compressed_generate(hf_dirs, monkeypatch):
+    """The stage's wiring, on CPU with the GPU check lifted: dense runs HF generate with the
+    static cache, compressed the accelerated model's generate; both give tokens/s with p10/p90
+    in the run's speed figures and the table."""
+    import copy
+    from types import SimpleNamespace
+
+    from sparsekit.run import pipeline
+    from sparsekit.run.config import Config
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["llama"]).eval()
+    calls = []
+
+    class Fast:  # stands in for AcceleratedModel: its generate, counted
+        def generate(self, ids, **kwargs):
+            calls.append(kwargs)
+            return model.generate(ids, **kwargs)
+
+    cfg = Config()
+    cfg.accel.enabled = True
+    cfg.bench.new_tokens, cfg.bench.prompt_tokens, cfg.bench.repeats, cfg.bench.warmup = 3, 5, 2, 1
+    ctx = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), model=model,
+                          dense=copy.deepcopy(model), fast=Fast(), tokenizer=None, quiet=True,
+                          example=torch.randint(0, 300, (4, 16)), generation={},
+                          speed={"dense": {}, "compressed": {}})
+    monkeypatch.setattr(pipeline, "generation_skipped", lambda ctx: None)
+    pipeline.stage_generate(ctx)
+    assert len(calls) == 3 and calls[0]["min_new_tokens"] == 3  # 1 warm-up + 2 timed
+    assert ctx.generation == {"prompt_tokens": 5, "new_tokens": 3, "batch_size": 1}
+    for side in ("dense", "compressed"):
+        sp = ctx.speed[side]
+        assert 0 < sp["tokens_per_s_p10"] <= sp["tokens_per_s"] <= sp["tokens_per_s_p90"]
+    assert ctx.dense.dtype == torch.bfloat16  # timed at the width accel runs
+    assert pipeline.speedup(ctx.speed) == pytest.approx(
+        ctx.speed["compressed"]["tokens_per_s"] / ctx.speed["dense"]["tokens_per_s"])
+    summary = {"metric": "perplexity", "sparsity": 0.5, "tensorboard_logdir": "tb",
+               "generation": ctx.generation,
+               "dense": {"perplexity": 10.0, "size_bytes": 100, **ctx.speed["dense"]},
+               "compressed": {"perplexity": 11.0, "size_bytes": 50, **ctx.speed["compressed"]}}
+    table = pipeline.summary_table(summary)
+    row = next(ln for ln in table.splitlines() if ln.startswith("| generation (tokens/s"))
+    d = ctx.speed["dense"]
+    assert f"{d['tokens_per_s']:,.1f} ({d['tokens_per_s_p10']:,.1f}-" in row
+
+
+@pytest.mark.gpu
+def test_tokens_per_s_on_a_gpu(hf_dirs, tmp_path, capsys):
+    """accel=gpu on CUDA: dense (static cache, compiled) and compressed (fast.generate)
+    generation speeds in the summary, with their spread."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    code, _, err = run_cli(["recipe=llm_sparsegpt_24", f"model.path={hf_dirs['llama']}",
+                            f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
+                            *TINY, "accel=gpu", "bench.new_tokens=8", "bench.repeats=3",
+                            "bench.warmup=1"], tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run_dir / "summary.json").read_text())
+    for side in ("dense", "compressed"):
+        assert 0 < s[side]["tokens_per_s_p10"] <= s[side]["tokens_per_s"] \
+            <= s[side]["tokens_per_s_p90"]
+    assert s["speedup"] == pytest.approx(s["compressed"]["tokens_per_s"]
+                                         / s["dense"]["tokens_per_s"])

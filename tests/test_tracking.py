@@ -25,7 +25,15 @@ from sparsekit.run import figures
 from sparsekit.run.config import Config
 from sparsekit.run.pipeline import run
 from sparsekit.progress import progress
-from sparsekit.run.tracking import LAYOUT, Tracker, flatten, layout, run_logdir, sweep_figures
+from sparsekit.run.tracking import (
+    COLOR_GROUP,
+    LAYOUT,
+    Tracker,
+    flatten,
+    layout,
+    run_logdir,
+    sweep_figures,
+)
 
 
 def tiny_config(cache: Path) -> Config:
@@ -137,24 +145,32 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
             headers={"Content-Type": "application/json", "X-XSRF-Protected": "1"})
         with urllib.request.urlopen(request, timeout=5) as r:
             experiment = json.loads(r.read())
-    # run names say what the run is (recipe, the swept value, ...), then the time; each run
-    # directory holds a compressed and a dense TensorBoard run, the sweep one more
+    # run names say what the run is (recipe, the swept value, ...), short and without paths;
+    # each run directory holds <name>/compressed and <name>/dense, the sweep one more
     assert len(runs) == 5 and "tb/sweep" in runs
     for n, sparsity in (("0", "0.5"), ("1", "0.8")):
         mine = sorted(r for r in runs if r.startswith(f"{n}/tb/"))
         assert [r.rsplit("/", 1)[1] for r in mine] == ["compressed", "dense"]
         label = mine[0].rsplit("/", 1)[0]
         assert mine[1] == f"{label}/dense"
-        assert label.startswith(f"{n}/tb/mnist1d_cnn_unstructured90_cubic,sparsity={sparsity},")
-        assert re.search(r"_\d{8}-\d{6}$", label), label
+        short = label.split("/tb/", 1)[1]
+        assert short.startswith(f"mnist1d_cnn_unstructured90_cubic,sparsity={sparsity}~")
+        assert len(short) <= 64 and "/" not in short
+        assert re.fullmatch(COLOR_GROUP, mine[0]).group(1) == label  # one colour group
         assert summaries[int(n)]["tensorboard_logdir"].endswith(label.split("/", 1)[1])
         comp_run, dense_run, s = mine[0], mine[1], summaries[int(n)]
         assert {"train/loss", "train/lr", "eval/accuracy", "sparsity/global", "sparsity/conv2",
                 "speed/latency_ms", "speed/throughput", "speed/speedup", "size/bytes",
                 "final/sparsity"} <= set(tags[comp_run])
-        # the dense run: the same tags for the same quantities, nothing else
-        assert set(tags[dense_run]) == {"eval/accuracy", "speed/latency_ms",
-                                        "speed/throughput", "size/bytes"}
+        # the dense run: the same tags for the same quantities (speed with its spread)
+        speed = {f"speed/{k}{end}" for k in ("latency_ms", "throughput")
+                 for end in ("", "_p10", "_p90")}
+        assert set(tags[dense_run]) == {"eval/accuracy", "size/bytes", *speed}
+        assert speed <= set(tags[comp_run])
+        for side in ("dense", "compressed"):
+            got = s[side]
+            assert got["latency_ms_p10"] <= got["latency_ms"] <= got["latency_ms_p90"]
+            assert got["throughput_p10"] <= got["throughput"] <= got["throughput_p90"]
         assert not any(t.startswith(("channels/", "eval/perplexity")) for t in tags[comp_run])
         comp = points[comp_run, "eval/accuracy"]
         dense = points[dense_run, "eval/accuracy"]
@@ -174,21 +190,32 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
     cats = layout_["category"]
     assert [c["title"] for c in cats] == ["dense vs compressed", "training"]
     charts = {c["title"]: c["multiline"]["tag"] for c in cats[0]["chart"]}
-    assert charts == {"accuracy": ["eval/accuracy"],
-                      "latency (ms, batch 1)": ["speed/latency_ms"],
-                      "throughput (samples/s)": ["speed/throughput"],
-                      "size (bytes)": ["size/bytes"]}
+    # exact tags: a chart's tags are regexes, and the median's must not draw its p10/p90
+    assert charts == {"accuracy": ["^eval/accuracy$"],
+                      "latency (ms, batch 1, median)": ["^speed/latency_ms$"],
+                      "throughput (samples/s, median)": ["^speed/throughput$"],
+                      "size (bytes)": ["^size/bytes$"]}
     every_tag = set().union(*(set(t) for t in tags.values()))
     for cat in cats:
         for chart in cat["chart"]:
-            assert set(chart["multiline"]["tag"]) <= every_tag, chart
+            for pattern in chart["multiline"]["tag"]:
+                assert [t for t in every_tag if re.search(pattern, t)] == [
+                    pattern.strip("^$").replace("\\", "")], chart
     # hparams: the overridden keys (the swept one among them) first, then the final metrics
     infos = [h["name"] for h in experiment["hparamInfos"]]
     marked = [h["name"] for h in experiment["hparamInfos"] if h.get("differs")]
     assert "prune.sparsity" in marked and infos[:len(marked)] == marked
+    # the compressed model's metrics first, the dense reference once, last
     assert [m["name"]["tag"] for m in experiment["metricInfos"]] == [
-        "final/accuracy/dense", "final/accuracy/compressed", "final/sparsity",
-        "final/size_bytes", "final/speedup"]
+        "final/accuracy/compressed", "final/sparsity", "final/size_bytes", "final/speedup",
+        "final/accuracy/dense"]
+    # what the dashboard warns about ("cannot process domain type"): a hparam that is not a
+    # number and declares no values
+    for info in experiment["hparamInfos"]:
+        assert info["type"] == "DATA_TYPE_FLOAT64" or info.get("domainDiscrete"), info
+    assert {"recipe", "prune.pattern", "quant.scheme"} <= {
+        h["name"] for h in experiment["hparamInfos"]}
+    assert not any(h["name"] in ("cache_dir", "prune.include") for h in experiment["hparamInfos"])
     assert images["tb/sweep"] == {"sweep/pareto": {
         "displayName": "sweep/pareto", "description": "", "samples": 1}}
 
@@ -214,8 +241,7 @@ def test_sweep_writes_a_pareto_png_and_hparams_lead_with_the_swept_key(cli_sweep
     assert marked == {"recipe", "prune.sparsity", "data.kwargs.num_samples", "train.dense_steps",
                       "train.finetune_steps", "train.log_every", "train.eval_every",
                       "schedule.end", "schedule.every"}
-    assert [m.name.tag for m in exp.metric_infos][:2] == ["final/accuracy/dense",
-                                                         "final/accuracy/compressed"]
+    assert [m.name.tag for m in exp.metric_infos][0] == "final/accuracy/compressed"
     start = plugin_data_pb2.HParamsPluginData.FromString(
         acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
     assert start.hparams["prune.sparsity"].number_value == 0.8
@@ -303,7 +329,7 @@ def test_one_run_with_hparams_text_and_histograms(tiny_run):
     start = plugin_data_pb2.HParamsPluginData.FromString(
         plugins["_hparams_/session_start_info"]).session_start_info
     assert start.hparams["prune.pattern"].string_value == "2:4"
-    assert start.hparams["train.finetune_steps"].number_value == 30
+    assert "train.finetune_steps" not in start.hparams  # not set: in the config text only
     assert {"summary/text_summary", "config/text_summary"} <= set(acc.Tags()["tensors"])
     hist = acc.Tags()["histograms"]
     assert "weights/conv2" in hist
@@ -311,7 +337,11 @@ def test_one_run_with_hparams_text_and_histograms(tiny_run):
     # the linear ramp moves the masks at steps 10 and 20 (every=10, end=20), then the final
     assert steps == [10, 20, 30]
     assert (logdir.parent.parent / "config.yaml").exists()
-    assert logdir.parent.name == "tb" and logdir.name.startswith("default_")
+    assert logdir.parent.name == "tb" and logdir.name == "default"
+    # the speed figure: dense and compressed with their p10-p90 whiskers
+    acc = EventAccumulator(str(logdir / "compressed"), size_guidance={"images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("speed/spread")] == [tiny_run["finetune_steps"]]
 
 
 def test_histograms_are_rate_limited(tmp_path):
@@ -343,7 +373,41 @@ def test_a_resumed_run_keeps_its_tensorboard_directory(tmp_path):
         "- recipe=mnist1d_cnn_24\n- train.seed=1\n- cache_dir=/tmp/x\n")
     first = run_logdir(run_dir)
     assert first.parent == run_dir / "tb"
-    assert re.fullmatch(r"mnist1d_cnn_24,seed=1_\d{8}-\d{6}", first.name)
+    assert first.name == "mnist1d_cnn_24,seed=1"
     first.mkdir(parents=True)
     assert run_logdir(run_dir, resume=True) == first  # the interrupted run's directory
-    assert run_logdir(tmp_path / "fresh", resume=True).name.startswith("default_")
+    assert run_logdir(tmp_path / "fresh", resume=True).name == "default"
+
+
+def test_speed_and_pareto_figures_say_when_a_difference_is_within_noise():
+    """Overlapping p10-p90 ranges are called noise, not a speedup; on the Pareto figure a run
+    within noise of the dense model is hollow and no trade-off is drawn from noise."""
+    noisy = {"dense": {"latency_ms": 0.058, "latency_ms_p10": 0.055, "latency_ms_p90": 0.070},
+             "compressed": {"latency_ms": 0.059, "latency_ms_p10": 0.056,
+                            "latency_ms_p90": 0.062}}
+    fig = figures.speed_spread(noisy)
+    assert fig.axes[0].get_title() == "within noise (p10-p90 overlap)"
+    assert fig.axes[0].get_xlim()[0] == 0  # bars from zero: no zoomed axis
+    clear = {"dense": {"latency_ms": 2.0, "latency_ms_p10": 1.9, "latency_ms_p90": 2.1},
+             "compressed": {"latency_ms": 1.0, "latency_ms_p10": 0.9, "latency_ms_p90": 1.1}}
+    assert figures.speed_spread(clear).axes[0].get_title() == "compressed 2.00x"
+    assert figures.speed_spread({"dense": {}, "compressed": {}}) is None
+    equal = {"latency_ms": 0.1 + 0.2, "latency_ms_p10": 0.3, "latency_ms_p90": 0.3}
+    assert figures.speed_spread({"dense": equal, "compressed": equal}) is not None
+    dense = {"value": 95.0, "size_bytes": 100, **noisy["dense"]}
+    points = [  # b's 0.097 ms is an outlier inside a's range: not faster, and less accurate
+        {"label": "a", "value": 93.0, "size_bytes": 50, "latency_ms": 0.060,
+         "latency_ms_p10": 0.057, "latency_ms_p90": 0.101, "dense": dense},
+        {"label": "b", "value": 92.0, "size_bytes": 40, "latency_ms": 0.097,
+         "latency_ms_p10": 0.090, "latency_ms_p90": 0.104, "dense": dense},
+        {"label": "c", "value": 90.0, "size_bytes": 30, "latency_ms": 0.030,
+         "latency_ms_p10": 0.029, "latency_ms_p90": 0.031, "dense": dense},
+    ]
+    fig = figures.pareto(points, "accuracy")
+    ax = fig.axes[1]
+    assert "latency" in ax.get_xlabel()
+    texts = [t.get_text() for t in ax.texts]
+    assert texts == ["a  (~ dense speed)", "b", "c"]
+    assert "speed within noise of dense" in [t.get_text() for t in ax.get_legend().get_texts()]
+    front = [line for line in ax.get_lines() if line.get_label() == "Pareto front"][0]
+    assert list(front.get_xdata()) == [0.030, 0.060]  # c, then a; b is beaten by a

@@ -1,16 +1,17 @@
 """Accuracy over several training seeds: each run of a list through the CLI once per seed,
 then a markdown table of dense and compressed accuracy (per seed, mean, and the difference).
 
-    python tools/seed_sweep.py --out-dir sweep                  # the README's quantization table
+    python tools/seed_sweep.py --out-dir sweep                  # docs/api.md's quantization table
     python tools/seed_sweep.py --out-dir sweep --seeds 0 --runs ptq_int8   # a subset
-    python tools/seed_sweep.py --recipes --out-dir sweep        # the README's recipe table
+    python tools/seed_sweep.py --recipes --out-dir sweep        # docs/cli.md's recipe table
     python tools/seed_sweep.py --smoke --out-dir /tmp/sweep     # seconds (CI)
 
 A seed changes the dense model's initialization and the order of training batches (dense and
 fine-tuning); the data set (MNIST-1D, seed 42) and its 1,000 test samples stay the same, so
 each run is compared with the dense model of its own seed. Runs reuse cached dense baselines
-(one per seed) from ``<out-dir>/cache``. Writes ``seed_sweep.json`` and ``seed_sweep.md``.
-``--recipes`` runs every MNIST-1D recipe of the README's table and writes that table's rows
+(one per seed) from ``<out-dir>/cache``. Writes ``seed_sweep.md`` and ``seed_sweep.json``
+(``runs``: name -> seed -> figures; with the command, the date and the machine it ran on).
+``--recipes`` runs every MNIST-1D recipe of docs/cli.md's recipe table and writes its rows
 (mean and range over the seeds); the table's stdlib LM and ResNet-18 rows are single runs.
 """
 
@@ -19,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 RUNS = {  # name: CLI arguments
@@ -38,7 +41,7 @@ RUNS = {  # name: CLI arguments
 }
 RECIPES = ["mnist1d_cnn_24", "mnist1d_cnn_unstructured90_cubic", "mnist1d_cnn_24_wanda_oneshot",
            "mnist1d_24_int8_qat", "mnist1d_24_fp8_qat", "mnist1d_channel30",
-           "mnist1d_channel25_24_int8"]  # the README's MNIST-1D rows, in its order
+           "mnist1d_channel25_24_int8"]  # docs/cli.md's MNIST-1D rows, in its order
 RUNS.update({name: [f"recipe={name}"] for name in RECIPES})
 SMOKE = ["data.kwargs.num_samples=300", "train.dense_steps=20", "train.finetune_steps=10",
          "schedule.end=5", "bench=off"]
@@ -60,8 +63,17 @@ def run_one(name: str, seed: int, out_dir: Path, smoke: bool) -> dict:
         used.write_text(json.dumps(args))
     s = json.loads(summary.read_text())
     return {"dense": s["dense"]["accuracy"], "compressed": s["compressed"]["accuracy"],
-            "size_bytes": s["compressed"]["size_bytes"], "sparsity": s["sparsity"],
+            "size_bytes": s["compressed"]["size_bytes"],
+            "dense_size_bytes": s["dense"]["size_bytes"], "sparsity": s["sparsity"],
             "seconds": s["seconds"]}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` says."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def spread(values: list[float], fmt: str = ".1f") -> str:
@@ -77,7 +89,7 @@ def spread(values: list[float], fmt: str = ".1f") -> str:
 
 
 def recipe_table(results: dict[str, dict[int, dict]], seeds: list[int]) -> str:
-    """The README's recipe rows: accuracy in %, mean (min to max) over the seeds."""
+    """docs/cli.md's recipe rows: accuracy in %, mean (min to max) over the seeds."""
     lines = [f"| recipe | dense acc, mean (range) over seeds {'/'.join(map(str, seeds))} | "
              "compressed acc, mean (range) | difference, mean (range) | sparsity | "
              "size (bytes) compressed |",
@@ -114,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--recipes", action="store_true",
-                    help="every MNIST-1D recipe of the README's table, and that table")
+                    help="every MNIST-1D recipe of docs/cli.md's table, and that table")
     ap.add_argument("--smoke", action="store_true", help="tiny data and steps (CI)")
     args = ap.parse_args(argv)
     if args.recipes:
@@ -122,10 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.seeds, args.runs = args.seeds[:1], args.runs[:1 if args.recipes else 2]
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    meta = {"command": " ".join(["python", "tools/seed_sweep.py", *(argv or sys.argv[1:])]),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "device": "cpu",
+            "machine": f"{cpu_name()}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "seeds": args.seeds}
     results: dict[str, dict[int, dict]] = {}
     for name in args.runs:  # the files grow row by row, so a long sweep shows where it is
         results[name] = {s: run_one(name, s, args.out_dir, args.smoke) for s in args.seeds}
-        (args.out_dir / "seed_sweep.json").write_text(json.dumps(results, indent=1))
+        (args.out_dir / "seed_sweep.json").write_text(
+            json.dumps({**meta, "runs": results}, indent=1))
         md = (recipe_table if args.recipes else table)(results, args.seeds)
         (args.out_dir / "seed_sweep.md").write_text(md + "\n")
     print(md)

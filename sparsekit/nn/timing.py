@@ -23,13 +23,27 @@ def time_ms(fn: Callable[[], object], device: torch.device | str = "cuda", *, wa
             wrap: Callable[[range], Iterable[int]] | None = None,
             before: Callable[[], object] | None = None) -> float:
     """Median time of one ``fn()`` in milliseconds over ``repeats`` calls after ``warmup``
+    calls: the median of :func:`time_samples_ms` (same arguments).
+
+    >>> time_ms(lambda: sum(range(100)), "cpu", warmup=1, repeats=3) >= 0
+    True
+    """
+    return statistics.median(time_samples_ms(fn, device, warmup=warmup, repeats=repeats,
+                                             wrap=wrap, before=before))
+
+
+def time_samples_ms(fn: Callable[[], object], device: torch.device | str = "cuda", *,
+                    warmup: int = 3, repeats: int = 20,
+                    wrap: Callable[[range], Iterable[int]] | None = None,
+                    before: Callable[[], object] | None = None) -> list[float]:
+    """The time of each of ``repeats`` calls of ``fn()`` in milliseconds, after ``warmup``
     calls: between CUDA events (host overhead included) on a CUDA ``device``, with
     ``time.perf_counter`` elsewhere. ``wrap`` (e.g. a progress bar) wraps the repeat range.
     ``before()`` runs ahead of every call, finished (synchronized) and outside the timed span
     (e.g. :func:`flush_l2`).
 
-    >>> time_ms(lambda: sum(range(100)), "cpu", warmup=1, repeats=3) >= 0
-    True
+    >>> len(time_samples_ms(lambda: sum(range(100)), "cpu", warmup=1, repeats=3))
+    3
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -58,7 +72,7 @@ def time_ms(fn: Callable[[], object], device: torch.device | str = "cuda", *, wa
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 _FLUSH: dict[torch.device, torch.Tensor] = {}

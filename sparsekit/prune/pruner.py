@@ -1,6 +1,6 @@
 """The Pruner: owns the masks of the selected layers and moves them along a schedule.
 
-Typical use inside a training loop (README, "Pruning in your own training loop"):
+Typical use inside a training loop (docs/api.md, "Pruning in your own training loop"):
 
     pruner = Pruner(model, sparsity=0.9, schedule=Cubic(start=0, end=2000, every=100))
     for step, batch in enumerate(loader):

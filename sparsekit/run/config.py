@@ -338,10 +338,13 @@ class BenchConfig(_Checked):
     enabled: bool = True
     batch_size: int = 256  # throughput batch; latency is always measured at batch 1
     warmup: int = 5
-    repeats: int = 20
+    repeats: int = 20  # timed calls; figures are their median, with p10 and p90
+    # a causal LM with accel on CUDA: generation speed, new tokens after a prompt (batch 1)
+    new_tokens: int = 128
+    prompt_tokens: int = 128
 
     def check(self) -> None:
-        self._at_least("batch_size", "repeats", low=1)
+        self._at_least("batch_size", "repeats", "new_tokens", "prompt_tokens", low=1)
 
 
 @dataclass

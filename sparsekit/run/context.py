@@ -84,6 +84,8 @@ class RunContext:
     speed: dict[str, dict[str, float]] = dataclasses.field(
         default_factory=lambda: {"dense": {}, "compressed": {}})
     accel: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fast: Any = None  # the AcceleratedModel (accel.enabled, on CUDA)
+    generation: dict[str, Any] = dataclasses.field(default_factory=dict)  # a causal LM's
     model_path: Path | None = None
     hf_export: dict | None = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -4,8 +4,9 @@ The stages (:data:`STAGES`, each a short ``stage_<name>(ctx)`` over one :class:`
 setup -> dense model (trained and cached by config hash, or loaded; evaluated) -> sensitivity
 -> channel pruning -> QAT preparation -> shard (FSDP2) -> prune (the Pruner, the optimizer,
 resume) -> fine-tune under the pruner -> finalize -> quantize -> evaluate -> benchmark dense vs
-compressed -> accelerate (GPU) -> save -> HF export -> summarize. Everything is logged to
-TensorBoard under ``<run_dir>/tb`` and summarized in ``summary.json`` / ``summary.md``.
+compressed -> accelerate (GPU) -> a causal LM's generation speed (GPU) -> save -> HF export ->
+summarize. Everything is logged to TensorBoard under ``<run_dir>/tb`` and summarized in
+``summary.json`` / ``summary.md``.
 
 What happens during training is callbacks (:class:`Callback`): :class:`Logging`,
 :class:`Evaluation` and :class:`Checkpointing` are built in; ``run(..., callbacks=[...])`` and
@@ -37,7 +38,7 @@ from torch import nn
 import sparsekit as sk
 from sparsekit.run import distributed as D
 from sparsekit.io.files import atomic_write, move_aside
-from sparsekit.run.bench import benchmark
+from sparsekit.run.bench import benchmark, generation_speed
 from sparsekit.run.loading import (
     build_run_data,
     check_model_takes_data,
@@ -48,7 +49,9 @@ from sparsekit.run.loading import (
 )
 from sparsekit.prune.channels import channel_criterion
 from sparsekit.prune.criteria import needs_calibration
-from sparsekit.run.config import Config, joint_gptq, validate
+from sparsekit.run import figures
+from sparsekit.run.config import Config, choices, joint_gptq, validate
+from sparsekit.run.resources import recipes_dir
 from sparsekit.run.context import (  # noqa: F401  (CHECKPOINT, Callback: public here too)
     CHECKPOINT,
     Callback,
@@ -249,24 +252,51 @@ def _fmt(metric: str, value: float | None) -> str:
     return f"{value:.2%}" if metric == "accuracy" else f"{value:.3f}"
 
 
+#: the speed figures of a run: summary key, table row, number format
+SPEEDS = (("latency_ms", "latency b=1 (ms)", ".3f"),
+          ("throughput", "throughput (samples/s)", ",.0f"),
+          ("tokens_per_s", "generation (tokens/s, b=1)", ",.1f"))
+
+
+def with_spread(side: dict[str, Any], key: str, fmt: str) -> str:
+    """``median (p10-p90)`` of a speed figure in a summary's dense/compressed entry; ``-``
+    when it was not measured.
+
+    >>> with_spread({"latency_ms": 0.058, "latency_ms_p10": 0.055, "latency_ms_p90": 0.061},
+    ...             "latency_ms", ".3f")
+    '0.058 (0.055-0.061)'
+    """
+    if side.get(key) is None:
+        return "-"
+    text = format(side[key], fmt)
+    if side.get(f"{key}_p10") is not None:
+        text += f" ({format(side[f'{key}_p10'], fmt)}-{format(side[f'{key}_p90'], fmt)})"
+    return text
+
+
 def summary_table(s: dict[str, Any]) -> str:
-    """The end-of-run table (markdown) from a run summary."""
+    """The end-of-run table (markdown) from a run summary: the metric, sparsity, size and the
+    speed figures measured (median, with p10-p90 over the repeats in brackets); a causal LM's
+    generation speed has a row even when it was skipped (with the reason below)."""
     m, d, c = s["metric"], s["dense"], s["compressed"]
-
-    def num(x: float | None, f: str) -> str:
-        return "-" if x is None else format(x, f)
-
+    size = lambda x: "-" if x is None else f"{x:,}"  # noqa: E731
     rows = [
         (m, _fmt(m, d[m]), _fmt(m, c[m])),
         ("sparsity (pruned layers)", "0.00%", f"{s['sparsity']:.2%}"),
-        ("size (bytes)", num(d["size_bytes"], ","), num(c["size_bytes"], ",")),
-        ("latency b=1 (ms)", num(d.get("latency_ms"), ".3f"), num(c.get("latency_ms"), ".3f")),
-        ("throughput (samples/s)", num(d.get("throughput"), ",.0f"),
-         num(c.get("throughput"), ",.0f")),
+        ("size (bytes)", size(d["size_bytes"]), size(c["size_bytes"])),
     ]
+    generation = s.get("generation") or {}
+    for key, label, fmt in SPEEDS:
+        if key in d or key in c or (key == "tokens_per_s" and generation):
+            rows.append((label, with_spread(d, key, fmt), with_spread(c, key, fmt)))
     lines = ["| | dense | compressed |", "| --- | ---: | ---: |"]
     lines += [f"| {a} | {b} | {c_} |" for a, b, c_ in rows]
     lines.append("")
+    if any(k in d for k, _, _ in SPEEDS):
+        lines.append("Speed: median over bench.repeats calls (p10-p90 in brackets); ranges that "
+                     "overlap are within noise.")
+    if generation.get("skipped"):
+        lines.append(f"Generation speed skipped: {generation['skipped']}.")
     lines.append(f"TensorBoard logdir: {s['tensorboard_logdir']}")
     return "\n".join(lines)
 
@@ -317,7 +347,9 @@ def stage_dense(ctx: RunContext) -> None:
     ctx.dense_size = file_size(ctx.model)
     # a copy of the dense model only when something reads it: the distillation teacher and the
     # speed reference (an LLM one-shot run would otherwise hold its weights twice)
-    keep_dense = (cfg.train.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
+    keep_dense = ((cfg.train.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
+                  or (cfg.accel.enabled and ctx.device.type == "cuda"
+                      and is_causal_lm(ctx.model)))
     ctx.dense = copy.deepcopy(ctx.model).eval() if keep_dense else None
     ctx.tracker.dense({f"eval/{ctx.metric}": ctx.dense_eval[ctx.metric]}, 0)
     example = next(eval_batches(ctx.data.eval, cfg.bench.batch_size, 1))[0]
@@ -517,18 +549,27 @@ def stage_evaluate(ctx: RunContext) -> None:
         tracker.scalars({f"variants/{m}/{name}": v for name, v in ctx.variants.items()}, step)
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` generates text (a Hugging Face model whose ``can_generate()``)."""
+    can = getattr(model, "can_generate", None)
+    return bool(callable(can) and can())
+
+
 def stage_benchmark(ctx: RunContext) -> None:
-    """Latency and throughput of the dense and the compressed model (rank 0)."""
+    """Latency and throughput of the dense and the compressed model (rank 0), with their
+    spread. A causal LM's speed is its generation's instead (:func:`stage_generate`)."""
     b = ctx.cfg.bench
-    if b.enabled and isinstance(ctx.example, torch.Tensor) and D.is_main():
+    if (b.enabled and isinstance(ctx.example, torch.Tensor) and D.is_main()
+            and not is_causal_lm(ctx.model)):
         for name, m in (("dense", ctx.dense), ("compressed", ctx.model)):
             ctx.speed[name] = benchmark(m, ctx.example, b.batch_size, b.warmup, b.repeats, name,
                                         ctx.quiet)
 
 
 def stage_accelerate(ctx: RunContext) -> None:
-    """``accel.enabled`` (rank 0): ``sk.accelerate`` on a copy, its per-layer report logged to
-    TensorBoard, and a benchmark of its result; skipped (with the reason) without CUDA."""
+    """``accel.enabled`` (rank 0): ``sk.accelerate`` on a copy (kept as ``ctx.fast``), its
+    per-layer report logged to TensorBoard, and a benchmark of its result (a causal LM's:
+    :func:`stage_generate`); skipped (with the reason) without CUDA."""
     a, b = ctx.cfg.accel, ctx.cfg.bench
     ctx.accel = {"enabled": a.enabled}
     if not a.enabled or not D.is_main():
@@ -537,16 +578,62 @@ def stage_accelerate(ctx: RunContext) -> None:
         print("accel skipped: CUDA is not available")
         ctx.accel["skipped"] = "CUDA is not available"
         return
-    fast = sk.accelerate(copy.deepcopy(ctx.model), ctx.example[:1], precision=a.precision,
-                         sparsity=a.sparsity, min_speedup=a.min_speedup, siblings=a.siblings,
-                         capture=a.capture)
+    fast = ctx.fast = sk.accelerate(copy.deepcopy(ctx.model), ctx.example[:1],
+                                    precision=a.precision, sparsity=a.sparsity,
+                                    min_speedup=a.min_speedup, siblings=a.siblings,
+                                    capture=a.capture)
     report = fast.sparsekit_report
     if ctx.tracker.writer is not None:
         report.log(ctx.tracker.writer)
     ctx.accel["report"] = report.to_dict()
-    if b.enabled:
+    if b.enabled and not is_causal_lm(ctx.model):
         ctx.accel["speed"] = benchmark(fast, ctx.example, b.batch_size, b.warmup, b.repeats,
                                        "accel", ctx.quiet)
+
+
+def generation_skipped(ctx: RunContext) -> str | None:
+    """Why a causal LM's generation speed cannot be measured in this run, or None."""
+    if ctx.device.type != "cuda":
+        return "needs a CUDA GPU (accel=gpu); this run is on " + ctx.device.type
+    if ctx.fast is None:
+        return "needs accel=gpu"
+    if not callable(getattr(ctx.fast, "generate", None)):
+        return "this sparsekit's AcceleratedModel has no generate()"
+    return None
+
+
+def stage_generate(ctx: RunContext) -> None:
+    """A causal LM with ``accel.enabled`` (rank 0): generation speed of the dense and the
+    compressed model, ``bench.new_tokens`` new tokens after a prompt of ``bench.prompt_tokens``
+    tokens of the evaluation text, batch 1, greedy, ``bench.repeats`` calls after
+    ``bench.warmup``. Dense runs the fastest stock way (bf16, Hugging Face's static KV cache,
+    whose decoding step ``generate`` compiles); compressed runs ``AcceleratedModel.generate``.
+    Tokens/s (median, p10, p90) go to ``ctx.speed[...]["tokens_per_s"...]``. Off CUDA (or
+    without accel) it is skipped, and the run says why."""
+    a, b = ctx.cfg.accel, ctx.cfg.bench
+    if not (a.enabled and D.is_main() and is_causal_lm(ctx.model)):
+        return
+    why = generation_skipped(ctx)
+    if why is not None:
+        print(f"generation speed skipped: {why}")
+        ctx.generation = {"skipped": why}
+        return
+    ids = ctx.example[:1, : b.prompt_tokens]
+    pad = getattr(ctx.tokenizer, "pad_token_id", None)
+    pad = getattr(ctx.tokenizer, "eos_token_id", None) if pad is None else pad
+    options = dict(max_new_tokens=b.new_tokens, min_new_tokens=b.new_tokens, do_sample=False,
+                   pad_token_id=pad)
+    dense = ctx.dense.to(torch.bfloat16)  # its last use: the speed reference, at accel's width
+    fast = ctx.fast
+    calls = {"dense": lambda x: dense.generate(x, cache_implementation="static", **options),
+             "compressed": lambda x: fast.generate(x, **options)}
+    for name, generate in calls.items():
+        s = generation_speed(generate, ids, b.new_tokens, b.repeats, b.warmup,
+                             f"{name} generate", ctx.quiet)
+        ctx.speed[name].update(tokens_per_s=s["median"], tokens_per_s_p10=s["p10"],
+                               tokens_per_s_p90=s["p90"])
+    ctx.generation = {"prompt_tokens": int(ids.shape[-1]), "new_tokens": b.new_tokens,
+                      "batch_size": 1}
 
 
 def stage_save(ctx: RunContext) -> None:
@@ -568,34 +655,62 @@ def stage_summarize(ctx: RunContext) -> None:
     hparams, the summary text), once rank 0's files are written."""
     D.barrier()
     s = ctx.summary = run_summary(ctx)
-    step, tracker = ctx.final_step, ctx.tracker
+    step, tracker, m = ctx.final_step, ctx.tracker, ctx.metric
     for name, log in (("dense", tracker.dense), ("compressed", tracker.scalars)):
-        if ctx.speed[name]:
-            log({"speed/latency_ms": ctx.speed[name]["latency_ms"],
-                 "speed/throughput": ctx.speed[name]["throughput"]}, step)
+        log({f"speed/{key}{end}": value for key, _, _ in SPEEDS
+             for end in ("", "_p10", "_p90")
+             if (value := ctx.speed[name].get(key + end)) is not None}, step)
         log({"size/bytes": s[name]["size_bytes"]}, step)
     if s["speedup"] is not None:
         tracker.scalars({"speed/speedup": s["speedup"]}, step)
-    final = {
-        f"final/{ctx.metric}/dense": ctx.dense_eval[ctx.metric],
-        f"final/{ctx.metric}/compressed": ctx.comp_eval[ctx.metric],
-        "final/sparsity": ctx.report.global_sparsity,
-        "final/size_bytes": s["compressed"]["size_bytes"],
-    }
+    if ctx.speed["dense"] or ctx.speed["compressed"]:
+        tracker.figure("speed/spread", figures.speed_spread(ctx.speed), step)
+    # compressed first, the dense reference once, at the end: hparams' columns in this order
+    final = {f"final/{m}/compressed": ctx.comp_eval[m],
+             "final/sparsity": ctx.report.global_sparsity,
+             "final/size_bytes": s["compressed"]["size_bytes"]}
     if s["speedup"] is not None:
         final["final/speedup"] = s["speedup"]
+    final[f"final/{m}/dense"] = ctx.dense_eval[m]
     hparams = OmegaConf.to_container(OmegaConf.structured(ctx.cfg), enum_to_str=True)
-    tracker.hparams(hparams, final, step, s["overrides"])
+    tracker.hparams(hparams, final, step, s["overrides"], domains=hparam_domains())
     table = summary_table(s)
     markdown = f"# sparsekit run\n\n{table}\n\nSparsity by layer:\n\n```\n{ctx.report}\n```\n"
     tracker.text("summary", markdown, step)
     tracker.close()
     s["ended_utc"] = utc_now()
+    s["seconds"] = round(time.perf_counter() - ctx.t0, 1)  # the whole run, figures included
     if D.is_main():
         write_file(ctx.run_dir / "summary.json",
                    lambda tmp: Path(tmp).write_text(json.dumps(s, indent=2) + "\n"))
         write_file(ctx.run_dir / "summary.md", lambda tmp: Path(tmp).write_text(markdown))
     s["table"] = f"{table}\n\nSparsity by layer:\n{ctx.report}"
+
+
+def speedup(speed: dict[str, dict[str, float]]) -> float | None:
+    """Dense over compressed latency at batch 1, or for a causal LM compressed over dense
+    generation tokens/s (medians); None when neither was measured."""
+    d, c = speed["dense"], speed["compressed"]
+    if d.get("latency_ms") and c.get("latency_ms"):
+        return d["latency_ms"] / c["latency_ms"]
+    if d.get("tokens_per_s") and c.get("tokens_per_s"):
+        return c["tokens_per_s"] / d["tokens_per_s"]
+    return None
+
+
+def hparam_domains() -> dict[str, list[str]]:
+    """Every value a string hparam of the config can take, where the set is fixed: the
+    schema's and registries' choices, the recipes, the registered models and data sets (the
+    hparams dashboard needs them to filter; strings without one are left to the config text)."""
+    from sparsekit.data import BUILTIN_DATA, TOKENIZED_DATA
+    from sparsekit.models import registered_models
+
+    domains = {key: list(values) for key, values in choices().items()}
+    domains["recipe"] = ["none", *sorted(p.stem for p in recipes_dir().glob("*.yaml"))]
+    domains["model.name"] = sorted(registered_models())
+    domains["data.name"] = [*BUILTIN_DATA, *TOKENIZED_DATA]
+    domains["prune.pattern"] = ["unstructured", "none", "2:4", "1:4", "4:8"]
+    return domains
 
 
 def run_summary(ctx: RunContext) -> dict[str, Any]:
@@ -616,8 +731,8 @@ def run_summary(ctx: RunContext) -> dict[str, Any]:
         "channels": None if ctx.channel_report is None else ctx.channel_report.to_dict(),
         "quant": None if ctx.quant_report is None else ctx.quant_report.to_dict(),
         "variants": ctx.variants or None,
-        "speedup": (speed["dense"]["latency_ms"] / speed["compressed"]["latency_ms"]
-                    if speed["compressed"] else None),
+        "speedup": speedup(speed),
+        "generation": ctx.generation or None,
         "accel": ctx.accel,
         "dense_source": ctx.dense_source,
         "device": str(ctx.device),
@@ -645,6 +760,7 @@ STAGES: tuple[tuple[str, Any], ...] = (
     ("evaluate", stage_evaluate),
     ("benchmark", stage_benchmark),
     ("accelerate", stage_accelerate),
+    ("generate", stage_generate),
     ("save", stage_save),
     ("export_hf", stage_export_hf),
     ("summarize", stage_summarize),

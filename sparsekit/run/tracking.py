@@ -1,26 +1,32 @@
 """TensorBoard logging for a run: scalars, weight histograms, figures, hparams, text and a
 custom-scalars layout.
 
-A run's logs go under ``<run_dir>/tb/<label>_<time>/``, named for what the run is (its recipe
-or the overrides that matter) so that ``tensorboard --logdir runs`` lists readable names. In
-it, two TensorBoard runs with the same tags: ``compressed`` (everything: training, the
-compressed model's metrics, figures, text, hparams) and ``dense`` (the dense model's metrics
+A run's logs go under ``<run_dir>/tb/<short name>/``, named for what the run is (its recipe
+and the overrides that matter, paths cut to their last component, long names cut with a short
+hash) so that ``tensorboard --logdir runs`` lists short, readable names. In it, two TensorBoard
+runs with the same tags: ``<short name>/compressed`` (everything: training, the compressed
+model's metrics, figures, text, hparams) and ``<short name>/dense`` (the dense model's metrics
 only, logged at step 0, at every evaluation and at the end, so it is a reference line across
-the whole run). TensorBoard colours by run, so each chart shows dense and compressed in two
-colours, named in its legend. The hparams summaries are written with the low-level summary API
-into the compressed event stream, not through ``SummaryWriter.add_hparams`` (which opens a
-timestamped sub-run). Writers flush on an interval (``flush_secs``), not on every call. The
+the whole run). Grouping runs by the regex :data:`COLOR_GROUP` (TensorBoard's "Color runs by"
+menu, or the URL :func:`dashboard_url` gives) draws the two of a run in one colour. Speed is
+logged as its median and its 10th and 90th percentiles over the repeats (``speed/<name>``,
+``speed/<name>_p10``, ``speed/<name>_p90``) and drawn as the figure ``speed/spread``. The
+hparams summaries are written with the low-level summary API into the compressed event
+stream, not through ``SummaryWriter.add_hparams`` (which opens a timestamped sub-run): the
+compressed run's metrics first and the dense reference once, last; string hparams with a fixed
+set of values declare it (the dashboard filters on it), other strings are left to the
+``config`` text. Writers flush on an interval (``flush_secs``), not on every call. The
 custom-scalars layout is written when the run closes and holds only charts whose tags were
 logged, so a classification run has no perplexity chart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import re
-import time
 from datetime import datetime, timezone
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -40,8 +46,9 @@ LAYOUT = {
     "dense vs compressed": {
         "accuracy": ["Multiline", ["eval/accuracy"]],
         "perplexity": ["Multiline", ["eval/perplexity"]],
-        "latency (ms, batch 1)": ["Multiline", ["speed/latency_ms"]],
-        "throughput (samples/s)": ["Multiline", ["speed/throughput"]],
+        "latency (ms, batch 1, median)": ["Multiline", ["speed/latency_ms"]],
+        "throughput (samples/s, median)": ["Multiline", ["speed/throughput"]],
+        "generation (tokens/s, median)": ["Multiline", ["speed/tokens_per_s"]],
         "size (bytes)": ["Multiline", ["size/bytes"]],
     },
     "training": {
@@ -53,6 +60,23 @@ LAYOUT = {
 # overrides that do not change what a run computes: left out of its name
 _NOT_IN_NAME = ("hydra.", "hydra/", "cache_dir", "resume", "train.quiet", "tracker.", "tracker=",
                 "bench.", "bench=")
+#: hparams every run records, beside the recipe and the keys its command line set. Few: the
+#: dashboard shows five hparam columns (those marked as differing first) before the metrics
+CORE_HPARAMS = ("prune.pattern", "prune.sparsity", "quant.scheme")
+#: TensorBoard's "color runs by regex": the dense and compressed runs of one run, one colour
+COLOR_GROUP = r"(.*)/(?:dense|compressed)$"
+NAME_MAX = 64  # characters of a run's short name
+
+
+def dashboard_url(port: int = 6006, host: str = "localhost") -> str:
+    """The TensorBoard address that opens with runs coloured by :data:`COLOR_GROUP`.
+
+    >>> dashboard_url()
+    'http://localhost:6006/?runColorGroup=regex:(.*)%2F(%3F:dense%7Ccompressed)%24#timeseries'
+    """
+    from urllib.parse import quote
+
+    return f"http://{host}:{port}/?runColorGroup=regex:{quote(COLOR_GROUP, safe='():*')}#timeseries"
 
 
 def utc_now() -> str:
@@ -80,6 +104,17 @@ def layout(tags: Iterable[str]) -> dict[str, dict[str, list]]:
     return out
 
 
+def anchored(charts: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    """A layout whose tags are exact: custom scalars read a chart's tags as regexes, and
+    ``speed/latency_ms`` alone would also draw ``speed/latency_ms_p10`` and ``_p90``.
+
+    >>> anchored({"c": {"latency": ["Multiline", ["speed/latency_ms"]]}})
+    {'c': {'latency': ['Multiline', ['^speed/latency_ms$']]}}
+    """
+    return {title: {name: [kind, [f"^{re.escape(t)}$" for t in tags]]
+                    for name, (kind, tags) in group.items()} for title, group in charts.items()}
+
+
 def read_overrides(run_dir: str | os.PathLike) -> list[str]:
     """The command-line overrides Hydra recorded for a run (``.hydra/overrides.yaml``), or []
     for a run made without Hydra (the API)."""
@@ -95,12 +130,20 @@ def recipe_of(overrides: Sequence[str]) -> str | None:
 
 def run_label(overrides: Sequence[str]) -> str:
     """A short name for what a run is: its recipe, then the overrides that change what it
-    computes (``prune.sparsity=0.5`` as ``sparsity=0.5``); ``default`` for none.
+    computes (``prune.sparsity=0.5`` as ``sparsity=0.5``; a path as its group and last
+    component: ``model.path=/data/llama-1b`` as ``model=llama-1b``); ``default`` for none.
+    A name longer than :data:`NAME_MAX` keeps its first parts that fit, then ``~`` and a hash
+    of the whole name.
 
     >>> run_label(["recipe=mnist1d_cnn_24", "prune.sparsity=0.5", "cache_dir=/tmp/c"])
     'mnist1d_cnn_24,sparsity=0.5'
     >>> run_label(["prune=unstructured", "train.seed=1", "hydra.run.dir=x"])
     'prune=unstructured,seed=1'
+    >>> run_label(["recipe=llm_sparsegpt_24", "model.path=/tmp/a/llama-1b/",
+    ...            "data.path=/tmp/b/wiki.txt"])
+    'llm_sparsegpt_24,model=llama-1b,data=wiki.txt'
+    >>> run_label(["recipe=mnist1d_cnn_24", *(f"train.k{i}=123456" for i in range(9))])
+    'mnist1d_cnn_24,k0=123456,k1=123456,k2=123456,k3=123456~d6bd5a'
     """
     parts = []
     for o in overrides:
@@ -110,23 +153,34 @@ def run_label(overrides: Sequence[str]) -> str:
         key, value = o.split("=", 1)
         if key == "recipe":
             parts.insert(0, value)
+        elif "/" in value or os.sep in value:  # a path: where it points, not the whole path
+            parts.append(f"{key.split('.', 1)[0]}={Path(value.strip(chr(39) + chr(34))).name}")
         elif "." in key:
             parts.append(f"{key.rsplit('.', 1)[1]}={value}")
         else:
             parts.append(f"{key}={value}")
-    label = re.sub(r"[^A-Za-z0-9_.,=+:-]+", "-", ",".join(parts))[:80]
-    return label or "default"
+    label = re.sub(r"[^A-Za-z0-9_.,=+:-]+", "-", ",".join(parts)) or "default"
+    if len(label) <= NAME_MAX:
+        return label
+    digest = hashlib.sha256(label.encode()).hexdigest()[:6]
+    kept = ""
+    for part in label.split(","):  # whole parts, in order, while they fit
+        longer = f"{kept},{part}" if kept else part
+        if len(longer) > NAME_MAX - 7:
+            break
+        kept = longer
+    return f"{kept or label[:NAME_MAX - 7]}~{digest}"
 
 
 def run_logdir(run_dir: str | os.PathLike, resume: bool = False) -> Path:
-    """``<run_dir>/tb/<label>_<YYYYmmdd-HHMMSS>``; a resumed run continues the log directory
-    it already has."""
+    """``<run_dir>/tb/<short name>`` (:func:`run_label`); a resumed run continues the log
+    directory it already has."""
     root = Path(run_dir) / "tb"
     if resume and root.is_dir():
         existing = sorted(p for p in root.iterdir() if p.is_dir())
         if existing:
             return existing[-1]
-    return root / f"{run_label(read_overrides(run_dir))}_{time.strftime('%Y%m%d-%H%M%S')}"
+    return root / run_label(read_overrides(run_dir))
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -237,22 +291,37 @@ class Tracker:
             self.writer.add_text(tag, markdown, step)
 
     def hparams(self, config: Mapping[str, Any], metrics: Mapping[str, float], step: int,
-                overrides: Sequence[str] = ()) -> None:
+                overrides: Sequence[str] = (),
+                domains: Mapping[str, Sequence[str]] | None = None) -> None:
         """One hparams entry for this run: ``recipe`` and the keys set by ``overrides`` (a
-        sweep's swept keys among them) first, then the rest of the flattened ``config``; and
-        the final ``metrics`` (also written as scalars, which is where the dashboard reads
-        them). TensorBoard lists first, and shows by default, the hparams marked as differing
-        between runs, so the overridden ones are marked."""
+        sweep's swept keys among them) first, then the keys of :data:`CORE_HPARAMS` (the whole
+        config is the ``config`` text); and the final ``metrics``, in their order (also
+        written as scalars, which is where the dashboard reads them). TensorBoard lists first,
+        and shows by default, the hparams marked as differing between runs, so the overridden
+        ones are marked. A string hparam
+        is kept only with its set of values in ``domains`` (this run's value added; booleans
+        are declared ``[False, True]``): the dashboard filters runs on a string's declared
+        values and warns about a string without them. The others (paths, lists) are in the
+        ``config`` text."""
         if self.writer is None:
             return
+        domains = dict(domains or {})
         flat = {"recipe": recipe_of(overrides) or "none", **flatten(config)}
         keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides
                 if "=" in o and not o.lstrip("+~").startswith(_NOT_IN_NAME)]
-        first = ["recipe", *(k for k in keys if k in flat)]
-        hp = {k: flat[k] for k in dict.fromkeys([*first, *flat])
-              if isinstance(flat[k], (int, float, str, bool))}
-        exp, ssi, sei = hparams_summary(hp, dict(metrics))
-        mark_differing(exp, set(first))
+        hp: dict[str, Any] = {}
+        discrete: dict[str, list] = {}
+        for k in dict.fromkeys(["recipe", *(k for k in keys if k in flat),
+                                *(k for k in CORE_HPARAMS if k in flat)]):
+            v = flat[k]
+            if isinstance(v, bool):
+                hp[k], discrete[k] = v, [False, True]
+            elif isinstance(v, (int, float)):
+                hp[k] = v
+            elif isinstance(v, str) and k in domains:
+                hp[k], discrete[k] = v, list(dict.fromkeys([*map(str, domains[k]), v]))
+        exp, ssi, sei = hparams_summary(hp, dict(metrics), discrete)
+        mark_differing(exp, {"recipe", *keys} & set(hp))
         file_writer = _compat.summary_file_writer(self.writer)
         for summary in (exp, ssi, sei):
             file_writer.add_summary(summary)
@@ -261,7 +330,7 @@ class Tracker:
     def close(self) -> None:
         """Write the custom-scalars layout for the tags logged, and close the writers."""
         if self.writer is not None:
-            self.writer.add_custom_scalars(layout(self._tags))
+            self.writer.add_custom_scalars(anchored(layout(self._tags)))
             self.writer.close()
         if self._dense is not None:
             self._dense.close()
@@ -280,7 +349,8 @@ def mark_differing(experiment: Any, names: set[str]) -> None:
 
 def sweep_points(sweep_dir: str | os.PathLike) -> tuple[str, list[dict[str, Any]]]:
     """The metric and one point per finished run of a sweep (``<sweep_dir>/<n>/summary.json``,
-    labelled by the overrides in which it differs from the others); accuracy in %."""
+    labelled by the overrides in which it differs from the others); accuracy in %, latency
+    with its p10/p90 where the summary has them."""
     points, metric = [], "accuracy"
     runs = sorted((p for p in Path(sweep_dir).glob("*/summary.json")),
                   key=lambda p: (len(p.parent.name), p.parent.name))
@@ -289,7 +359,9 @@ def sweep_points(sweep_dir: str | os.PathLike) -> tuple[str, list[dict[str, Any]
         metric = s["metric"]
         scale = 100.0 if metric == "accuracy" else 1.0
         side = {k: {"value": scale * s[k][metric], "size_bytes": s[k]["size_bytes"],
-                    "latency_ms": s[k].get("latency_ms")} for k in ("dense", "compressed")}
+                    **{f"latency_ms{end}": s[k].get(f"latency_ms{end}")
+                       for end in ("", "_p10", "_p90") if s[k].get(f"latency_ms{end}")}}
+                for k in ("dense", "compressed")}
         points.append({"label": run_label(read_overrides(path.parent)), **side["compressed"],
                        "dense": side["dense"]})
     # name each point by what differs between the runs: the swept values

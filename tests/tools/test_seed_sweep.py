@@ -4,7 +4,7 @@ import json
 def test_smoke_table_matches_the_runs(tmp_path, run_tool):
     """Each run's summary.json feeds one row; the diff column is run minus its seed's dense."""
     done = run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
-    res = json.loads((tmp_path / "seed_sweep.json").read_text())
+    res = json.loads((tmp_path / "seed_sweep.json").read_text())["runs"]
     assert list(res) == ["ptq_int8", "ptq_fp8"] and list(res["ptq_int8"]) == ["0"]
     for name, per_seed in res.items():
         s = json.loads((tmp_path / "runs" / f"{name}_s0" / "summary.json").read_text())
@@ -36,7 +36,7 @@ def test_recipes_table_gives_mean_and_range_per_recipe(tmp_path, run_tool):
     """``--recipes`` runs the README's MNIST-1D recipes (smoke: the first, one seed) and
     prints one row per recipe from its summaries."""
     done = run_tool("seed_sweep.py", "--smoke", "--recipes", "--out-dir", tmp_path)
-    res = json.loads((tmp_path / "seed_sweep.json").read_text())
+    res = json.loads((tmp_path / "seed_sweep.json").read_text())["runs"]
     assert list(res) == ["mnist1d_cnn_24"]
     for name in res:
         s = json.loads((tmp_path / "runs" / f"{name}_s0" / "summary.json").read_text())

@@ -1,0 +1,71 @@
+"""The generated blocks of README.md and docs/cli.md equal what tools/docs_tables.py gives now,
+and what it gives comes from the measurement files and the registries."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import docs_tables  # noqa: E402
+
+from sparsekit.run.cli import group_options  # noqa: E402
+from sparsekit.run.config import choices  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(docs_tables.BLOCKS))
+def test_generated_block_is_up_to_date(name):
+    path, make = docs_tables.BLOCKS[name]
+    assert docs_tables.current(name) == make(), (
+        f"{path.name}'s {name} block is out of date: python tools/docs_tables.py --write")
+
+
+def test_groups_list_every_option_and_every_allowed_value():
+    text = docs_tables.current("groups")
+    for group in [p.name for p in (ROOT / "conf").iterdir() if p.is_dir()] + ["recipe"]:
+        for option in group_options(group):
+            assert f"- `{group}={option}`" in text, (group, option)
+    for key, values in choices().items():
+        assert f"- `{key}`: {', '.join(values)}" in text
+    for option in ("model=hf", "data=text", "data=synthetic"):  # the ones the README missed
+        assert option in text
+
+
+def test_results_rows_come_from_the_json_files(tmp_path):
+    """Change a figure in a copy of docs/ and the table changes with it; every row names a
+    command listed under the table."""
+    import shutil
+
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs, ignore=shutil.ignore_patterns("*.png", "*.csv"))
+    table = docs_tables.results_table(docs)
+    llama = json.loads((docs / "small_llama_h200.json").read_text())
+    after = llama["recipes"]["llm_sparsegpt_24"]["perplexity_after"]
+    assert f"perplexity {after:.2f}" in table
+    llama["recipes"]["llm_sparsegpt_24"]["perplexity_after"] = 123.456
+    (docs / "small_llama_h200.json").write_text(json.dumps(llama))
+    assert "perplexity 123.46" in docs_tables.results_table(docs)
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    commands = [ln for ln in table.splitlines() if ln[:1].isdigit()]
+    assert len(rows) == len(docs_tables.MNIST_ROWS + docs_tables.LLM_ROWS
+                            + docs_tables.SPEED_ROWS)
+    for row in rows:
+        n = int(row.rstrip(" |").rsplit("(", 1)[1].rstrip(")"))
+        assert 1 <= n <= len(commands)
+    assert all("python tools/" in c for c in commands)
+
+
+def test_check_mode_fails_on_a_stale_block(tmp_path, monkeypatch):
+    page = tmp_path / "cli.md"
+    page.write_text("x\n<!-- generated: groups (python tools/docs_tables.py --write) -->\nold\n"
+                    "<!-- end generated: groups -->\ny\n")
+    monkeypatch.setitem(docs_tables.BLOCKS, "groups", (page, lambda: "new"))
+    monkeypatch.setitem(docs_tables.BLOCKS, "results", (page, lambda: "new"))
+    monkeypatch.setattr(docs_tables, "ROOT", tmp_path)
+    monkeypatch.delitem(docs_tables.BLOCKS, "results")
+    assert docs_tables.main(["--check"]) == 1
+    assert docs_tables.main(["--write"]) == 0
+    assert page.read_text().split("\n")[2] == "new" and page.read_text().endswith("y\n")
+    assert docs_tables.main(["--check"]) == 0

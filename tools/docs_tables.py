@@ -1,0 +1,230 @@
+"""The generated parts of the docs, so they cannot drift from what they describe:
+
+- README.md's results table, from the JSON the measuring tools wrote into docs/ (each row
+  names the command that reproduces it, the machine and the date);
+- docs/cli.md's list of config groups, their options and the allowed values, from the config
+  files, the recipes and the registries (what ``sparsekit --help`` prints).
+
+    python tools/docs_tables.py            # print both
+    python tools/docs_tables.py --write    # rewrite the blocks in README.md and docs/cli.md
+    python tools/docs_tables.py --check    # exit 1 if a block differs (CI; the smoke mode)
+
+A block sits between ``<!-- generated: NAME (python tools/docs_tables.py --write) -->`` and
+``<!-- end generated: NAME -->``; tests/tools/test_docs_tables.py checks that each equals what
+this tool gives now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+# The commands that wrote the JSON files which do not record their own command line.
+SMALL_LLAMA_H200 = (
+    "python tools/train_small_llama.py --device cuda --minutes 0.3 --hidden 384 --layers 6 "
+    "--intermediate 1024 --heads 6 --vocab 4096 --seq-len 512 --batch-size 32 --lr 1.5e-3 "
+    "--text-bytes 16000000 --finetune-steps 200 --eval-batches 48")
+# (file under docs/bench, model, variant, what the row says)
+SPEED_ROWS = (
+    ("bench_models_run35_llama32_capture.json", "llama_causal", "sk_bf16_2:4",
+     "Llama-3-8B shapes, 32 layers, prefill 2x2048: bf16 2:4"),
+    ("bench_models_run35_llama32_capture.json", "llama_causal", "sk_fp8st_2:4",
+     "same, fp8 2:4 (`fp8_static_tensor`)"),
+    ("bench_models_run39_bert_final.json", "bert", "sk_bf16_2:4",
+     "BERT-large shapes, 8x512: bf16 2:4"),
+    ("bench_models_run34_vit_capture.json", "vit", "sk_fp8st_2:4",
+     "ViT-B/16, batch 256: fp8 2:4 (`fp8_static_tensor`)"),
+)
+MNIST_ROWS = (
+    ("mnist1d_cnn_24", "MNIST-1D CNN: 2:4 Wanda while fine-tuning (the default, `sparsekit`)"),
+    ("mnist1d_24_int8_qat", "same, 2:4 + int8 QAT (`recipe=mnist1d_24_int8_qat`)"),
+    ("mnist1d_channel30", "same, 30% of channels removed (`recipe=mnist1d_channel30`)"),
+)
+LLM_ROWS = (
+    ("llm_sparsegpt_24", "Llama 13.8M on stdlib text: SparseGPT 2:4 (`recipe=llm_sparsegpt_24`)"),
+    ("llm_sparsegpt_24_fp8", "same, 2:4 + fp8 (`recipe=llm_sparsegpt_24_fp8`)"),
+)
+
+
+def _spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """``mean (min-max)`` with ``unit`` after each number, or the one value when they agree
+    at ``fmt``.
+
+    >>> _spread([92.8, 93.6, 93.1], ".1f", "%"), _spread([19510, 19510], ",.0f", " B")
+    ('93.2% (92.8-93.6%)', '19,510 B')
+    """
+    if len({format(v, fmt) for v in values}) == 1:
+        return format(values[0], fmt) + unit
+    return (f"{format(statistics.mean(values), fmt)}{unit} "
+            f"({format(min(values), fmt)}-{format(max(values), fmt)}{unit})")
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _ms(blocks: list, side: str) -> list[float]:
+    return [b[3] for b in blocks if b[0] == side]
+
+
+def mnist_rows(path: Path) -> list[tuple[str, str]]:
+    sweep = json.loads(path.read_text())
+    seeds = "/".join(map(str, sweep["seeds"]))
+    where = f"{sweep['machine']} (CPU), {sweep['date_utc'][:10]}, seeds {seeds}"
+    rows = []
+    for name, what in MNIST_ROWS:
+        runs = list(sweep["runs"][name].values())
+        dense = _spread([100 * r["dense"] for r in runs], ".1f", "%")
+        comp = _spread([100 * r["compressed"] for r in runs], ".1f", "%")
+        dsize = _spread([r["dense_size_bytes"] for r in runs], ",.0f", " B")
+        csize = _spread([r["size_bytes"] for r in runs], ",.0f", " B")
+        rows.append((f"| {what} | accuracy {dense}, {dsize} | accuracy {comp}, {csize} | "
+                     f"{where} |", sweep["command"]))
+    return rows
+
+
+def llm_rows(path: Path, command: str) -> list[tuple[str, str]]:
+    d = json.loads(path.read_text())
+    where = f"{d['device']}, {d['date_utc'][:10]}"
+    rows = []
+    for name, what in LLM_ROWS:
+        r = d["recipes"][name]
+        rows.append((f"| {what} | perplexity {r['perplexity_before']:.2f}, "
+                    f"{_mb(r['size_bytes_before'])} | perplexity {r['perplexity_after']:.2f}, "
+                    f"{_mb(r['size_bytes_after'])} | {where} |", command))
+    return rows
+
+
+def speed_rows(bench_dir: Path) -> list[tuple[str, str]]:
+    rows = []
+    for file, model, variant, what in SPEED_ROWS:
+        d = json.loads((bench_dir / file).read_text())
+        v = d["models"][model]["variants"][variant]
+        ref, var = _ms(v["paired_blocks"], "ref"), _ms(v["paired_blocks"], "var")
+
+        def cell(times: list[float], median: float) -> str:
+            return f"{median:.2f} ms ({min(times):.2f}-{max(times):.2f})"
+
+        rows.append((f"| {what} | {cell(ref, v['paired_ref_ms'])} | "
+                     f"{cell(var, v['paired_ms'])}, **{v['paired_ratio']:.2f}x** | "
+                     f"{d['device']}, {d['date'][:10]} |", d["command"].split(" --out-dir")[0]))
+    return rows
+
+
+def results_table(docs: Path = DOCS) -> str:
+    """README's results: accuracy (MNIST-1D, three seeds: mean and range), perplexity and
+    size (a small Llama), and speed (H200, ratio to the fastest dense bf16 way, timed
+    alternately with it; time per call: median, and the range over the alternating blocks);
+    each row numbered by the command that reproduces it, listed below the table."""
+    rows = [*mnist_rows(docs / "seed_sweep_cpu.json"),
+            *llm_rows(docs / "small_llama_h200.json", SMALL_LLAMA_H200),
+            *speed_rows(docs / "bench")]
+    commands = list(dict.fromkeys(command for _, command in rows))
+    lines = ["| result | dense | compressed | measured on | command |",
+             "| --- | ---: | ---: | --- | :---: |"]
+    lines += [f"{row} ({commands.index(command) + 1}) |" for row, command in rows]
+    lines.append("")
+    lines += [f"{i}. `{command}`" for i, command in enumerate(commands, 1)]
+    return "\n".join(lines)
+
+
+def _first_sentence(path: Path) -> str:
+    """The first sentence of a config file's header comment (after ``@package``)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if not text.startswith("@package"):
+            lines.append(text)
+    text = " ".join(lines)
+    match = re.match(r"(.+?(?<!e\.g)(?<!i\.e)[.:])(\s|$)", text)
+    return (match.group(1) if match else text).rstrip(":").replace("|", "\\|")
+
+
+def groups_section() -> str:
+    """Every config group with its options (each with the first sentence of its file), the
+    recipes, and the keys whose values come from the schema or a registry."""
+    from sparsekit.run.cli import choices_help, group_options
+    from sparsekit.run.resources import conf_dir, recipes_dir
+
+    out = []
+    groups = sorted(p.name for p in conf_dir().iterdir() if p.is_dir())
+    for group in [*groups, "recipe"]:
+        folder = recipes_dir() if group == "recipe" else conf_dir() / group
+        out.append(f"**`{group}`**" + (" (ready-made recipes: `recipe=NAME`)"
+                                       if group == "recipe" else ""))
+        out.append("")
+        for option in group_options(group):
+            about = _first_sentence(folder / f"{option}.yaml")
+            out.append(f"- `{group}={option}`" + (f": {about}" if about else ""))
+        out.append("")
+    out.append("Keys with a fixed set of values (from the schema and the registries of criteria, "
+               "quantization schemes and accel variants):")
+    out.append("")
+    out += [f"- `{key}`: {values}" for key, values in
+            (line.split(": ", 1) for line in choices_help().splitlines())]
+    return "\n".join(out)
+
+
+BLOCKS = {  # name: (file, generator)
+    "results": (ROOT / "README.md", results_table),
+    "groups": (DOCS / "cli.md", groups_section),
+}
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- generated: {name} [^\n]*-->\n)(.*?)(<!-- end generated: "
+                      rf"{name} -->)", re.S)
+
+
+def current(name: str) -> str:
+    """The block ``name`` as it stands in its file (without its last newline)."""
+    path, _ = BLOCKS[name]
+    match = _pattern(name).search(path.read_text())
+    if match is None:
+        raise ValueError(f"{path.name} has no generated block {name!r}")
+    return match.group(2).removesuffix("\n")
+
+
+def write(name: str) -> bool:
+    """Rewrite block ``name`` in its file; True when it changed."""
+    path, make = BLOCKS[name]
+    text = path.read_text()
+    current(name)  # the block must exist
+    new = _pattern(name).sub(lambda m: m.group(1) + make() + "\n" + m.group(3), text, count=1)
+    path.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the generated blocks")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a block is out of date")
+    args = ap.parse_args(argv)
+    stale = []
+    for name, (path, make) in BLOCKS.items():
+        if args.write:
+            print(f"{path.relative_to(ROOT)}: {name} {'rewritten' if write(name) else 'as is'}")
+        elif args.check:
+            if current(name) != make():
+                stale.append(f"{path.relative_to(ROOT)} ({name})")
+        else:
+            print(make() + "\n")
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run python tools/docs_tables.py --write",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
