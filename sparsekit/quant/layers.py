@@ -11,6 +11,7 @@ from sparsekit.errors import UsageError
 from sparsekit.quant.formats import Scheme
 from sparsekit.quant.modules import QuantConv, QuantLinear, _QuantWeight, unsupported_reason
 from sparsekit.quant.report import QuantLayer, QuantReport
+from sparsekit.prune.masks import check_finite_weight
 from sparsekit.prune.report import register_reported_types
 from sparsekit.prune.select import PRUNABLE_TYPES, select_modules
 
@@ -102,7 +103,8 @@ def plan_layers(
 ) -> tuple[QuantReport, dict[str, nn.Module]]:
     """The report of what ``verb`` (quantize_, prepare_qat_) does to every layer, and the layers
     it takes: chosen ones whose dtype and shape ``scheme`` supports. ``strict``: ValueError
-    naming the layers it cannot take instead of skipping them."""
+    naming the layers it cannot take instead of skipping them. A taken layer with a NaN or inf
+    weight raises NumericsError naming it (its scales would be NaN)."""
     report = QuantReport(scheme.name)
     todo: dict[str, nn.Module] = {}
     read_by_parent = _read_by_parent(model)
@@ -115,6 +117,7 @@ def plan_layers(
         elif (reason := unsupported_reason(m, scheme)) is not None:
             layer.status, layer.reason = "skipped", reason
         else:
+            check_finite_weight(name, m.weight, "quantizing")
             todo[name] = m
         report.layers.append(layer)
     if strict and report.skipped:
