@@ -59,7 +59,7 @@ def run_cli(args: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
         (["prune=dense"], "prune=dense: unknown option; allowed: "),
         (["model.name=nope"], "model.name='nope' is not allowed; choose one of: mnist1d_cnn"),
         (["prune.pattern=3:2"], "prune.pattern='3:2' is not allowed; choose 'unstructured'"),
-        (["prune.sparsity=1.5"], "prune.sparsity=1.5 must be in [0, 1)"),
+        (["prune.sparsity=1.5"], "prune.sparsity=1.5 must be a finite number in [0, 1) (or null)"),
         (["prune.criterion=random"], "prune.criterion='random' is not allowed; choose one of"),
         (["schedule.kind=step"], "schedule.kind='step' is not allowed; choose one of: oneshot"),
         (["quant.scheme=int4"], "quant.scheme='int4' is not allowed; choose one of: none"),

@@ -138,6 +138,29 @@ def check_model_takes_data(model: nn.Module, data: DataBundle, cfg: Config) -> N
         ) from e
 
 
+def check_input_paths(cfg: Config) -> None:
+    """Every file or directory the run reads (model.path, model.config as a file,
+    model.checkpoint, data.path, data.tokenizer) exists and is of the right kind: a one-line
+    UsageError naming the option before any model is built, loaded or trained."""
+    from sparsekit.data.hf_text import text_files
+    from sparsekit.models.hf import check_model_dir
+
+    m, d = cfg.model, cfg.data
+    if m.path is not None:
+        check_model_dir(m.path)
+    if isinstance(m.config, str) and not Path(m.config).expanduser().is_file():
+        raise UsageError(f"model.config={m.config!r}: no such file (a config.json, or a dict)")
+    if m.checkpoint and not Path(m.checkpoint).expanduser().is_file():
+        raise UsageError(f"model.checkpoint={m.checkpoint!r} does not exist or is not a file")
+    if d.name == "text" and d._target_ is None and not d.path:
+        raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
+    if d.path is not None:
+        text_files(d.path)
+    if d.tokenizer is not None and not Path(d.tokenizer).expanduser().is_dir():
+        raise UsageError(f"data.tokenizer={d.tokenizer!r}: no such directory (a directory "
+                         "holding tokenizer files)")
+
+
 def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
     """``model=hf``: the transformers model of ``model.path`` (a local directory) or built
     from ``model.config`` (random weights), and its tokenizer (from ``data.tokenizer``, else
@@ -208,5 +231,5 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
     return {"dir": str(out), **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
 
 
-__all__ = ["build_run_data", "check_model_takes_data", "export_hf", "load_dense", "load_hf",
+__all__ = ["build_run_data", "check_input_paths", "check_model_takes_data", "export_hf", "load_dense", "load_hf",
            "load_safetensors"]
