@@ -275,6 +275,8 @@ class ChannelConfig(_Checked):
     ignore: list[str] | None = None  # deprecated: exclude
 
     def check(self) -> None:
+        if self.importance is not None:  # named by its own key, before it moves
+            self._choice("importance", CHANNEL_CRITERIA.names())
         self._renamed("importance", "criterion", "magnitude")
         self._renamed("ignore", "exclude", [])
         self._choice("criterion", CHANNEL_CRITERIA.names())  # the old key's value too
