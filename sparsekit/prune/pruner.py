@@ -393,10 +393,12 @@ class Pruner:
             raise UsageError(
                 f"pruner state['pattern'] is {state['pattern']!r}, this pruner's {self.pattern!r}"
             )
-        if state["criterion"] not in CRITERIA or state["scope"] not in SCOPES:
+        # a name read back from a file: built in, or this Pruner's own (passed in code)
+        known = CRITERIA.in_code(state["criterion"]) or state["criterion"] == self.criterion
+        if not known or state["scope"] not in SCOPES:
             raise UsageError(
                 f"pruner state criterion={state['criterion']!r} scope={state['scope']!r}: "
-                f"allowed criteria {list(CRITERIA.names())}, scopes {list(SCOPES)}"
+                f"allowed criteria {list(CRITERIA.code_names())}, scopes {list(SCOPES)}"
             )
         progress, last_step = state["progress"], state["last_step"]
         if isinstance(progress, bool) or not isinstance(progress, (int, float)) or not (

@@ -33,7 +33,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from sparsekit.run.config import Config, choices, enum_fields
+from sparsekit.run.config import PLUGIN_KEYS, Config, choices, enum_fields
 from sparsekit.data import check_data_name
 from sparsekit.run.distributed import (
     from_rank0,
@@ -273,12 +273,37 @@ def imports_code(overrides: Sequence[object]) -> list[str]:
     return flagged
 
 
+def needs_plugin(overrides: Sequence[object]) -> list[str]:
+    """The recorded overrides that name an installed plugin (an entry point) where a built-in
+    is expected (:data:`~sparsekit.run.config.PLUGIN_KEYS`): a run directory never chooses
+    which plugin code runs (``sparsekit.registry.from_file``); ``none`` is no scheme."""
+    flagged = []
+    for o in overrides:
+        key, eq, value = str(o).partition("=")
+        registry = PLUGIN_KEYS.get(key.lstrip("+~"))
+        if registry is not None and eq and value != "none" and not registry.in_code(value):
+            flagged.append(f"{o} (not a built-in {registry.kind}: a plugin?)")
+    return flagged
+
+
+def unsafe_overrides(overrides: Sequence[object]) -> list[str]:
+    """What replaying these recorded overrides would run beyond sparsekit's built-ins:
+    :func:`imports_code` and :func:`needs_plugin`."""
+    return [*imports_code(overrides), *needs_plugin(overrides)]
+
+
 def _recorded_overrides(run_dir: Path) -> list | None:
+    """The overrides recorded in ``run_dir/.hydra/overrides.yaml`` (plain YAML data: a
+    python-tagged object is refused), or None when there is no readable list of them."""
     try:
         overrides = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
-    except (OSError, OmegaConfBaseException, ValueError):
+    except Exception:  # noqa: BLE001 - any bad file (YAML errors, tags, ...) is no run to resume
         return None
     return overrides if isinstance(overrides, list) else None
+
+
+def _skip_note(run_dir: Path, why: str) -> None:
+    print(f"sparsekit: resume=true: skipped {run_dir}: {why}", file=sys.stderr)
 
 
 def latest_run(root: Path = RUNS) -> Path | None:
@@ -307,11 +332,23 @@ def latest_run(root: Path = RUNS) -> Path | None:
         return None
 
     found = []
-    for d in root.glob("*/"):
-        t = written(d)
-        overrides = _recorded_overrides(d) if t is not None else None
-        if overrides is not None and not imports_code(overrides):
-            found.append((t, d))
+    for d in sorted(root.glob("*/")):
+        try:
+            t = written(d)
+        except Exception as e:  # noqa: BLE001 - one damaged directory never blocks the others
+            _skip_note(d, f"unreadable run state ({type(e).__name__})")
+            continue
+        if t is None:
+            continue
+        overrides = _recorded_overrides(d)
+        if overrides is None:
+            _skip_note(d, ".hydra/overrides.yaml is missing or not a plain YAML list")
+            continue
+        risky = unsafe_overrides(overrides)
+        if risky:
+            _skip_note(d, f"it replays {' '.join(risky)}; name it with resume=DIR to replay that")
+            continue
+        found.append((t, d))
     return max(found)[1] if found else None
 
 
@@ -339,10 +376,10 @@ def resume_argv(argv: list[str]) -> list[str]:
         fail(ValueError(f"resume={value}: {run_dir} is still running (process {pid} on this "
                         "host); wait for it or stop it first"))
     original = [str(o) for o in recorded if not str(o).startswith("resume=")]
-    risky = imports_code(original)
+    risky = unsafe_overrides(original)
     if risky:
-        print(f"sparsekit: resume={value}: {run_dir} replays overrides that import code: "
-              f"{' '.join(risky)}", file=sys.stderr)
+        print(f"sparsekit: resume={value}: {run_dir} replays overrides that import code or "
+              f"plugins: {' '.join(risky)}", file=sys.stderr)
     rest = [a for a in argv if not a.startswith("resume=")]
     run_dir = run_dir.resolve()
     return [*original, *rest, f"hydra.run.dir='{run_dir}'", "resume=true"]

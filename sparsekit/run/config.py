@@ -527,6 +527,12 @@ def _used_by(cfg: Config) -> list[tuple[str, object, bool, str]]:
     ]
 
 
+#: the registry-backed keys: a run directory's recorded value must be registered in code (built
+#: in), never an installed plugin (``sparsekit.registry.from_file``)
+PLUGIN_KEYS = {"prune.criterion": CRITERIA, "prune.channel.criterion": CHANNEL_CRITERIA,
+               "prune.channel.importance": CHANNEL_CRITERIA, "quant.scheme": SCHEMES}
+
+
 def check_include(include: list[str], option: str) -> None:
     """An include list selects layers: an empty one would select none (refused here rather
     than after the dense model is trained)."""
