@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -261,6 +263,31 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             sd.pop(f"{name}.weight_scale", None)
             sd[f"{name}.weight"] = module.dequantized_weight(dtype)
     return sd
+
+
+def save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *args: Any,
+                    state_dict: dict | None = None, **kwargs: Any) -> Any:
+    """transformers' ``save_pretrained`` for a model with sparsekit-quantized layers (bound on
+    the model by :func:`guard_save_pretrained`): their int8/fp8 weights and scales have no
+    place in the transformers format (the scales would be dropped, and ``from_pretrained``
+    would read the raw 8-bit values), so it writes the dequantized weights, with a warning."""
+    if state_dict is None:
+        warnings.warn(
+            "save_pretrained: this model has sparsekit-quantized layers, which the transformers "
+            "format cannot hold; writing their dequantized weights (from_pretrained loads the "
+            "same function). sk.save(model, path) keeps them quantized and compressed",
+            UserWarning, stacklevel=2)
+        state_dict = hf_state_dict(self)
+    return type(self).save_pretrained(self, save_directory, *args, state_dict=state_dict,
+                                      **kwargs)
+
+
+def guard_save_pretrained(model: nn.Module) -> None:
+    """After sparsekit quantized layers of transformers model ``model``: its
+    ``save_pretrained`` becomes :func:`save_pretrained` (dequantized weights, a warning)
+    instead of silently dropping the scales."""
+    if is_hf_model(model) and "save_pretrained" not in vars(model):
+        model.save_pretrained = types.MethodType(save_pretrained, model)
 
 
 def export_pretrained(model: nn.Module, out_dir: str | os.PathLike,

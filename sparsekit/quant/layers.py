@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from torch import nn
@@ -123,3 +124,13 @@ def plan_layers(
     if strict and report.skipped:
         raise UsageError(f"{verb}({scheme.name!r}, strict=True) cannot take: {report.skipped}")
     return report, todo
+
+
+def after_swap(model: nn.Module) -> None:
+    """What a model needs once quantized layers replaced some of its own: a transformers
+    model's ``save_pretrained`` writes their dequantized weights instead of dropping their
+    scales (:func:`sparsekit.models.hf.guard_save_pretrained`)."""
+    if "transformers" in sys.modules:  # a transformers model exists only once it is imported
+        from sparsekit.models.hf import guard_save_pretrained
+
+        guard_save_pretrained(model)

@@ -23,7 +23,7 @@ from sparsekit.errors import UsageError
 from sparsekit.io import checkpoint
 from sparsekit.quant.formats import SCHEMES
 from sparsekit.registry import from_file
-from sparsekit.quant.layers import kind, set_module
+from sparsekit.quant.layers import after_swap, kind, set_module
 from sparsekit.quant.modules import _QuantWeight, quantized_module
 
 PLAN_VERSION = 1
@@ -69,6 +69,7 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
                 f"{type(module).__name__} {found[1]} bias={found[2]}"
             )
         set_module(model, name, quantized_module(module, scheme, fill=False))
+    after_swap(model)
 
 
 checkpoint.register_plan("quant", quant_plan, apply_quant_plan)

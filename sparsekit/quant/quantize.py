@@ -15,6 +15,7 @@ from sparsekit.prune.calibration import CalibrationFn, run_calibration
 from sparsekit.checks import positional_until
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
+    after_swap,
     foreign_parametrizations,
     plan_layers,
     select_float_layers,
@@ -91,6 +92,7 @@ def quantize_(
             layer.rel_error = errors.get(layer.name)
     for name, q in todo.items():
         set_module(model, name, q)
+    after_swap(model)
     return report
 
 

@@ -124,18 +124,37 @@ def check_model_takes_data(model: nn.Module, data: DataBundle, cfg: Config) -> N
     n = min(2, len(data.train))
     if n == 0:
         raise UsageError(f"data={cfg.data.name} has no training samples")
-    x = get_batch(data.train, torch.arange(n))[0]
+    x, y = get_batch(data.train, torch.arange(n))[:2]
     device = next(model.parameters(), torch.zeros(0)).device
     x = x.to(device) if isinstance(x, torch.Tensor) else x
+    name = cfg.model.name if cfg.model._target_ is None else cfg.model._target_
     try:
         with eval_mode(model):
-            call_model(model, x, calibration_fn=lambda m, b: m(b))
+            out = call_model(model, x, calibration_fn=lambda m, b: m(b))
     except ModelCallError as e:
-        name = cfg.model.name or cfg.model._target_
         raise ModelCallError(
             f"model {name!r} cannot take the inputs of data={cfg.data.name}: {e}; pick a model "
             "and data that fit (model.name, model.kwargs, data=)"
         ) from e
+    check_task_fits(out, y, cfg.data.task, f"model {name!r} on data={cfg.data.name}")
+
+
+def check_task_fits(out: Any, target: Any, task: str, what: str) -> None:
+    """``data.task`` against what the model gives: class logits (B, C) for targets (B,) under
+    ``classification``, token logits (B, T, V) for targets (B, T) under ``lm``; a UsageError
+    naming ``what`` otherwise (a perplexity of an image classifier means nothing)."""
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return
+    shapes = {"classification": ((2, 1), "class logits (B, C) for targets (B,)"),
+              "lm": ((3, 2), "token logits (B, T, V) for targets (B, T)")}
+    want, needs = shapes[str(task)]
+    if (logits.dim(), target.dim()) != want:
+        other = "lm" if str(task) == "classification" else "classification"
+        raise UsageError(
+            f"data.task={task} needs {needs}, and {what} gives output {tuple(logits.shape)} for targets {tuple(target.shape)}: "
+            f"set data.task={other} or pick a model and data of that task"
+        )
 
 
 def check_input_paths(cfg: Config) -> None:
