@@ -222,7 +222,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict entry {key!r} is a {type(t).__name__}, not a tensor")
         t = t.detach()
-        if t.numel() and t.device.type != "meta":
+        if t.device.type == "meta":
+            raise UsageError(f"sk.save: state_dict entry {key!r} is on the meta device (no "
+                             "values to save): load or materialize the model's weights first")
+        if t.numel():
             ident = (
                 t.untyped_storage().data_ptr(),
                 t.storage_offset(),

@@ -354,6 +354,11 @@ class ChannelPruner:
             )
         for name, m in model.named_modules():
             if isinstance(m, PRUNABLE_TYPES):
+                if m.weight.device.type == "meta":
+                    raise UsageError(
+                        f"layer {name!r} has its weight on the meta device (no values to "
+                        "score): materialize the model first (model.to_empty(device=...) and "
+                        "load its weights)")
                 check_finite_weight(name, m.weight, "pruning channels of")
         self.model = model
         self.example_inputs = example_inputs
