@@ -99,7 +99,7 @@ def finite_outputs(model: nn.Module) -> None:
 
 
 def check_nm(model: nn.Module, report) -> None:
-    for name, layer in report.layers.items():
+    for name in report.layers:
         if name in report.skipped:
             continue
         w = model.get_submodule(name).weight.detach()
@@ -131,7 +131,7 @@ def act(verb: str, model: nn.Module, tmp_path) -> None:
             pruner.step(step)
         report = pruner.report()
         pruner.finalize()
-        for name, layer in report.layers.items():
+        for name in report.layers:
             if name not in report.skipped:
                 w = model.get_submodule(name).weight
                 assert float((w == 0).float().mean()) >= 0.5 - 1e-6, name

@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 import socket
-import threading
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -22,7 +21,7 @@ from sparsekit.errors import ConfigTypeError, FileFormatError, NumericsError, Un
     UsageError
 from sparsekit.io.runstate import STATE_FILE, save_checkpoint
 from sparsekit.prune.criteria import CRITERIA
-from sparsekit.registry import Registry, from_file
+from sparsekit.registry import from_file
 from sparsekit.run.cli import latest_run, main, resume_argv
 from sparsekit.run.config import Config, ConfigError, validate
 from sparsekit.run.pipeline import CHECKPOINT, run

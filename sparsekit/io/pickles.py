@@ -23,7 +23,6 @@ from __future__ import annotations
 import pickle
 from typing import IO, Any
 
-import torch
 
 from sparsekit.errors import FileFormatError, UnsafeFileError
 

@@ -94,7 +94,7 @@ def to_config(cfg: DictConfig) -> Config:
     check_data_name(config.data.name, config.data._target_)
     from sparsekit.run.loading import check_input_paths
 
-    check_input_paths(config)  # missing files are reported before any work starts
+    check_input_paths(config, complete=False)  # a missing file: reported before any work
     return config
 
 

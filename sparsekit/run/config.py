@@ -402,7 +402,8 @@ class TrackerConfig(_Checked):
     kind: TrackerKind = TrackerKind.tensorboard
     flush_secs: int = number(10, 1)
     histograms: bool = True
-    histogram_every: int = number(200, 1)  # at least this many steps between two sets of weight histograms
+    # at least this many steps between two sets of weight histograms
+    histogram_every: int = number(200, 1)
 
 
 @dataclass

@@ -152,15 +152,18 @@ def check_task_fits(out: Any, target: Any, task: str, what: str) -> None:
     if (logits.dim(), target.dim()) != want:
         other = "lm" if str(task) == "classification" else "classification"
         raise UsageError(
-            f"data.task={task} needs {needs}, and {what} gives output {tuple(logits.shape)} for targets {tuple(target.shape)}: "
+            f"data.task={task} needs {needs}, and {what} gives output {tuple(logits.shape)} for "
+            f"targets {tuple(target.shape)}: "
             f"set data.task={other} or pick a model and data of that task"
         )
 
 
-def check_input_paths(cfg: Config) -> None:
+def check_input_paths(cfg: Config, *, complete: bool = True) -> None:
     """Every file or directory the run reads (model.path, model.config as a file,
     model.checkpoint, data.path, data.tokenizer) exists and is of the right kind: a one-line
-    UsageError naming the option before any model is built, loaded or trained."""
+    UsageError naming the option before any model is built, loaded or trained. ``complete``:
+    also those the run cannot do without (data=text's data.path); False checks only the paths
+    given (a config being composed may get the others later)."""
     from sparsekit.data.hf_text import text_files
     from sparsekit.models.hf import check_model_dir
 
@@ -171,7 +174,7 @@ def check_input_paths(cfg: Config) -> None:
         raise UsageError(f"model.config={m.config!r}: no such file (a config.json, or a dict)")
     if m.checkpoint and not Path(m.checkpoint).expanduser().is_file():
         raise UsageError(f"model.checkpoint={m.checkpoint!r} does not exist or is not a file")
-    if d.name == "text" and d._target_ is None and not d.path:
+    if complete and d.name == "text" and d._target_ is None and not d.path:
         raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
     if d.path is not None:
         text_files(d.path)
@@ -250,5 +253,6 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
     return {"dir": str(out), **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
 
 
-__all__ = ["build_run_data", "check_input_paths", "check_model_takes_data", "export_hf", "load_dense", "load_hf",
+__all__ = ["build_run_data", "check_input_paths", "check_model_takes_data", "check_task_fits",
+           "export_hf", "load_dense", "load_hf",
            "load_safetensors"]
