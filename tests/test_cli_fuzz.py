@@ -17,7 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from sparsekit.run.cli import main, override_error, register_configs, to_config
-from sparsekit.run.config import INT_MAX, Config, numeric_fields
+from sparsekit.run.config import BUILTIN_KWARGS, INT_MAX, Config, numeric_fields
 from sparsekit.run.resources import conf_dir
 
 # what a careless user or an attacker types: NaN, inf, negative, zero, huge, wrong type, empty
@@ -60,6 +60,9 @@ def numeric_keys(cls: type = Config, prefix: str = "") -> dict[str, type]:
 
 
 NUMERIC = numeric_keys()
+for (_section, _name), _schema in BUILTIN_KWARGS.items():  # the default run's builders' kwargs
+    if _name == getattr(Config(), _section).name:
+        NUMERIC.update(numeric_keys(_schema, f"{_section}.kwargs."))
 
 
 def value_of(cfg: Config, key: str) -> object:
@@ -103,6 +106,30 @@ def test_every_numeric_key_declares_its_range():
     walk(Config, "")
     assert not missing
     assert {"train.finetune_lr", "train.dense_lr", "data.batch_size", "train.seed"} <= set(NUMERIC)
+
+
+def test_builtin_kwargs_schemas_match_the_builders():
+    """Same names and defaults as the functions they describe (a renamed or added argument
+    of a builder must reach its schema)."""
+    import inspect
+
+    from sparsekit.data.hf_text import text_data
+    from sparsekit.data.mnist1d import mnist1d
+    from sparsekit.data.text import stdlib_text
+    from sparsekit.models.cnn1d import mnist1d_cnn
+    from sparsekit.models.lm import tiny_lm
+
+    builders = {("data", "mnist1d"): mnist1d, ("data", "stdlib_text"): stdlib_text,
+                ("data", "text"): text_data, ("model", "mnist1d_cnn"): mnist1d_cnn,
+                ("model", "tiny_lm"): tiny_lm}
+    assert set(builders) == set(BUILTIN_KWARGS)
+    # given by the pipeline (data=text's seq_len is the key data.seq_len)
+    given = {("data", "text"): {"cache_dir", "path", "tokenizer", "seq_len", "task"}}
+    for key, fn in builders.items():
+        params = {n: p.default for n, p in inspect.signature(fn).parameters.items()}
+        want = {n: d for n, d in params.items() if n not in given.get(key, {"cache_dir"})}
+        got = {f.name: f.default for f in dataclasses.fields(BUILTIN_KWARGS[key])}
+        assert got == want, key
 
 
 @pytest.mark.parametrize("text", ["nan", "inf", "-1", str(2**40)])

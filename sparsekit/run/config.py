@@ -454,6 +454,99 @@ class SensitivityConfig(_Checked):
                               " (e.g. [0.5, 0.9])")
 
 
+# The keyword arguments of the built-in models and data (``model.kwargs``, ``data.kwargs``),
+# as schemas of their own: the same type and range checks as every other key, before any work.
+# Defaults are the builders' own (tests/test_cli_fuzz.py compares them with the signatures).
+SEED = (0, 2**32 - 1)  # numpy's seeds
+
+
+@dataclass
+class Mnist1dArgs(_Checked):
+    """data=mnist1d: :func:`sparsekit.data.mnist1d.mnist1d`."""
+
+    _key: ClassVar[str] = "data.kwargs"
+    num_samples: int = number(5000, 10, 10**7)
+    seed: int = number(42, *SEED)
+    train_split: float = number(0.8, 0, 1, low_open=True, high_open=True)
+
+
+@dataclass
+class StdlibTextArgs(_Checked):
+    """data=stdlib_text: :func:`sparsekit.data.text.stdlib_text`."""
+
+    _key: ClassVar[str] = "data.kwargs"
+    seq_len: int = number(128, 1, 2**20)
+    max_bytes: int = number(2_000_000, 1)
+    eval_fraction: float = number(0.1, 0, 1, low_open=True, high_open=True)
+
+
+@dataclass
+class TextArgs(_Checked):
+    """data=text: :func:`sparsekit.data.hf_text.text_data` (besides path, tokenizer and
+    seq_len, which are keys of ``data``)."""
+
+    _key: ClassVar[str] = "data.kwargs"
+    eval_fraction: float = number(0.1, 0, 1, low_open=True, high_open=True)
+    calibration_fraction: float = number(0.05, 0, 1, low_open=True, high_open=True)
+    text_field: str = "text"
+    mlm_probability: float = number(0.15, 0, 1, low_open=True, high_open=True)
+    seed: int = number(0, *SEED)
+
+    def check(self) -> None:
+        if self.eval_fraction + self.calibration_fraction >= 1:
+            raise ConfigError("data.kwargs.eval_fraction + data.kwargs.calibration_fraction "
+                              f"= {self.eval_fraction + self.calibration_fraction:g} must be < 1")
+
+
+@dataclass
+class Mnist1dCNNArgs(_Checked):
+    """model=mnist1d_cnn: :func:`sparsekit.models.cnn1d.mnist1d_cnn`."""
+
+    _key: ClassVar[str] = "model.kwargs"
+    num_classes: int = number(10, 1, 2**20)
+    channels: int = number(32, 1, 2**16)
+    in_len: int = number(40, 3, 2**20)  # three stride-2 convolutions need 3 samples
+
+
+@dataclass
+class TinyLMArgs(_Checked):
+    """model=tiny_lm: :func:`sparsekit.models.lm.tiny_lm`."""
+
+    _key: ClassVar[str] = "model.kwargs"
+    vocab_size: int = number(256, 1, 2**20)
+    d_model: int = number(128, 1, 2**16)
+    n_layers: int = number(4, 1, 1024)
+    n_heads: int = number(4, 1, 2**16)
+    seq_len: int = number(128, 1, 2**20)
+
+    def check(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.kwargs.d_model={self.d_model} must be a multiple of "
+                              f"model.kwargs.n_heads={self.n_heads}")
+
+
+#: (section, built-in name) -> the schema of its kwargs
+BUILTIN_KWARGS: dict[tuple[str, str], type[_Checked]] = {
+    ("data", "mnist1d"): Mnist1dArgs, ("data", "stdlib_text"): StdlibTextArgs,
+    ("data", "text"): TextArgs, ("model", "mnist1d_cnn"): Mnist1dCNNArgs,
+    ("model", "tiny_lm"): TinyLMArgs,
+}
+
+
+def check_builtin_kwargs(section: str, name: str, kwargs: dict[str, Any]) -> None:
+    """``kwargs`` of the built-in ``section`` (model or data) ``name`` against its schema
+    (:data:`BUILTIN_KWARGS`): known names, types and ranges; ConfigError naming the key."""
+    schema = BUILTIN_KWARGS.get((section, name))
+    if schema is None:
+        return
+    names = [f.name for f in dataclasses.fields(schema)]
+    for key in kwargs:
+        if key not in names:
+            raise ConfigError(f"{section}.kwargs.{key}: {section}={name} takes no such argument; "
+                              f"it takes: {', '.join(names)}")
+    schema(**kwargs)
+
+
 @dataclass
 class Config(_Checked):
     """The whole run. Each section checks its own values; this checks how they combine."""
@@ -484,6 +577,9 @@ class Config(_Checked):
 
     def check(self) -> None:
         self._check_inputs_used()
+        for section in (self.model, self.data):
+            if section._target_ is None:
+                check_builtin_kwargs(section._key, section.name, dict(section.kwargs))
         if not (self.resume is None or isinstance(self.resume, bool)
                 or (isinstance(self.resume, str) and self.resume.strip())):
             raise ConfigError(f"resume={self.resume!r} must be true, false or a run directory")
