@@ -174,6 +174,22 @@ def test_the_no_network_fixture_fails_on_a_connect():
         socket.socket().connect(("127.0.0.1", 9))
 
 
+def test_hf_config_with_remote_code_is_refused(hf_dirs, tmp_path):
+    from sparsekit.models.hf import build_from_config, load_pretrained
+
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in hf_dirs["llama"].iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    config = json.loads((d / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "someone/repo--modeling.Evil"}
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsafeFileError, match="auto_map names model code"):
+        load_pretrained(d)
+    with pytest.raises(UnsafeFileError, match="auto_map"):
+        build_from_config(str(d / "config.json"))
+
+
 @pytest.mark.parametrize("where", ["config.json", "header"])
 def test_hf_config_naming_a_hub_attention_kernel_is_refused(hf_dirs, tmp_path, where):
     from sparsekit.models.hf import load_pretrained

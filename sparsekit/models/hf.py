@@ -51,10 +51,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 
 def check_config_offline(config: Any, where: str) -> None:
     """Refuse a config (a dict as config.json holds it, sub-configs included) that would make
-    transformers reach the network: an attention implementation other than
-    :data:`SAFE_ATTENTION`. :class:`~sparsekit.errors.UnsafeFileError` names ``where`` and the
-    key."""
+    transformers reach the network or run code of its own: an attention implementation other
+    than :data:`SAFE_ATTENTION` (a hub kernel), or an ``auto_map`` (remote code).
+    :class:`~sparsekit.errors.UnsafeFileError` names ``where`` and the key."""
     if isinstance(config, dict):
+        if config.get("auto_map"):  # code of its own, which transformers would fetch and run
+            raise UnsafeFileError(
+                f"{where}: auto_map names model code outside transformers "
+                f"({str(config['auto_map'])[:80]}); sparsekit never loads remote or custom code "
+                "from a config: refused"
+            )
         for key, value in config.items():
             if key in _ATTENTION_KEYS and value is not None and value not in SAFE_ATTENTION:
                 raise UnsafeFileError(
