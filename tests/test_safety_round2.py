@@ -436,3 +436,17 @@ def test_missing_data_path_is_reported_before_the_model_loads(hf_dirs, tmp_path,
     with pytest.raises(UsageError, match="data.path=.*missing.txt.*no such file"):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_missing_data_path_on_the_command_line_is_one_line_before_the_run(hf_dirs, tmp_path,
+                                                                          monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for args, named in ((["model=hf", f"model.path={hf_dirs['llama']}", "data=text"],
+                         "data=text needs data.path"),
+                        (["model=hf", f"model.path={hf_dirs['llama']}", "data=text",
+                          "data.path=nope/*.txt"], "data.path='nope/*.txt' matches no")):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and named in err, err
+    assert not (tmp_path / "runs").exists()  # refused before the run directory was made

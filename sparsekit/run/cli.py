@@ -227,7 +227,9 @@ def check_overrides(overrides: Sequence[str]) -> None:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             variant = base
             composed = compose("config", overrides=base)
-            to_config(composed)
+            from sparsekit.run.loading import check_input_paths
+
+            check_input_paths(to_config(composed))  # data=text's data.path too, before the run
             for i, o in sweeps:
                 values = zip(list(o.sweep_string_iterator())[1:], list(o.sweep_iterator())[1:])
                 for text, value in values:
