@@ -173,3 +173,32 @@ def test_verb_on_degenerate_module(verb, build, tmp_path):
         act(verb, model, tmp_path)
     except SparsekitError as e:
         named_error(e, model)
+
+
+CALIBRATED = {
+    "wanda": lambda m, cal: sk.prune_(m, pattern="2:4", criterion="wanda", calibration=cal),
+    "sparsegpt": lambda m, cal: sk.prune_(m, pattern="2:4", criterion="sparsegpt",
+                                          calibration=cal),
+    "int8_static": lambda m, cal: sk.quantize_(m, "int8_static", calibration=cal),
+    "int8": lambda m, cal: sk.quantize_(m, "int8", calibration=cal),
+}
+
+
+@pytest.mark.parametrize("verb", CALIBRATED)
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_low_precision_calibration_batches(verb, model_dtype, batch_dtype):
+    """fp16/bf16 batches to an fp32 model (and the reverse): a ModelCallError naming the layer
+    and the batch; matching dtypes: the pattern holds and outputs stay finite."""
+    model = mlp().to(model_dtype)
+    cal = [torch.randn(4, 8, dtype=batch_dtype) for _ in range(2)]
+    try:
+        result = CALIBRATED[verb](model, cal)
+    except SparsekitError as e:
+        assert model_dtype != batch_dtype, e  # matching dtypes must work
+        assert "layer '0'" in str(e) and "batch" in str(e) and "\n" not in str(e)
+        return
+    assert model_dtype == batch_dtype, verb  # a mismatch is never silently accepted
+    if verb in ("wanda", "sparsegpt"):
+        check_nm(model, result)
+    finite_outputs(model)
