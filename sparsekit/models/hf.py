@@ -215,7 +215,11 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None,
         raise FileFormatError(f"model.path={os.fspath(path)!r}: cannot load a {task} model: "
                               f"{str(e).splitlines()[0]}") from None
     missing = list(info.get("missing_keys") or [])
-    if missing:  # transformers would initialise them at random, and say so only in a log line
+    if missing and task == "feature_extraction":  # the bare model: at most a pooler is new
+        warnings.warn(f"model.path={os.fspath(path)!r}: {len(missing)} tensor(s) of the bare "
+                      f"model are not in the checkpoint and start random (e.g. {missing[0]})",
+                      UserWarning, stacklevel=2)
+    elif missing:  # a head transformers would initialise at random, saying so only in a log
         found = task_from_architectures(config.get("architectures"))
         raise UsageError(
             f"model.path={os.fspath(path)!r} holds no weights for {len(missing)} tensor(s) a "
