@@ -4,7 +4,6 @@ legal (every accepted number is finite and in the range the schema declares)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import typing
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from sparsekit.run.cli import main, override_error, register_configs, to_config
+from sparsekit.run.cli import main, override_error, register_configs, with_value
 from sparsekit.run.config import BUILTIN_KWARGS, INT_MAX, Config, numeric_fields
 from sparsekit.run.resources import conf_dir
 
@@ -79,10 +78,8 @@ def check(base: DictConfig, key: str, text: str) -> None:
         assert "\n" not in line and len(line) < 500, line
         assert key.rpartition(".")[2] in line, (key, text, line)
         return
-    cfg = copy.deepcopy(base)
-    OmegaConf.update(cfg, key, OverridesParser.create().parse_override(f"{key}={text}").value(),
-                     merge=True)
-    value = value_of(to_config(cfg), key)
+    parsed = OverridesParser.create().parse_override(f"{key}={text}").value()
+    value = value_of(with_value(base, key, parsed), key)
     if key in NUMERIC and value is not None:  # independent of the declared ranges
         assert not isinstance(value, bool) and isinstance(value, (int, float)), (key, value)
         assert math.isfinite(value) and value >= 0, (key, text, value)  # no key takes < 0

@@ -98,6 +98,14 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
+def with_value(composed: DictConfig, key: str, value: object) -> Config:
+    """A copy of the composed config with ``key`` set to ``value`` (a plain ``key=value``
+    override, as Hydra applies it), validated: what each value of a swept key is checked as."""
+    cfg = copy.deepcopy(composed)
+    OmegaConf.update(cfg, key, value, merge=True)
+    return to_config(cfg)
+
+
 def override_error(composed: DictConfig, override: str) -> str | None:
     """The one-line error (what ``sparsekit`` prints after ``sparsekit: error:``) of one
     ``key=value`` override of a config key, applied to the composed config ``composed`` as
@@ -105,9 +113,7 @@ def override_error(composed: DictConfig, override: str) -> str | None:
     fuzz tests run on every key (composing anew per value takes ~0.3 s)."""
     try:
         o = OverridesParser.create().parse_override(override)
-        cfg = copy.deepcopy(composed)
-        OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
-        to_config(cfg)
+        with_value(composed, o.key_or_group, o.value())
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
         return one_line(e)
     return None
@@ -237,9 +243,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
                     if _is_group(o) or o.is_add() or o.is_force_add() or o.is_delete():
                         to_config(compose("config", overrides=variant))
                         continue
-                    cfg = copy.deepcopy(composed)
-                    OmegaConf.update(cfg, o.key_or_group, value, merge=True)
-                    to_config(cfg)
+                    with_value(composed, o.key_or_group, value)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
         line = one_line(e)
         keys = [o.split("=", 1)[0].lstrip("+~") for o in variant]
