@@ -309,10 +309,15 @@ def test_a_run_that_failed_at_startup_is_not_resumed(tmp_path, capsys):
     args = [f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "bench=off", "tracker=none",
             f"model.checkpoint={tmp_path / 'missing.pt'}"]
     code, _, err = run_cli(args, tmp_path, capsys)
-    assert code != 0 and "missing.pt" in err
+    assert code == 2 and "missing.pt" in err
+    assert not (tmp_path / "runs").exists()  # a missing file: refused before the run starts
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    code, _, err = run_cli([*args[:-1], f"model.checkpoint={tmp_path / 'bad.pt'}"], tmp_path,
+                           capsys)
+    assert code != 0 and "bad.pt" in err
     (run_dir,) = (tmp_path / "runs").iterdir()
     state = read_run_state(run_dir)
-    assert state["state"] == "failed" and "missing.pt" in state["error"]
+    assert state["state"] == "failed" and "bad.pt" in state["error"]
     code, _, err = run_cli(["resume=true"], tmp_path, capsys)
     assert code == 2 and "no unfinished run that can continue" in err
 
