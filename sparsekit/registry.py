@@ -7,6 +7,12 @@ point names are listed without importing anything; an entry point is imported th
 its name is looked up. Nothing read from a file (a checkpoint, a run directory) is ever passed
 to an import: such files only name registered objects.
 
+The one rule for a name that comes from a file (a checkpoint header, a run directory's
+recorded overrides, a config read back on resume, an exported config): it resolves only among
+the objects registered *in code* (:meth:`Registry.in_code`, :func:`from_file`); an installed
+plugin (an entry point) is honoured only when the name was typed on the command line or passed
+in code, never because a file names it.
+
 Config choices and ``sparsekit --help`` are derived from :meth:`Registry.names`.
 
 >>> colours = Registry("colour")
@@ -25,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from importlib import metadata
 from typing import Generic, TypeVar
 
-from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.errors import ConfigTypeError, UnsafeFileError, UsageError
 
 T = TypeVar("T")
 
@@ -40,17 +46,20 @@ class Registry(Mapping[str, T], Generic[T]):
         self.kind, self.group = kind, group
         self._objects: dict[str, T] = {}
         self._entry_points: dict[str, metadata.EntryPoint] | None = None
+        self._loaded_plugins: set[str] = set()  # entry points loaded into _objects
 
     def register(self, name: str, obj: T) -> None:
         """Make ``obj`` available as ``name`` (registering a name again replaces it)."""
         if not isinstance(name, str) or not name or name != name.strip():
             raise ConfigTypeError(f"a {self.kind} name must be a non-empty string, got {name!r}")
         self._objects[name] = obj
+        self._loaded_plugins.discard(name)
 
     def unregister(self, name: str) -> None:
         """Remove ``name`` (registered in code, or an entry point already loaded) and forget the
         entry points found so far: the next lookup scans the installed distributions again."""
         self._objects.pop(name, None)
+        self._loaded_plugins.discard(name)
         self._entry_points = None
 
     def _plugins(self, rescan: bool = False) -> dict[str, metadata.EntryPoint]:
@@ -85,7 +94,18 @@ class Registry(Mapping[str, T], Generic[T]):
                 f"be loaded: {type(e).__name__}: {e}"
             ) from e
         self._objects[name] = obj() if isinstance(obj, type) else obj
+        self._loaded_plugins.add(name)
         return self._objects[name]
+
+    def in_code(self, name: object) -> bool:
+        """Whether ``name`` is registered in code (a built-in, or a ``register`` call of this
+        process), not an installed entry point: what a name read from a file may resolve to.
+        Lists and imports nothing."""
+        return isinstance(name, str) and name in self._objects and name not in self._loaded_plugins
+
+    def code_names(self) -> tuple[str, ...]:
+        """The names registered in code (see :meth:`in_code`)."""
+        return tuple(n for n in self._objects if n not in self._loaded_plugins)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -95,3 +115,28 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self.names())})"
+
+
+def from_file(registry: Registry[T], name: object, where: str) -> T:
+    """Resolve ``name``, read from the file or run directory ``where``, among ``registry``'s
+    objects registered in code; :class:`~sparsekit.errors.UnsafeFileError` naming ``where``
+    otherwise (a plugin the file names is never imported for it: type it on the command line
+    or pass it in code).
+
+    >>> colours = Registry("colour", group="sparsekit.colours")
+    >>> colours.register("red", (255, 0, 0))
+    >>> from_file(colours, "red", "run.json")
+    (255, 0, 0)
+    >>> from_file(colours, "blue", "run.json")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sparsekit.errors.UnsafeFileError: run.json names colour 'blue', which is not built in ...
+    """
+    if not registry.in_code(name):
+        allowed = ", ".join(map(repr, registry.code_names()))
+        raise UnsafeFileError(
+            f"{where} names {registry.kind} {name!r}, which is not built in (built in: "
+            f"{allowed}); a name read from a file never loads a plugin: pass it on the "
+            "command line or in code"
+        )
+    return registry[name]  # type: ignore[index]

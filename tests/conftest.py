@@ -54,3 +54,19 @@ def hf_dirs(tmp_path_factory):
         tok.save_pretrained(root / name)
         out[name] = root / name
     return out
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any network attempt fails the test: connecting a socket (TCP, UDP, Unix: Python's
+    socket layer, which urllib, requests, httpx and huggingface_hub all go through) or looking
+    up a host name. For tests that read files: reading a file never reaches the network."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"network access while reading files: {args[1:] or args}")
+
+    for name in ("connect", "connect_ex", "sendto"):
+        monkeypatch.setattr(socket.socket, name, refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)

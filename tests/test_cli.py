@@ -60,7 +60,7 @@ def run_cli(args: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
         (["prune=dense"], "prune=dense: unknown option; allowed: "),
         (["model.name=nope"], "model.name='nope' is not allowed; choose one of: mnist1d_cnn"),
         (["prune.pattern=3:2"], "prune.pattern='3:2' is not allowed; choose 'unstructured'"),
-        (["prune.sparsity=1.5"], "prune.sparsity=1.5 must be in [0, 1)"),
+        (["prune.sparsity=1.5"], "prune.sparsity=1.5 must be a finite number in [0, 1) (or null)"),
         (["prune.criterion=random"], "prune.criterion='random' is not allowed; choose one of"),
         (["schedule.kind=step"], "schedule.kind='step' is not allowed; choose one of: oneshot"),
         (["quant.scheme=int4"], "quant.scheme='int4' is not allowed; choose one of: none"),
@@ -310,10 +310,15 @@ def test_a_run_that_failed_at_startup_is_not_resumed(tmp_path, capsys):
     args = [f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "bench=off", "tracker=none",
             f"model.checkpoint={tmp_path / 'missing.pt'}"]
     code, _, err = run_cli(args, tmp_path, capsys)
-    assert code != 0 and "missing.pt" in err
+    assert code == 2 and "missing.pt" in err
+    assert not (tmp_path / "runs").exists()  # a missing file: refused before the run starts
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    code, _, err = run_cli([*args[:-1], f"model.checkpoint={tmp_path / 'bad.pt'}"], tmp_path,
+                           capsys)
+    assert code != 0 and "bad.pt" in err
     (run_dir,) = (tmp_path / "runs").iterdir()
     state = read_run_state(run_dir)
-    assert state["state"] == "failed" and "missing.pt" in state["error"]
+    assert state["state"] == "failed" and "bad.pt" in state["error"]
     code, _, err = run_cli(["resume=true"], tmp_path, capsys)
     assert code == 2 and "no unfinished run that can continue" in err
 

@@ -180,7 +180,8 @@ def test_enum_fields_take_strings_and_give_plain_values():
 def test_range_checks_live_in_the_dataclasses():
     from sparsekit.run.config import DistillConfig, ScheduleConfig
 
-    with pytest.raises(ConfigError, match=r"train\.distill\.alpha=1\.5 must be in \[0, 1\]"):
+    with pytest.raises(ConfigError,
+                       match=r"train\.distill\.alpha=1\.5 must be a finite number in \[0, 1\]"):
         DistillConfig(alpha=1.5)
     with pytest.raises(ConfigError, match=r"schedule\.end=1 must be >= schedule\.start=5"):
         ScheduleConfig(start=5, end=1)

@@ -10,6 +10,7 @@ from typing import Any
 
 from sparsekit.data.bundle import DataBundle
 from sparsekit.data.mnist1d import mnist1d
+from sparsekit.errors import ConfigTypeError
 from sparsekit.imports import import_object
 from sparsekit.io.cache import cache_root
 from sparsekit.data.text import stdlib_text
@@ -47,6 +48,13 @@ def build_data(
         out = fn(**kwargs)
         if isinstance(out, DataBundle):
             return out
+        if not isinstance(out, (tuple, list)) or len(out) != 2 or any(
+                isinstance(d, (str, bytes)) or not hasattr(d, "__len__") for d in out):
+            raise ConfigTypeError(
+                f"data._target_={target!r} returned {type(out).__name__} {str(out)[:60]!r}; it "
+                "must return (train_dataset, eval_dataset) (two datasets of (input, target) "
+                "pairs) or a DataBundle"
+            )
         train, eval_ = out
         return DataBundle(train, eval_)
     check_data_name(name)

@@ -224,7 +224,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict entry {key!r} is a {type(t).__name__}, not a tensor")
         t = t.detach()
-        if t.numel() and t.device.type != "meta":
+        if t.device.type == "meta":
+            raise UsageError(f"sk.save: state_dict entry {key!r} is on the meta device (no "
+                             "values to save): load or materialize the model's weights first")
+        if t.numel():
             ident = (
                 t.untyped_storage().data_ptr(),
                 t.storage_offset(),
@@ -368,7 +371,39 @@ def model_from_spec(spec: Any, path: str | os.PathLike = "<spec>") -> nn.Module:
         raise FileFormatError(f"{path}: cannot build its model: {e}") from None
 
 
-@file_errors
+def _check_load_args(path: Any, model: Any, device: Any, strict: Any, accelerate: Any
+                     ) -> torch.device:
+    """sk.load's arguments, checked before the file is read (so that a mistake in them is not
+    reported as a bad file); returns ``device`` as a torch.device."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigTypeError(f"sk.load: path must be a file path, got {type(path).__name__}")
+    if os.path.isdir(path):
+        raise UsageError(
+            f"sk.load({os.fspath(path)!r}): that is a directory; sk.load reads the one file "
+            "sk.save wrote (model.safetensors). For a transformers directory use "
+            "sparsekit.models.hf.load_pretrained(DIR) (or AutoModelFor*.from_pretrained)"
+        )
+    if model is not None and not isinstance(model, nn.Module):
+        raise ConfigTypeError(
+            f"sk.load: model must be a freshly built nn.Module of the checkpoint's architecture "
+            f"(or None to rebuild it from the file), got {type(model).__name__} {model!r:.60}"
+        )
+    if not isinstance(strict, bool):
+        raise ConfigTypeError(f"sk.load: strict must be True or False, got {strict!r}")
+    if accelerate is not None and not isinstance(accelerate, dict):
+        raise ConfigTypeError(
+            f"sk.load: accelerate must be a dict of sk.accelerate arguments or None, got "
+            f"{type(accelerate).__name__}")
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigTypeError(f"sk.load: device must be a string such as 'cpu' or 'cuda:0', "
+                              f"or a torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"sk.load: device={device!r} is not a torch device; use 'cpu', "
+                         "'cuda', 'cuda:0', ...") from None
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module | None = None,
@@ -384,7 +419,16 @@ def load(
     :func:`sparsekit.accel.accelerate` (``example_inputs`` included); on a machine with CUDA the
     loaded model goes straight to the accelerated form, without CUDA the dense masked model is
     returned (with a warning). A stored spec builds the model only through the registry
-    (:func:`sparsekit.register_model`); loading never imports code named by the file."""
+    (:func:`sparsekit.register_model`); loading never imports code named by the file.
+    The arguments are checked before the file is read (a ConfigTypeError or UsageError naming
+    the argument)."""
+    device = _check_load_args(path, model, device, strict, accelerate)
+    return _load(path, model, device, strict, accelerate)
+
+
+@file_errors
+def _load(path: str | os.PathLike, model: nn.Module | None, device: torch.device, strict: bool,
+          accelerate: dict[str, Any] | None) -> nn.Module:
     header = read_header(path)
     if model is None:
         if header["model"] is None:

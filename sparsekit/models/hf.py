@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit.errors import FileFormatError, UsageError
+from sparsekit.errors import FileFormatError, UnsafeFileError, UsageError
 from sparsekit.models.registry import register_model
 
 # model.task -> the transformers Auto class that builds it
@@ -36,6 +38,38 @@ AUTO_CLASSES = {
     "sequence_classification": "AutoModelForSequenceClassification",
     "feature_extraction": "AutoModel",
 }
+# attention implementations built into transformers; any other name (a hub kernel such as
+# "kernels-community/flash-attn") would make transformers look it up online
+SAFE_ATTENTION = ("eager", "sdpa")
+_ATTENTION_KEYS = ("attn_implementation", "_attn_implementation")
+# the files one of which every saved tokenizer has
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
+                   "tokenizer.model", "spiece.model")
+
+
+def check_config_offline(config: Any, where: str) -> None:
+    """Refuse a config (a dict as config.json holds it, sub-configs included) that would make
+    transformers reach the network or run code of its own: an attention implementation other
+    than :data:`SAFE_ATTENTION` (a hub kernel), or an ``auto_map`` (remote code).
+    :class:`~sparsekit.errors.UnsafeFileError` names ``where`` and the key."""
+    if isinstance(config, dict):
+        if config.get("auto_map"):  # code of its own, which transformers would fetch and run
+            raise UnsafeFileError(
+                f"{where}: auto_map names model code outside transformers "
+                f"({str(config['auto_map'])[:80]}); sparsekit never loads remote or custom code "
+                "from a config: refused"
+            )
+        for key, value in config.items():
+            if key in _ATTENTION_KEYS and value is not None and value not in SAFE_ATTENTION:
+                raise UnsafeFileError(
+                    f"{where}: {key}={value!r} is not one of transformers' built-in attention "
+                    f"implementations ({', '.join(SAFE_ATTENTION)}): transformers would look it "
+                    "up online; refused (set it to 'sdpa' or remove it)"
+                )
+            check_config_offline(value, where)
+    elif isinstance(config, list):
+        for value in config:
+            check_config_offline(value, where)
 
 
 def transformers_module() -> Any:
@@ -114,6 +148,7 @@ def hf(task: str, config: dict) -> nn.Module:
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise UsageError("model.config must be a dict with a 'model_type' (as in config.json), "
                          f"got {str(config)[:80]!r}")
+    check_config_offline(config, "model.config")
     rest = {k: v for k, v in config.items() if k != "model_type"}
     try:
         cfg = tf.AutoConfig.for_model(config["model_type"], **rest)
@@ -166,15 +201,30 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None,
     """The model in local directory ``path`` through the Auto class of ``task`` (None: from
     its config's ``architectures``), offline; ``quiet``: no loading progress bar."""
     p = check_model_dir(path)
+    config = _read_config_json(p / "config.json", "model.path")
+    check_config_offline(config, f"model.path={os.fspath(path)!r} (config.json)")
     if task is None:
-        task = task_from_architectures(_read_config_json(p / "config.json",
-                                                         "model.path").get("architectures"))
+        task = task_from_architectures(config.get("architectures"))
     try:
         with quiet_progress(quiet):
-            model = _auto_class(task).from_pretrained(os.fspath(p), local_files_only=True)
+            model, info = _auto_class(task).from_pretrained(
+                os.fspath(p), local_files_only=True, output_loading_info=True)
     except (OSError, ValueError) as e:
         raise FileFormatError(f"model.path={os.fspath(path)!r}: cannot load a {task} model: "
                               f"{str(e).splitlines()[0]}") from None
+    missing = list(info.get("missing_keys") or [])
+    if missing and task == "feature_extraction":  # the bare model: at most a pooler is new
+        warnings.warn(f"model.path={os.fspath(path)!r}: {len(missing)} tensor(s) of the bare "
+                      f"model are not in the checkpoint and start random (e.g. {missing[0]})",
+                      UserWarning, stacklevel=2)
+    elif missing:  # a head transformers would initialise at random, saying so only in a log
+        found = task_from_architectures(config.get("architectures"))
+        raise UsageError(
+            f"model.path={os.fspath(path)!r} holds no weights for {len(missing)} tensor(s) a "
+            f"{task} model needs (e.g. {missing[0]}): they would be random; its config says "
+            f"{config.get('architectures')} ({found}): set model.task={found} or leave "
+            "model.task unset"
+        )
     return _mark(model, task)
 
 
@@ -183,6 +233,11 @@ def load_tokenizer(path: str | os.PathLike, option: str = "model.path") -> Any:
     p = Path(path).expanduser()
     if not p.is_dir():
         raise UsageError(f"{option}={os.fspath(path)!r}: no such directory")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise FileFormatError(
+            f"{option}={os.fspath(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}"
+            "): save one there with tokenizer.save_pretrained(DIR), or set data.tokenizer=DIR"
+        )
     tf = transformers_module()
     try:
         return tf.AutoTokenizer.from_pretrained(os.fspath(p), local_files_only=True)
@@ -207,6 +262,31 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             sd.pop(f"{name}.weight_scale", None)
             sd[f"{name}.weight"] = module.dequantized_weight(dtype)
     return sd
+
+
+def save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *args: Any,
+                    state_dict: dict | None = None, **kwargs: Any) -> Any:
+    """transformers' ``save_pretrained`` for a model with sparsekit-quantized layers (bound on
+    the model by :func:`guard_save_pretrained`): their int8/fp8 weights and scales have no
+    place in the transformers format (the scales would be dropped, and ``from_pretrained``
+    would read the raw 8-bit values), so it writes the dequantized weights, with a warning."""
+    if state_dict is None:
+        warnings.warn(
+            "save_pretrained: this model has sparsekit-quantized layers, which the transformers "
+            "format cannot hold; writing their dequantized weights (from_pretrained loads the "
+            "same function). sk.save(model, path) keeps them quantized and compressed",
+            UserWarning, stacklevel=2)
+        state_dict = hf_state_dict(self)
+    return type(self).save_pretrained(self, save_directory, *args, state_dict=state_dict,
+                                      **kwargs)
+
+
+def guard_save_pretrained(model: nn.Module) -> None:
+    """After sparsekit quantized layers of transformers model ``model``: its
+    ``save_pretrained`` becomes :func:`save_pretrained` (dequantized weights, a warning)
+    instead of silently dropping the scales."""
+    if is_hf_model(model) and "save_pretrained" not in vars(model):
+        model.save_pretrained = types.MethodType(save_pretrained, model)
 
 
 def export_pretrained(model: nn.Module, out_dir: str | os.PathLike,

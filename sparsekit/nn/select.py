@@ -30,6 +30,18 @@ def as_patterns(patterns: str | Iterable[str] | None) -> list[str]:
     return out
 
 
+def include_patterns(include: str | Iterable[str] | None, option: str = "include") -> list[str]:
+    """``include`` as a list of patterns: None selects every layer (``["*"]``); an empty list
+    selects none, which is refused (UsageError naming ``option``) rather than read as "all"."""
+    if include is None:
+        return ["*"]
+    patterns = as_patterns(include)
+    if not patterns:
+        raise UsageError(f"{option}={include!r} selects no layer: pass {option}=['*'] (or None) "
+                         "for every layer, or name the layers to select")
+    return patterns
+
+
 def _regex(pattern: str) -> re.Pattern:
     try:
         return re.compile(pattern[3:])
@@ -56,7 +68,7 @@ def name_filter(
     """``keep(name)``: True when ``name`` matches an include pattern and no exclude pattern.
     Raises UsageError when a pattern (other than ``"*"``) matches none of ``names``, the
     qualified names it may select from (a typo should not silently select nothing)."""
-    include_l = as_patterns(include) or ["*"]
+    include_l = include_patterns(include)
     exclude_l = as_patterns(exclude)
     names = list(names)
     for kind, pats in (("include", include_l), ("exclude", exclude_l)):
@@ -92,7 +104,7 @@ def select_modules(
     chosen = {n: m for n, m in candidates.items() if keep(n)}
     if not chosen:
         raise UsageError(
-            f"include={as_patterns(include) or ['*']} exclude={as_patterns(exclude)} select no "
+            f"include={include_patterns(include)} exclude={as_patterns(exclude)} select no "
             "layer of types "
             f"{[t.__name__ for t in types]}"
         )

@@ -40,7 +40,9 @@ from sparsekit.io import checkpoint
 from sparsekit.registry import Registry
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
-from sparsekit.nn.select import PRUNABLE_TYPES, as_patterns, name_matches
+from sparsekit.nn.select import (PRUNABLE_TYPES, as_patterns, include_patterns,
+                                 name_matches)
+from sparsekit.prune.masks import check_finite_weight
 
 SCOPES = ("layer", "global")
 PLAN_FORMAT = "sparsekit.channel_plan"
@@ -344,6 +346,14 @@ class ChannelPruner:
                 f"channel pruning needs float layers; these are quantized: {', '.join(quantized)}."
                 " Prune channels before quantize_ (or prepare_qat_)"
             )
+        for name, m in model.named_modules():
+            if isinstance(m, PRUNABLE_TYPES):
+                if m.weight.device.type == "meta":
+                    raise UsageError(
+                        f"layer {name!r} has its weight on the meta device (no values to "
+                        "score): materialize the model first (model.to_empty(device=...) and "
+                        "load its weights)")
+                check_finite_weight(name, m.weight, "pruning channels of")
         self.model = model
         self.example_inputs = example_inputs
         self.criterion, self.scope = str(criterion), str(scope)  # plain: saved in plans
@@ -397,7 +407,7 @@ class ChannelPruner:
                          exclude: str | Sequence[str]) -> list[nn.Module]:
         """What torch-pruning must leave alone: every module an ``exclude`` pattern names (with
         its submodules), and the Linear/Conv layers no ``include`` pattern names."""
-        include_l, exclude_l = as_patterns(include) or ["*"], as_patterns(exclude)
+        include_l, exclude_l = include_patterns(include), as_patterns(exclude)
         for kind, patterns in (("include", include_l), ("exclude", exclude_l)):
             for p in patterns:
                 if p != "*" and not any(name_matches(n, p) for n, _ in self.model.named_modules()

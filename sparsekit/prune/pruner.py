@@ -11,6 +11,7 @@ Typical use inside a training loop (docs/api.md, "Pruning in your own training l
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -131,6 +132,13 @@ class Pruner:
         self.calibration, self.calibration_fn = calibration, calibration_fn
 
         selected = select_modules(model, include, exclude)
+        meta = [n for n, m in selected.items() if M.original_weight(m).device.type == "meta"]
+        if meta:
+            raise UsageError(
+                f"layer {meta[0]!r} has its weight on the meta device (no values to score): "
+                "materialize the model first (model.to_empty(device=...) and load its weights), "
+                "or exclude the layer"
+            )
         self.levels = self._resolve_levels(sparsity, selected)
         self.skipped: dict[str, str] = {}
         self.modules: dict[str, nn.Module] = {}
@@ -154,6 +162,7 @@ class Pruner:
             )
         self.progress = 0.0
         self.last_step: int | None = None
+        self.finalized = False
 
     def _remove_masks(self) -> None:
         """Take this Pruner's masks off again without applying them (the weights keep their
@@ -192,6 +201,8 @@ class Pruner:
 
     def _skip_reason(self, module: nn.Module) -> str | None:
         weight = M.original_weight(module)
+        if weight.numel() == 0:
+            return f"zero-size weight {tuple(weight.shape)}: nothing to prune"
         if not weight.is_floating_point():
             return f"weight dtype {weight.dtype} is not floating point"
         if self.nm is not None:
@@ -220,6 +231,13 @@ class Pruner:
     def step(self, step: int) -> bool:
         """Move the masks to the schedule's position at ``step`` (call after optimizer.step()).
         Returns True when the masks changed."""
+        if self.finalized:
+            raise UsageError(
+                "Pruner.step() after finalize(): the masks are folded into the weights and this "
+                "Pruner holds none any more; create a new Pruner to prune again"
+            )
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise ConfigTypeError(f"Pruner.step(step): step must be an int, got {step!r}")
         if not self.modules:
             return False
         self._store.enforce()  # undo what the optimizer step did to pruned weights
@@ -373,10 +391,12 @@ class Pruner:
             raise UsageError(
                 f"pruner state['pattern'] is {state['pattern']!r}, this pruner's {self.pattern!r}"
             )
-        if state["criterion"] not in CRITERIA or state["scope"] not in SCOPES:
+        # a name read back from a file: built in, or this Pruner's own (passed in code)
+        known = CRITERIA.in_code(state["criterion"]) or state["criterion"] == self.criterion
+        if not known or state["scope"] not in SCOPES:
             raise UsageError(
                 f"pruner state criterion={state['criterion']!r} scope={state['scope']!r}: "
-                f"allowed criteria {list(CRITERIA.names())}, scopes {list(SCOPES)}"
+                f"allowed criteria {list(CRITERIA.code_names())}, scopes {list(SCOPES)}"
             )
         progress, last_step = state["progress"], state["last_step"]
         if isinstance(progress, bool) or not isinstance(progress, (int, float)) or not (
@@ -425,9 +445,22 @@ class Pruner:
 
     def finalize(self) -> nn.Module:
         """Fold masks into the weights: a plain module with the state_dict keys it had before
-        pruning and zeros where pruned. The pruner is done afterwards. Returns the model."""
+        pruning and zeros where pruned. The pruner is done afterwards. Returns the model.
+
+        UsageError before any :meth:`step` (the masks are still all ones: the model would stay
+        dense) and when called twice."""
+        if self.finalized:
+            raise UsageError("Pruner.finalize() was called already; create a new Pruner to "
+                             "prune again")
+        if self.last_step is None and self.modules:
+            raise UsageError(
+                "Pruner.finalize() before any step(): the masks are still all ones, so the "
+                "model would come back dense; call pruner.step(step) first (sk.prune_ prunes "
+                "in one shot)"
+            )
         self._store.finalize()
         self.modules = {}
+        self.finalized = True
         return self.model
 
 

@@ -10,6 +10,7 @@ independently), linearly interpolated between measured levels.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from sparsekit.errors import UsageError
+from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.patterns import parse_pattern
 from sparsekit.prune.pruner import prune_
@@ -136,7 +137,14 @@ def _levels(pattern: str, nm: tuple[int, int] | None,
                 "leave sparsities=None"
             )
         return [1 - nm[0] / nm[1]]
-    levels = sorted(float(s) for s in (DEFAULT_LEVELS if sparsities is None else sparsities))
+    given = DEFAULT_LEVELS if sparsities is None else sparsities
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable) or any(
+        isinstance(s, bool) or not isinstance(s, numbers.Real) for s in given
+    ):
+        raise ConfigTypeError(
+            f"sparsities must be a list of numbers in (0, 1) such as [0.5, 0.9], got {given!r}"
+        )
+    levels = sorted(float(s) for s in given)
     if not levels or any(not 0 < s < 1 for s in levels) or len(set(levels)) != len(levels):
         raise UsageError(
             f"sparsities must be distinct levels in (0, 1), got {list(sparsities or [])}"

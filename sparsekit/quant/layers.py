@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from torch import nn
@@ -17,6 +18,7 @@ from sparsekit.quant.modules import (
     unsupported_reason,
 )
 from sparsekit.quant.report import QuantLayer, QuantReport
+from sparsekit.prune.masks import check_finite_weight
 from sparsekit.prune.report import register_reported_types
 from sparsekit.nn.select import PRUNABLE_TYPES, select_modules
 
@@ -110,7 +112,8 @@ def plan_layers(
     it takes: chosen ones whose dtype and shape ``scheme`` supports. ``strict``: ValueError
     naming the layers it cannot take instead of skipping them. A chosen Linear whose input
     dimension is not a multiple of an int4 scheme's group size is always a ValueError naming
-    it (a silently unquantized layer would miss the model's size target)."""
+    it (a silently unquantized layer would miss the model's size target). A taken layer with
+    a NaN or inf weight raises NumericsError naming it (its scales would be NaN)."""
     report = QuantReport(scheme.name)
     todo: dict[str, nn.Module] = {}
     read_by_parent = _read_by_parent(model)
@@ -125,8 +128,19 @@ def plan_layers(
         elif (odd := odd_group_reason(m, scheme)) is not None:
             raise UsageError(f"{verb}({scheme.name!r}): layer {name!r}: {odd}")
         else:
+            check_finite_weight(name, m.weight, "quantizing")
             todo[name] = m
         report.layers.append(layer)
     if strict and report.skipped:
         raise UsageError(f"{verb}({scheme.name!r}, strict=True) cannot take: {report.skipped}")
     return report, todo
+
+
+def after_swap(model: nn.Module) -> None:
+    """What a model needs once quantized layers replaced some of its own: a transformers
+    model's ``save_pretrained`` writes their dequantized weights instead of dropping their
+    scales (:func:`sparsekit.models.hf.guard_save_pretrained`)."""
+    if "transformers" in sys.modules:  # a transformers model exists only once it is imported
+        from sparsekit.models.hf import guard_save_pretrained
+
+        guard_save_pretrained(model)

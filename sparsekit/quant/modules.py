@@ -76,6 +76,8 @@ def unsupported_reason(module: nn.Module, scheme: str | Scheme) -> str | None:
         return f"weight dtype {dtype} is not one of float32, float16, bfloat16"
     if module.weight.device.type == "meta":
         return "weight is on the meta device (no values to quantize)"
+    if module.weight.numel() == 0:
+        return f"zero-size weight {tuple(module.weight.shape)}: nothing to quantize"
     if scheme.activation is not None and isinstance(module, nn.Conv3d):
         return f"{scheme.name} (W8A8) has no Conv3d path; int8_weight_only can take it"
     if scheme.activation is not None and getattr(module, "groups", 1) != 1:

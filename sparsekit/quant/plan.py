@@ -21,8 +21,9 @@ from torch import nn
 
 from sparsekit.errors import UsageError
 from sparsekit.io import checkpoint
-from sparsekit.quant.formats import get_scheme
-from sparsekit.quant.layers import kind, set_module
+from sparsekit.quant.formats import SCHEMES
+from sparsekit.registry import from_file
+from sparsekit.quant.layers import after_swap, kind, set_module
 from sparsekit.quant.modules import _QuantWeight, quantized_module
 
 PLAN_VERSION = 1
@@ -54,7 +55,7 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
                 f"quant plan entry {name!r} has version {spec.get('version')!r}; "
                 f"this sparsekit reads version {PLAN_VERSION}"
             )
-        scheme = get_scheme(spec["scheme"])
+        scheme = from_file(SCHEMES, spec.get("scheme"), f"quant plan entry {name!r}")
         try:
             module = model.get_submodule(name)
         except AttributeError as e:
@@ -68,6 +69,7 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
                 f"{type(module).__name__} {found[1]} bias={found[2]}"
             )
         set_module(model, name, quantized_module(module, scheme, fill=False))
+    after_swap(model)
 
 
 checkpoint.register_plan("quant", quant_plan, apply_quant_plan)

@@ -39,6 +39,7 @@ from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.masks import WeightMask, attach_mask, find_mask, zero_pruned
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.layers import (
+    after_swap,
     QAT_ATTR,
     foreign_parametrizations,
     kind,
@@ -211,4 +212,5 @@ def convert_(model: nn.Module) -> QuantReport:
         delattr(m, QAT_ATTR)
         set_module(model, name, quantized_module(m, scheme, input_scale=input_scale))
         report.layers.append(QuantLayer(name, kind(m), "quantized"))
+    after_swap(model)
     return report

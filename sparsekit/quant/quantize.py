@@ -16,6 +16,7 @@ from sparsekit.nn.calibration import CalibrationFn, run_calibration
 from sparsekit.quant.formats import Scheme, get_scheme
 from sparsekit.quant.gptq import GPTQ, as_method, gptq_quantize
 from sparsekit.quant.layers import (
+    after_swap,
     foreign_parametrizations,
     plan_layers,
     select_float_layers,
@@ -111,6 +112,7 @@ def quantize_(
             layer.rel_error = errors.get(layer.name)
     for name, q in todo.items():
         set_module(model, name, q)
+    after_swap(model)
     return report
 
 

@@ -33,7 +33,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from sparsekit.run.config import Config, choices, enum_fields
+from sparsekit.run.config import PLUGIN_KEYS, Config, choices, enum_fields
 from sparsekit.data import check_data_name
 from sparsekit.run.distributed import (
     from_rank0,
@@ -92,7 +92,31 @@ def to_config(cfg: DictConfig) -> Config:
     assert isinstance(config, Config)
     check_model_name(config.model.name, config.model._target_)
     check_data_name(config.data.name, config.data._target_)
+    from sparsekit.run.loading import check_input_paths
+
+    check_input_paths(config, complete=False)  # a missing file: reported before any work
     return config
+
+
+def with_value(composed: DictConfig, key: str, value: object) -> Config:
+    """A copy of the composed config with ``key`` set to ``value`` (a plain ``key=value``
+    override, as Hydra applies it), validated: what each value of a swept key is checked as."""
+    cfg = copy.deepcopy(composed)
+    OmegaConf.update(cfg, key, value, merge=True)
+    return to_config(cfg)
+
+
+def override_error(composed: DictConfig, override: str) -> str | None:
+    """The one-line error (what ``sparsekit`` prints after ``sparsekit: error:``) of one
+    ``key=value`` override of a config key, applied to the composed config ``composed`` as
+    Hydra applies it; None when the config it makes is valid. The in-process check the CLI
+    fuzz tests run on every key (composing anew per value takes ~0.3 s)."""
+    try:
+        o = OverridesParser.create().parse_override(override)
+        with_value(composed, o.key_or_group, o.value())
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
+        return one_line(e)
+    return None
 
 
 def _reason(err: OverrideParseException) -> str:
@@ -209,7 +233,9 @@ def check_overrides(overrides: Sequence[str]) -> None:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             variant = base
             composed = compose("config", overrides=base)
-            to_config(composed)
+            from sparsekit.run.loading import check_input_paths
+
+            check_input_paths(to_config(composed))  # data=text's data.path too, before the run
             for i, o in sweeps:
                 values = zip(list(o.sweep_string_iterator())[1:], list(o.sweep_iterator())[1:])
                 for text, value in values:
@@ -217,9 +243,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
                     if _is_group(o) or o.is_add() or o.is_force_add() or o.is_delete():
                         to_config(compose("config", overrides=variant))
                         continue
-                    cfg = copy.deepcopy(composed)
-                    OmegaConf.update(cfg, o.key_or_group, value, merge=True)
-                    to_config(cfg)
+                    with_value(composed, o.key_or_group, value)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
         line = one_line(e)
         keys = [o.split("=", 1)[0].lstrip("+~") for o in variant]
@@ -255,12 +279,37 @@ def imports_code(overrides: Sequence[object]) -> list[str]:
     return flagged
 
 
+def needs_plugin(overrides: Sequence[object]) -> list[str]:
+    """The recorded overrides that name an installed plugin (an entry point) where a built-in
+    is expected (:data:`~sparsekit.run.config.PLUGIN_KEYS`): a run directory never chooses
+    which plugin code runs (``sparsekit.registry.from_file``); ``none`` is no scheme."""
+    flagged = []
+    for o in overrides:
+        key, eq, value = str(o).partition("=")
+        registry = PLUGIN_KEYS.get(key.lstrip("+~"))
+        if registry is not None and eq and value != "none" and not registry.in_code(value):
+            flagged.append(f"{o} (not a built-in {registry.kind}: a plugin?)")
+    return flagged
+
+
+def unsafe_overrides(overrides: Sequence[object]) -> list[str]:
+    """What replaying these recorded overrides would run beyond sparsekit's built-ins:
+    :func:`imports_code` and :func:`needs_plugin`."""
+    return [*imports_code(overrides), *needs_plugin(overrides)]
+
+
 def _recorded_overrides(run_dir: Path) -> list | None:
+    """The overrides recorded in ``run_dir/.hydra/overrides.yaml`` (plain YAML data: a
+    python-tagged object is refused), or None when there is no readable list of them."""
     try:
         overrides = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
-    except (OSError, OmegaConfBaseException, ValueError):
+    except Exception:  # noqa: BLE001 - any bad file (YAML errors, tags, ...) is no run to resume
         return None
     return overrides if isinstance(overrides, list) else None
+
+
+def _skip_note(run_dir: Path, why: str) -> None:
+    print(f"sparsekit: resume=true: skipped {run_dir}: {why}", file=sys.stderr)
 
 
 def latest_run(root: Path = RUNS) -> Path | None:
@@ -289,11 +338,23 @@ def latest_run(root: Path = RUNS) -> Path | None:
         return None
 
     found = []
-    for d in root.glob("*/"):
-        t = written(d)
-        overrides = _recorded_overrides(d) if t is not None else None
-        if overrides is not None and not imports_code(overrides):
-            found.append((t, d))
+    for d in sorted(root.glob("*/")):
+        try:
+            t = written(d)
+        except Exception as e:  # noqa: BLE001 - one damaged directory never blocks the others
+            _skip_note(d, f"unreadable run state ({type(e).__name__})")
+            continue
+        if t is None:
+            continue
+        overrides = _recorded_overrides(d)
+        if overrides is None:
+            _skip_note(d, ".hydra/overrides.yaml is missing or not a plain YAML list")
+            continue
+        risky = unsafe_overrides(overrides)
+        if risky:
+            _skip_note(d, f"it replays {' '.join(risky)}; name it with resume=DIR to replay that")
+            continue
+        found.append((t, d))
     return max(found)[1] if found else None
 
 
@@ -321,10 +382,10 @@ def resume_argv(argv: list[str]) -> list[str]:
         fail(ValueError(f"resume={value}: {run_dir} is still running (process {pid} on this "
                         "host); wait for it or stop it first"))
     original = [str(o) for o in recorded if not str(o).startswith("resume=")]
-    risky = imports_code(original)
+    risky = unsafe_overrides(original)
     if risky:
-        print(f"sparsekit: resume={value}: {run_dir} replays overrides that import code: "
-              f"{' '.join(risky)}", file=sys.stderr)
+        print(f"sparsekit: resume={value}: {run_dir} replays overrides that import code or "
+              f"plugins: {' '.join(risky)}", file=sys.stderr)
     rest = [a for a in argv if not a.startswith("resume=")]
     run_dir = run_dir.resolve()
     return [*original, *rest, f"hydra.run.dir='{run_dir}'", "resume=true"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -57,6 +58,12 @@ Device = _choices("Device", ("auto", "cpu", "cuda"), "auto: cuda when visible.")
 
 
 @functools.cache
+def _optional(cls: type, name: str) -> bool:
+    """Whether field ``name`` of dataclass ``cls`` may be None."""
+    return type(None) in typing.get_args(typing.get_type_hints(cls)[name])
+
+
+@functools.cache
 def enum_fields(cls: type) -> dict[str, type[StrEnum]]:
     """The fields of dataclass ``cls`` typed with a StrEnum (or an optional one)."""
     hints = typing.get_type_hints(cls)
@@ -72,6 +79,83 @@ class ConfigError(UsageError):
     """A configuration value outside its allowed set; the message is one line."""
 
 
+INT_MAX = 2**31 - 1  # counts and sizes beyond this overflow the C ints of torch and numpy
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option takes: finite, ``low <= v`` (``low < v`` when
+    ``low_open``) and ``v <= high`` (``v < high`` when ``high_open``); ``high`` None: no upper
+    bound but finiteness (an int option is capped at :data:`INT_MAX`).
+
+    >>> str(Range(0, 1, high_open=True)), 0.5 in Range(0, 1), float("nan") in Range(0)
+    ('in [0, 1)', True, False)
+    """
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        def fmt(x: float) -> str:
+            return str(int(x)) if math.isfinite(x) and float(x).is_integer() else f"{x:g}"
+
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {fmt(self.low)}"
+        return (f"in {'(' if self.low_open else '['}{fmt(self.low)}, {fmt(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def number(default: float | None, low: float, high: float | None = None, *,
+           low_open: bool = False, high_open: bool = False) -> Any:
+    """A numeric field whose :class:`Range` is part of the schema (``field.metadata``): every
+    int and float option declares one, and :class:`_Checked` refuses a value outside it (NaN
+    and inf included) before any work starts."""
+    return field(default=default,
+                 metadata={"range": Range(low, high, low_open=low_open, high_open=high_open)})
+
+
+def _numeric_type(hint: Any) -> type | None:
+    """int or float for a field typed ``int``, ``float`` or an optional one; else None."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for t in (hint, *(typing.get_args(hint) if union else ())):
+        if t is bool:
+            return None
+        if t in (int, float):
+            return t
+    return None
+
+
+@functools.cache
+def numeric_fields(cls: type) -> dict[str, tuple[type, Range | None]]:
+    """The int/float fields of dataclass ``cls``: name -> (type, declared Range)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        kind = _numeric_type(hints[f.name])
+        if kind is not None:
+            out[f.name] = (kind, f.metadata.get("range"))
+    return out
+
+
+@functools.cache
+def string_fields(cls: type) -> tuple[str, ...]:
+    """The fields of dataclass ``cls`` typed ``str`` or ``str | None`` (names, paths)."""
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls)
+                 if hints[f.name] is str or hints[f.name] == (str | None))
+
+
 class _Checked:
     """Choice and range checks run by ``__post_init__`` (OmegaConf runs it when it builds the
     dataclasses; :func:`validate` runs it again after code changed fields). ``_key`` is the
@@ -83,6 +167,7 @@ class _Checked:
     _open: ClassVar[dict[str, Callable[[], Iterable[str]]]] = {}
 
     def __post_init__(self) -> None:
+        self._check_schema()
         for name, enum in enum_fields(type(self)).items():
             if getattr(self, name) is not None:
                 self._choice(name, enum)
@@ -92,6 +177,30 @@ class _Checked:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` on the first bad value; coerce strings to enums."""
+
+    def _check_schema(self) -> None:
+        """What the schema itself says: every number of the right type, finite and in its
+        declared :class:`Range` (an int at most :data:`INT_MAX`); every name or path a
+        non-empty string (or null)."""
+        cls = type(self)
+        for name, (kind, allowed) in numeric_fields(cls).items():
+            value = getattr(self, name)
+            if value is None and _optional(cls, name):
+                continue
+            if allowed is None:
+                allowed = Range(-math.inf)
+            if kind is int and allowed.high is None:
+                allowed = dataclasses.replace(allowed, high=INT_MAX)
+            wrong_type = kind is int and (isinstance(value, bool) or not isinstance(value, int))
+            if wrong_type or value not in allowed:
+                what = "an integer" if kind is int else "a finite number"
+                null = " (or null)" if _optional(cls, name) else ""
+                raise ConfigError(f"{self._option(name)}={value!r} must be {what} {allowed}{null}")
+        for name in string_fields(type(self)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{self._option(name)}={value!r} must be a non-empty string"
+                                  f"{' (or null)' if _optional(type(self), name) else ''}")
 
     def _option(self, name: str) -> str:
         return f"{self._key}.{name}" if self._key else name
@@ -108,20 +217,6 @@ class _Checked:
         raise ConfigError(
             f"{self._option(name)}={value!r} is not allowed; choose one of: {', '.join(values)}"
         )
-
-    def _at_least(self, *names: str, low: float) -> None:
-        for name in names:
-            value = getattr(self, name)
-            if not value >= low:  # NaN too
-                raise ConfigError(f"{self._option(name)}={value!r} must be >= {low}")
-
-    def _fraction(self, name: str, *, closed: bool = False, what: str = "") -> None:
-        """``value`` in [0, 1) ([0, 1] when ``closed``)."""
-        value = getattr(self, name)
-        if not (0.0 <= value <= 1.0 if closed else 0.0 <= value < 1.0):
-            raise ConfigError(
-                f"{self._option(name)}={value!r} must be in [0, 1{']' if closed else ')'}{what}"
-            )
 
 
 @dataclass
@@ -153,22 +248,14 @@ class DataConfig(_Checked):
     _target_: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     task: Task = Task.classification
-    batch_size: int = 100
-    eval_batch_size: int = 500
-    eval_batches: int | None = None  # evaluate on at most this many batches; null = all
+    batch_size: int = number(100, 1)
+    eval_batch_size: int = number(500, 1)
+    eval_batches: int | None = number(None, 1)  # evaluate on at most this many batches; null = all
     # data=text: local .txt/.jsonl files (a file, a directory or a glob), tokenized by the
     # tokenizer in ``tokenizer`` (null: model.path) into windows of seq_len tokens
     path: str | None = None
     tokenizer: str | None = None
-    seq_len: int = 128
-
-    def check(self) -> None:
-        self._at_least("seq_len", "batch_size", "eval_batch_size", low=1)
-        if self.eval_batches is not None and not self.eval_batches >= 1:
-            raise ConfigError(
-                f"data.eval_batches={self.eval_batches!r} must be >= 1, or null to evaluate on "
-                "every batch (0 batches would report a meaningless 0% accuracy)"
-            )
+    seq_len: int = number(128, 1)
 
 
 @dataclass
@@ -178,16 +265,14 @@ class ChannelConfig(_Checked):
 
     _key: ClassVar[str] = "prune.channel"
     _open: ClassVar = {"criterion": CHANNEL_CRITERIA.names}
-    ratio: float = 0.0
+    ratio: float = number(0.0, 0, 1, high_open=True)
     criterion: str = "magnitude"
     scope: Scope = Scope.layer
-    round_to: int = 8
-    steps: int = 1
+    round_to: int = number(8, 1)
+    steps: int = number(1, 1)
     exclude: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        self._fraction("ratio")
-        self._at_least("round_to", "steps", low=1)
         self._choice("criterion", CHANNEL_CRITERIA.names())
 
 
@@ -200,20 +285,19 @@ class PruneConfig(_Checked):
     _key: ClassVar[str] = "prune"
     _open: ClassVar = {"criterion": lambda: CRITERIA}
     pattern: str = "2:4"
-    sparsity: float | None = None
+    sparsity: float | None = number(None, 0, 1, high_open=True)
     criterion: str = "magnitude"
     scope: Scope = Scope.layer
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
-    calibration_batches: int = 8
+    calibration_batches: int = number(8, 1)
     strict: bool = False
     fine_tune: bool = True  # false: one shot, no fine-tuning
     channel: ChannelConfig = field(default_factory=ChannelConfig)
 
     def check(self) -> None:
+        check_include(self.include, self._option("include"))
         nm = parse_nm(self.pattern)
-        if self.sparsity is not None:
-            self._fraction("sparsity", what=" or null")
         if self.pattern == "unstructured" and self.sparsity is None:
             raise ConfigError("prune.sparsity (a float in [0, 1)) is required for unstructured")
         if nm is not None and self.sparsity is not None and not math.isclose(
@@ -223,7 +307,6 @@ class PruneConfig(_Checked):
                 f"prune.sparsity={self.sparsity!r} contradicts prune.pattern={self.pattern!r} "
                 f"(which implies {1 - nm[0] / nm[1]:g}); set prune.sparsity=null"
             )
-        self._at_least("calibration_batches", low=1)
 
 
 @dataclass
@@ -232,13 +315,11 @@ class ScheduleConfig(_Checked):
 
     _key: ClassVar[str] = "schedule"
     kind: ScheduleKind = ScheduleKind.linear
-    start: int = 0
-    end: int = 500
-    every: int = 50
+    start: int = number(0, 0)
+    end: int = number(500, 0)
+    every: int = number(50, 1)
 
     def check(self) -> None:
-        self._at_least("start", low=0)
-        self._at_least("every", low=1)
         if self.end < self.start:
             raise ConfigError(f"schedule.end={self.end} must be >= schedule.start={self.start}")
 
@@ -273,6 +354,9 @@ class QuantConfig(_Checked):
         if (self.act_order or self.compare) and self.method != "gptq":
             raise ConfigError("quant.act_order and quant.compare go with quant.method=gptq")
 
+    def check(self) -> None:
+        check_include(self.include, self._option("include"))
+
 
 @dataclass
 class DistillConfig(_Checked):
@@ -280,13 +364,8 @@ class DistillConfig(_Checked):
     alpha * T^2 * KL(teacher_T || student_T). ``alpha=0`` turns it off."""
 
     _key: ClassVar[str] = "train.distill"
-    alpha: float = 0.0
-    temperature: float = 2.0
-
-    def check(self) -> None:
-        self._fraction("alpha", closed=True)
-        if not self.temperature > 0:
-            raise ConfigError(f"train.distill.temperature={self.temperature!r} must be > 0")
+    alpha: float = number(0.0, 0, 1)
+    temperature: float = number(2.0, 0, 1e4, low_open=True)
 
 
 @dataclass
@@ -294,57 +373,48 @@ class TrainConfig(_Checked):
     """Dense training and fine-tuning. Steps count optimizer steps (one batch each)."""
 
     _key: ClassVar[str] = "train"
-    dense_steps: int = 6000
-    dense_lr: float = 1e-2
-    finetune_steps: int = 1000
-    finetune_lr: float = 2e-3
+    dense_steps: int = number(6000, 0)
+    dense_lr: float = number(1e-2, 0, 10)  # 0: no dense training (dense_steps=0)
+    finetune_steps: int = number(1000, 0)
+    finetune_lr: float = number(2e-3, 0, 10)
     optimizer: Optimizer = Optimizer.adamw
-    weight_decay: float = 0.0
+    weight_decay: float = number(0.0, 0, 10)
     lr_schedule: LRSchedule = LRSchedule.cosine
-    warmup_steps: int = 0
-    grad_clip: float = 0.0  # max gradient norm; 0 disables clipping
-    log_every: int = 50
-    eval_every: int = 250
-    checkpoint_every: int = 250
+    warmup_steps: int = number(0, 0)
+    grad_clip: float = number(0.0, 0)  # max gradient norm; 0 disables clipping
+    log_every: int = number(50, 1)
+    eval_every: int = number(250, 1)
+    checkpoint_every: int = number(250, 1)
     distill: DistillConfig = field(default_factory=DistillConfig)
-    seed: int = 0
+    seed: int = number(0, 0, 2**32 - 2)  # numpy seeds are < 2**32; the run also uses seed + 1
     device: Device = Device.auto
-    cpu_threads: int = 0  # torch intra-op threads on CPU; 0 keeps torch's default
+    cpu_threads: int = number(0, 0, 4096)  # torch intra-op threads on CPU; 0 keeps torch's default
     # under torchrun: ddp (replicated weights) | fsdp2 (sharded weights, fully_shard) | auto
     # (= ddp under torchrun, else none) | none; see docs/distributed.md
     distributed: Distributed = Distributed.auto
     quiet: bool = False  # no progress bars (also: environment SPARSEKIT_QUIET=1)
-
-    def check(self) -> None:
-        self._at_least("dense_steps", "finetune_steps", "warmup_steps", "cpu_threads", low=0)
-        self._at_least("log_every", "eval_every", "checkpoint_every", low=1)
 
 
 @dataclass
 class TrackerConfig(_Checked):
     _key: ClassVar[str] = "tracker"
     kind: TrackerKind = TrackerKind.tensorboard
-    flush_secs: int = 10
+    flush_secs: int = number(10, 1)
     histograms: bool = True
-    histogram_every: int = 200  # at least this many steps between two sets of weight histograms
-
-    def check(self) -> None:
-        self._at_least("flush_secs", low=1)
+    # at least this many steps between two sets of weight histograms
+    histogram_every: int = number(200, 1)
 
 
 @dataclass
 class BenchConfig(_Checked):
     _key: ClassVar[str] = "bench"
     enabled: bool = True
-    batch_size: int = 256  # throughput batch; latency is always measured at batch 1
-    warmup: int = 5
-    repeats: int = 20  # timed calls; figures are their median, with p10 and p90
+    batch_size: int = number(256, 1)  # throughput batch; latency is always measured at batch 1
+    warmup: int = number(5, 0)
+    repeats: int = number(20, 1)  # timed calls; figures are their median, with p10 and p90
     # a causal LM with accel on CUDA: generation speed, new tokens after a prompt (batch 1)
-    new_tokens: int = 128
-    prompt_tokens: int = 128
-
-    def check(self) -> None:
-        self._at_least("batch_size", "repeats", "new_tokens", "prompt_tokens", low=1)
+    new_tokens: int = number(128, 1)
+    prompt_tokens: int = number(128, 1)
 
 
 @dataclass
@@ -359,7 +429,7 @@ class AccelConfig(_Checked):
     enabled: bool = False
     precision: str = "bf16"
     sparsity: str = "2:4"
-    min_speedup: float = 1.0
+    min_speedup: float = number(1.0, 0, 1e3, low_open=True)
     siblings: bool = False
     capture: bool | None = None
 
@@ -375,11 +445,108 @@ class SensitivityConfig(_Checked):
     _key: ClassVar[str] = "sensitivity"
     enabled: bool = False
     sparsities: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
-    target: float | None = None
+    target: float | None = number(None, 0, 1, high_open=True)
 
     def check(self) -> None:
-        if any(not 0.0 < v < 1.0 for v in self.sparsities):
-            raise ConfigError(f"sensitivity.sparsities={list(self.sparsities)} must be in (0, 1)")
+        levels = list(self.sparsities)
+        if (not levels or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0.0 < v < 1.0 for v in levels)
+                or len(set(levels)) != len(levels)):
+            raise ConfigError(f"sensitivity.sparsities={levels} must be distinct levels in (0, 1)"
+                              " (e.g. [0.5, 0.9])")
+
+
+# The keyword arguments of the built-in models and data (``model.kwargs``, ``data.kwargs``),
+# as schemas of their own: the same type and range checks as every other key, before any work.
+# Defaults are the builders' own (tests/test_cli_fuzz.py compares them with the signatures).
+SEED = (0, 2**32 - 1)  # numpy's seeds
+
+
+@dataclass
+class Mnist1dArgs(_Checked):
+    """data=mnist1d: :func:`sparsekit.data.mnist1d.mnist1d`."""
+
+    _key: ClassVar[str] = "data.kwargs"
+    num_samples: int = number(5000, 10, 10**7)
+    seed: int = number(42, *SEED)
+    train_split: float = number(0.8, 0, 1, low_open=True, high_open=True)
+
+
+@dataclass
+class StdlibTextArgs(_Checked):
+    """data=stdlib_text: :func:`sparsekit.data.text.stdlib_text`."""
+
+    _key: ClassVar[str] = "data.kwargs"
+    seq_len: int = number(128, 1, 2**20)
+    max_bytes: int = number(2_000_000, 1)
+    eval_fraction: float = number(0.1, 0, 1, low_open=True, high_open=True)
+
+
+@dataclass
+class TextArgs(_Checked):
+    """data=text: :func:`sparsekit.data.hf_text.text_data` (besides path, tokenizer and
+    seq_len, which are keys of ``data``)."""
+
+    _key: ClassVar[str] = "data.kwargs"
+    eval_fraction: float = number(0.1, 0, 1, low_open=True, high_open=True)
+    calibration_fraction: float = number(0.05, 0, 1, low_open=True, high_open=True)
+    text_field: str = "text"
+    mlm_probability: float = number(0.15, 0, 1, low_open=True, high_open=True)
+    seed: int = number(0, *SEED)
+
+    def check(self) -> None:
+        if self.eval_fraction + self.calibration_fraction >= 1:
+            raise ConfigError("data.kwargs.eval_fraction + data.kwargs.calibration_fraction "
+                              f"= {self.eval_fraction + self.calibration_fraction:g} must be < 1")
+
+
+@dataclass
+class Mnist1dCNNArgs(_Checked):
+    """model=mnist1d_cnn: :func:`sparsekit.models.cnn1d.mnist1d_cnn`."""
+
+    _key: ClassVar[str] = "model.kwargs"
+    num_classes: int = number(10, 1, 2**20)
+    channels: int = number(32, 1, 2**16)
+    in_len: int = number(40, 3, 2**20)  # three stride-2 convolutions need 3 samples
+
+
+@dataclass
+class TinyLMArgs(_Checked):
+    """model=tiny_lm: :func:`sparsekit.models.lm.tiny_lm`."""
+
+    _key: ClassVar[str] = "model.kwargs"
+    vocab_size: int = number(256, 1, 2**20)
+    d_model: int = number(128, 1, 2**16)
+    n_layers: int = number(4, 1, 1024)
+    n_heads: int = number(4, 1, 2**16)
+    seq_len: int = number(128, 1, 2**20)
+
+    def check(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.kwargs.d_model={self.d_model} must be a multiple of "
+                              f"model.kwargs.n_heads={self.n_heads}")
+
+
+#: (section, built-in name) -> the schema of its kwargs
+BUILTIN_KWARGS: dict[tuple[str, str], type[_Checked]] = {
+    ("data", "mnist1d"): Mnist1dArgs, ("data", "stdlib_text"): StdlibTextArgs,
+    ("data", "text"): TextArgs, ("model", "mnist1d_cnn"): Mnist1dCNNArgs,
+    ("model", "tiny_lm"): TinyLMArgs,
+}
+
+
+def check_builtin_kwargs(section: str, name: str, kwargs: dict[str, Any]) -> None:
+    """``kwargs`` of the built-in ``section`` (model or data) ``name`` against its schema
+    (:data:`BUILTIN_KWARGS`): known names, types and ranges; ConfigError naming the key."""
+    schema = BUILTIN_KWARGS.get((section, name))
+    if schema is None:
+        return
+    names = [f.name for f in dataclasses.fields(schema)]
+    for key in kwargs:
+        if key not in names:
+            raise ConfigError(f"{section}.kwargs.{key}: {section}={name} takes no such argument; "
+                              f"it takes: {', '.join(names)}")
+    schema(**kwargs)
 
 
 @dataclass
@@ -399,7 +566,25 @@ class Config(_Checked):
     cache_dir: str | None = None  # null: $SPARSEKIT_CACHE or ~/.cache/sparsekit
     resume: Any = False  # true: continue the latest run directory; a path: continue that one
 
+    def _check_inputs_used(self) -> None:
+        for option, value, used, by in _used_by(self):
+            if value is not None and not used:
+                choice = (f"model={self.model.name}" if option.startswith("model")
+                          else f"data={self.data.name}")
+                raise ConfigError(
+                    f"{option}={value!r} is read only by {by}, and this run uses {choice}: add "
+                    f"{by.split()[0]} (or a recipe such as recipe=llm_sparsegpt_24), or drop "
+                    f"{option}"
+                )
+
     def check(self) -> None:
+        self._check_inputs_used()
+        for section in (self.model, self.data):
+            if section._target_ is None:
+                check_builtin_kwargs(section._key, section.name, dict(section.kwargs))
+        if not (self.resume is None or isinstance(self.resume, bool)
+                or (isinstance(self.resume, str) and self.resume.strip())):
+            raise ConfigError(f"resume={self.resume!r} must be true, false or a run directory")
         p, sens = self.prune, self.sensitivity
         if is_solver(p.criterion) and p.fine_tune and self.schedule.kind != "oneshot":
             raise ConfigError(
@@ -439,6 +624,36 @@ def joint_gptq(cfg: Config) -> bool:
     p, q = cfg.prune, cfg.quant
     return (q.scheme != "none" and q.method == "gptq" and str(p.criterion) == "sparsegpt"
             and not p.fine_tune and parse_nm(str(p.pattern)) is not None)
+
+
+def _used_by(cfg: Config) -> list[tuple[str, object, bool, str]]:
+    """(option, its value, whether this run reads it, the choice that reads it) for the
+    options only some models or data read: set where nothing reads them, they would be
+    ignored without a word (model.path without model=hf would run the default model)."""
+    m, d = cfg.model, cfg.data
+    hf = m.name == "hf" and m._target_ is None
+    text = d.name == "text" and d._target_ is None
+    return [
+        ("model.path", m.path, hf, "model=hf (a local transformers directory)"),
+        ("model.config", m.config, hf, "model=hf (a transformers config: random weights)"),
+        ("model.task", m.task, hf, "model=hf"),
+        ("data.path", d.path, text, "data=text (local .txt/.jsonl files)"),
+        ("data.tokenizer", d.tokenizer, text or hf, "data=text or model=hf"),
+    ]
+
+
+#: the registry-backed keys: a run directory's recorded value must be registered in code (built
+#: in), never an installed plugin (``sparsekit.registry.from_file``)
+PLUGIN_KEYS = {"prune.criterion": CRITERIA, "prune.channel.criterion": CHANNEL_CRITERIA,
+               "quant.scheme": SCHEMES}
+
+
+def check_include(include: list[str], option: str) -> None:
+    """An include list selects layers: an empty one would select none (refused here rather
+    than after the dense model is trained)."""
+    if not list(include):
+        raise ConfigError(f"{option}=[] selects no layer: use {option}=['*'] for every layer, "
+                          "or name the layers")
 
 
 def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:

@@ -232,43 +232,33 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike) -> None:
     barrier()
 
 
-# what the ``.metadata`` pickle of a torch.distributed.checkpoint may name besides its own
-# classes (torch.distributed.checkpoint unpickles it with no restriction)
-_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                ("collections", "OrderedDict")}
-
-
-def check_sharded_metadata(path: str | os.PathLike) -> None:
-    """Refuse a sharded checkpoint whose ``.metadata`` pickle names anything but DCP's own
-    classes, torch dtypes and sizes: :class:`~sparsekit.errors.UnsafeFileError` names it (and
+def check_sharded_metadata(path: str | os.PathLike) -> Any:
+    """The ``.metadata`` index of the sharded checkpoint ``path``, unpickled admitting only the
+    plain data classes of :data:`sparsekit.io.pickles.PLAIN_CLASSES` (DCP's own unpickling
+    has no restriction): :class:`~sparsekit.errors.UnsafeFileError` names any other class (and
     nothing in it runs); an unreadable one raises FileFormatError."""
-    import pickle
-    import sys
-
-    from sparsekit.errors import FileFormatError, UnsafeFileError
+    from sparsekit.io.pickles import restricted_load
 
     meta = os.path.join(os.fspath(path), ".metadata")
+    with open(meta, "rb") as f:
+        return restricted_load(f, meta)
 
-    class Restricted(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            ok = (module, name) in _DCP_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-            if module.startswith("torch.distributed.checkpoint.") and "." not in name:
-                # already imported by DCP itself: nothing is imported for the file
-                ok = isinstance(getattr(sys.modules.get(module), name, None), type)
-            if not ok:
-                raise UnsafeFileError(f"{meta} names {module}.{name}, which a sharded "
-                                      "checkpoint never holds; nothing in it was run")
-            return super().find_class(module, name)
 
-    try:
-        with open(meta, "rb") as f:
-            Restricted(f).load()
-    except (UnsafeFileError, FileNotFoundError):
-        raise
-    except Exception as e:
-        raise FileFormatError(f"{meta} is not a readable checkpoint index: {e}") from None
+def _safe_reader(path: str) -> Any:
+    """DCP's file system reader whose ``.metadata`` is read by :func:`check_sharded_metadata`
+    (the restricted unpickler) instead of ``pickle.load``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = check_sharded_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
 
 
 def _safe_planner(path: str) -> Any:
@@ -305,9 +295,10 @@ def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> dict[str, An
         raise FileNotFoundError(f"no sharded checkpoint at {path}")
     from sparsekit.errors import FileFormatError
 
-    check_sharded_metadata(path)
+    check_sharded_metadata(path)  # refused before DCP opens anything
     try:
-        dcp.load(state, checkpoint_id=os.fspath(path), planner=_safe_planner(os.fspath(path)))
+        dcp.load(state, storage_reader=_safe_reader(os.fspath(path)),
+                 planner=_safe_planner(os.fspath(path)))
     except dcp.api.CheckpointException as e:  # DCP gathers each rank's error into one
         for err, _ in getattr(e, "failures", {}).values():
             if isinstance(err, FileFormatError):

@@ -124,18 +124,63 @@ def check_model_takes_data(model: nn.Module, data: DataBundle, cfg: Config) -> N
     n = min(2, len(data.train))
     if n == 0:
         raise UsageError(f"data={cfg.data.name} has no training samples")
-    x = get_batch(data.train, torch.arange(n))[0]
+    x, y = get_batch(data.train, torch.arange(n))[:2]
     device = next(model.parameters(), torch.zeros(0)).device
     x = x.to(device) if isinstance(x, torch.Tensor) else x
+    name = cfg.model.name if cfg.model._target_ is None else cfg.model._target_
     try:
         with eval_mode(model):
-            call_model(model, x, calibration_fn=lambda m, b: m(b))
+            out = call_model(model, x, calibration_fn=lambda m, b: m(b))
     except ModelCallError as e:
-        name = cfg.model.name or cfg.model._target_
         raise ModelCallError(
             f"model {name!r} cannot take the inputs of data={cfg.data.name}: {e}; pick a model "
             "and data that fit (model.name, model.kwargs, data=)"
         ) from e
+    check_task_fits(out, y, cfg.data.task, f"model {name!r} on data={cfg.data.name}")
+
+
+def check_task_fits(out: Any, target: Any, task: str, what: str) -> None:
+    """``data.task`` against what the model gives: class logits (B, C) for targets (B,) under
+    ``classification``, token logits (B, T, V) for targets (B, T) under ``lm``; a UsageError
+    naming ``what`` otherwise (a perplexity of an image classifier means nothing)."""
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return
+    shapes = {"classification": ((2, 1), "class logits (B, C) for targets (B,)"),
+              "lm": ((3, 2), "token logits (B, T, V) for targets (B, T)")}
+    want, needs = shapes[str(task)]
+    if (logits.dim(), target.dim()) != want:
+        other = "lm" if str(task) == "classification" else "classification"
+        raise UsageError(
+            f"data.task={task} needs {needs}, and {what} gives output {tuple(logits.shape)} for "
+            f"targets {tuple(target.shape)}: "
+            f"set data.task={other} or pick a model and data of that task"
+        )
+
+
+def check_input_paths(cfg: Config, *, complete: bool = True) -> None:
+    """Every file or directory the run reads (model.path, model.config as a file,
+    model.checkpoint, data.path, data.tokenizer) exists and is of the right kind: a one-line
+    UsageError naming the option before any model is built, loaded or trained. ``complete``:
+    also those the run cannot do without (data=text's data.path); False checks only the paths
+    given (a config being composed may get the others later)."""
+    from sparsekit.data.hf_text import text_files
+    from sparsekit.models.hf import check_model_dir
+
+    m, d = cfg.model, cfg.data
+    if m.path is not None:
+        check_model_dir(m.path)
+    if isinstance(m.config, str) and not Path(m.config).expanduser().is_file():
+        raise UsageError(f"model.config={m.config!r}: no such file (a config.json, or a dict)")
+    if m.checkpoint and not Path(m.checkpoint).expanduser().is_file():
+        raise UsageError(f"model.checkpoint={m.checkpoint!r} does not exist or is not a file")
+    if complete and d.name == "text" and d._target_ is None and not d.path:
+        raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
+    if d.path is not None:
+        text_files(d.path)
+    if d.tokenizer is not None and not Path(d.tokenizer).expanduser().is_dir():
+        raise UsageError(f"data.tokenizer={d.tokenizer!r}: no such directory (a directory "
+                         "holding tokenizer files)")
 
 
 def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
@@ -208,5 +253,6 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
     return {"dir": str(out), **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
 
 
-__all__ = ["build_run_data", "check_model_takes_data", "export_hf", "load_dense", "load_hf",
+__all__ = ["build_run_data", "check_input_paths", "check_model_takes_data", "check_task_fits",
+           "export_hf", "load_dense", "load_hf",
            "load_safetensors"]

@@ -41,6 +41,7 @@ from sparsekit.io.files import atomic_write, move_aside
 from sparsekit.run.bench import benchmark, generation_speed
 from sparsekit.run.loading import (
     build_run_data,
+    check_input_paths,
     check_model_takes_data,
     export_hf,
     load_dense,
@@ -776,6 +777,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False,
     ``summary.md``). ``run_dir/run_state.json`` records ``running``, then ``failed`` (with the
     error) or ``finished``."""
     validate(cfg)
+    check_input_paths(cfg)  # before any model is built or trained
     run_dir = Path(run_dir).resolve()
     with storage_errors(run_dir, "create the run directory (hydra.run.dir)"):
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,7 @@ def test_plan_is_json_and_checks_the_model():
         apply_quant_plan(_model(), {"9": plan["0"]})
     with pytest.raises(ValueError, match="version"):
         apply_quant_plan(_model(), {"0": {**plan["0"], "version": 99}})
-    with pytest.raises(ValueError, match="unknown quantization scheme"):
+    with pytest.raises(ValueError, match="names quantization scheme 'int4', which is not built in"):
         apply_quant_plan(_model(), {"0": {**plan["0"], "scheme": "int4"}})
     assert quant_plan(_model()) == {}
 
