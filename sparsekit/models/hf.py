@@ -47,6 +47,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
                    "tokenizer.model", "spiece.model")
 
 
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
 def check_config_offline(config: Any, where: str) -> None:
     """Refuse a config (a dict as config.json holds it, sub-configs included) that would make
     transformers reach the network or run code of its own: an attention implementation other

@@ -353,8 +353,6 @@ class QuantConfig(_Checked):
                               "converts its fake-quantized weights by rounding)")
         if (self.act_order or self.compare) and self.method != "gptq":
             raise ConfigError("quant.act_order and quant.compare go with quant.method=gptq")
-
-    def check(self) -> None:
         check_include(self.include, self._option("include"))
 
 
