@@ -291,7 +291,7 @@ def test_lm_task_on_a_classifier_is_refused_before_training(tmp_path):
 def test_llm_recipes_keep_the_lm_head_out_of_every_scheme(recipe, scheme):
     from hydra import compose, initialize_config_dir
 
-    from sparsekit.prune.select import name_matches
+    from sparsekit.nn.select import name_matches
     from sparsekit.run.cli import register_configs
     from sparsekit.run.resources import conf_dir
 

@@ -6,9 +6,10 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
 from torch import nn
 
-from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 
 PRUNABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -109,3 +110,18 @@ def select_modules(
             f"{[t.__name__ for t in types]}"
         )
     return chosen
+
+
+def check_finite_weight(name: str, weight: torch.Tensor, action: str = "pruning") -> None:
+    """NumericsError naming layer ``name`` when its weight holds NaN or inf (no score can rank
+    such weights, and a mask picked from them would be arbitrary; no scale quantizes them);
+    ``action`` ("pruning", "quantizing") goes into the message."""
+    w = weight.detach()
+    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise NumericsError(
+            f"layer {name!r} has {bad} non-finite (NaN or inf) weight(s) of {w.numel()}: fix or "
+            f"exclude the layer before {action} it"
+        )
+
+

@@ -42,7 +42,7 @@ from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.schedules import Linear, OneShot, Schedule
 from sparsekit.nn.select import (PRUNABLE_TYPES, as_patterns, include_patterns,
                                  name_matches)
-from sparsekit.prune.masks import check_finite_weight
+from sparsekit.nn.select import check_finite_weight
 
 SCOPES = ("layer", "global")
 PLAN_FORMAT = "sparsekit.channel_plan"

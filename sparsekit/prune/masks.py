@@ -14,20 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsekit.errors import NumericsError, UsageError
-
-
-def check_finite_weight(name: str, weight: torch.Tensor, action: str = "pruning") -> None:
-    """NumericsError naming layer ``name`` when its weight holds NaN or inf (no score can rank
-    such weights, and a mask picked from them would be arbitrary; no scale quantizes them);
-    ``action`` ("pruning", "quantizing") goes into the message."""
-    w = weight.detach()
-    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
-        bad = int((~torch.isfinite(w)).sum())
-        raise NumericsError(
-            f"layer {name!r} has {bad} non-finite (NaN or inf) weight(s) of {w.numel()}: fix or "
-            f"exclude the layer before {action} it"
-        )
+from sparsekit.errors import UsageError
 
 
 class WeightMask(nn.Module):

@@ -30,7 +30,7 @@ from sparsekit.prune.criteria import (
 )
 from sparsekit.checks import check_fraction
 from sparsekit.errors import ConfigTypeError, UsageError
-from sparsekit.prune.masks import check_finite_weight
+from sparsekit.nn.select import check_finite_weight
 from sparsekit.prune.patterns import (
     lowest_k_masks,
     nm_group_cost,

@@ -49,7 +49,8 @@ from sparsekit.nn.calibration import (
     run_calibration,
 )
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
-from sparsekit.prune.masks import check_finite_weight, original_weight
+from sparsekit.nn.select import check_finite_weight
+from sparsekit.prune.masks import original_weight
 from sparsekit.nn.shards import ShardComm
 from sparsekit.prune.patterns import prune_count
 

@@ -18,7 +18,7 @@ from sparsekit.quant.modules import (
     unsupported_reason,
 )
 from sparsekit.quant.report import QuantLayer, QuantReport
-from sparsekit.prune.masks import check_finite_weight
+from sparsekit.nn.select import check_finite_weight
 from sparsekit.prune.report import register_reported_types
 from sparsekit.nn.select import PRUNABLE_TYPES, select_modules
 
