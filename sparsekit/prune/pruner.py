@@ -112,6 +112,34 @@ class Pruner:
         self.nm = parse_pattern(pattern)
         self._criterion = get_criterion(criterion)
         solver = is_solver(self._criterion)
+        self._check_options(criterion, scope, schedule, calibration, solver)
+        self.calibration, self.calibration_fn = calibration, calibration_fn
+
+        selected = select_modules(model, include, exclude)
+        meta = [n for n, m in selected.items() if M.original_weight(m).device.type == "meta"]
+        if meta:
+            raise UsageError(
+                f"layer {meta[0]!r} has its weight on the meta device (no values to score): "
+                "materialize the model first (model.to_empty(device=...) and load its weights), "
+                "or exclude the layer"
+            )
+        self.levels = self._resolve_levels(sparsity, selected)
+        self._take(selected, strict)
+        self._selected = list(selected)
+        self._comm = D.comm(process_group)
+        self._store = pick_store(self, self.modules, wrapped, self._comm)
+        if solver and not self._store.whole_weights:
+            self._store.remove()
+            raise UsageError(
+                f"criterion {criterion!r} needs whole weights: prune before fully_shard"
+            )
+        self.progress = 0.0
+        self.last_step: int | None = None
+        self.finalized = False
+
+    def _check_options(self, criterion: str, scope: str, schedule: Schedule | None,
+                       calibration: Iterable[Any] | None, solver: bool) -> None:
+        """Validate the options; sets ``criterion``, ``scope`` and ``schedule``."""
         if scope not in SCOPES:
             raise UsageError(f"unknown scope {scope!r}: allowed are {list(SCOPES)}")
         # plain strings (a config's enum member would pickle as a class into state_dict)
@@ -129,17 +157,10 @@ class Pruner:
                 "scope='layer'"
             )
         check_calibration(calibration)
-        self.calibration, self.calibration_fn = calibration, calibration_fn
 
-        selected = select_modules(model, include, exclude)
-        meta = [n for n, m in selected.items() if M.original_weight(m).device.type == "meta"]
-        if meta:
-            raise UsageError(
-                f"layer {meta[0]!r} has its weight on the meta device (no values to score): "
-                "materialize the model first (model.to_empty(device=...) and load its weights), "
-                "or exclude the layer"
-            )
-        self.levels = self._resolve_levels(sparsity, selected)
+    def _take(self, selected: dict[str, nn.Module], strict: bool) -> None:
+        """``modules``: the selected layers this pattern can prune; ``skipped``: the others,
+        with the reason (an error with ``strict``)."""
         self.skipped: dict[str, str] = {}
         self.modules: dict[str, nn.Module] = {}
         for name, module in selected.items():
@@ -148,21 +169,11 @@ class Pruner:
                 reason = "no sparsity level in the mapping matches this layer"
             if reason is not None:
                 if strict:
-                    raise UsageError(f"layer {name!r} cannot be pruned with {pattern!r}: {reason}")
+                    raise UsageError(f"layer {name!r} cannot be pruned with "
+                                     f"{self.pattern!r}: {reason}")
                 self.skipped[name] = reason
             else:
                 self.modules[name] = module
-        self._selected = list(selected)
-        self._comm = D.comm(process_group)
-        self._store = pick_store(self, self.modules, wrapped, self._comm)
-        if solver and not self._store.whole_weights:
-            self._store.remove()
-            raise UsageError(
-                f"criterion {criterion!r} needs whole weights: prune before fully_shard"
-            )
-        self.progress = 0.0
-        self.last_step: int | None = None
-        self.finalized = False
 
     def _remove_masks(self) -> None:
         """Take this Pruner's masks off again without applying them (the weights keep their
