@@ -263,6 +263,38 @@ def _output_modules(model: nn.Module, example_inputs: Any) -> list[nn.Module]:
     return [m for t, m in produced if any(t is o for o in outputs)]
 
 
+def _check_model(model: nn.Module) -> None:
+    """UsageError unless ``model``'s layers can be channel-pruned: no parametrizations (masks),
+    no quantized layers, no weights on the meta device, none non-finite."""
+    for name, m in model.named_modules():
+        if parametrize.is_parametrized(m):
+            raise UsageError(
+                f"module '{name}' carries parametrizations (pruning masks?): run channel "
+                "pruning before mask pruning, or finalize the Pruner first"
+            )
+    quantized = [
+        f"{n} ({getattr(m, 'scheme', None) or m.weight.dtype})"
+        for n, m in model.named_modules()
+        if getattr(m, "scheme", None) is not None  # sparsekit's quantized layers
+        or (isinstance(getattr(m, "weight", None), torch.Tensor)
+            and not m.weight.is_floating_point())
+    ]
+    if quantized:
+        # torch-pruning only sees float Linear/Conv layers: it would remove nothing here
+        raise UsageError(
+            f"channel pruning needs float layers; these are quantized: {', '.join(quantized)}."
+            " Prune channels before quantize_ (or prepare_qat_)"
+        )
+    for name, m in model.named_modules():
+        if isinstance(m, PRUNABLE_TYPES):
+            if m.weight.device.type == "meta":
+                raise UsageError(
+                    f"layer {name!r} has its weight on the meta device (no values to "
+                    "score): materialize the model first (model.to_empty(device=...) and "
+                    "load its weights)")
+            check_finite_weight(name, m.weight, "pruning channels of")
+
+
 class ChannelPruner:
     """Removes ``ratio`` of each layer's output channels, at once or over several steps.
 
@@ -327,33 +359,7 @@ class ChannelPruner:
             raise ConfigTypeError(
                 f"schedule must be a sparsekit Schedule, got {type(schedule).__name__}"
             )
-        for name, m in model.named_modules():
-            if parametrize.is_parametrized(m):
-                raise UsageError(
-                    f"module '{name}' carries parametrizations (pruning masks?): run channel "
-                    "pruning before mask pruning, or finalize the Pruner first"
-                )
-        quantized = [
-            f"{n} ({getattr(m, 'scheme', None) or m.weight.dtype})"
-            for n, m in model.named_modules()
-            if getattr(m, "scheme", None) is not None  # sparsekit's quantized layers
-            or (isinstance(getattr(m, "weight", None), torch.Tensor)
-                and not m.weight.is_floating_point())
-        ]
-        if quantized:
-            # torch-pruning only sees float Linear/Conv layers: it would remove nothing here
-            raise UsageError(
-                f"channel pruning needs float layers; these are quantized: {', '.join(quantized)}."
-                " Prune channels before quantize_ (or prepare_qat_)"
-            )
-        for name, m in model.named_modules():
-            if isinstance(m, PRUNABLE_TYPES):
-                if m.weight.device.type == "meta":
-                    raise UsageError(
-                        f"layer {name!r} has its weight on the meta device (no values to "
-                        "score): materialize the model first (model.to_empty(device=...) and "
-                        "load its weights)")
-                check_finite_weight(name, m.weight, "pruning channels of")
+        _check_model(model)
         self.model = model
         self.example_inputs = example_inputs
         self.criterion, self.scope = str(criterion), str(scope)  # plain: saved in plans
