@@ -141,6 +141,12 @@ def test_llm_int4_recipes(recipe, hf_dirs, tmp_path, capsys):
         assert -8 <= int(layer.weight.min()) and int(layer.weight.max()) <= 7
         groups = layer.weight.reshape(layer.weight.shape[0], -1, 4)
         assert (groups != 0).sum(-1).le(2).all(), name
+    # <run>/hf/ holds the int4 weights dequantized: from_pretrained gives the same logits
+    exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf",
+                                                                 local_files_only=True).eval()
+    ids = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, pruned(ids).logits, rtol=0, atol=0)
     if recipe == "llm_sparsegpt_24_int4":  # the variants measured beside the joint sweep
         v = s["variants"]
         assert list(v) == ["dense", "2:4", "2:4+int4_weight_channel/rtn",
@@ -154,7 +160,6 @@ def test_llm_int4_recipes(recipe, hf_dirs, tmp_path, capsys):
             "written: pack-quantized (int4_weight_channel, 14 layers)")
         ct = transformers.AutoModelForCausalLM.from_pretrained(
             run_dir / "hf-compressed-tensors", local_files_only=True).eval()
-        ids = torch.randint(0, 300, (2, 32))
         with torch.no_grad():
             torch.testing.assert_close(ct(ids).logits, pruned(ids).logits, rtol=0, atol=0)
 

@@ -35,10 +35,11 @@ from sparsekit.registry import Registry
 
 def _weights(layer: nn.Module, fmt: Format | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, per-channel scale) of ``layer`` in ``fmt`` (bf16 and no scale when None).
-    A QuantLinear of the same format gives its stored values; one of another format, or a
-    float layer, is quantized here with quant's numerics."""
+    A QuantLinear of the same format gives its stored values; one of another format (int4
+    values are stored in int8 too: the scheme's format decides), or a float layer, is quantized
+    here with quant's numerics."""
     if isinstance(layer, QuantLinear):
-        if fmt is not None and layer.weight.dtype == fmt.dtype:
+        if fmt is not None and get_scheme(layer.scheme).weight == fmt:
             return layer.weight.detach(), layer.weight_scale.detach().float()
         w = layer.dequantized_weight(torch.float32)
     else:

@@ -161,3 +161,17 @@ def test_save_load_round_trip_keeps_int4_values_and_2_4_zeros(tmp_path):
         assert back[i].group_size == model[i].group_size
     x = torch.randn(3, 256)
     assert torch.equal(back(x), model(x))
+
+
+def test_accel_takes_int4_layers_dequantized_not_as_int8_values():
+    from sparsekit.accel.kernels import _weights
+    from sparsekit.quant.formats import INT8
+
+    layer = QuantLinear.from_float(_linear(_weight()), "int4_weight")
+    w, scale = _weights(layer, INT8)  # an int8 kernel gets the int4 weight requantized
+    assert scale.shape == (6,)
+    torch.testing.assert_close(w.float() * scale[:, None], layer.dequantized_weight(),
+                               rtol=0, atol=float(scale.max()) / 2)
+    int8 = QuantLinear.from_float(_linear(_weight()), "int8")
+    assert _weights(int8, INT8)[0] is not None and torch.equal(_weights(int8, INT8)[0],
+                                                               int8.weight)
