@@ -143,6 +143,54 @@ def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> torch.Tens
 
 
 @torch.no_grad()
+def _dead_inputs(h: torch.Tensor, cols: int, group_size: int, nm: tuple[int, int] | None,
+                 name: str) -> torch.Tensor:
+    """The inputs no calibration batch reached (their Hessian diagonal set to 1, in place),
+    after checking the layer's shape against the group size and N:M."""
+    if group_size <= 0 or cols % group_size:
+        raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of the group "
+                         f"size {group_size}")
+    if nm is not None and cols % nm[1]:
+        raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of M={nm[1]}")
+    dead = h.diagonal() == 0
+    if bool(dead.all()):
+        raise UsageError(f"gptq: layer {name!r} saw only zero inputs during calibration; "
+                         "exclude it")
+    h[dead, dead] = 1.0
+    return dead
+
+
+def _prune_group(w1: torch.Tensor, d: torch.Tensor, dead: torch.Tensor, prune1: torch.Tensor,
+                 i: int, nm: tuple[int, int]) -> None:
+    """Mark in ``prune1`` (in place) the M - N columns of each row's group of M starting at
+    block column ``i`` with the least OBS saliency w^2 / d^2 (zeros already: first)."""
+    score = w1[:, i : i + nm[1]].square() / d[i : i + nm[1]].square()
+    score[:, dead] = 0.0
+    score[prune1[:, i : i + nm[1]]] = -1.0  # zeros already: pruned first
+    idx = score.topk(nm[1] - nm[0], dim=1, largest=False).indices
+    prune1[:, i : i + nm[1]].scatter_(1, idx, True)
+
+
+def _group_scale(w: torch.Tensor, w1: torch.Tensor, err: torch.Tensor, u: torch.Tensor, i: int,
+                 i1: int, i2: int, group_size: int, fmt: Format) -> torch.Tensor:
+    """The scale of the group starting at column j = i1 + i, from its current weights: in this
+    block (``w1``), and beyond it (``w`` with this block's pending updates from its first i
+    columns)."""
+    j = i1 + i
+    cur = w1[:, i : i + group_size]
+    if j + group_size > i2:
+        beyond = w[:, i2 : j + group_size] - err[:, :i] @ u[i1:j, i2 : j + group_size]
+        cur = torch.cat([cur, beyond], dim=1)
+    return absmax_scale(cur.abs().amax(dim=1), fmt)
+
+
+def _rel_error(original: torch.Tensor, new: torch.Tensor, h: torch.Tensor) -> float:
+    """sqrt(tr(D H D^T) / tr(W H W^T)), D = W - W_new: the relative output error."""
+    diff = original - new
+    ref = float((original @ h * original).sum())
+    return (max(float((diff @ h * diff).sum()), 0.0) / ref) ** 0.5 if ref > 0 else 0.0
+
+
 def gptq_sweep(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -156,19 +204,9 @@ def gptq_sweep(
     ``cols`` (``cols``: one scale per row)."""
     method = method or GPTQ()
     nm = method.nm
-    w = weight.detach().float().clone()
-    h = hessian.detach().float().clone()
+    w, h = weight.detach().float().clone(), hessian.detach().float().clone()
     rows, cols = w.shape
-    if group_size <= 0 or cols % group_size:
-        raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of the group "
-                         f"size {group_size}")
-    if nm is not None and cols % nm[1]:
-        raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of M={nm[1]}")
-    dead = h.diagonal() == 0
-    if bool(dead.all()):
-        raise UsageError(f"gptq: layer {name!r} saw only zero inputs during calibration; "
-                         "exclude it")
-    h[dead, dead] = 1.0
+    dead = _dead_inputs(h, cols, group_size, nm, name)
     original, h_error = w.clone(), hessian.detach().float()
     fixed = w == 0  # already pruned: stays zero
     groups = cols // group_size
@@ -176,8 +214,7 @@ def gptq_sweep(
     perm = None
     if method.act_order:
         # static groups: scales from the unquantized weight, each group contiguous in storage
-        amax = w.abs().reshape(rows, groups, group_size).amax(dim=2)
-        scale = absmax_scale(amax, fmt)
+        scale = absmax_scale(w.abs().reshape(rows, groups, group_size).amax(dim=2), fmt)
         perm = torch.argsort(h.diagonal(), descending=True)
         w, h, dead, fixed = w[:, perm], h[perm][:, perm], dead[perm], fixed[:, perm]
     group_of = (perm if perm is not None else torch.arange(cols, device=w.device)) // group_size
@@ -185,30 +222,17 @@ def gptq_sweep(
     del h
     q = torch.zeros(rows, cols, dtype=fmt.dtype, device=w.device)
     keep = torch.ones(rows, cols, dtype=torch.bool, device=w.device)
-    bs = method.blocksize
-    for i1 in range(0, cols, bs):
-        i2 = min(i1 + bs, cols)
-        w1 = w[:, i1:i2].clone()
-        u1 = u[i1:i2, i1:i2]
-        d = u1.diagonal()
-        err = torch.zeros_like(w1)
-        prune1 = fixed[:, i1:i2].clone()
+    for i1 in range(0, cols, method.blocksize):
+        i2 = min(i1 + method.blocksize, cols)
+        w1, u1, prune1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2], fixed[:, i1:i2].clone()
+        d, err = u1.diagonal(), torch.zeros_like(w1)
         for i in range(i2 - i1):
             j = i1 + i
             if nm is not None and i % nm[1] == 0:
-                score = w1[:, i : i + nm[1]].square() / d[i : i + nm[1]].square()
-                score[:, dead[j : j + nm[1]]] = 0.0
-                score[prune1[:, i : i + nm[1]]] = -1.0  # zeros already: pruned first
-                idx = score.topk(nm[1] - nm[0], dim=1, largest=False).indices
-                prune1[:, i : i + nm[1]].scatter_(1, idx, True)
+                _prune_group(w1, d, dead[j : j + nm[1]], prune1, i, nm)
             if perm is None and j % group_size == 0:
-                # the group's current weights: in this block, and beyond it (with this block's
-                # pending updates from its first i columns)
-                cur = w1[:, i : i + group_size]
-                if j + group_size > i2:
-                    beyond = w[:, i2 : j + group_size] - err[:, :i] @ u[i1:j, i2 : j + group_size]
-                    cur = torch.cat([cur, beyond], dim=1)
-                scale[:, j // group_size] = absmax_scale(cur.abs().amax(dim=1), fmt)
+                scale[:, j // group_size] = _group_scale(w, w1, err, u, i, i1, i2, group_size,
+                                                         fmt)
             s = scale[:, group_of[j]]
             col = w1[:, i]
             qi = quantize(col, s, fmt)
@@ -226,10 +250,7 @@ def gptq_sweep(
         inverse = torch.argsort(perm)
         q, keep = q[:, inverse], keep[:, inverse]
     new = q.float() * scale.repeat_interleave(group_size, dim=1)
-    diff = original - new
-    ref = float((original @ h_error * original).sum())
-    rel = (max(float((diff @ h_error * diff).sum()), 0.0) / ref) ** 0.5 if ref > 0 else 0.0
-    return SweepResult(q, scale, keep, new, rel)
+    return SweepResult(q, scale, keep, new, _rel_error(original, new, h_error))
 
 
 def gptq_quantize(

@@ -27,6 +27,40 @@ from sparsekit.quant.numerics import absmax_scale
 from sparsekit.quant.report import QuantReport
 
 
+def _check_no_masks(chosen: dict[str, nn.Module]) -> None:
+    """UsageError naming a chosen layer under a live (not finalized) pruning mask."""
+    for name, m in chosen.items():
+        foreign = foreign_parametrizations(m)
+        if foreign:
+            raise UsageError(
+                f"quantize_: layer {name!r} has parametrizations {foreign} on its weight (a "
+                "Pruner that is not finalized?): call pruner.finalize() first, or use "
+                "prepare_qat_ to fine-tune under the pruner"
+            )
+
+
+def _static_scales(model: nn.Module, scheme: Scheme, report: QuantReport,
+                   chosen_ok: dict[str, nn.Module], calibration: Iterable[Any] | None,
+                   calibration_fn: CalibrationFn | None, strict: bool) -> dict[str, torch.Tensor]:
+    """A static scheme's activation scale per layer from the calibration batches (a layer
+    they never call is dropped from ``chosen_ok``, skipped in ``report``)."""
+    if calibration is None:
+        raise UsageError(
+            f"quantize_: scheme {scheme.name!r} fixes one activation scale per layer from "
+            "calibration data: pass calibration=<iterable of batches> (or use the dynamic "
+            f"scheme {scheme.name.removesuffix('_static')!r})"
+        )
+    amax = input_absmax(model, chosen_ok, calibration, calibration_fn)
+    for layer in report.layers:
+        if layer.name in chosen_ok and layer.name not in amax:
+            layer.status, layer.reason = "skipped", "not called by the calibration batches"
+            del chosen_ok[layer.name]
+    if strict and report.skipped:
+        raise UsageError(f"quantize_({scheme.name!r}, strict=True) cannot take: "
+                         f"{report.skipped}")
+    return {n: absmax_scale(amax[n], scheme.activation) for n in chosen_ok}
+
+
 def quantize_(
     model: nn.Module,
     scheme: str | Scheme,
@@ -70,49 +104,26 @@ def quantize_(
         raise UsageError("quantize_(method='gptq') solves each layer from its calibration "
                          "inputs: pass calibration=<iterable of batches>")
     chosen = select_float_layers(model, include, exclude, "quantize_")
-    for name, m in chosen.items():
-        foreign = foreign_parametrizations(m)
-        if foreign:
-            raise UsageError(
-                f"quantize_: layer {name!r} has parametrizations {foreign} on its weight (a "
-                "Pruner that is not finalized?): call pruner.finalize() first, or use "
-                "prepare_qat_ to fine-tune under the pruner"
-            )
+    _check_no_masks(chosen)
     report, chosen_ok = plan_layers(model, chosen, scheme, "quantized", "quantize_", strict)
     scales: dict[str, torch.Tensor | None] = dict.fromkeys(chosen_ok)
     if scheme.static:
-        if calibration is None:
-            raise UsageError(
-                f"quantize_: scheme {scheme.name!r} fixes one activation scale per layer from "
-                "calibration data: pass calibration=<iterable of batches> (or use the dynamic "
-                f"scheme {scheme.name.removesuffix('_static')!r})"
-            )
-        amax = input_absmax(model, chosen_ok, calibration, calibration_fn)
-        for layer in report.layers:
-            if layer.name in chosen_ok and layer.name not in amax:
-                layer.status, layer.reason = "skipped", "not called by the calibration batches"
-                del chosen_ok[layer.name]
-        if strict and report.skipped:
-            raise UsageError(f"quantize_({scheme.name!r}, strict=True) cannot take: "
-                             f"{report.skipped}")
-        scales = {n: absmax_scale(amax[n], scheme.activation) for n in chosen_ok}
+        scales = _static_scales(model, scheme, report, chosen_ok, calibration, calibration_fn,
+                                strict)
     if gptq is not None:
-        calibration = list(calibration)
-        todo, errors = gptq_quantize(model, chosen_ok, scheme, calibration, gptq, calibration_fn)
-        for layer in report.layers:
-            layer.rel_error = errors.get(layer.name)
-        for name, q in todo.items():
-            set_module(model, name, q)
-        return report
-    todo = {name: quantized_module(m, scheme, input_scale=scales[name])
-            for name, m in chosen_ok.items()}
-    if calibration is not None:
-        errors = _layer_errors(model, chosen, todo, calibration, calibration_fn)
-        for layer in report.layers:
-            layer.rel_error = errors.get(layer.name)
+        todo, errors = gptq_quantize(model, chosen_ok, scheme, list(calibration), gptq,
+                                     calibration_fn)
+    else:
+        todo = {name: quantized_module(m, scheme, input_scale=scales[name])
+                for name, m in chosen_ok.items()}
+        errors = ({} if calibration is None else
+                  _layer_errors(model, chosen, todo, calibration, calibration_fn))
+    for layer in report.layers:
+        layer.rel_error = errors.get(layer.name)
     for name, q in todo.items():
         set_module(model, name, q)
-    after_swap(model)
+    if gptq is None:
+        after_swap(model)
     return report
 
 
