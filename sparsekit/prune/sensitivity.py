@@ -327,7 +327,8 @@ def allocate_dense(
     - ``dense_layers=N``: exactly the ``N`` layers of largest degradation (ties: model order);
     - ``dense_params=f``: a fraction in [0, 1) of the table's weights that may stay dense; the
       layers are ranked by degradation per weight and taken in that order while they fit, so
-      the dense weights never exceed ``f`` of the total and no layer left out would still fit.
+      the dense weights never exceed ``f`` of the total and no layer left out would still fit
+      (a layer whose pruning cost nothing, degradation <= 0, is never kept dense).
 
     Layers the table skipped are not in the result (they stay as they are).
 
