@@ -153,7 +153,7 @@ def test_toy_plugin_from_the_command_line(toy_plugin, tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr
     help_text = subprocess.run([sys.executable, "-m", "sparsekit", "--help"], cwd=tmp_path,
                                env=env, capture_output=True, text=True, timeout=120).stdout
-    assert "prune.criterion: magnitude, wanda, sparsegpt, toy" in help_text
+    assert "prune.criterion: magnitude, wanda, sparsegpt, alps, toy" in help_text
     code, _, err = run_cli([*args, "prune.criterion=magnitude", "hydra.run.dir=mag"],
                            tmp_path, capsys)
     assert code == 0, err

@@ -29,8 +29,10 @@ import ast
 import copy
 import json
 import math
+import os
 import platform
 import re
+import sys
 import sysconfig
 import time
 import zipfile
@@ -41,9 +43,11 @@ import torch
 import torch.nn.functional as F
 
 import sparsekit as sk
+from sparsekit.prune.calibration import to_device
 from sparsekit.prune.distill import embedding_agreement
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE = torch.device("cpu")  # --device
 
 
 def stdlib_sentences(limit: int | None = None) -> list[str]:
@@ -115,10 +119,15 @@ def distilled(dense, criterion: str, calibration: list, train: list, minutes: fl
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     t0, c0, done = time.perf_counter(), time.process_time(), 0
     model.train()
-    while done < steps and time.process_time() - c0 < 60 * minutes * cores:
+    def spent() -> float:  # on a GPU, wall time; on CPU, the process's CPU time over cores
+        if DEVICE.type == "cuda":
+            return time.perf_counter() - t0
+        return (time.process_time() - c0) / cores
+
+    while done < steps and spent() < 60 * minutes:
         for group in opt.param_groups:  # cosine decay over the step budget
             group["lr"] = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * done / steps)))
-        _, loss = d(model, train[done % len(train)])
+        _, loss = d(model, to_device(train[done % len(train)], DEVICE))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -151,17 +160,18 @@ def embedding_part(args, result: dict) -> None:
                      "attention_mask": torch.ones(8, 16, dtype=torch.long)} for _ in range(n)]
 
         calib, train, held = make(2, 1), make(4, 2), make(2, 3)
+        dense.to(DEVICE)
         result["embedding_model"] = "random BERT (smoke)"
     else:
         model_dir = args.model_dir or minilm_dir(args.cache)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        dense = AutoModel.from_pretrained(model_dir).eval()
+        dense = AutoModel.from_pretrained(model_dir).eval().to(DEVICE)
         sents = stdlib_sentences()
         perm = torch.randperm(len(sents), generator=torch.Generator().manual_seed(0)).tolist()
         sents = [sents[i] for i in perm]
         n_cal, n_held = args.calibration, args.held_out
-        calib = batches_of(tok, sents[:n_cal], 32)
-        held = batches_of(tok, sents[-n_held:], 64)
+        calib = to_device(batches_of(tok, sents[:n_cal], 32), DEVICE)
+        held = to_device(batches_of(tok, sents[-n_held:], 64), DEVICE)
         train = batches_of(tok, sents[n_cal:len(sents) - n_held], args.batch_size)
         result["embedding_model"] = str(model_dir)
         result["sentences"] = {"calibration": n_cal, "held_out": n_held,
@@ -193,7 +203,7 @@ def perplexity(model, dataset, batches: int) -> float:
     model.eval()
     total, count = 0.0, 0
     for x, y in eval_batches(dataset, 8, batches):
-        logits = model(x).logits.float()
+        logits = model(x.to(DEVICE)).logits.float().cpu()
         total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()
     return math.exp(total / count)
@@ -220,7 +230,8 @@ def lm_part(args, result: dict) -> None:
         dense = transformers.AutoModelForCausalLM.from_pretrained(args.lm_dir).eval()
         bundle = text_data(args.lm_text, tok, args.lm_seq_len, args.cache / "data")
         data = {"train": bundle.train, "eval": bundle.eval, "calibration": bundle.calibration}
-    calib = [x for x, _ in eval_batches(data["calibration"], 8, 16)]
+    dense.to(DEVICE)
+    calib = [x.to(DEVICE) for x, _ in eval_batches(data["calibration"], 8, 16)]
     rows = {"dense": perplexity(dense, data["eval"], args.lm_eval_batches)}
     print(f"lm dense perplexity {rows['dense']:.3f}", flush=True)
     for crit in args.criteria:
@@ -269,8 +280,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "sparsekit")
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path (default docs/bench/accuracy_24_<date>.json)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the budget is wall time there)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models, seconds")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     args.criteria = [c for c in args.criteria.split(",") if c]
     if args.smoke:
         args.distill_minutes, args.distill_steps, args.lm_distill_steps = 1.0, 3, 3
@@ -278,11 +292,15 @@ def main(argv: list[str] | None = None) -> dict:
         args.lm_dir = None
     torch.set_num_threads(args.threads)
     started = datetime.now(UTC)
-    result: dict = {"date": started.strftime("%Y-%m-%d %H:%M UTC"), "command": " ".join(
-        ["python tools/eval_accuracy_24.py", *(argv if argv is not None else __import__(
-            "sys").argv[1:])]), "machine": f"{platform.machine()} {platform.processor()}, "
-        f"{args.threads} torch threads, distillation budget {args.distill_minutes:g} min x "
-        f"{args.cores} cores of CPU time", "torch": torch.__version__}
+    command = argv if argv is not None else sys.argv[1:]
+    result: dict = {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python tools/eval_accuracy_24.py", *command]),
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} "
+                   f"torch threads; distillation budget {args.distill_minutes:g} min x "
+                   f"{args.cores} cores of CPU time",
+        "torch": torch.__version__}
     if not args.skip_embedding:
         embedding_part(args, result)
     if args.smoke or args.lm_dir is not None:
