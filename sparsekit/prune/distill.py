@@ -51,6 +51,11 @@ __all__ = ["Distiller", "distill_", "embedding_agreement", "kl_loss", "pooled_em
            "vector_loss"]
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 when it is a 16-bit float (losses in fp16 lose too much); else as is."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def kl_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 2.0) -> torch.Tensor:
     """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, mean over the rows of the last
     dimension (samples, or tokens of a language model). The T^2 keeps gradients comparable
@@ -59,8 +64,8 @@ def kl_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 2
     >>> round(float(kl_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 0.0]]))), 6)
     0.0
     """
-    s = F.log_softmax(student.reshape(-1, student.shape[-1]).float() / temperature, dim=-1)
-    t = F.log_softmax(teacher.reshape(-1, teacher.shape[-1]).float() / temperature, dim=-1)
+    s = F.log_softmax(_wide(student).reshape(-1, student.shape[-1]) / temperature, dim=-1)
+    t = F.log_softmax(_wide(teacher).reshape(-1, teacher.shape[-1]) / temperature, dim=-1)
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
 
 
@@ -73,7 +78,7 @@ def vector_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str,
     >>> vector_loss(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 2.0]]), "cosine")
     tensor(1.)
     """
-    s, t = student.float(), teacher.float()
+    s, t = _wide(student), _wide(teacher)
     if kind == "cosine":
         per = 1 - F.cosine_similarity(s, t, dim=-1, eps=1e-8)
     elif kind == "mse":
