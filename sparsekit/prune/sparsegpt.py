@@ -457,8 +457,7 @@ def _solve_group(modules: dict[str, nn.Module], group: list[str], hess: _Hessian
                  masks: dict[str, torch.Tensor]) -> None:
     """Every layer of ``group`` pruned from the group's Hessian (summed over ranks first)."""
     blocksize, percdamp, comm, layer_solver, _ = solve
-    if hess.h is not None:
-        hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
+    hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
     for name in group:
         level = None if nm is not None else sparsity[name]
         masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp,
