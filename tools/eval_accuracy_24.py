@@ -142,7 +142,20 @@ def distilled(dense, criterion: str, calibration: list, train: list, minutes: fl
 LAYERS = ["re:.*(encoder|layers)\\..*"]  # the transformer blocks' Linears (no head, no pooler)
 
 
-def embedding_part(args, result: dict) -> None:
+class Results(dict):
+    """The figures so far; :meth:`save` writes them (after every figure: a run stopped early
+    keeps what it measured)."""
+
+    def __init__(self, path: Path, **fields) -> None:
+        super().__init__(**fields)
+        self.path = path
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self, indent=2) + "\n")
+
+
+def embedding_part(args, result: Results) -> None:
     from transformers import AutoModel, AutoTokenizer
 
     if args.smoke:
@@ -181,6 +194,8 @@ def embedding_part(args, result: dict) -> None:
     for crit in args.criteria:
         model, secs = one_shot(dense, crit, calib)
         rows[crit] = {"cosine": embedding_agreement(model, dense, held), "seconds": secs}
+        result["embedding_oneshot"] = rows
+        result.save()
         print(f"embedding 2:4 {crit:10s} cosine {rows[crit]['cosine']:.4f}  ({secs:.0f} s)",
               flush=True)
     result["embedding_oneshot"] = rows
@@ -209,7 +224,7 @@ def perplexity(model, dataset, batches: int) -> float:
     return math.exp(total / count)
 
 
-def lm_part(args, result: dict) -> None:
+def lm_part(args, result: Results) -> None:
     import transformers
 
     from sparsekit.data.hf_text import text_data
@@ -237,6 +252,8 @@ def lm_part(args, result: dict) -> None:
     for crit in args.criteria:
         model, secs = one_shot(dense, crit, calib)
         rows[crit] = perplexity(model, data["eval"], args.lm_eval_batches)
+        result["lm_oneshot_perplexity"] = rows
+        result.save()
         print(f"lm 2:4 {crit:10s} perplexity {rows[crit]:.3f}  ({secs:.0f} s)", flush=True)
     result["lm_dir"] = str(args.lm_dir) if args.lm_dir else "random Llama (smoke)"
     result["lm_oneshot_perplexity"] = rows
@@ -293,23 +310,22 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     started = datetime.now(UTC)
     command = argv if argv is not None else sys.argv[1:]
-    result: dict = {
+    out = args.out or ROOT / "docs" / "bench" / f"accuracy_24_{started:%Y-%m-%d}.json"
+    result = Results(out, **{
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(["python tools/eval_accuracy_24.py", *command]),
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} "
                    f"torch threads; distillation budget {args.distill_minutes:g} min x "
                    f"{args.cores} cores of CPU time",
-        "torch": torch.__version__}
+        "torch": torch.__version__})
     if not args.skip_embedding:
         embedding_part(args, result)
     if args.smoke or args.lm_dir is not None:
         if not args.smoke and args.lm_text is None:
             raise SystemExit("--lm-dir needs --lm-text (the text it was trained on)")
         lm_part(args, result)
-    out = args.out or ROOT / "docs" / "bench" / f"accuracy_24_{started:%Y-%m-%d}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result.save()
     print(f"wrote {out}")
     return result
 
