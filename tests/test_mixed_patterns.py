@@ -178,3 +178,26 @@ def test_not_sequential_uses_the_dense_inputs(blocks, monkeypatch):
     h = (2 * inp.T @ inp / inp.shape[0]).float()
     want, _ = obs_prune(dense.blocks[1].fc2.weight, h, nm=(2, 4), blocksize=8)
     torch.testing.assert_close(model.blocks[1].fc2.weight, want, rtol=1e-5, atol=1e-5)
+
+
+def test_command_line_keeps_the_most_sensitive_layers_dense(hf_dirs, tmp_path, capsys):
+    import json
+
+    from test_cli import run_cli
+
+    args = ["recipe=llm_sparsegpt_24", f"model.path={hf_dirs['llama']}",
+            f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}", "data.seq_len=32",
+            "prune.calibration_batches=2", "data.eval_batches=2", "data.batch_size=4",
+            "train.quiet=true", "tracker=none", "sensitivity.enabled=true",
+            "sensitivity.dense_layers=2", "prune.options.blocksize=32"]
+    code, _, err = run_cli(args, tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    sens = json.loads((run_dir / "sensitivity.json").read_text())
+    dense = [n for n, v in sens["allocation"].items() if v == "dense"]
+    degr = {n: v[0] for n, v in sens["table"]["metrics"].items()}
+    assert sorted(dense) == sorted(sorted(degr, key=lambda n: -degr[n])[:2])
+    model = sk.load(run_dir / "model.safetensors")
+    for name in sens["allocation"]:
+        weight = model.get_submodule(name).weight
+        assert is_nm(weight, 2, 4) != (name in dense), name
