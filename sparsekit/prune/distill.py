@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.errors import ConfigTypeError, UsageError
-from sparsekit.prune.calibration import call_model, eval_mode, to_device
+from sparsekit.prune.calibration import eval_mode, to_device
 
 LOSSES = ("auto", "kl", "cosine", "mse")
 TARGETS = ("auto", "logits", "last_hidden", "pooled")
@@ -165,13 +165,14 @@ class Distiller:
         self.feature_weight, self.feature_loss = feature_weight, feature_loss
 
     def _call(self, model: nn.Module, batch: Any) -> Any:
-        if self.feature_weight > 0:
-            if isinstance(batch, Mapping):
-                return model(**batch, output_hidden_states=True)
-            if isinstance(batch, torch.Tensor):
-                return model(batch, output_hidden_states=True)
-        return call_model(model, batch, calibration_fn=None if isinstance(batch, Mapping)
-                          else lambda m, b: m(b))
+        """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else
+        ``model(batch)``; asking for ``hidden_states`` when features are matched."""
+        extra = {"output_hidden_states": True} if self.feature_weight > 0 else {}
+        if isinstance(batch, Mapping):
+            return model(**batch, **extra)
+        if isinstance(batch, (tuple, list)):
+            return model(*batch, **extra)
+        return model(batch, **extra)
 
     def compare(self, student_out: Any, teacher_out: Any, batch: Any) -> torch.Tensor:
         """The loss between two outputs of the same ``batch`` (see the module docstring)."""
@@ -192,8 +193,9 @@ class Distiller:
         return loss
 
     def __call__(self, student: nn.Module, batch: Any) -> tuple[Any, torch.Tensor]:
-        """``(student output, loss)`` on ``batch`` (fed as :func:`call_model` does: a dict as
-        keywords, a tensor positionally); the teacher runs without gradients."""
+        """``(student output, loss)`` on ``batch`` (a dict as keywords, a tuple or list as
+        positional arguments, a tensor as the one argument); the teacher runs without
+        gradients."""
         with torch.no_grad():
             teacher_out = self._call(self.teacher, batch)
         student_out = self._call(student, batch)
