@@ -46,6 +46,8 @@ _EXPORTS = {
     "channel_plan": "sparsekit.prune.channels",
     "prune_channels_": "sparsekit.prune.channels",
     "register_channel_criterion": "sparsekit.prune.channels",
+    "Distiller": "sparsekit.prune.distill",
+    "distill_": "sparsekit.prune.distill",
     "Pruner": "sparsekit.prune.pruner",
     "prune_": "sparsekit.prune.pruner",
     "GPTQ": "sparsekit.quant",

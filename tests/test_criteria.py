@@ -154,7 +154,7 @@ def test_toy_plugin_from_the_command_line(toy_plugin, tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr
     # here too the toy is only an entry point (the fixture put its dist-info on sys.path)
     code, help_text, _ = run_cli(["--help"], tmp_path, capsys)
-    assert code == 0 and "prune.criterion: magnitude, wanda, sparsegpt, toy" in help_text
+    assert code == 0 and "prune.criterion: magnitude, wanda, sparsegpt, alps, toy" in help_text
     code, _, err = run_cli([*args, "prune.criterion=magnitude", "hydra.run.dir=mag"],
                            tmp_path, capsys)
     assert code == 0, err

@@ -167,11 +167,13 @@ def text_data(
     seed: int = 0,
 ):
     """A :class:`~sparsekit.data.bundle.DataBundle` (train, eval, calibration) of the text in
-    ``path`` for a ``causal_lm`` or ``masked_lm`` model; one-line errors for missing, empty
-    or too short text."""
-    if task not in ("causal_lm", "masked_lm"):
-        raise UsageError(f"data=text evaluates perplexity, which needs model.task=causal_lm or "
-                         f"masked_lm, not {task!r}")
+    ``path`` for a ``causal_lm`` or ``masked_lm`` model, or a ``feature_extraction`` one (an
+    encoder: the windows are its unlabeled inputs, the targets unused, since it learns from
+    and is evaluated against the dense model's embeddings); one-line errors for missing,
+    empty or too short text."""
+    if task not in ("causal_lm", "masked_lm", "feature_extraction"):
+        raise UsageError(f"data=text needs model.task=causal_lm or masked_lm (perplexity) or "
+                         f"feature_extraction (embedding agreement), not {task!r}")
     for key, v in (("eval_fraction", eval_fraction),
                    ("calibration_fraction", calibration_fraction)):
         if not 0 < v < 1:

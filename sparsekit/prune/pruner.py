@@ -24,7 +24,7 @@ from sparsekit.nn.calibration import CalibrationFn, check_calibration
 from sparsekit.prune.criteria import (
     CRITERIA,
     Layers,
-    get_criterion,
+    configure_criterion,
     is_solver,
     needs_calibration,
 )
@@ -40,7 +40,7 @@ from sparsekit.prune.patterns import (
     prune_count,
     row_mask,
 )
-from sparsekit.prune.report import SparsityReport
+from sparsekit.prune.report import LayerSparsity, SparsityReport
 from sparsekit.prune.schedules import OneShot, Schedule
 from sparsekit.nn.select import name_matches, select_modules
 from sparsekit.prune.stores import pick_store
@@ -60,8 +60,11 @@ class Pruner:
             For N:M patterns it is implied (1 - N/M) and may be left None.
         pattern: ``"unstructured"`` or ``"N:M"`` (N kept of every M consecutive inputs).
         criterion: a registered criterion (:func:`~sparsekit.register_criterion`):
-            ``"magnitude"``, ``"wanda"`` (needs ``calibration``) or ``"sparsegpt"`` (a solver:
-            one shot; needs ``calibration``; updates the kept weights too).
+            ``"magnitude"``, ``"wanda"`` (needs ``calibration``), ``"sparsegpt"`` or
+            ``"alps"`` (solvers: one shot; need ``calibration``; update the kept weights too).
+        criterion_options: the criterion's options by name (``{"blocksize": 64,
+            "percdamp": 0.01, "sequential": True}`` for sparsegpt; see
+            :func:`sparsekit.prune.criteria.configure_criterion`).
         scope: ``"layer"`` (each layer reaches its target) or ``"global"`` (one threshold over
             all selected layers; for N:M, the ramp enforces the cheapest groups model-wide).
         schedule: ``OneShot``, ``Linear`` or ``Cubic``; default ``OneShot(step=0)``.
@@ -103,6 +106,7 @@ class Pruner:
         calibration_fn: CalibrationFn | None = None,
         strict: bool = False,
         process_group: Any = None,
+        criterion_options: Mapping[str, Any] | None = None,
     ):
         # the DDP wrapper, or its .module once wrapped: masks held here, not parametrizations
         wrapped = D.unwrap(model) is not model or D.ddp_wrapped(model)
@@ -110,7 +114,7 @@ class Pruner:
         self.model = model
         self.pattern = pattern
         self.nm = parse_pattern(pattern)
-        self._criterion = get_criterion(criterion)
+        self._criterion = configure_criterion(criterion, criterion_options)
         solver = is_solver(self._criterion)
         self._check_options(criterion, scope, schedule, calibration, solver)
         self.calibration, self.calibration_fn = calibration, calibration_fn
@@ -475,6 +479,38 @@ class Pruner:
         return self.model
 
 
+DENSE = "dense"
+
+
+def pattern_plan(model: nn.Module, pattern: Mapping[str, str],
+                 include: str | Sequence[str] | None = ("*",),
+                 exclude: str | Sequence[str] | None = ()) -> dict[str, str]:
+    """Each selected layer's pattern from a mapping of layer name patterns (globs or ``re:``)
+    to ``"N:M"``, ``"unstructured"`` or ``"dense"`` (left as it is), first match wins; a layer
+    no pattern matches stays dense. UsageError for a mapping key that matches no selected layer
+    or a value that is not a pattern.
+
+    >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> pattern_plan(net, {"2": "dense", "*": "2:4"})
+    {'0': '2:4', '2': 'dense'}
+    """
+    if not isinstance(pattern, Mapping):
+        raise ConfigTypeError(f"a per-layer pattern is a dict of layer pattern -> pattern, got "
+                              f"{type(pattern).__name__}")
+    for key, value in pattern.items():
+        if value != DENSE:
+            try:
+                parse_pattern(value)
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"pattern[{key!r}]: {e} (or 'dense')") from None
+    selected = select_modules(model, include, exclude)
+    for key in pattern:
+        if not any(name_matches(n, key) for n in selected):
+            raise UsageError(f"pattern key {key!r} matches no selected layer")
+    return {name: next((v for k, v in pattern.items() if name_matches(name, k)), DENSE)
+            for name in selected}
+
+
 def prune_(
     model: nn.Module,
     sparsity: float | Mapping[str, float] | None = None,
@@ -487,9 +523,16 @@ def prune_(
     calibration: Iterable[Any] | None = None,
     calibration_fn: CalibrationFn | None = None,
     strict: bool = False,
+    criterion_options: Mapping[str, Any] | None = None,
 ) -> SparsityReport:
     """Prune in one shot and fold the masks (a Pruner with ``OneShot`` then ``finalize``).
     Modifies ``model`` in place and returns its :class:`SparsityReport`.
+
+    ``pattern`` may be a per-layer mapping (see :func:`pattern_plan`), e.g. what
+    :func:`~sparsekit.allocate` returns for an N:M sensitivity table: ``{"encoder.layer.0.*":
+    "dense", "*": "2:4"}``. Layers of each pattern are pruned together (one Pruner per pattern,
+    in the order the patterns first appear; ``"unstructured"`` layers take ``sparsity``);
+    ``"dense"`` layers are left as they are and reported as skipped.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -499,10 +542,13 @@ def prune_(
     >>> int((model[0].weight == 0).sum())
     64
     """
+    if isinstance(pattern, Mapping):
+        return _prune_mixed(model, sparsity, pattern, criterion, scope, include, exclude,
+                            calibration, calibration_fn, strict, criterion_options)
     pruner = Pruner(
         model, sparsity, pattern=pattern, criterion=criterion, scope=scope, schedule=OneShot(0),
         include=include, exclude=exclude, calibration=calibration, calibration_fn=calibration_fn,
-        strict=strict,
+        strict=strict, criterion_options=criterion_options,
     )
     try:
         pruner.step(0)
@@ -512,3 +558,32 @@ def prune_(
     report = pruner.report()
     pruner.finalize()
     return report
+
+
+def _prune_mixed(model, sparsity, pattern, criterion, scope, include, exclude, calibration,
+                 calibration_fn, strict, criterion_options) -> SparsityReport:
+    """:func:`prune_` with a per-layer pattern mapping: one ``prune_`` per pattern."""
+    import re
+
+    plan = pattern_plan(model, pattern, include, exclude)
+    if calibration is not None and iter(calibration) is calibration:
+        calibration = list(calibration)  # read once per pattern
+    layers = {}
+    for kind in dict.fromkeys(plan.values()):
+        if kind == DENSE:
+            continue
+        names = [n for n, k in plan.items() if k == kind]
+        report = prune_(model, sparsity if kind == "unstructured" else None, pattern=kind,
+                        criterion=criterion, scope=scope,
+                        include=["re:" + "|".join(re.escape(n) for n in names)],
+                        calibration=calibration, calibration_fn=calibration_fn, strict=strict,
+                        criterion_options=criterion_options)
+        layers.update({n: s for n, s in report.layers.items() if n in names})
+    full = SparsityReport()
+    for name in plan:
+        module = model.get_submodule(name)
+        layers.setdefault(name, LayerSparsity(
+            module.weight.numel(), int((module.weight == 0).sum()),
+            skipped="dense in the per-layer pattern"))
+        full.layers[name] = layers[name]
+    return full

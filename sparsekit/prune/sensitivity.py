@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -164,6 +164,7 @@ def sensitivity(
     calibration: Iterable[Any] | None = None,
     calibration_fn: CalibrationFn | None = None,
     higher_is_better: bool = False,
+    criterion_options: Mapping[str, Any] | None = None,
 ) -> SensitivityTable:
     """Prune each selected layer alone at each level (one shot, through :func:`prune_`), record
     ``evaluate(model)``, and restore the layer's parameters and buffers exactly (bitwise, same
@@ -173,6 +174,7 @@ def sensitivity(
     level ``1 - N/M`` and takes no ``sparsities``. ``calibration`` is needed by the wanda and
     sparsegpt criteria (it should be re-iterable: each measurement reads it). Layers that cannot
     take the pattern are listed in ``table.skipped``. Costs ``layers * levels + 1`` evaluations.
+    ``criterion_options``: as for :func:`~sparsekit.prune_`.
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -206,6 +208,7 @@ def sensitivity(
                     include=["re:" + re.escape(name)],
                     calibration=calibration,
                     calibration_fn=calibration_fn,
+                    criterion_options=criterion_options,
                 )
                 skipped = report.layers[name].skipped
                 if skipped:
@@ -237,8 +240,9 @@ def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def allocate(
-    table: SensitivityTable, target: float, *, max_level: float | None = None
-) -> dict[str, float]:
+    table: SensitivityTable, target: float | None = None, *, max_level: float | None = None,
+    dense_layers: int | None = None, dense_params: float | None = None,
+) -> dict[str, float] | dict[str, str]:
     """Per-layer sparsity levels whose parameter-weighted mean is ``target`` (over the table's
     layers), chosen to minimise the predicted loss ``sum_l d_l(s_l)``, where ``d_l`` is layer
     ``l``'s measured degradation (:meth:`SensitivityTable.degradation`, 0 at level 0),
@@ -256,9 +260,24 @@ def allocate(
     >>> t = SensitivityTable([0.5, 0.9], 1.0, metrics, {"a": 100, "b": 100})
     >>> allocate(t, 0.5)
     {'a': 0.9, 'b': 0.1}
+
+    An N:M table (one level per layer) gives a per-layer *pattern* instead, for
+    ``prune_(pattern=...)``: every layer takes the table's pattern except the most sensitive,
+    kept ``"dense"`` (see :func:`allocate_dense`); give ``dense_layers`` or ``dense_params``
+    instead of ``target``.
+
+    >>> t24 = SensitivityTable([0.5], 1.0, {"a": [1.1], "b": [3.0]}, {"a": 100, "b": 100},
+    ...                        pattern="2:4")
+    >>> allocate(t24, dense_layers=1)
+    {'a': '2:4', 'b': 'dense'}
     """
-    if table.pattern != "unstructured":
-        raise UsageError(f"allocate needs an unstructured sensitivity table, not {table.pattern!r}")
+    if table.pattern != "unstructured" or dense_layers is not None or dense_params is not None:
+        if target is not None or max_level is not None:
+            raise UsageError("an N:M sensitivity table takes dense_layers= or dense_params=, "
+                             "not target= or max_level= (those are for unstructured levels)")
+        return allocate_dense(table, dense_layers=dense_layers, dense_params=dense_params)
+    if target is None:
+        raise UsageError("allocate needs target= (an overall sparsity) for an unstructured table")
     if not table.metrics:
         raise UsageError("the sensitivity table has no measured layer")
     if not 0 <= target < 1:
@@ -292,3 +311,57 @@ def allocate(
         levels[name] = l0 + take * (l1 - l0)
         need -= take * weights
     return {name: round(level, 12) for name, level in levels.items()}
+
+
+def allocate_dense(
+    table: SensitivityTable, *, dense_layers: int | None = None,
+    dense_params: float | None = None,
+) -> dict[str, str]:
+    """Per-layer patterns from an N:M sensitivity table: the table's pattern everywhere except
+    the layers kept ``"dense"``, the most sensitive first. Give exactly one target:
+
+    - ``dense_layers=N``: exactly the ``N`` layers of largest degradation (ties: model order);
+    - ``dense_params=f``: a fraction in [0, 1) of the table's weights that may stay dense; the
+      layers are ranked by degradation per weight and taken in that order while they fit, so
+      the dense weights never exceed ``f`` of the total and no layer left out would still fit
+      (a layer whose pruning cost nothing, degradation <= 0, is never kept dense).
+
+    Layers the table skipped are not in the result (they stay as they are).
+
+    >>> t = SensitivityTable([0.5], 1.0, {"a": [1.1], "b": [3.0], "c": [2.0]},
+    ...                      {"a": 100, "b": 300, "c": 100}, pattern="2:4")
+    >>> allocate_dense(t, dense_params=0.25)
+    {'a': '2:4', 'b': '2:4', 'c': 'dense'}
+    """
+    if table.pattern == "unstructured":
+        raise UsageError("dense_layers=/dense_params= need an N:M sensitivity table (measured "
+                         "with pattern='2:4', say); for unstructured levels use target=")
+    if (dense_layers is None) == (dense_params is None):
+        raise UsageError("allocate: give exactly one of dense_layers= (a number of layers) or "
+                         "dense_params= (a fraction of the weights kept dense)")
+    names = list(table.metrics)
+    if not names:
+        raise UsageError("the sensitivity table has no measured layer")
+    degr = {n: table.degradation(n)[0] for n in names}
+    if any(math.isnan(d) for d in degr.values()):
+        raise UsageError(f"layer {next(n for n in names if math.isnan(degr[n]))!r} has a NaN "
+                         "metric in the sensitivity table")
+    dense: list[str] = []
+    if dense_layers is not None:
+        if isinstance(dense_layers, bool) or not isinstance(dense_layers, int) or not (
+                0 <= dense_layers <= len(names)):
+            raise UsageError(f"dense_layers={dense_layers!r} must be an integer in "
+                             f"[0, {len(names)}] (the table's layers)")
+        dense = sorted(names, key=lambda n: -degr[n])[:dense_layers]  # stable: model order
+    else:
+        if isinstance(dense_params, bool) or not isinstance(dense_params, (int, float)) or not (
+                0 <= dense_params < 1):
+            raise UsageError(f"dense_params={dense_params!r} must be a fraction in [0, 1) of "
+                             "the weights")
+        budget = dense_params * sum(table.params[n] for n in names)
+        used = 0
+        for name in sorted(names, key=lambda n: -degr[n] / table.params[n]):
+            if degr[name] > 0 and used + table.params[name] <= budget:
+                dense.append(name)
+                used += table.params[name]
+    return {n: "dense" if n in dense else table.pattern for n in names}

@@ -35,6 +35,8 @@ calibration machinery above: GPTQ (:mod:`sparsekit.quant.gptq`) passes its quant
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,9 +58,12 @@ from sparsekit.prune.patterns import prune_count
 
 __all__ = ["SparseGPT", "conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
 
-# A per-layer column sweep replacing obs_prune: (layer name, weight (rows, cols) float32,
-# Hessian (cols, cols) float32) -> (new float32 weight, bool keep-mask), both (rows, cols).
+# A per-layer column sweep replacing obs_prune (joint GPTQ): (layer name, weight (rows, cols)
+# float32, Hessian (cols, cols) float32) -> (new float32 weight, bool keep-mask), both (rows, cols).
 LayerSolver = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# A criterion's one-shot solver (ALPS): (weight (rows, cols) float32, Hessian (cols, cols),
+#  level or None, nm or None, budget offset, layer name) -> (new weight, keep-mask)
+MatrixSolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def reduce_hessian(h: torch.Tensor, n: int, c: ShardComm | None) -> tuple[torch.Tensor, int]:
@@ -237,6 +242,7 @@ def _solve_layer(
     blocksize: int,
     percdamp: float,
     solver: LayerSolver | None = None,
+    layer_solver: MatrixSolver | None = None,
 ) -> torch.Tensor:
     """Prune ``module`` in place from its accumulated Hessian (with ``solver`` instead of
     :func:`obs_prune` when given); returns its keep-mask."""
@@ -258,6 +264,10 @@ def _solve_layer(
             if groups != 1:
                 raise UsageError(f"layer {name!r}: a custom solver takes ungrouped layers only")
             new[sl], keep[sl] = solver(name, w2[sl], hess.h[g])
+            continue
+        if layer_solver is not None:
+            new[sl], keep[sl] = layer_solver(w2[sl], hess.h[g], sparsity, nm,
+                                             g * rows_g * w2.shape[1], name)
             continue
         new[sl], keep[sl] = obs_prune(
             w2[sl],
@@ -330,6 +340,8 @@ def sparsegpt_prune(
     percdamp: float = 0.01,
     comm: ShardComm | None = None,
     solver: LayerSolver | None = None,
+    sequential: bool = True,
+    layer_solver: MatrixSolver | None = None,
 ) -> dict[str, torch.Tensor]:
     """Prune ``modules`` (qualified name -> Linear/Conv layer of ``model``) one shot with
     SparseGPT, in place, in the order the model calls them.
@@ -345,6 +357,14 @@ def sparsegpt_prune(
     Hessian is averaged over all ranks' inputs, so every rank computes the same weights.
     ``solver(name, weight, hessian)`` replaces :func:`obs_prune` for every layer (Linear and
     ungrouped convs; ``sparsity`` and ``nm`` are then checked here but applied by the solver).
+
+    ``blocksize``: columns per lazy-update block (a multiple of M for N:M); ``percdamp``: the
+    Hessian damping, a fraction of ``mean(diag H)``. ``sequential`` (default): each layer's
+    Hessian comes from the model with the layers before it already pruned, so it compensates
+    their error; False: every Hessian comes from the dense model (the layers before are
+    pruned only after all Hessians of their block, or of the model, are collected).
+    ``layer_solver`` replaces :func:`obs_prune` for each weight matrix (another one-shot
+    method on the same Hessians, e.g. :func:`sparsekit.prune.alps.admm_prune`).
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -372,7 +392,7 @@ def sparsegpt_prune(
         raise UsageError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
 
     masks: dict[str, torch.Tensor] = {}
-    solve = (blocksize, percdamp, comm, solver)
+    solve = (blocksize, percdamp, comm, solver, sequential, layer_solver)
     order = _call_order(model, modules, batches[0], calibration_fn)
     found = find_blocks(model, modules)
     if found is not None:
@@ -385,6 +405,11 @@ def sparsegpt_prune(
                             calibration_fn, solve, masks)
                 if not _prune_blocks(model, modules, blocks, prefix, order[first : last + 1],
                                      sparsity, nm, batches, calibration_fn, solve, masks):
+                    warnings.warn(
+                        f"sparsegpt: the blocks under {prefix[:-1]!r} were not all called equally "
+                        "often during calibration (shared or skipped blocks), so they cannot be "
+                        "replayed one at a time: whole-model passes instead (same result, "
+                        "slower)", RuntimeWarning, stacklevel=2)
                     _prune_full(model, modules, order[first : last + 1], sparsity, nm, batches,
                                 calibration_fn, solve, masks)
                 _prune_full(model, modules, order[last + 1 :], sparsity, nm, batches,
@@ -399,14 +424,28 @@ class SparseGPT:
     calibrated, updates the kept weights (see :func:`sparsegpt_prune`)."""
 
     needs_calibration = True
+    options = ("blocksize", "percdamp", "sequential")
 
-    def __init__(self, blocksize: int = 128, percdamp: float = 0.01) -> None:
-        self.blocksize, self.percdamp = blocksize, percdamp
+    def __init__(self, blocksize: int = 128, percdamp: float = 0.01,
+                 sequential: bool = True) -> None:
+        self.blocksize, self.percdamp, self.sequential = blocksize, percdamp, sequential
+        self.check()
+
+    def check(self) -> None:
+        """UsageError naming the option out of range."""
+        if isinstance(self.blocksize, bool) or not isinstance(self.blocksize, int) or \
+                self.blocksize < 1:
+            raise UsageError(f"sparsegpt option blocksize={self.blocksize!r} must be a positive "
+                             "number of columns")
+        if not self.percdamp > 0:
+            raise UsageError(f"sparsegpt option percdamp={self.percdamp!r} must be > 0 (a "
+                             "fraction of mean(diag H))")
 
     def solve(self, layers: Any, levels: dict[str, float | None],
               nm: tuple[int, int] | None) -> dict[str, torch.Tensor]:
         return sparsegpt_prune(layers.model, dict(layers.modules), levels, nm, layers.calibration,
-                               layers.calibration_fn, self.blocksize, self.percdamp, layers.comm)
+                               layers.calibration_fn, self.blocksize, self.percdamp, layers.comm,
+                               sequential=self.sequential)
 
 
 def _prune_full(
@@ -414,20 +453,33 @@ def _prune_full(
     sparsity: dict[str, float | None], nm: tuple[int, int] | None, batches: list,
     calibration_fn: CalibrationFn | None, solve: tuple, masks: dict[str, torch.Tensor],
 ) -> None:
-    """Each group in turn: its Hessian from a pass of every batch through the whole model."""
-    blocksize, percdamp, comm, solver = solve
-    for group in groups:
-        hess = _Hessian()
-        handle = modules[group[0]].register_forward_pre_hook(hess.hook, with_kwargs=True)
+    """Each group in turn: its Hessian from a pass of every batch through the whole model.
+    Not sequential: one pass collects every group's Hessian from the dense model (all of them
+    alive at once), then every group is solved."""
+    sequential = solve[4]
+    for chunk in [[g] for g in groups] if sequential else [groups]:
+        hessians = [_Hessian() for _ in chunk]
+        handles = [modules[g[0]].register_forward_pre_hook(h.hook, with_kwargs=True)
+                   for g, h in zip(chunk, hessians)]
         try:
             run_calibration(model, batches, calibration_fn)
         finally:
-            handle.remove()
-        hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
-        for name in group:
-            level = None if nm is not None else sparsity[name]
-            masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp,
-                                       solver)
+            for handle in handles:
+                handle.remove()
+        for group, hess in zip(chunk, hessians):
+            _solve_group(modules, group, hess, sparsity, nm, solve, masks)
+
+
+def _solve_group(modules: dict[str, nn.Module], group: list[str], hess: _Hessian,
+                 sparsity: dict[str, float | None], nm: tuple[int, int] | None, solve: tuple,
+                 masks: dict[str, torch.Tensor]) -> None:
+    """Every layer of ``group`` pruned from the group's Hessian (summed over ranks first)."""
+    blocksize, percdamp, comm, solver, _, layer_solver = solve
+    hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
+    for name in group:
+        level = None if nm is not None else sparsity[name]
+        masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize, percdamp,
+                                   solver, layer_solver)
 
 
 def find_blocks(
@@ -449,9 +501,10 @@ def find_blocks(
 
 class _BlockInputs:
     """What each block receives from the model, recorded in one pass over the calibration
-    batches: block 0's hidden states per batch, and every block's other arguments per batch
-    (masks, position embeddings: usually the very same tensors for every block, so recording
-    them costs no memory). A KV cache is never replayed: ``use_cache`` is off."""
+    batches, call by call (however ``calibration_fn`` splits or repeats batches): block 0's
+    hidden states per call, and every block's other arguments per call (masks, position
+    embeddings: usually the very same tensors for every block, so recording them costs no
+    memory). A KV cache is never replayed: ``use_cache`` is off."""
 
     def __init__(self, blocks: nn.ModuleList) -> None:
         self.hidden: list[torch.Tensor] = []
@@ -476,6 +529,11 @@ class _BlockInputs:
 
         return record
 
+    def replayable(self) -> bool:
+        """Whether every block was called as often as the first (so call ``j`` of block ``i``
+        takes the output of call ``j`` of block ``i - 1``): blocks shared or skipped are not."""
+        return len(self.hidden) > 0 and all(len(r) == len(self.hidden) for r in self.rest)
+
     def items(self, index: int, hidden: list[torch.Tensor]) -> list[tuple]:
         """Calibration items for block ``index`` (fed by :meth:`feed`) given its inputs."""
         return [(h, *r) for h, r in zip(hidden, self.rest[index])]
@@ -493,13 +551,16 @@ def _prune_blocks(
     batches: list, calibration_fn: CalibrationFn | None, solve: tuple,
     masks: dict[str, torch.Tensor],
 ) -> bool:
-    """Sequential SparseGPT over the blocks: the inputs of every block are recorded in one pass
-    of the model, then each block in turn has its groups solved from its own inputs and is run
-    once more to give the next block's inputs (from the pruned block, as the original solver
-    does); a group's pass over the block stops at the group's first layer. Only one block's
-    input activations are alive at a time. Returns False, having pruned
-    nothing, when the blocks are not each called once per batch (shared blocks)."""
-    blocksize, percdamp, comm, solver = solve
+    """SparseGPT over the blocks: the inputs of every block are recorded in one pass of the
+    model, then each block in turn has its groups solved from its own inputs and is run once
+    more to give the next block's inputs. Sequential: from the pruned block, as the original
+    solver does (a group's pass over the block stops at the group's first layer); not
+    sequential: one pass of the dense block collects all its groups' Hessians and the next
+    block's inputs, then the groups are solved. Only one block's input activations are alive
+    at a time. Returns False, having pruned nothing, when the blocks were not all called the
+    same number of times (shared or skipped blocks): then the caller warns and falls back to
+    whole-model passes."""
+    sequential = solve[4]
     inputs = _BlockInputs(blocks)
     handles = [b.register_forward_pre_hook(inputs.hook(i), with_kwargs=True)
                for i, b in enumerate(blocks)]
@@ -514,7 +575,7 @@ def _prune_blocks(
             handle.remove()
         if use_cache:
             config.use_cache = use_cache
-    if any(len(r) != len(batches) for r in inputs.rest) or len(inputs.hidden) != len(batches):
+    if not inputs.replayable():
         return False
     by_block: dict[int, list[list[str]]] = {}
     for group in groups:
@@ -522,6 +583,23 @@ def _prune_blocks(
     hidden = inputs.hidden
     for index, block in enumerate(blocks):
         items = inputs.items(index, hidden)
+        more = index + 1 < len(blocks) and bool(by_block.keys() - set(range(index + 1)))
+        if not sequential:
+            chunk = by_block.get(index, [])
+            hessians = [_Hessian() for _ in chunk]
+            handles = [modules[g[0]].register_forward_pre_hook(h.hook, with_kwargs=True)
+                       for g, h in zip(chunk, hessians)]
+            try:
+                with eval_mode(block):
+                    outs = [inputs.feed(block, item) for item in items]
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for group, hess in zip(chunk, hessians):
+                _solve_group(modules, group, hess, sparsity, nm, solve, masks)
+            hidden = outs
+            del items
+            continue
         for group in by_block.get(index, []):
             hess = _Hessian()
             handle = modules[group[0]].register_forward_pre_hook(hess.hook_then_stop,
@@ -535,12 +613,8 @@ def _prune_blocks(
                             pass
             finally:
                 handle.remove()
-            hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
-            for name in group:
-                level = None if nm is not None else sparsity[name]
-                masks[name] = _solve_layer(name, modules[name], hess, level, nm, blocksize,
-                                           percdamp, solver)
-        if index + 1 < len(blocks) and by_block.keys() - set(range(index + 1)):
+            _solve_group(modules, group, hess, sparsity, nm, solve, masks)
+        if more:
             with eval_mode(block):
                 hidden = [inputs.feed(block, item) for item in items]
         del items

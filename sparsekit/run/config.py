@@ -24,9 +24,9 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from sparsekit.accel.kernels import SPARSITIES, precisions
-from sparsekit.prune import pruner, schedules
+from sparsekit.prune import distill, pruner, schedules
 from sparsekit.prune.channels import CHANNEL_CRITERIA
-from sparsekit.prune.criteria import CRITERIA, is_solver
+from sparsekit.prune.criteria import CRITERIA, get_criterion, is_solver
 from sparsekit.run import distributed
 from sparsekit.errors import UsageError
 from sparsekit.models.hf import AUTO_CLASSES
@@ -50,7 +50,12 @@ ScheduleKind = _choices("ScheduleKind", schedules.SCHEDULES, "When masks move (s
 HFTask = _choices("HFTask", AUTO_CLASSES, "What a transformers model is built for.")
 Distributed = _choices("Distributed", distributed.MODES, "How ranks share the model.")
 # fixed sets of the run itself (train.py, tracking.py)
-Task = _choices("Task", ("classification", "lm"), "classification (accuracy) | lm (perplexity)")
+Task = _choices("Task", ("classification", "lm", "embedding"),
+               "classification (accuracy) | lm (perplexity) | embedding (mean cosine to the "
+               "dense model's pooled embeddings)")
+DistillLoss = _choices("DistillLoss", distill.LOSSES, "Distiller losses (prune/distill.py).")
+DistillTarget = _choices("DistillTarget", distill.TARGETS, "What the Distiller matches.")
+FeatureLoss = _choices("FeatureLoss", ("cosine", "mse"), "Per-layer feature matching loss.")
 Optimizer = _choices("Optimizer", ("adam", "adamw", "sgd"), "train.make_optimizer's names.")
 LRSchedule = _choices("LRSchedule", ("constant", "cosine"), "train.lr_at's schedules.")
 TrackerKind = _choices("TrackerKind", ("tensorboard", "none"), "Where metrics go.")
@@ -277,6 +282,28 @@ class ChannelConfig(_Checked):
 
 
 @dataclass
+class CriterionOptions(_Checked):
+    """Options of the one-shot solvers (null: the criterion's default). sparsegpt takes
+    blocksize (columns per lazy-update block), percdamp (Hessian damping, a fraction of
+    mean(diag H)) and sequential (each layer calibrated on the already pruned layers' outputs);
+    alps takes percdamp, sequential, rho (first ADMM penalty), iters (most ADMM steps) and
+    cg_iters (refit steps). Setting one the criterion does not take is an error."""
+
+    _key: ClassVar[str] = "prune.options"
+    blocksize: int | None = None
+    percdamp: float | None = None
+    sequential: bool | None = None
+    rho: float | None = None
+    iters: int | None = None
+    cg_iters: int | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The options set (not null), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+
+@dataclass
 class PruneConfig(_Checked):
     """Weight masks. ``sparsity`` is the fraction of zeroed weights (implied by N:M patterns).
     ``criterion``: a registered criterion (:func:`sparsekit.register_criterion`, or an installed
@@ -294,6 +321,7 @@ class PruneConfig(_Checked):
     strict: bool = False
     fine_tune: bool = True  # false: one shot, no fine-tuning
     channel: ChannelConfig = field(default_factory=ChannelConfig)
+    options: CriterionOptions = field(default_factory=CriterionOptions)
 
     def check(self) -> None:
         check_include(self.include, self._option("include"))
@@ -307,6 +335,14 @@ class PruneConfig(_Checked):
                 f"prune.sparsity={self.sparsity!r} contradicts prune.pattern={self.pattern!r} "
                 f"(which implies {1 - nm[0] / nm[1]:g}); set prune.sparsity=null"
             )
+        given = self.options.given()
+        if given and self.criterion in CRITERIA:
+            takes = tuple(getattr(get_criterion(self.criterion), "options", ()))
+            wrong = [k for k in given if k not in takes]
+            if wrong:
+                raise ConfigError(
+                    f"prune.options.{wrong[0]} is not an option of prune.criterion="
+                    f"{self.criterion} (its options: {', '.join(takes) or 'none'})")
 
 
 @dataclass
@@ -358,12 +394,20 @@ class QuantConfig(_Checked):
 
 @dataclass
 class DistillConfig(_Checked):
-    """Knowledge distillation from the dense teacher: loss = (1 - alpha) * task loss +
-    alpha * T^2 * KL(teacher_T || student_T). ``alpha=0`` turns it off."""
+    """Knowledge distillation from the dense teacher (``sk.Distiller``): loss = (1 - alpha) *
+    task loss + alpha * distillation loss; ``alpha=0`` turns it off. ``target``/``loss`` auto:
+    KL on the logits (``T^2 * KL(teacher_T || student_T)``) for classifiers and language
+    models, ``1 - cos`` of the pooled embeddings for ``data.task=embedding`` (where the
+    distillation loss is the whole loss). ``feature_weight`` > 0 adds per-layer feature
+    matching of the hidden states (``feature_loss`` per token)."""
 
     _key: ClassVar[str] = "train.distill"
     alpha: float = number(0.0, 0, 1)
     temperature: float = number(2.0, 0, 1e4, low_open=True)
+    target: DistillTarget = DistillTarget.auto
+    loss: DistillLoss = DistillLoss.auto
+    feature_weight: float = number(0.0, 0, 1e6)
+    feature_loss: FeatureLoss = FeatureLoss.cosine
 
 
 @dataclass
@@ -438,12 +482,17 @@ class SensitivityConfig(_Checked):
     each selected layer pruned alone (``prune.pattern``, ``prune.criterion``) to each of
     ``sparsities`` (fractions zeroed; unstructured only), the run's metric measured; written to
     sensitivity.json/.md and one TensorBoard chart per layer. ``target`` (optional, an overall
-    sparsity): ``sk.allocate`` picks per-layer levels for it, which replace prune.sparsity."""
+    sparsity): ``sk.allocate`` picks per-layer levels for it, which replace prune.sparsity.
+    With an N:M ``prune.pattern``, ``dense_layers`` (a number of layers) or ``dense_params`` (a
+    fraction of the weights) keeps the most sensitive layers dense (``sk.allocate``); they are
+    added to the pruner's exclusions."""
 
     _key: ClassVar[str] = "sensitivity"
     enabled: bool = False
     sparsities: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
     target: float | None = number(None, 0, 1, high_open=True)
+    dense_layers: int | None = number(None, 0, 2**31 - 1)
+    dense_params: float | None = number(None, 0, 1, high_open=True)
 
     def check(self) -> None:
         levels = list(self.sparsities)
@@ -584,6 +633,11 @@ class Config(_Checked):
                 or (isinstance(self.resume, str) and self.resume.strip())):
             raise ConfigError(f"resume={self.resume!r} must be true, false or a run directory")
         p, sens = self.prune, self.sensitivity
+        if (self.model.task == "feature_extraction" and self.data.name == "text"
+                and self.data.task == "lm"):
+            # text for an embedding model: no next token to predict; agreement with the dense
+            # model's embeddings is what is measured (and what fine-tuning distils)
+            self.data.task = Task.embedding
         if is_solver(p.criterion) and p.fine_tune and self.schedule.kind != "oneshot":
             raise ConfigError(
                 f"prune.criterion={p.criterion} is one shot: set schedule=oneshot (prune at "
@@ -614,6 +668,16 @@ class Config(_Checked):
                 f"sensitivity.target={sens.target!r} needs sensitivity.enabled=true, "
                 "prune.pattern=unstructured, prune.scope=layer and a value in [0, 1)"
             )
+        dense = [k for k in ("dense_layers", "dense_params") if getattr(sens, k) is not None]
+        if len(dense) > 1 or (dense and not (sens.enabled and parse_nm(p.pattern))):
+            raise ConfigError(
+                f"sensitivity.{dense[0]} needs sensitivity.enabled=true and an N:M prune.pattern "
+                "(e.g. 2:4), and excludes sensitivity.dense_layers/dense_params together")
+        if self.data.task == "embedding" and p.fine_tune and p.pattern != "none" and (
+                self.train.distill.alpha <= 0 and self.train.finetune_steps > 0):
+            raise ConfigError(
+                "data.task=embedding has no labels: fine-tuning learns from the dense model, "
+                "so set train.distill.alpha > 0 (e.g. 1) or train.finetune_steps=0")
 
 
 def joint_gptq(cfg: Config) -> bool:

@@ -65,6 +65,7 @@ class RunContext:
     dense_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     dense_size: int = 0
     dense: nn.Module | None = None  # a copy: distillation teacher and speed reference
+    keep_dense: list[str] = dataclasses.field(default_factory=list)  # sensitivity: left dense
     example: Any = None
     calibration: list = dataclasses.field(default_factory=list)
     sparsity: Any = None  # the prune.sparsity, or the per-layer levels of the sensitivity scan
@@ -107,7 +108,7 @@ class RunContext:
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         d = self.cfg.data
         return evaluate(model, self.data.eval, d.task, d.eval_batch_size, d.eval_batches,
-                        self.quiet)
+                        self.quiet, reference=self.dense)
 
     def emit(self, hook: str, *args: Any) -> None:
         """Call ``hook`` of every callback, in order, with this context first."""

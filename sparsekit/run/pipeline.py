@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -209,8 +210,10 @@ def scan_sensitivity(
 ) -> dict[str, float] | None:
     """``sensitivity.enabled``: each selected layer of the dense model pruned alone at each level
     (``sk.sensitivity``), written to sensitivity.json/.md and one TensorBoard chart per layer.
-    Returns the per-layer levels ``sk.allocate`` picks for ``sensitivity.target`` (None without
-    one). A resumed run reads its sensitivity.json instead of measuring again."""
+    Returns the per-layer levels ``sk.allocate`` picks for ``sensitivity.target``, or the
+    per-layer patterns (``"dense"`` for the layers to keep) for ``sensitivity.dense_layers`` /
+    ``dense_params``; None without a target. A resumed run reads its sensitivity.json instead
+    of measuring again."""
     s, p, metric = cfg.sensitivity, cfg.prune, _metric(cfg.data.task)
     path = run_dir / "sensitivity.json"
     if path.exists():
@@ -222,12 +225,16 @@ def scan_sensitivity(
             pattern=p.pattern, criterion=p.criterion, include=list(p.include),
             exclude=list(p.exclude),
             calibration=calibration if needs_calibration(p.criterion) else None,
-            higher_is_better=metric == "accuracy",
+            higher_is_better=metric in ("accuracy", "cosine"),
+            criterion_options=p.options.given(),
         )
         if tracker.writer is not None:
             table.log(tracker.writer)
         tracker.text("sensitivity", f"{metric}, one layer pruned at a time:\n\n```\n{table}\n```")
-    levels = None if s.target is None else sk.allocate(table, s.target)
+    if s.dense_layers is not None or s.dense_params is not None:
+        levels = sk.allocate(table, dense_layers=s.dense_layers, dense_params=s.dense_params)
+    else:
+        levels = None if s.target is None else sk.allocate(table, s.target)
     out = {"metric": metric, "table": table.to_dict(), "allocation": levels}
     write_file(path, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2) + "\n"))
     write_file(run_dir / "sensitivity.md",
@@ -244,13 +251,14 @@ def make_schedule(cfg: Config) -> sk.Schedule:
 
 
 def _metric(task: str) -> str:
-    return "perplexity" if task == "lm" else "accuracy"
+    return {"lm": "perplexity", "embedding": "cosine"}.get(task, "accuracy")
 
 
 def _fmt(metric: str, value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.2%}" if metric == "accuracy" else f"{value:.3f}"
+    return f"{value:.2%}" if metric == "accuracy" else f"{value:.4f}" if metric == "cosine" \
+        else f"{value:.3f}"
 
 
 #: the speed figures of a run: summary key, table row, number format
@@ -342,16 +350,19 @@ def stage_dense(ctx: RunContext) -> None:
     cfg = ctx.cfg
     if cfg.model.name == "hf":
         ctx.hf_model, ctx.tokenizer = load_hf(cfg)
+        embedding_run(ctx)
     ctx.data = build_run_data(cfg, ctx.hf_model, ctx.tokenizer)
     ctx.model, ctx.dense_source = _dense_model(ctx)
-    ctx.dense_eval = ctx.evaluate(ctx.model)
-    ctx.dense_size = file_size(ctx.model)
-    # a copy of the dense model only when something reads it: the distillation teacher and the
-    # speed reference (an LLM one-shot run would otherwise hold its weights twice)
+    # a copy of the dense model only when something reads it: the distillation teacher, the
+    # speed references (forward, generation) and the embedding reference (an LLM one-shot run
+    # would otherwise hold its weights twice)
     keep_dense = ((cfg.train.distill.alpha > 0 and cfg.prune.fine_tune) or cfg.bench.enabled
+                  or cfg.data.task == "embedding"
                   or (cfg.accel.enabled and ctx.device.type == "cuda"
                       and is_causal_lm(ctx.model)))
     ctx.dense = copy.deepcopy(ctx.model).eval() if keep_dense else None
+    ctx.dense_eval = ctx.evaluate(ctx.model)
+    ctx.dense_size = file_size(ctx.model)
     ctx.tracker.dense({f"eval/{ctx.metric}": ctx.dense_eval[ctx.metric]}, 0)
     example = next(eval_batches(ctx.data.eval, cfg.bench.batch_size, 1))[0]
     ctx.example = example.to(ctx.device) if isinstance(example, torch.Tensor) else example
@@ -364,13 +375,28 @@ def stage_dense(ctx: RunContext) -> None:
     ctx.sparsity = cfg.prune.sparsity
 
 
+def embedding_run(ctx: RunContext) -> None:
+    """``data=text`` for an encoder whose task (given, or read from its config) is
+    ``feature_extraction``: the run measures embedding agreement with the dense model
+    (``data.task=embedding``) and fine-tunes by distillation alone."""
+    cfg = ctx.cfg
+    task = ctx.hf_model._sparsekit_spec["kwargs"]["task"]
+    if task == "feature_extraction" and cfg.data.name == "text" and cfg.data.task == "lm":
+        cfg.data.task = "embedding"
+        validate(cfg)
+    ctx.metric = _metric(cfg.data.task)
+
+
 def stage_sensitivity(ctx: RunContext) -> None:
     """``sensitivity.enabled``: the scan (:func:`scan_sensitivity`); with ``sensitivity.target``
     its per-layer levels replace ``prune.sparsity``."""
     if ctx.cfg.sensitivity.enabled:
         levels = scan_sensitivity(ctx.cfg, ctx.model, ctx.evaluate, ctx.calibration,
                                   ctx.tracker, ctx.run_dir)
-        ctx.sparsity = ctx.sparsity if levels is None else levels
+        if levels is not None and any(isinstance(v, str) for v in levels.values()):
+            ctx.keep_dense = [n for n, v in levels.items() if v == "dense"]
+        elif levels is not None:
+            ctx.sparsity = levels
 
 
 def stage_channels(ctx: RunContext) -> None:
@@ -419,12 +445,14 @@ def stage_prune(ctx: RunContext) -> None:
     the last checkpoint loaded into both (and into the model)."""
     cfg, p, t = ctx.cfg, ctx.cfg.prune, ctx.cfg.train
     if p.pattern != "none" and not joint_gptq(cfg):  # a joint sweep prunes in stage_quantize
+        # the layers the sensitivity scan keeps dense are excluded, by their exact names
+        dense = [f"re:{re.escape(n)}" for n in ctx.keep_dense]
         ctx.masks = sk.Pruner(
             ctx.model, sparsity=ctx.sparsity, pattern=p.pattern, criterion=p.criterion,
             scope=p.scope, schedule=make_schedule(cfg), include=list(p.include),
-            exclude=list(p.exclude),
+            exclude=list(p.exclude) + dense,
             calibration=ctx.calibration if needs_calibration(p.criterion) else None,
-            strict=p.strict,
+            strict=p.strict, criterion_options=p.options.given(),
         )
     ctx.steps = t.finetune_steps if p.fine_tune else 0
     ctx.optimizer = make_optimizer(ctx.model.parameters(), t.optimizer, t.finetune_lr,
@@ -462,9 +490,21 @@ def stage_fine_tune(ctx: RunContext) -> None:
     fit(train_model, ctx.data.train, ctx.optimizer, steps=ctx.steps, lr=t.finetune_lr,
         batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=ctx.start,
         warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=ctx.pruner,
-        teacher=ctx.dense if t.distill.alpha > 0 else None, distill_alpha=t.distill.alpha,
-        temperature=t.distill.temperature, on_step=ctx.step_hook("finetune"), quiet=ctx.quiet,
+        distiller=distiller(ctx), distill_alpha=t.distill.alpha,
+        on_step=ctx.step_hook("finetune"), quiet=ctx.quiet,
         desc="fine-tuning", shard=ctx.mode != "none", log_every=t.log_every)
+
+
+def distiller(ctx: RunContext) -> sk.Distiller | None:
+    """The fine-tuning's :class:`~sparsekit.Distiller` from ``train.distill`` (None at alpha
+    0): its defaults follow the data's task (pooled embeddings for ``embedding``)."""
+    d = ctx.cfg.train.distill
+    if d.alpha <= 0 or ctx.dense is None:
+        return None
+    task = "feature_extraction" if ctx.cfg.data.task == "embedding" else "classification"
+    return sk.Distiller(ctx.dense, task=task, target=str(d.target), loss=str(d.loss),
+                        temperature=d.temperature, feature_weight=d.feature_weight,
+                        feature_loss=str(d.feature_loss))
 
 
 def stage_finalize(ctx: RunContext) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit.run import distributed as D
+from sparsekit.prune.distill import Distiller, embedding_agreement, kl_loss
 from sparsekit.nn.calibration import to_device, eval_mode
 from sparsekit.errors import UsageError
 from sparsekit.progress import progress
@@ -104,10 +105,8 @@ def task_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """Hinton et al.: ``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, mean over samples
-    (tokens for a language model). The T^2 keeps gradients comparable across temperatures."""
-    s = F.log_softmax(student.reshape(-1, student.shape[-1]) / temperature, dim=-1)
-    t = F.log_softmax(teacher.reshape(-1, teacher.shape[-1]) / temperature, dim=-1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+    (tokens for a language model); :func:`sparsekit.prune.distill.kl_loss`."""
+    return kl_loss(student, teacher, temperature)
 
 
 @torch.no_grad()
@@ -118,10 +117,19 @@ def evaluate(
     batch_size: int = 500,
     max_batches: int | None = None,
     quiet: bool = False,
+    reference: nn.Module | None = None,
 ) -> dict[str, float]:
     """``{"loss", "accuracy"}`` for classification, ``{"loss", "perplexity"}`` (per target
     token, ``exp`` of the mean cross-entropy in nats; targets of -100 are not counted) for a
-    language model."""
+    language model, ``{"loss", "cosine"}`` for ``task="embedding"``: the mean cosine between
+    the pooled embeddings of ``model`` and of ``reference`` (the dense model) over the
+    inputs, and ``loss = 1 - cosine``."""
+    if task == "embedding":
+        if reference is None:
+            raise UsageError("evaluating embeddings needs the dense model as reference=")
+        inputs = (x for x, _ in eval_batches(dataset, batch_size, max_batches))
+        cos = embedding_agreement(model, reference, inputs)
+        return {"loss": 1.0 - cos, "cosine": cos}
     with eval_mode(model):
         device = next(model.parameters()).device
         loss_sum, correct, count = 0.0, 0, 0
@@ -164,6 +172,7 @@ def fit(
     teacher: nn.Module | None = None,
     distill_alpha: float = 0.0,
     temperature: float = 2.0,
+    distiller: Distiller | None = None,
     on_step: StepHook | None = None,
     quiet: bool = False,
     desc: str = "train",
@@ -173,7 +182,10 @@ def fit(
     """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
     ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`: masks or channels) takes its
     step (the optimizer follows any parameters the step replaced), then
-    ``on_step(step, metrics)`` runs (logging, evaluation, checkpoints happen there).
+    ``on_step(step, metrics)`` runs. Distillation: ``distiller`` (a :class:`Distiller`), or
+    ``teacher`` with ``temperature`` (KL on the logits); its loss weighs ``distill_alpha``, the
+    task loss ``1 - distill_alpha`` (at ``distill_alpha=1`` the targets are never read:
+    unlabeled data) (logging, evaluation, checkpoints happen there).
     ``metrics`` is ``{"train/loss", "train/lr"}`` every ``log_every`` steps and at the last
     step, and empty otherwise, so the loss is read back from the device (and averaged over
     ranks) only when it is logged.
@@ -184,9 +196,10 @@ def fit(
     ranks."""
     model.train()
     device = next(model.parameters()).device
-    use_teacher = teacher is not None and distill_alpha > 0
-    if use_teacher:
-        teacher.eval()
+    if distiller is None and teacher is not None and distill_alpha > 0:
+        distiller = Distiller(teacher, target="logits", loss="kl", temperature=temperature)
+    if distill_alpha <= 0:
+        distiller = None
     bar = progress(range(start_step, steps), quiet, desc=desc, initial=start_step, total=steps)
     for step in bar:
         lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
@@ -195,13 +208,12 @@ def fit(
         idx = batch_indices(len(dataset), batch_size, seed, step)
         x, y = get_batch(dataset, D.rank_slice(idx) if shard else idx)
         x, y = to_device(x, device), y.to(device)
-        logits = logits_of(model(x))
-        loss = task_loss(logits, y)
-        if use_teacher:
-            with torch.no_grad():
-                teacher_logits = logits_of(teacher(x))
-            kd = distill_loss(logits, teacher_logits, temperature)
-            loss = (1 - distill_alpha) * loss + distill_alpha * kd
+        if distiller is None:
+            loss = task_loss(logits_of(model(x)), y)
+        else:
+            out, kd = distiller(model, x)
+            loss = kd if distill_alpha >= 1 else (
+                (1 - distill_alpha) * task_loss(logits_of(out), y) + distill_alpha * kd)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip > 0:

@@ -1,0 +1,291 @@
+"""Knowledge distillation from the dense model into the pruned one, for any model.
+
+A :class:`Distiller` holds the teacher (usually the dense copy) and what to match, chosen by
+the model's task unless given:
+
+============================  ==========================  ==========
+task                          target                      loss
+============================  ==========================  ==========
+feature_extraction            ``pooled`` (sentence         ``cosine``
+                              embedding: the mean of the
+                              last hidden state over the
+                              attention mask)
+causal_lm, masked_lm,         ``logits``                  ``kl``
+sequence_classification,
+classification
+============================  ==========================  ==========
+
+- ``kl``: Hinton et al., ``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, mean over
+  samples (tokens for a language model); only for ``logits``.
+- ``cosine``: ``1 - cos(student, teacher)`` per vector (per sequence for ``pooled``, per token
+  for ``last_hidden``), averaged.
+- ``mse``: the mean squared difference of the vectors' entries.
+- ``feature_weight > 0`` adds per-layer feature matching: the mean over the model's
+  ``hidden_states`` (transformers: ``output_hidden_states=True``, one per block) of the
+  ``feature_loss`` (cosine or mse per token) between student and teacher, times
+  ``feature_weight``.
+
+The masks stay held by the :class:`~sparsekit.Pruner` the whole time: the Distiller computes a
+loss; the caller's loop (or :func:`distill_`) steps the optimizer and then the pruner, which
+puts every pruned weight back to zero.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.nn.calibration import eval_mode, to_device
+
+LOSSES = ("auto", "kl", "cosine", "mse")
+TARGETS = ("auto", "logits", "last_hidden", "pooled")
+EMBEDDING_TASKS = ("feature_extraction", "embedding")
+
+__all__ = ["Distiller", "distill_", "embedding_agreement", "kl_loss", "pooled_embedding",
+           "vector_loss"]
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 when it is a 16-bit float (losses in fp16 lose too much); else as is."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def kl_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 2.0) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, mean over the rows of the last
+    dimension (samples, or tokens of a language model). The T^2 keeps gradients comparable
+    across temperatures.
+
+    >>> round(float(kl_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 0.0]]))), 6)
+    0.0
+    """
+    s = F.log_softmax(_wide(student).reshape(-1, student.shape[-1]) / temperature, dim=-1)
+    t = F.log_softmax(_wide(teacher).reshape(-1, teacher.shape[-1]) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
+def vector_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``cosine``: the mean of ``1 - cos`` over the vectors of the last dimension; ``mse``: the
+    mean squared difference of their entries. ``weight`` (the vectors' leading shape, e.g. an
+    attention mask) weighs each vector; padding gets 0.
+
+    >>> vector_loss(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 2.0]]), "cosine")
+    tensor(1.)
+    """
+    s, t = _wide(student), _wide(teacher)
+    if kind == "cosine":
+        per = 1 - F.cosine_similarity(s, t, dim=-1, eps=1e-8)
+    elif kind == "mse":
+        per = (s - t).pow(2).mean(-1)
+    else:
+        raise UsageError(f"distillation loss {kind!r} compares vectors: use 'cosine' or 'mse'")
+    if weight is None:
+        return per.mean()
+    w = weight.to(per.dtype).expand_as(per)
+    return (per * w).sum() / w.sum().clamp_min(1e-12)
+
+
+def pooled_embedding(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of ``hidden`` ``(batch, tokens, dim)`` over the tokens the attention mask keeps
+    (all tokens without one): the sentence embedding of sentence-transformers' mean pooling."""
+    if attention_mask is None:
+        return hidden.mean(1)
+    m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+
+
+def _attention_mask(batch: Any) -> torch.Tensor | None:
+    return batch.get("attention_mask") if isinstance(batch, Mapping) else None
+
+
+def _field(output: Any, name: str, what: str) -> Any:
+    if name == "logits" and isinstance(output, torch.Tensor):
+        return output
+    if name == "last_hidden" and isinstance(output, torch.Tensor) and output.dim() == 3:
+        return output
+    key = {"last_hidden": "last_hidden_state"}.get(name, name)
+    value = getattr(output, key, None)
+    if value is None and isinstance(output, Mapping):
+        value = output.get(key)
+    if value is None:
+        raise UsageError(f"distillation target {what!r} needs the model's output to have "
+                         f"{key!r}; the model returned {type(output).__name__}")
+    return value
+
+
+class Distiller:
+    """The distillation loss of a student against ``teacher`` (see the module docstring).
+
+    Args:
+        teacher: the model to match (kept in eval mode, never trained).
+        task: the model's task (``feature_extraction``, ``causal_lm``, ``masked_lm``,
+            ``sequence_classification``, ``classification``); picks the defaults.
+        target: ``logits`` | ``last_hidden`` | ``pooled`` | ``auto``.
+        loss: ``kl`` (logits only) | ``cosine`` | ``mse`` | ``auto``.
+        temperature: the KL's softening temperature (> 0).
+        feature_weight: weight of the per-layer feature matching (0: off).
+        feature_loss: ``cosine`` | ``mse``, per token, for the feature matching.
+
+    >>> torch.manual_seed(0) and None
+    >>> teacher = nn.Linear(4, 3)
+    >>> student = nn.Linear(4, 3)
+    >>> d = Distiller(teacher, task="classification")
+    >>> out, loss = d(student, torch.randn(8, 4))
+    >>> d.target, d.loss, out.shape, bool(loss > 0)
+    ('logits', 'kl', torch.Size([8, 3]), True)
+    """
+
+    def __init__(self, teacher: nn.Module, task: str = "classification", target: str = "auto",
+                 loss: str = "auto", temperature: float = 2.0, feature_weight: float = 0.0,
+                 feature_loss: str = "cosine") -> None:
+        if target not in TARGETS:
+            raise UsageError(f"distillation target={target!r} is not allowed; choose one of: "
+                             f"{', '.join(TARGETS)}")
+        if loss not in LOSSES:
+            raise UsageError(f"distillation loss={loss!r} is not allowed; choose one of: "
+                             f"{', '.join(LOSSES)}")
+        if feature_loss not in ("cosine", "mse"):
+            raise UsageError(f"feature_loss={feature_loss!r}: choose cosine or mse")
+        if not temperature > 0 or not feature_weight >= 0:
+            raise UsageError(f"temperature must be > 0 and feature_weight >= 0, got "
+                             f"{temperature!r}, {feature_weight!r}")
+        embedding = task in EMBEDDING_TASKS
+        self.target = target if target != "auto" else "pooled" if embedding else "logits"
+        self.loss = loss if loss != "auto" else "kl" if self.target == "logits" else "cosine"
+        if self.loss == "kl" and self.target != "logits":
+            raise UsageError(f"loss='kl' compares distributions: it needs target='logits', not "
+                             f"{self.target!r}; use cosine or mse")
+        self.teacher, self.task, self.temperature = teacher.eval(), task, temperature
+        self.feature_weight, self.feature_loss = feature_weight, feature_loss
+
+    def _call(self, model: nn.Module, batch: Any) -> Any:
+        """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else
+        ``model(batch)``; asking for ``hidden_states`` when features are matched."""
+        extra = {"output_hidden_states": True} if self.feature_weight > 0 else {}
+        if isinstance(batch, Mapping):
+            return model(**batch, **extra)
+        if isinstance(batch, (tuple, list)):
+            return model(*batch, **extra)
+        return model(batch, **extra)
+
+    def compare(self, student_out: Any, teacher_out: Any, batch: Any) -> torch.Tensor:
+        """The loss between two outputs of the same ``batch`` (see the module docstring)."""
+        mask = _attention_mask(batch)
+        s, t = (_field(o, "logits" if self.target == "logits" else "last_hidden", self.target)
+                for o in (student_out, teacher_out))
+        if self.target == "logits" and self.loss == "kl":
+            loss = kl_loss(s, t, self.temperature)
+        elif self.target == "pooled":
+            loss = vector_loss(pooled_embedding(s, mask), pooled_embedding(t, mask), self.loss)
+        else:
+            loss = vector_loss(s, t, self.loss, mask if s.dim() == 3 else None)
+        if self.feature_weight > 0:
+            hs, ht = (_field(o, "hidden_states", "feature matching")
+                      for o in (student_out, teacher_out))
+            feats = [vector_loss(a, b, self.feature_loss, mask) for a, b in zip(hs, ht)]
+            loss = loss + self.feature_weight * torch.stack(feats).mean()
+        return loss
+
+    def __call__(self, student: nn.Module, batch: Any) -> tuple[Any, torch.Tensor]:
+        """``(student output, loss)`` on ``batch`` (a dict as keywords, a tuple or list as
+        positional arguments, a tensor as the one argument); the teacher runs without
+        gradients."""
+        with torch.no_grad():
+            teacher_out = self._call(self.teacher, batch)
+        student_out = self._call(student, batch)
+        return student_out, self.compare(student_out, teacher_out, batch)
+
+
+def distill_(
+    model: nn.Module,
+    teacher: nn.Module,
+    batches: Iterable[Any],
+    *,
+    steps: int,
+    lr: float = 1e-4,
+    task: str = "classification",
+    pruner: Any = None,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    **distiller: Any,
+) -> list[float]:
+    """Train ``model`` for ``steps`` optimizer steps (AdamW, cosine decay to 10% of ``lr``) to
+    match ``teacher`` on ``batches`` (cycled; re-iterable), with the :class:`Distiller` loss
+    for ``task`` (keyword arguments ``target``, ``loss``, ``temperature``, ``feature_weight``,
+    ``feature_loss`` go to it). ``pruner`` (a :class:`~sparsekit.Pruner` of ``model``, still
+    holding its masks) steps after every optimizer step, so pruned weights stay zero; without
+    one, ``model`` must have no zeros to keep (a finalized pruned model would be filled in):
+    make the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step.
+
+    >>> torch.manual_seed(0) and None
+    >>> teacher = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> student = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> _ = student.load_state_dict(teacher.state_dict())
+    >>> import sparsekit as sk
+    >>> pruner = sk.Pruner(student, pattern="2:4")
+    >>> pruner.step(0)
+    True
+    >>> losses = distill_(student, teacher, [torch.randn(32, 8)], steps=20, lr=1e-2,
+    ...                   pruner=pruner)
+    >>> losses[-1] < losses[0], sk.sparsity_report(pruner.finalize()).global_sparsity
+    (True, 0.5)
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigTypeError(f"steps must be an integer >= 0, got {steps!r}")
+    if iter(batches) is batches:
+        batches = list(batches)
+    if pruner is None and any(
+            bool((m.weight == 0).any()) for m in model.modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() > 1):
+        raise UsageError("distill_: the model has zero weights but no pruner= holds them; "
+                         "distill under the Pruner (before finalize) so they stay zero")
+    d = Distiller(teacher, task=task, **distiller)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    device = next(model.parameters()).device
+    losses: list[float] = []
+    stream = itertools.cycle(batches)
+    model.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (0.1 + 0.45 * (1 + torch.cos(torch.tensor(
+                torch.pi * step / max(1, steps))).item()))
+        _, loss = d(model, to_device(next(stream), device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        if pruner is not None:
+            pruner.step(step)
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def embedding_agreement(model: nn.Module, reference: nn.Module, batches: Iterable[Any]) -> float:
+    """The mean cosine between the pooled embeddings (:func:`pooled_embedding` of the last
+    hidden state) of ``model`` and ``reference`` over all sequences of ``batches``: 1.0 when
+    they agree exactly."""
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    with eval_mode(model), eval_mode(reference):
+        for batch in batches:
+            batch = to_device(batch, device)
+            outs = [_field(m(**batch) if isinstance(batch, Mapping) else m(batch),
+                           "last_hidden", "pooled") for m in (model, reference)]
+            mask = _attention_mask(batch)
+            a, b = (pooled_embedding(o.float(), mask) for o in outs)
+            cos = F.cosine_similarity(a, b, dim=-1, eps=1e-8)
+            total += float(cos.sum())
+            count += cos.numel()
+    if count == 0:
+        raise UsageError("embedding_agreement: no batch")
+    return total / count

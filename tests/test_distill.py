@@ -1,0 +1,130 @@
+"""Distillation: each loss against values computed by hand, the Distiller's defaults by task,
+masks held through distill_, and the feature-extraction path on the command line (a tiny
+random BERT on data=text: embedding agreement before and after)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.errors import UsageError
+from sparsekit.prune.distill import Distiller, kl_loss, pooled_embedding, vector_loss
+from test_cli import run_cli
+
+
+def test_kl_loss_by_hand():
+    s, t, temp = torch.tensor([[1.0, 2.0, 0.0]]), torch.tensor([[0.5, 0.0, 1.5]]), 2.0
+    p = [math.exp(v / temp) for v in (0.5, 0.0, 1.5)]
+    p = [v / sum(p) for v in p]
+    q = [math.exp(v / temp) for v in (1.0, 2.0, 0.0)]
+    q = [v / sum(q) for v in q]
+    want = temp**2 * sum(a * math.log(a / b) for a, b in zip(p, q))
+    assert float(kl_loss(s, t, temp)) == pytest.approx(want, rel=1e-5)
+    # tokens of a language model: the mean over (batch, time)
+    s2, t2 = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    each = [float(kl_loss(s2[i, j], t2[i, j], 1.0)) for i in range(2) for j in range(3)]
+    assert float(kl_loss(s2, t2, 1.0)) == pytest.approx(sum(each) / 6, rel=1e-5)
+
+
+def test_cosine_and_mse_by_hand():
+    s = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
+    t = torch.tensor([[4.0, 3.0], [0.0, 2.0]])
+    assert float(vector_loss(s, t, "cosine")) == pytest.approx(((1 - 24 / 25) + 1) / 2)
+    assert float(vector_loss(s, t, "mse")) == pytest.approx((1 + 1 + 1 + 4) / 4)
+    # padding weighs 0: only the first vector counts
+    w = torch.tensor([1.0, 0.0])
+    assert float(vector_loss(s, t, "cosine", w)) == pytest.approx(1 - 24 / 25)
+
+
+def test_pooled_embedding_ignores_padding():
+    h = torch.tensor([[[1.0, 1.0], [3.0, 5.0], [100.0, 100.0]]])
+    mask = torch.tensor([[1, 1, 0]])
+    torch.testing.assert_close(pooled_embedding(h, mask), torch.tensor([[2.0, 3.0]]))
+
+
+class Encoder(nn.Module):
+    """A toy encoder with a transformers-like output: last_hidden_state and hidden_states."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 8)
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=False):
+        h1 = torch.tanh(self.a(input_ids))
+        h2 = self.b(h1)
+        out = {"last_hidden_state": h2}
+        if output_hidden_states:
+            out["hidden_states"] = (h1, h2)
+        return out
+
+
+def test_distiller_by_task_and_feature_matching_by_hand():
+    torch.manual_seed(0)
+    teacher, student = Encoder(), Encoder()
+    batch = {"input_ids": torch.randn(3, 5, 4), "attention_mask": torch.tensor(
+        [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])}
+    d = Distiller(teacher, task="feature_extraction", feature_weight=0.5)
+    assert (d.target, d.loss) == ("pooled", "cosine")
+    _, loss = d(student, batch)
+    with torch.no_grad():
+        t, s = teacher(**batch, output_hidden_states=True), student(**batch,
+                                                                   output_hidden_states=True)
+    m = batch["attention_mask"]
+    emb = [pooled_embedding(o["last_hidden_state"], m) for o in (s, t)]
+    want = (1 - F.cosine_similarity(*emb, dim=-1)).mean()
+    feats = []
+    for hs, ht in zip(s["hidden_states"], t["hidden_states"]):
+        per = 1 - F.cosine_similarity(hs, ht, dim=-1)
+        feats.append((per * m).sum() / m.sum())
+    want = want + 0.5 * torch.stack(feats).mean()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    mse = Distiller(teacher, task="feature_extraction", target="last_hidden", loss="mse")
+    _, got = mse(student, batch)
+    per = (s["last_hidden_state"] - t["last_hidden_state"]).pow(2).mean(-1)
+    torch.testing.assert_close(got.detach(), (per * m).sum() / m.sum())
+    with pytest.raises(UsageError, match="loss='kl' compares distributions"):
+        Distiller(teacher, task="feature_extraction", loss="kl")
+    with pytest.raises(UsageError, match="target='layers' is not allowed"):
+        Distiller(teacher, target="layers")
+
+
+def test_distill_keeps_the_pruners_masks():
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    student.load_state_dict(teacher.state_dict())
+    pruner = sk.Pruner(student, pattern="2:4")
+    pruner.step(0)
+    masks = {n: m.clone() for n, m in pruner.masks.items()}
+    x = [torch.randn(16, 8) for _ in range(2)]
+    losses = sk.distill_(student, teacher, x, steps=30, lr=1e-2, pruner=pruner,
+                         weight_decay=0.1)
+    assert losses[-1] < 0.5 * losses[0]
+    pruner.finalize()
+    for name, mask in masks.items():
+        assert torch.equal(student.get_submodule(name).weight != 0, mask)
+    with pytest.raises(UsageError, match="no pruner= holds them"):
+        sk.distill_(student, teacher, x, steps=1)
+
+
+def test_feature_extraction_on_text_from_the_command_line(hf_dirs, tmp_path, capsys):
+    args = ["recipe=embedding_alps_24_distill", f"model.path={hf_dirs['bert']}",
+            f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}", "data.seq_len=32",
+            "prune.calibration_batches=2", "data.eval_batches=2", "data.batch_size=4",
+            "train.finetune_steps=4", "train.finetune_lr=0.003", "train.quiet=true",
+            "tracker=none", "prune.options.iters=30"]
+    code, _, err = run_cli(args, tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["metric"] == "cosine" and s["sparsity"] == 0.5
+    assert s["dense"]["cosine"] == pytest.approx(1.0)
+    assert 0.0 < s["compressed"]["cosine"] < 0.9999
+    code, _, err = run_cli(args[:-1] + ["prune.options.blocksize=64"], tmp_path, capsys)
+    assert code == 2 and "prune.options.blocksize is not an option of prune.criterion=alps" in err
