@@ -193,8 +193,9 @@ def valid_pruner_args(draw):
 def run_pruner(model, a, live):
     sched = a["schedule"]()
     pruner = live["pruner"] = sk.Pruner(
-        model, a["sparsity"], a["pattern"], a["criterion"], a["scope"], sched, a["include"],
-        a["exclude"], batches(a["kind"], a["calib"]))
+        model, a["sparsity"], pattern=a["pattern"], criterion=a["criterion"], scope=a["scope"],
+        schedule=sched, include=a["include"], exclude=a["exclude"],
+        calibration=batches(a["kind"], a["calib"]))
     end = getattr(sched, "end", getattr(sched, "step", 0)) if sched is not None else 0
     for step in range(int(end) + 1):
         live["masks"] = {n: m.clone() for n, m in pruner.masks.items()}

@@ -24,6 +24,9 @@ def test_example_runs(page, index, code, tmp_path, monkeypatch):
     if code.lstrip().startswith("# requires: cuda") and not torch.cuda.is_available():
         pytest.skip("example needs a CUDA GPU")
     monkeypatch.chdir(tmp_path)
+    # a reader runs an example in a fresh process: no compile cache or automatic-dynamic record
+    # left by earlier tests (an example counting its compiles would see them)
+    torch._dynamo.reset()
     exec(compile(code, f"{page} example {index}", "exec"), {"__name__": "__readme__"})
 
 

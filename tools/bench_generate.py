@@ -126,9 +126,10 @@ def llama(smoke: bool, layers: int, device):
     import transformers
 
     if smoke:
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                       num_hidden_layers=1, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=1024)
+        # widths that are multiples of 512: the 2:4 layers take the small-M kernel
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
+                                       num_hidden_layers=1, num_attention_heads=8,
+                                       num_key_value_heads=4, max_position_embeddings=1024)
     else:
         cfg = transformers.LlamaConfig(
             vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         shapes = SHAPES if args.shapes == "all" else [s for s in SHAPES
                                                       if s[0] in args.shapes.split(",")]
         if args.smoke:
-            shapes = [("smoke", 64, 128)]
+            shapes = [("smoke", 64, 512)]
         res["gemm"] = gemm_rows(device, shapes, (1, 3) if args.smoke else MS, args.smoke)
         res["gemm_summary"] = gemm_summary(res["gemm"])
         Path(args.out).write_text(json.dumps(res, indent=1))

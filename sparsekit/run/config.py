@@ -290,12 +290,12 @@ class CriterionOptions(_Checked):
     cg_iters (refit steps). Setting one the criterion does not take is an error."""
 
     _key: ClassVar[str] = "prune.options"
-    blocksize: int | None = None
-    percdamp: float | None = None
+    blocksize: int | None = number(None, 1, 2**20)
+    percdamp: float | None = number(None, 0, 10, low_open=True)
     sequential: bool | None = None
-    rho: float | None = None
-    iters: int | None = None
-    cg_iters: int | None = None
+    rho: float | None = number(None, 0, 1e6, low_open=True)
+    iters: int | None = number(None, 1, 10**6)
+    cg_iters: int | None = number(None, 0, 10**6)
 
     def given(self) -> dict[str, Any]:
         """The options set (not null), by name."""
