@@ -139,10 +139,8 @@ def admm_prune(
     v0 = w0 * s
     evals, evecs = torch.linalg.eigh(hn.double())
     evals, evecs = evals.float().clamp_min(0), evecs.float()
-    target = v0 @ hn  # W0 H in the normalised space
-    support = pattern_project(v0, nm, count)
-    z, keep = v0 * support, support
-    lam = torch.zeros_like(v0)
+    target, support = v0 @ hn, pattern_project(v0, nm, count)  # W0 H in the normalised space
+    z, keep, lam = v0 * support, support, torch.zeros_like(v0)
     for it in range(iters):
         rhs = (target + rho * z - lam) @ evecs
         v = (rhs / (evals + rho)) @ evecs.T

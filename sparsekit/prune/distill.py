@@ -33,6 +33,7 @@ puts every pruned weight back to zero.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -202,6 +203,19 @@ class Distiller:
         return student_out, self.compare(student_out, teacher_out, batch)
 
 
+def _check_distill(model: nn.Module, batches: Iterable[Any], steps: int,
+                   pruner: Any) -> Iterable[Any]:
+    """distill_'s argument checks; the batches as a re-iterable (a one-pass iterator listed)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigTypeError(f"steps must be an integer >= 0, got {steps!r}")
+    if pruner is None and any(
+            bool((m.weight == 0).any()) for m in model.modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() > 1):
+        raise UsageError("distill_: the model has zero weights but no pruner= holds them; "
+                         "distill under the Pruner (before finalize) so they stay zero")
+    return list(batches) if iter(batches) is batches else batches
+
+
 def distill_(
     model: nn.Module,
     teacher: nn.Module,
@@ -236,15 +250,7 @@ def distill_(
     >>> losses[-1] < losses[0], sk.sparsity_report(pruner.finalize()).global_sparsity
     (True, 0.5)
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ConfigTypeError(f"steps must be an integer >= 0, got {steps!r}")
-    if iter(batches) is batches:
-        batches = list(batches)
-    if pruner is None and any(
-            bool((m.weight == 0).any()) for m in model.modules()
-            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() > 1):
-        raise UsageError("distill_: the model has zero weights but no pruner= holds them; "
-                         "distill under the Pruner (before finalize) so they stay zero")
+    batches = _check_distill(model, batches, steps, pruner)
     d = Distiller(teacher, task=task, **distiller)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -253,9 +259,8 @@ def distill_(
     stream = itertools.cycle(batches)
     model.train()
     for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr * (0.1 + 0.45 * (1 + torch.cos(torch.tensor(
-                torch.pi * step / max(1, steps))).item()))
+        for group in optimizer.param_groups:  # cosine decay to 10% of lr
+            group["lr"] = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, steps))))
         _, loss = d(model, to_device(next(stream), device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
