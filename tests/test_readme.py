@@ -27,7 +27,17 @@ def test_example_runs(page, index, code, tmp_path, monkeypatch):
     # a reader runs an example in a fresh process: no compile cache or automatic-dynamic record
     # left by earlier tests (an example counting its compiles would see them)
     torch._dynamo.reset()
-    exec(compile(code, f"{page} example {index}", "exec"), {"__name__": "__readme__"})
+    from sparsekit.prune.channels import CHANNEL_CRITERIA
+    from sparsekit.prune.criteria import CRITERIA
+    from sparsekit.quant.formats import SCHEMES
+
+    before = [(reg, set(reg.names())) for reg in (CRITERIA, CHANNEL_CRITERIA, SCHEMES)]
+    try:
+        exec(compile(code, f"{page} example {index}", "exec"), {"__name__": "__readme__"})
+    finally:  # what an example registers (a toy criterion) stays in the example
+        for reg, names in before:
+            for name in set(reg.names()) - names:
+                reg.unregister(name)
 
 
 def test_quickstart_has_two_commands_and_ci_runs_the_test_one():
