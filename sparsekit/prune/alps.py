@@ -34,7 +34,7 @@ import torch
 
 from sparsekit.errors import UsageError
 from sparsekit.prune.patterns import prune_count
-from sparsekit.prune.sparsegpt import sparsegpt_prune
+from sparsekit.prune.sparsegpt import dead_inputs, sparsegpt_prune
 
 __all__ = ["ALPS", "admm_prune", "layer_error", "pattern_project", "refit"]
 
@@ -126,11 +126,7 @@ def admm_prune(
     count = 0 if nm is not None else (prune_count(budget_offset + rows * cols, sparsity)
                                        - prune_count(budget_offset, sparsity))
     h = hessian.detach().float().clone()
-    dead = h.diagonal() == 0
-    if bool(dead.all()):
-        raise UsageError(f"alps: layer {name!r} saw only zero inputs during calibration; "
-                         "exclude it")
-    h[dead, dead] = 1.0
+    dead = dead_inputs(h, name, "alps")
     w0 = torch.where(dead.unsqueeze(0), torch.zeros_like(w0), w0)  # inputs always zero
     h += percdamp * h.diagonal().mean() * torch.eye(cols, dtype=h.dtype, device=h.device)
     # normalise to a unit diagonal: W' = W * s, H' = H / (s s^T), with s = sqrt(diag H)

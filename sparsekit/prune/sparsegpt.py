@@ -142,23 +142,33 @@ class _Hessian:
         raise _Collected
 
 
-def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^-1``; retries with 10x the damping (up to 4
-    times) when float32 round-off leaves the dampened H not positive definite."""
+def dead_inputs(h: torch.Tensor, name: str, who: str = "sparsegpt") -> torch.Tensor:
+    """The inputs no calibration batch reached (diag H = 0), their diagonal set to 1 in place
+    so that H can be inverted; UsageError (from ``who``) when no input was ever nonzero."""
+    dead = h.diagonal() == 0
+    if bool(dead.all()):
+        raise UsageError(f"{who}: layer {name!r} saw only zero inputs during calibration; "
+                         "exclude it")
+    h[dead, dead] = 1.0
+    return dead
+
+
+def inverse_cholesky(h: torch.Tensor, percdamp: float, name: str,
+                     who: str = "sparsegpt") -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1``, damp = ``percdamp * mean(diag H)``; retries
+    with 10x the damping (up to 4 times) when float32 round-off leaves the dampened H not
+    positive definite (UsageError from ``who`` after that)."""
     damp = percdamp * float(h.diagonal().mean())
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     for _ in range(5):
         chol, info = torch.linalg.cholesky_ex(h + damp * eye)
         if int(info) == 0:
-            inv = torch.cholesky_inverse(chol)
-            upper, info = torch.linalg.cholesky_ex(inv, upper=True)
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
             if int(info) == 0:
                 return upper
         damp *= 10.0
-    raise UsageError(
-        f"sparsegpt: the Hessian of layer {name!r} is not positive definite even with damping "
-        f"{damp:.3g}; raise percdamp"
-    )
+    raise UsageError(f"{who}: the Hessian of layer {name!r} is not positive definite even with "
+                     f"damping {damp:.3g}; raise percdamp")
 
 
 def obs_prune(
@@ -190,13 +200,8 @@ def obs_prune(
             raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of M={m}")
         if blocksize % m:
             raise UsageError(f"blocksize {blocksize} must be a multiple of M={m} for N:M")
-    dead = h.diagonal() == 0
-    if bool(dead.all()):
-        raise UsageError(
-            f"sparsegpt: layer {name!r} saw only zero inputs during calibration; exclude it"
-        )
-    h[dead, dead] = 1.0
-    u = _inverse_cholesky(h, percdamp, name)
+    dead = dead_inputs(h, name)
+    u = inverse_cholesky(h, percdamp, name)
     del h
 
     keep = torch.ones_like(w, dtype=torch.bool)

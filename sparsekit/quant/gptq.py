@@ -51,7 +51,7 @@ from sparsekit.errors import UsageError
 from sparsekit.nn import shards
 from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.patterns import parse_pattern
-from sparsekit.prune.sparsegpt import sparsegpt_prune
+from sparsekit.prune.sparsegpt import dead_inputs, inverse_cholesky, sparsegpt_prune
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.modules import QuantLinear
 from sparsekit.quant.numerics import absmax_scale, quantize
@@ -125,23 +125,6 @@ class SweepResult:
     rel_error: float
 
 
-def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^-1``, damp = ``percdamp * mean(diag H)``; retries
-    with 10x the damping (up to 4 times) when float32 round-off leaves it not positive
-    definite."""
-    damp = percdamp * float(h.diagonal().mean())
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    for _ in range(5):
-        chol, info = torch.linalg.cholesky_ex(h + damp * eye)
-        if int(info) == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
-            if int(info) == 0:
-                return upper
-        damp *= 10.0
-    raise UsageError(f"gptq: the Hessian of layer {name!r} is not positive definite even with "
-                     f"damping {damp:.3g}; raise percdamp")
-
-
 @torch.no_grad()
 def _dead_inputs(h: torch.Tensor, cols: int, group_size: int, nm: tuple[int, int] | None,
                  name: str) -> torch.Tensor:
@@ -152,12 +135,7 @@ def _dead_inputs(h: torch.Tensor, cols: int, group_size: int, nm: tuple[int, int
                          f"size {group_size}")
     if nm is not None and cols % nm[1]:
         raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of M={nm[1]}")
-    dead = h.diagonal() == 0
-    if bool(dead.all()):
-        raise UsageError(f"gptq: layer {name!r} saw only zero inputs during calibration; "
-                         "exclude it")
-    h[dead, dead] = 1.0
-    return dead
+    return dead_inputs(h, name, "gptq")
 
 
 def _prune_group(w1: torch.Tensor, d: torch.Tensor, dead: torch.Tensor, prune1: torch.Tensor,
@@ -218,7 +196,7 @@ def gptq_sweep(
         perm = torch.argsort(h.diagonal(), descending=True)
         w, h, dead, fixed = w[:, perm], h[perm][:, perm], dead[perm], fixed[:, perm]
     group_of = (perm if perm is not None else torch.arange(cols, device=w.device)) // group_size
-    u = _inverse_cholesky(h, method.percdamp, name)
+    u = inverse_cholesky(h, method.percdamp, name, "gptq")
     del h
     q = torch.zeros(rows, cols, dtype=fmt.dtype, device=w.device)
     keep = torch.ones(rows, cols, dtype=torch.bool, device=w.device)
