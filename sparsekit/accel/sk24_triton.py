@@ -80,18 +80,30 @@ def _core_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col):
 
 
 @triton.jit
+def tile(axis: tl.constexpr, BLOCK: tl.constexpr, limit):
+    """This program's indices along grid ``axis`` (BLOCK of them) and which are < ``limit``."""
+    r = tl.program_id(axis) * BLOCK + tl.arange(0, BLOCK)
+    return r, r < limit
+
+
+@triton.jit
+def store_bf16(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS: tl.constexpr):
+    """y[rm, rn] = acc (+ bias[rn]) in bfloat16, y (M, N) row-major."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                 stride_xm, stride_xs, M_BUCKET, X_FP8: tl.constexpr,
                 HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_BIAS: tl.constexpr,
                 DOT_F32: tl.constexpr, SMALL_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_W: tl.constexpr, USE_DOT: tl.constexpr):
     BLOCK_M: tl.constexpr = 16 if USE_DOT else SMALL_M
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = rn < N
-    m_ok = rm < M
+    rn, n_ok = tile(0, BLOCK_N, N)
+    rm, m_ok = tile(1, BLOCK_M, M)
     W = K // 32
     rw = tl.arange(0, BLOCK_W)
     two = tl.arange(0, 2)
@@ -117,10 +129,7 @@ def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
         acc *= tl.load(xs_ptr + rm * stride_xs, mask=m_ok, other=0.0)[:, None]
     if HAS_WS:
         acc *= tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm[:, None] * N + rn[None, :]
-    tl.store(y_ptrs, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+    store_bf16(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS)
 
 
 tuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "X_FP8"],

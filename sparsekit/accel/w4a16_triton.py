@@ -21,6 +21,8 @@ partial product by the group's scale per output column; on CUDA cores, and for a
 import triton
 import triton.language as tl
 
+from sparsekit.accel.sk24_triton import store_bf16, tile
+
 K_MULTIPLE = 64
 
 
@@ -77,14 +79,6 @@ def _load_scales(s_ptr, rn, n_ok, k0, stride_s, GROUP: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _epilogue(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm[:, None] * N + rn[None, :]
-    tl.store(y_ptrs, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def _expand24(v0, v1, i0, i1, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Kept values (BLOCK_N, BLOCK_K/4) x 2 at positions i0 < i1 of each group of 4 -> the
     dense tile (BLOCK_N, BLOCK_K) in the values' dtype."""
@@ -123,12 +117,8 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = rn < N
-    m_ok = rm < M
+    rn, n_ok = tile(0, BLOCK_N, N)
+    rm, m_ok = tile(1, BLOCK_M, M)
     G: tl.constexpr = BLOCK_K // 4  # groups of 4 per tile = packed bytes per row
     TG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups per tile (1: inside one)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # tensor cores
@@ -169,7 +159,7 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
         x_ptrs += BLOCK_K
     if not USE_DOT:  # one cross-thread reduction, after the loop
         acc = tl.sum(acc3, axis=2)
-    _epilogue(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS)
+    store_bf16(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS)
 
 
 @triton.jit
@@ -178,12 +168,8 @@ def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_v,
                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                 USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = rn < N
-    m_ok = rm < M
+    rn, n_ok = tile(0, BLOCK_N, N)
+    rm, m_ok = tile(1, BLOCK_M, M)
     H: tl.constexpr = BLOCK_K // 2  # packed bytes per row per tile
     TG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups per tile (1: inside one)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # tensor cores
@@ -221,7 +207,7 @@ def int4_kernel(x_ptr, v_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_v,
         x_ptrs += BLOCK_K
     if not USE_DOT:  # one cross-thread reduction, after the loop
         acc = tl.sum(acc3, axis=2)
-    _epilogue(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS)
+    store_bf16(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, HAS_BIAS)
 
 
 _KEY = ["M_BUCKET", "N", "K", "GROUP"]
