@@ -618,41 +618,51 @@ def _fuse_siblings(model: nn.Module, inputs: Any, groups: list[list[str]], chose
 DECODE_BUCKETS = (1, 4, 16, 32)  # token counts at which the small-M kernel is timed
 
 
-def _plan_decode(model: nn.Module, device: torch.device, report: AccelReport) -> None:
+def _plan_decode(model: nn.Module, device: torch.device, report: AccelReport,
+                 plan: _Planner) -> None:
     """Per 2:4 layer with the small-M kernel, the token counts it serves: on CUDA each shape is
     timed at ``DECODE_BUCKETS`` against the layer's large-M path (CUDA graphs) and keeps the
-    small-M kernel up to the last count where it is faster (``decode_max_m``; 0: never). On
-    CPU the reference paths keep it for every M <= 32 (numerics, not speed)."""
+    small-M kernel up to the last count where it is faster (``decode_max_m``; 0: never); the
+    choice is cached on disk with the planner's timings. On CPU the reference paths keep it
+    for every M <= 32 (numerics, not speed)."""
     if device.type != "cuda":
         return
-    from sparsekit.nn.timing import graph_time_us
-
-    limits: dict[tuple, int] = {}
-    timed: dict[tuple, dict] = {}
+    chosen: dict[str, dict] = {}
     for mod in model.modules():
         if getattr(mod, "dvalues", None) is None:
             continue
-        key = (type(mod).__name__, mod.out_features, mod.in_features, mod.path,
-               mod.act_scale is None)
-        if key not in limits:
-            limit, timed[key] = 0, {}
-            for m in DECODE_BUCKETS:
-                x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
-                us = {}
-                for way, max_m in (("sk24", m), ("large_m", 0)):
-                    mod.decode_max_m = max_m
-                    us[way] = graph_time_us(functools.partial(mod, x))
-                timed[key][m] = us
-                if us["sk24"] >= us["large_m"]:
-                    break
-                limit = m
-            limits[key] = limit
-        mod.decode_max_m = limits[key]
-    for key, limit in limits.items():
-        report.notes.append(
-            f"decode: {key[0]} {key[1]}x{key[2]} on the small-M kernel for M <= {limit} "
-            f"(us small-M/large-M: " + ", ".join(f"M={m} {t['sk24']:.1f}/{t['large_m']:.1f}"
-                                                  for m, t in timed[key].items()) + ")")
+        numerics = (f"{mod.variant}|decode|{mod.path}|"
+                    f"{'dynamic' if mod.act_scale is None else 'static'}")
+        key = planner.plan_key(plan.name, torch.__version__, numerics, mod.out_features,
+                               mod.in_features, 0, inductor=plan.inductor)
+        if key not in chosen:
+            chosen[key] = plan.cache.get(key) or _time_decode(mod, device)
+            plan.cache[key] = plan.new[key] = chosen[key]
+            report.notes.append(
+                f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the small-M "
+                f"kernel for M <= {chosen[key]['decode_max_m']} (us small-M/large-M: " +
+                ", ".join(f"M={m} {t[0]:.1f}/{t[1]:.1f}" for m, t in chosen[key]["us"].items())
+                + ")")
+        mod.decode_max_m = int(chosen[key]["decode_max_m"])
+
+
+def _time_decode(mod: nn.Module, device: torch.device) -> dict:
+    """{"decode_max_m": the last of DECODE_BUCKETS where ``mod``'s small-M kernel beats its
+    large-M path, "us": {M: [small-M us, large-M us]}} (timed in CUDA graphs)."""
+    from sparsekit.nn.timing import graph_time_us
+
+    limit, us = 0, {}
+    for m in DECODE_BUCKETS:
+        x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
+        pair = []
+        for max_m in (m, 0):
+            mod.decode_max_m = max_m
+            pair.append(graph_time_us(functools.partial(mod, x)))
+        us[str(m)] = pair
+        if pair[0] >= pair[1]:
+            break
+        limit = m
+    return {"decode_max_m": limit, "us": us}
 
 
 def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
@@ -683,7 +693,7 @@ def _finish(model: nn.Module, chosen: dict, plan: _Planner, report: AccelReport,
              for layer, _, _, d in chosen.values()) and cslt_ext.reason():
         report.notes.append(f"epilogue: sparsekit's cuSPARSELt binding unavailable "
                             f"({cslt_ext.reason()}); scales applied after torch's binding")
-    _plan_decode(model, device, report)
+    _plan_decode(model, device, report, plan)
     plan.save()
     report.seconds["plan"] = time.perf_counter() - t0
     fast = AcceleratedModel(model, report, device, **options)

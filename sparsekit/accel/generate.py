@@ -22,6 +22,7 @@ more graph for that length.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 from collections.abc import Callable
@@ -71,6 +72,8 @@ class Generator:
         self.caches: dict[tuple[int, int], Any] = {}
         forward = type(model).forward.__get__(model)
         self.forward = forward
+        # generate reads the last position's logits only: the prefill asks for just those
+        self.last_logits = "logits_to_keep" in inspect.signature(forward).parameters
         if compile:
             self.prefill = torch.compile(forward, backend=backend, dynamic=False)
             self.decode = torch.compile(forward, backend=backend, dynamic=False)
@@ -139,8 +142,8 @@ class Generator:
                 ids = kwargs["inputs_embeds"]
             decode = ids.shape[1] == 1
             fn = self.decode if decode else self.prefill
-            if not decode and "logits_to_keep" in self._params:
-                kwargs["logits_to_keep"] = 1  # generate reads the last position's logits
+            if not decode and self.last_logits:
+                kwargs["logits_to_keep"] = 1
             for name in ("past_key_values", "cache"):
                 if kwargs.get(name) is cache:
                     del kwargs[name]
@@ -201,12 +204,6 @@ class Generator:
                                       max_new_tokens=new, past_key_values=cache,
                                       disable_compile=True, **kwargs)
         return out[:, pad:]
-
-    @property
-    def _params(self) -> set[str]:
-        import inspect
-
-        return set(inspect.signature(self.forward).parameters)
 
     def _pad_id(self) -> int:
         gc = self.model.generation_config

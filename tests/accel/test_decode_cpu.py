@@ -175,3 +175,28 @@ def test_generate_sampling_and_errors():
                            compile=False)
     with pytest.raises(TypeError, match="Hugging Face"):
         vision.generate(ids, max_new_tokens=2)
+
+
+def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypatch):
+    from sparsekit.accel import api
+    from sparsekit.nn import timing
+
+    lin = nn.Linear(512, 64)
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(64, 512))
+    mod = VARIANTS["bf16_2:4"](lin)
+    # the small-M kernel (decode_max_m >= M) at 5 us, the large-M path at 8 us, except at M=16
+    # where the small-M kernel loses: the limit stops at 4, and M=32 is not timed
+    calls = []
+
+    def fake_time(fn):
+        m = fn.args[0].shape[0]
+        small = fn.func.decode_max_m >= m
+        calls.append((m, small))
+        return (20.0 if m == 16 else 5.0) if small else 8.0
+
+    monkeypatch.setattr(timing, "graph_time_us", fake_time)
+    got = api._time_decode(mod, torch.device("cpu"))
+    assert got["decode_max_m"] == 4
+    assert list(got["us"]) == ["1", "4", "16"] and got["us"]["16"] == [20.0, 8.0]
+    assert calls == [(1, True), (1, False), (4, True), (4, False), (16, True), (16, False)]
