@@ -19,28 +19,14 @@ from torch import nn
 import sparsekit as sk
 from sparsekit.errors import ConfigTypeError, FileFormatError, NumericsError, UnsafeFileError, \
     UsageError
-from sparsekit.io.runstate import STATE_FILE, save_checkpoint
 from sparsekit.prune.criteria import CRITERIA
 from sparsekit.registry import from_file
 from sparsekit.run.cli import latest_run, main, resume_argv
 from sparsekit.run.config import Config, ConfigError, validate
 from sparsekit.run.pipeline import CHECKPOINT, run
+from test_security import plant_run
 
 pytestmark = pytest.mark.usefixtures("no_network")
-
-
-def plant_run(root: Path, overrides: list[str] | str, name: str) -> Path:
-    """A run directory that looks killed mid fine-tuning (resumable)."""
-    d = root / "runs" / name
-    (d / ".hydra").mkdir(parents=True)
-    text = overrides if isinstance(overrides, str) else json.dumps(overrides) + "\n"
-    (d / ".hydra" / "overrides.yaml").write_text(text)
-    (d / "config.yaml").write_text("{}\n")
-    (d / STATE_FILE).write_text(json.dumps({"state": "running"}))
-    model = nn.Linear(2, 2)
-    save_checkpoint(d / CHECKPOINT, step=3, model=model,
-                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    return d
 
 
 @pytest.fixture

@@ -141,11 +141,14 @@ def test_old_headers_of_builtin_targets_still_load(tmp_path, spec, kind):
 
 # --- run directories -------------------------------------------------------------------------
 
-def plant_run(root: Path, overrides: list[str], name: str = "2026-01-01_00-00-00") -> Path:
-    """A run directory that looks killed mid fine-tuning (resumable) with these overrides."""
+def plant_run(root: Path, overrides: list[str] | str,
+              name: str = "2026-01-01_00-00-00") -> Path:
+    """A run directory that looks killed mid fine-tuning (resumable) with these overrides (a
+    list, or overrides.yaml's text as it is)."""
     d = root / "runs" / name
     (d / ".hydra").mkdir(parents=True)
-    (d / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides) + "\n")
+    text = overrides if isinstance(overrides, str) else json.dumps(overrides) + "\n"
+    (d / ".hydra" / "overrides.yaml").write_text(text)
     (d / "config.yaml").write_text("{}\n")
     (d / STATE_FILE).write_text(json.dumps({"state": "running"}))
     model = nn.Linear(2, 2)
