@@ -19,3 +19,19 @@ def run_tool():
         return done
 
     return run
+
+
+@pytest.fixture
+def tool_module():
+    """``tool_module("bench_cpu")``: the script tools/bench_cpu.py imported as a module (with
+    tools/ on sys.path while it imports, for the scripts that import each other)."""
+    import importlib
+
+    def load(name: str):
+        sys.path.insert(0, str(ROOT / "tools"))
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.pop(0)
+
+    return load

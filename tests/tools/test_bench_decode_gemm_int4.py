@@ -2,7 +2,6 @@
 (in process: main() with the arguments the command line takes)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def bench():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_decode_gemm_int4
-    finally:
-        sys.path.pop(0)
-    return bench_decode_gemm_int4
+def bench(tool_module):
+    return tool_module("bench_decode_gemm_int4")
 
 
 def test_smoke_writes_rows_with_errors_bytes_and_speedups(bench, tmp_path):

@@ -2,7 +2,6 @@
 sm_90 compilation and disassembly, no GPU)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def probe():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import probe_int4_sass
-    finally:
-        sys.path.pop(0)
-    return probe_int4_sass
+def probe(tool_module):
+    return tool_module("probe_int4_sass")
 
 
 LISTING = """
