@@ -2,11 +2,9 @@
 (in process: main() with the arguments the command line takes)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -2,11 +2,9 @@
 sm_90 compilation and disassembly, no GPU)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
