@@ -622,9 +622,10 @@ def _plan_decode(model: nn.Module, device: torch.device, report: AccelReport,
                  plan: _Planner) -> None:
     """Per 2:4 layer with the small-M kernel, the token counts it serves: on CUDA each shape is
     timed at ``DECODE_BUCKETS`` against the layer's large-M path (CUDA graphs) and keeps the
-    small-M kernel up to the last count where it is faster (``decode_max_m``; 0: never); the
-    choice is cached on disk with the planner's timings. On CPU the reference paths keep it
-    for every M <= 32 (numerics, not speed)."""
+    small-M kernel up to the last count where it is faster (``decode_max_m``; 0: never, and
+    the layer drops that format's copy of its weight); the choice is cached on disk with the
+    planner's timings. On CPU the reference paths keep it for every M <= 32 (numerics, not
+    speed)."""
     if device.type != "cuda":
         return
     chosen: dict[str, dict] = {}
@@ -644,6 +645,8 @@ def _plan_decode(model: nn.Module, device: torch.device, report: AccelReport,
                 ", ".join(f"M={m} {t[0]:.1f}/{t[1]:.1f}" for m, t in chosen[key]["us"].items())
                 + ")")
         mod.decode_max_m = int(chosen[key]["decode_max_m"])
+        if mod.decode_max_m == 0:  # never used: its copy of the weight goes
+            mod.dvalues = mod.dmeta = None
 
 
 def _time_decode(mod: nn.Module, device: torch.device) -> dict:
