@@ -166,7 +166,8 @@ class AcceleratedModel(nn.Module):
         if gen is None:
             from sparsekit.accel.generate import Generator
             gen = Generator(self.model, self.device, compile=self.compiled,
-                            backend=self._compile_args["backend"], count=self._count)
+                            backend=self._compile_args["backend"], count=self._count,
+                            notes=self.report.notes)
             self.__dict__["generator"] = gen
         return gen.generate(input_ids, attention_mask, max_new_tokens, **kwargs)
 

@@ -64,7 +64,7 @@ class Generator:
     """The runners and caches behind :meth:`AcceleratedModel.generate` for one model."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, compile: bool,
-                 backend: str, count: Callable[[int], None]):
+                 backend: str, count: Callable[[int], None], notes: list[str]):
         check_generates(model)
         self.model = model
         self.device = device
@@ -74,15 +74,12 @@ class Generator:
         self.forward = forward
         # generate reads the last position's logits only: the prefill asks for just those
         self.last_logits = "logits_to_keep" in inspect.signature(forward).parameters
-        if compile:
-            self.prefill = torch.compile(forward, backend=backend, dynamic=False)
-            self.decode = torch.compile(forward, backend=backend, dynamic=False)
-        else:
-            self.prefill = self.decode = forward
+        # one compiled forward: prefill and decode are its graphs for their input shapes
+        self.run = torch.compile(forward, backend=backend, dynamic=False) if compile else forward
         self.compiled = compile
         self.capture = compile and device.type == "cuda"
         self.graphs: dict[tuple[int, str], graphs.GraphCache] = {}
-        self.notes: list[str] = []
+        self.notes = notes
 
     def _cache(self, batch: int, length: int) -> Any:
         from transformers import StaticCache
@@ -96,23 +93,16 @@ class Generator:
             cache.reset()
         return cache
 
-    def _replay(self, kind: str, fn: Callable, cache: Any, args: tuple, kwargs: dict) -> Any:
-        """``fn(*args, past_key_values=cache, **kwargs)`` from its CUDA graph, or None when the
+    def _replay(self, kind: str, cache: Any, args: tuple, kwargs: dict) -> Any:
+        """``run(*args, past_key_values=cache, **kwargs)`` from its CUDA graph, or None when the
         call cannot be captured. A new signature is warmed up and captured, which runs the model
-        (warm-up) and so advances the cache's position counters: they are put back and the
-        graph replayed from the state before the call."""
+        (warm-up) and so advances the cache's position counters: they are put back before each
+        warm-up and before the first replay (``GraphCache(reset=...)``)."""
         gc = self.graphs.get((id(cache), kind))
-        state: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def reset() -> None:
-            for dst, src in state:
-                dst.copy_(src)
-
         if gc is None:
             def bound(*a, **kw):
-                return fn(*a, past_key_values=cache, **kw)
+                return self.run(*a, past_key_values=cache, **kw)
             gc = self.graphs[(id(cache), kind)] = graphs.GraphCache(bound)
-        gc.reset = reset
         found: list[torch.Tensor] = []
         key = graphs.input_key((args, kwargs), found)
         if key is None:
@@ -124,7 +114,13 @@ class Generator:
             # the cache allocates its tensors (and counters) on its first update: that call
             # runs compiled, uncaptured, so the counters exist before any capture saves them
             return None
-        state.extend(_small_state(cache))
+        state = _small_state(cache)
+
+        def reset() -> None:
+            for dst, src in state:
+                dst.copy_(src)
+
+        gc.reset = reset
         before = gc.compiled
         out = gc.run(args, kwargs)
         self.count(gc.compiled - before)
@@ -141,18 +137,17 @@ class Generator:
             if ids is None:
                 ids = kwargs["inputs_embeds"]
             decode = ids.shape[1] == 1
-            fn = self.decode if decode else self.prefill
             if not decode and self.last_logits:
                 kwargs["logits_to_keep"] = 1
             for name in ("past_key_values", "cache"):
                 if kwargs.get(name) is cache:
                     del kwargs[name]
             if self.capture:
-                out = self._replay("decode" if decode else "prefill", fn, cache, args, kwargs)
+                out = self._replay("decode" if decode else "prefill", cache, args, kwargs)
                 if out is not None:
                     return out
             before = _compat.compiled_graph_count() if self.compiled else 0
-            out = fn(*args, past_key_values=cache, **kwargs)
+            out = self.run(*args, past_key_values=cache, **kwargs)
             if self.compiled:
                 self.count(_compat.compiled_graph_count() - before)
             return out
