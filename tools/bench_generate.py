@@ -114,12 +114,14 @@ def gemm_rows(device: torch.device, shapes, ms, smoke: bool) -> list[dict]:
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             x8, xs = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device=device)
+            # the kernel reads x's position planes (in a model, written by x's producer)
+            xp, xp8 = sk24.planes(x), sk24.planes(x8)
             ways = {"bf16_dense": ([functools.partial(F.linear, x, s_["w"]) for s_ in sets],
                                    2 * n * k + 2 * m * k + 2 * m * n),
-                    "bf16_2:4": ([functools.partial(ops.sk24_mm, x, s_["vals"], s_["meta"],
+                    "bf16_2:4": ([functools.partial(ops.sk24_mm, xp, s_["vals"], s_["meta"],
                                                     None, None, None) for s_ in sets],
                                  sk24.bound_bytes(m, n, k, torch.bfloat16)),
-                    "fp8_2:4": ([functools.partial(ops.sk24_mm, x8, s_["v8"], s_["m8"], xs,
+                    "fp8_2:4": ([functools.partial(ops.sk24_mm, xp8, s_["v8"], s_["m8"], xs,
                                                    s_["ws"], None) for s_ in sets],
                                 sk24.bound_bytes(m, n, k, torch.float8_e4m3fn))}
             ref = ways["bf16_dense"][0][0]().float()
@@ -153,7 +155,7 @@ def _compile_configs(job: tuple) -> int:
         dtype = getattr(torch, dtype_name)
         w = masked_weight(64, 4096, "cuda", torch.Generator().manual_seed(0)).to(dtype)
         vals, meta = sk24.compress(w)
-        x = torch.randn(m, 4096, device="cuda").to(dtype)
+        x = sk24.planes(torch.randn(m, 4096, device="cuda").to(dtype))
         fp8 = dtype == torch.float8_e4m3fn
         xs = torch.ones(m, 1, device="cuda") if fp8 else None
         ws = torch.ones(64, device="cuda") if fp8 else None
@@ -206,8 +208,10 @@ def config_rows(device: torch.device, shapes, ms, jobs: int) -> list[dict]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             x8, xs = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device=device)
             dense_us = time_rotating([functools.partial(F.linear, x, s_["w"]) for s_ in sets])
-            for dtype_name, xx, vk, mk, scales in (("bfloat16", x, "vals", "meta", False),
-                                                   ("float8_e4m3fn", x8, "v8", "m8", True)):
+            planes = sk24.planes
+            for dtype_name, xx, vk, mk, scales in (("bfloat16", planes(x), "vals", "meta", False),
+                                                   ("float8_e4m3fn", planes(x8), "v8", "m8",
+                                                    True)):
                 nbytes = sk24.bound_bytes(m, n, k, xx.dtype)
                 row = {"shape": name, "N": n, "K": k, "M": m, "dtype": dtype_name,
                        "dense_us": dense_us, "bytes": nbytes, "configs": []}
@@ -303,11 +307,11 @@ def llama(smoke: bool, layers: int, device):
     return model
 
 
-def hf_generate_fn(model, ids, new: int):
+def hf_generate_fn(model, new: int):
     """HF's documented fast path: static cache, forward compiled with reduce-overhead."""
     model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
 
-    def run():
+    def run(ids):
         with torch.no_grad():
             return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                   cache_implementation="static", pad_token_id=0)
@@ -315,23 +319,21 @@ def hf_generate_fn(model, ids, new: int):
 
 
 def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
+    """sparsekit's way: ``accelerate`` (timed), then ``fast.generate``."""
     t0 = time.perf_counter()
     # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
     fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
                          device=device, backend="inductor" if device.type == "cuda" else "eager")
-    t_acc = time.perf_counter() - t0
-
-    def run():
-        return fast.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    t0 = time.perf_counter()
-    run()
-    info = {"accelerate_s": t_acc, "first_generate_s": time.perf_counter() - t0,
+    info = {"accelerate_s": time.perf_counter() - t0,
             "report_seconds": dict(fast.report.seconds)}
     print(json.dumps({"way": f"{precision} {sparsity}", **info}), flush=True)
+
+    def run(ids):
+        return fast.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return run, info, fast
 
 
-def torchao_fn(model, ids, new: int, kind: str):
+def torchao_fn(model, new: int, kind: str):
     from torchao.quantization import quantize_
 
     if kind == "fp8":
@@ -342,7 +344,7 @@ def torchao_fn(model, ids, new: int, kind: str):
         from torchao.quantization import Int4WeightOnlyConfig
         cfg = Int4WeightOnlyConfig(group_size=128, set_inductor_config=False)
     quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
-    return hf_generate_fn(model, ids, new)
+    return hf_generate_fn(model, new)
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, prompt: int) -> dict:
@@ -353,59 +355,73 @@ def agreement(a: torch.Tensor, b: torch.Tensor, prompt: int) -> dict:
     return {"equal_fraction": same.float().mean().item(), "first_divergence": first}
 
 
+def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
+    """{way: run(ids)} and {way: error} for the dense and compressed ways (each built once and
+    used for every batch; each is a copy of ``master``)."""
+    smoke = args.smoke
+    ways: dict = {}
+    errors: dict = {}
+    infos: dict = {}
+    if not smoke:
+        ways["dense_hf"] = hf_generate_fn(copy.deepcopy(master), new)
+    if smoke or args.dense_sk:
+        ways["dense_sk"], infos["dense_sk"], _ = sk_generate_fn(
+            copy.deepcopy(master), ids, new, "bf16", "dense", device)
+    for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):
+        if prec not in args.precisions.split(","):
+            continue
+        try:
+            ways[name], infos[name], fast = sk_generate_fn(copy.deepcopy(master), ids, new,
+                                                           prec, "2:4", device)
+            infos[name]["report"] = fast.report
+        except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
+            errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if not smoke and args.peers:
+        for name, kind in (("torchao_fp8_dense", "fp8"), ("torchao_int4_wo", "int4")):
+            try:
+                ways[name] = torchao_fn(copy.deepcopy(master), new, kind)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {n: (fn, infos.get(n, {})) for n, fn in ways.items()}, errors
+
+
 def generate_rows(args, device, save=lambda out: None) -> dict:
-    """Rows per batch; ``save(rows so far)`` after each batch's timings (a run cut short by
-    its time limit keeps what it measured)."""
+    """Rows per batch; ``save(rows so far)`` after each way's timing (a run cut short by its
+    time limit keeps what it measured)."""
     out = {}
     smoke = args.smoke
     new = 8 if smoke else args.new
     prompt = 12 if smoke else args.prompt
     master = llama(smoke, args.layers, device)
-    for batch in [int(b) for b in args.batches.split(",")]:
-        ids = torch.randint(0, master.config.vocab_size, (batch, prompt),
+    batches = [int(b) for b in args.batches.split(",")]
+    first_ids = torch.randint(0, master.config.vocab_size, (batches[0], prompt),
+                              generator=torch.Generator().manual_seed(0)).to(device)
+    ways, errors = build_ways(args, master, first_ids, new, device)
+    del master
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    for batch in batches:
+        ids = torch.randint(0, 128 if smoke else 32000, (batch, prompt),
                             generator=torch.Generator().manual_seed(batch)).to(device)
-        res: dict = {"batch": batch, "prompt": prompt, "new_tokens": new, "ways": {}}
+        res: dict = {"batch": batch, "prompt": prompt, "new_tokens": new,
+                     "ways": {n: dict(e) for n, e in errors.items()}}
         out[str(batch)] = res
-        ways: dict = {}
-        dense = copy.deepcopy(master)
-        if not smoke:
-            ways["dense_hf"] = (hf_generate_fn(dense, ids, new), {})
-        if smoke or args.dense_sk:
-            fn, info, _ = sk_generate_fn(copy.deepcopy(master), ids, new, "bf16", "dense",
-                                         device)
-            ways["dense_sk"] = (fn, info)
-        for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):
-            if name.split("_")[1] not in args.precisions.split(","):
-                continue
-            try:
-                fn, info, fast = sk_generate_fn(copy.deepcopy(master), ids, new, prec, "2:4",
-                                                device)
-                info["compiles"] = fast.report.compiles
-                ways[name] = (fn, info)
-            except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
-                res["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        if not smoke and args.peers:
-            for name, kind in (("torchao_fp8_dense", "fp8"), ("torchao_int4_wo", "int4")):
-                try:
-                    fn = torchao_fn(copy.deepcopy(master), ids, new, kind)
-                    fn()
-                    ways[name] = (fn, {})
-                except Exception as e:  # noqa: BLE001
-                    res["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         outputs = {}
         for name, (fn, info) in ways.items():
             t0 = time.perf_counter()
-            outputs[name] = fn()
-            info.setdefault("first_call_s", time.perf_counter() - t0)
-            print(json.dumps({"way": name, "first_call_s": info["first_call_s"]}), flush=True)
+            outputs[name] = fn(ids)  # compiles this batch's shapes
+            first = time.perf_counter() - t0
+            res["ways"][name] = {"first_call_s": first,
+                                 **{k: v for k, v in info.items() if k != "report"}}
+            if "report" in info:
+                res["ways"][name]["compiles"] = info["report"].compiles
+            print(json.dumps({"batch": batch, "way": name, "first_call_s": first}), flush=True)
         seq = {}
-        for name, (fn, info) in ways.items():
-            if smoke:
-                ms = float("nan")
-            else:
-                ms = planner.time_model_ms(fn, device, calls=args.calls, warmup=1)
+        for name, (fn, _) in ways.items():
+            ms = float("nan") if smoke else planner.time_model_ms(
+                functools.partial(fn, ids), device, calls=args.calls, warmup=1)
             seq[name] = ms
-            res["ways"][name] = {"ms_sequential": ms, **info}
+            res["ways"][name]["ms_sequential"] = ms
         dense_names = [n for n in ("dense_hf", "dense_sk") if n in ways]
         ref_name = min(dense_names, key=lambda n: seq[n]) if not smoke else "dense_sk"
         res["reference"] = ref_name
@@ -416,18 +432,17 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
             elif name == ref_name:
                 ref_ms = ms = seq[name]
             else:
-                ref_ms, ms = planner.time_paired(ways[ref_name][0], fn, device,
+                ref_ms, ms = planner.time_paired(functools.partial(ways[ref_name][0], ids),
+                                                 functools.partial(fn, ids), device,
                                                  rounds=args.rounds, calls=args.calls)
             row.update(ms=ms, paired_ref_ms=ref_ms, ratio=ref_ms / ms,
                        tokens_per_s=batch * new / ms * 1e3, ms_per_token=ms / new,
                        agreement=agreement(outputs[name], outputs[ref_name], prompt))
             print(json.dumps({"batch": batch, "way": name,
-                              **{k: row[k] for k in ("ms", "ratio", "tokens_per_s")}}),
-                  flush=True)
+                              **{k: row[k] for k in ("ms", "ratio", "tokens_per_s")},
+                              "agree": row["agreement"]["equal_fraction"]}), flush=True)
             save(out)
-        del ways, outputs, dense
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        del outputs
     return out
 
 

@@ -101,10 +101,14 @@ class _AccelLinear(nn.Module):
         path's: the same activation quantization, scales and bias, in float32."""
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
             return None
+        # x as the kernel's position planes, made by torch ops that the compiler fuses into
+        # x's producer (the custom op itself is opaque to it)
         if self.fmt is None:
-            return ops.sk24_mm(x2d, self.dvalues, self.dmeta, None, None, self.bias)
+            return ops.sk24_mm(sk24.planes(x2d), self.dvalues, self.dmeta, None, None,
+                               self.bias)
         q, sx = self._quant(x2d)
-        return ops.sk24_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias)
+        return ops.sk24_mm(sk24.planes(q), self.dvalues, self.dmeta, sx, self.w_scale,
+                           self.bias)
 
     def _quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.act_scale is not None:  # static: elementwise, fused into the producer

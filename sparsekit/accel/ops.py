@@ -17,7 +17,8 @@ Nothing in a forward reads tensor data on the host.
   cuSPARSELt's epilogue through sparsekit's own binding (:mod:`sparsekit.accel.cslt_ext`).
   ``gelu`` is set by the compiler pass :class:`sparsekit.accel.epilogue.FuseGelu`, never by a
   layer.
-- ``sk24_mm(x, values, meta, x_scale, w_scale, bias)``: bf16 ``(x @ W.T) * x_scale * w_scale
+- ``sk24_mm(x, values, meta, x_scale, w_scale, bias)`` (x (M, K) or its planes (M, 4, K/4),
+  :func:`sparsekit.accel.sk24.planes`): bf16 ``(x @ W.T) * x_scale * w_scale
   + bias`` for a 2:4 weight in sparsekit's own format (:mod:`sparsekit.accel.sk24`: values and
   2-bit indices), bf16 or float8 e4m3 ``x`` of the weight's dtype, on sparsekit's Triton kernel
   for small M (decode, M <= 32; it takes any M); the CPU reference expands the weight.

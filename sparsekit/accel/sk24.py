@@ -5,8 +5,9 @@ byte: they are bound by HBM bandwidth. cuSPARSELt is built for large M and runs 
 dense there; this kernel streams the compressed weight once and expands it in registers.
 
 The format (per weight W (N, K) with at most 2 nonzeros in every group of 4 along K):
-- ``values`` (N, K/2), W's dtype (bfloat16 or float8 e4m3fn): the two kept entries of each
-  group, in increasing column order (zeros where a group keeps fewer than two);
+- ``values`` (N, K/2), W's dtype (bfloat16 or float8 e4m3fn): per row, the first kept entry
+  of every group (K/4 of them), then the second kept entry of every group, each kept pair in
+  increasing column order (zeros where a group keeps fewer than two);
 - ``meta`` (N, K/32) int32: one 4-bit code per group, ``i0 | i1 << 2`` with i0 < i1 the kept
   columns' positions inside the group; with W = K/32 words per row, word ``w`` holds group
   ``s * W + w`` in bits ``4*s`` (s = 0..7: eight slabs of K/8 columns, so that the kernel
@@ -14,10 +15,12 @@ The format (per weight W (N, K) with at most 2 nonzeros in every group of 4 alon
 Bytes per dense weight: bf16 1.125 (values 1, metadata 0.125), fp8 0.625.
 
 ``matmul(x, values, meta, x_scale, w_scale, bias)`` computes, in float32,
-``(x @ W.T) * x_scale * w_scale + bias`` in bfloat16, with x (M, K) of ``values``' dtype,
+``(x @ W.T) * x_scale * w_scale + bias`` in bfloat16, with x (M, K) of ``values``' dtype (or
+its position planes, :func:`planes`: what the model passes, so that no extra kernel runs),
 ``x_scale`` (M, 1) or (1, 1) float32 or None, ``w_scale`` (N,) float32 or None, ``bias`` (N,)
-bfloat16 or None. For M <= 4 it multiplies on CUDA cores; beyond, on tensor cores (``tl.dot``,
-M padded to 16). :func:`reference` is the same product in plain torch (CPU and tests).
+bfloat16 or None. Up to 8 rows it multiplies on CUDA cores, from 4 on tensor cores
+(``tl.dot``, M padded to 16 or 32): the autotuner picks per shape. :func:`reference` is the
+same product in plain torch (CPU and tests).
 """
 
 from __future__ import annotations
@@ -67,8 +70,10 @@ def compress(weight: torch.Tensor, layout: str = "slabs") -> tuple[torch.Tensor,
     key = nz.to(torch.int32) * 8 + (3 - torch.arange(4, device=weight.device, dtype=torch.int32))
     idx = key.topk(2, dim=-1).indices.sort(dim=-1).values
     bits = torch.int8 if weight.element_size() == 1 else torch.int16  # gather the raw bits
-    values = torch.gather(w4.view(bits), -1, idx).view(weight.dtype).reshape(n, k // 2)
-    values = values.contiguous()
+    values = torch.gather(w4.view(bits), -1, idx).view(weight.dtype)  # (N, K/4, 2)
+    if layout == "slabs":  # the first kept values of a row, then its second ones
+        values = values.transpose(1, 2)
+    values = values.reshape(n, k // 2).contiguous()
     code = (idx[..., 0] | (idx[..., 1] << 2)).to(torch.int64)  # (N, K/4)
     shifts = 4 * torch.arange(GROUPS_PER_WORD, device=weight.device, dtype=torch.int64)
     if layout == "slabs":  # slab s of the groups (K/32 of them) goes to nibble s of the words
@@ -92,15 +97,20 @@ def decompress(values: torch.Tensor, meta: torch.Tensor, layout: str = "slabs") 
         code = (meta.to(torch.int64)[..., None] >> shifts) & 0xF  # (N, K/32, 8)
     code = code.reshape(n, k // 4)
     idx = torch.stack([code & 3, code >> 2], dim=-1)  # (N, K/4, 2)
+    pairs = (values.float().reshape(n, 2, k // 4).transpose(1, 2) if layout == "slabs" else
+             values.float().reshape(n, k // 4, 2))
     dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
-    dense.scatter_(-1, idx, values.float().reshape(n, k // 4, 2))
+    dense.scatter_(-1, idx, pairs)
     return dense.reshape(n, k).to(values.dtype)
 
 
 def reference(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
               x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
               bias: torch.Tensor | None) -> torch.Tensor:
-    """What the kernel computes, in plain torch: float32 products of the dense weight."""
+    """What the kernel computes, in plain torch: float32 products of the dense weight (x as
+    (M, K) or as its position planes, :func:`planes`)."""
+    if x.dim() == 3:
+        x = unplanes(x)
     y = x.float() @ decompress(values, meta).float().t()
     if x_scale is not None:
         y = y * x_scale.float()
@@ -118,6 +128,19 @@ def _kernel():
 
     from sparsekit.accel import sk24_triton
     return triton, sk24_triton.tuned, sk24_triton.sk24_kernel
+
+
+def planes(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the kernel reads it: (M, 4, K/4), plane p holding x[:, 4g + p] at g. Made
+    outside the kernel's op, so that a compiler writes it from x's producer directly."""
+    m, k = x.shape
+    return x.reshape(m, k // 4, 4).transpose(1, 2).contiguous()
+
+
+def unplanes(xp: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`planes`: (M, 4, K/4) back to (M, K)."""
+    m, _, q = xp.shape
+    return xp.transpose(1, 2).reshape(m, 4 * q)
 
 
 def m_bucket(m: int) -> int:
@@ -142,47 +165,55 @@ def counters(device: torch.device) -> torch.Tensor:
 def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
            bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
-    """Run the Triton kernel: autotuned per (M bucket, N, K, dtype) on CUDA; with ``config``
-    (``BLOCK_N``, ``BLOCK_W``, ``USE_DOT``, ``SPLIT_K``, optionally ``num_warps``,
-    ``num_stages``) fixed, as on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter
+    """Run the Triton kernel on x (M, K), or on its position planes (M, 4, K/4) (:func:`planes`:
+    the fast form; (M, K) is rearranged here first): autotuned per (M bucket, N, K, scales) on
+    CUDA; with ``config`` (``MODE``, ``BLOCK_N``, ``BLOCK_W``, ``SPLIT_K``, optionally
+    ``num_warps``) fixed, as on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter
     cannot time)."""
+    from sparsekit.accel import sk24_triton
+
     triton, tuned, raw = _kernel()
-    m, k = x.shape
-    if config is None and not x.is_cuda:
-        config = {"BLOCK_N": 16, "BLOCK_W": 16, "USE_DOT": m > 4,
-                  "SPLIT_K": 2 if (k // 32) % 32 == 0 else 1}
+    xp = planes(x) if x.dim() == 2 else x.contiguous()
+    m, k = xp.shape[0], 4 * xp.shape[2]
+    if xp.shape[1] != 4 or k != 2 * values.shape[1]:
+        raise ValueError(f"sk24 kernel: x must be (M, {2 * values.shape[1]}) or its planes "
+                         f"(M, 4, {values.shape[1] // 2}), got {tuple(x.shape)}")
+    if xp.dtype != values.dtype:
+        raise ValueError(f"sk24 kernel: x is {xp.dtype}, the weight {values.dtype}")
+    if config is None and not xp.is_cuda:
+        mode = sk24_triton.SELECT if m <= 2 else (sk24_triton.PLANES if m <= 8 else
+                                                   sk24_triton.DOT)
+        config = {"MODE": mode, "BLOCK_N": 16, "BLOCK_W": 16,
+                  "SPLIT_K": 2 if (k // 32) >= 32 else 1}
     if config is not None:
         config = {"SPLIT_K": 1, **config}
-        if (k // 32) % (config["BLOCK_W"] * config["SPLIT_K"]):
+        if (k // 32) % config["BLOCK_W"] or (k // 32) // config["BLOCK_W"] < config["SPLIT_K"]:
             raise ValueError(f"sk24 kernel: config {config} needs K/32 = {k // 32} words to "
-                             f"be a multiple of BLOCK_W * SPLIT_K")
+                             f"be a multiple of BLOCK_W, in at least SPLIT_K blocks")
     kernel = tuned if config is None else raw
     n = values.shape[0]
-    if x.dtype != values.dtype:
-        raise ValueError(f"sk24 kernel: x is {x.dtype}, the weight {values.dtype}")
-    x = x.contiguous()
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    small_m = 1 if m == 1 else (2 if m == 2 else 4)  # rows per program on CUDA cores
-    dot_m = 16 if m <= 16 else 32                     # rows per program on tensor cores
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=xp.device)
+    small_m = max(1, 1 << (min(m, 8) - 1).bit_length())  # rows per program on CUDA cores
+    dot_m = 16 if m <= 16 else 32                        # rows per program on tensor cores
     split_max = MAX_SPLIT if config is None else config["SPLIT_K"]
-    part = torch.empty((split_max, m, n), dtype=torch.float32, device=x.device)
-    cnt = counters(x.device)
+    part = torch.empty((split_max, m, n), dtype=torch.float32, device=xp.device)
+    cnt = counters(xp.device)
     xs = x_scale.reshape(-1).float() if x_scale is not None else None
 
     def grid(meta_):
         tiles_n = triton.cdiv(n, meta_["BLOCK_N"])
-        tiles_m = triton.cdiv(m, dot_m if meta_["USE_DOT"] else small_m)
+        tiles_m = triton.cdiv(m, dot_m if meta_["MODE"] == sk24_triton.DOT else small_m)
         if tiles_n * tiles_m > _COUNTERS:
             raise ValueError(f"sk24 kernel: {tiles_n * tiles_m} output tiles, at most "
                              f"{_COUNTERS}")
         return (tiles_n, meta_["SPLIT_K"], tiles_m)
     dummy = y
-    kernel[grid](x, values, meta, dummy if xs is None else xs,
+    kernel[grid](xp, values, meta, dummy if xs is None else xs,
                  dummy if w_scale is None else w_scale, dummy if bias is None else bias, y,
-                 part, cnt, m, n, k, x.stride(0), 0 if xs is None or xs.numel() == 1 else 1,
-                 m_bucket(m), X_FP8=x.dtype == torch.float8_e4m3fn,
-                 HAS_XS=xs is not None, HAS_WS=w_scale is not None, HAS_BIAS=bias is not None,
-                 DOT_F32=not x.is_cuda, SMALL_M=small_m, DOT_M=dot_m, **(config or {}))
+                 part, cnt, m, n, k, xp.stride(0), 0 if xs is None or xs.numel() == 1 else 1,
+                 m_bucket(m), HAS_XS=xs is not None, HAS_WS=w_scale is not None,
+                 HAS_BIAS=bias is not None, DOT_F32=not xp.is_cuda, SMALL_M=small_m,
+                 DOT_M=dot_m, **(config or {}))
     return y
 
 
@@ -193,4 +224,4 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["DTYPES", "K_MULTIPLE", "MAX_M", "bound_bytes", "check_shape", "compress",
-           "decompress", "launch", "m_bucket", "reference"]
+           "decompress", "launch", "m_bucket", "planes", "reference", "unplanes"]

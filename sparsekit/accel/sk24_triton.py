@@ -1,13 +1,18 @@
 """The Triton source of :mod:`sparsekit.accel.sk24`'s decode kernel (imported only when the
 kernel runs: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``).
 
-The metadata is laid out in slabs so that no register tensor is ever reshaped: word ``w`` of a
-row holds in its nibble ``s`` the code of group ``s * W + w`` (W = K / 32 words per row). One
-step loads BLOCK_W words of a row block and walks the 8 slabs: slab ``s`` takes nibble ``s`` of
-every loaded word, the values of groups ``s * W + w`` as a (BLOCK_N, BLOCK_W, 2) tile (split
-into the first and second kept value), and x at the same groups' four columns as four tiles
-(one per position in the group). Small M multiplies on CUDA cores, choosing each kept value's
-x by its position; larger M builds each position's weight plane and runs four ``tl.dot``s.
+Every tile is loaded as contiguous vectors and never reshaped: a row's first kept values, its
+second kept values and x's four position planes (x[:, 4g + p] for p = 0..3) are each contiguous
+along the group index g, and the metadata is laid out in slabs: word ``w`` of a row holds in
+its nibble ``s`` the code of group ``s * W + w`` (W = K / 32 words per row). One step loads
+BLOCK_W words of a row block and walks the 8 slabs: slab ``s`` takes nibble ``s`` of every
+loaded word and the (BLOCK_N, BLOCK_W) tiles of the two kept values of groups ``s * W + w``.
+
+Three ways to multiply (``MODE``): 0, on CUDA cores, each kept value times the x it selects by
+its position (M <= 2); 1, on CUDA cores, each position's weight plane times x's plane
+(M <= 8); 2, on tensor cores, W's position planes times x's (``tl.dot``, weights as the left
+operand: y.T = W @ x.T, M padded to 16 or 32). The products accumulate in float32, element-wise
+across the steps and summed once at the end on CUDA cores.
 
 A decode GEMM is bound by the bytes of the weight, and one row block alone cannot keep enough
 loads in flight: the words of a row are split over ``SPLIT_K`` programs (grid axis 1). Each
@@ -18,81 +23,41 @@ sets the counter back to zero, so that the counters are zero between launches.""
 import triton
 import triton.language as tl
 
+SELECT, PLANES, DOT = 0, 1, 2
+
 
 def configs() -> list:
-    """The autotuner's space: (BLOCK_N, BLOCK_W, USE_DOT, SPLIT_K, warps, stages)."""
+    """The autotuner's space: (MODE, BLOCK_N, BLOCK_W, SPLIT_K, warps)."""
     out = []
-    for bn, bw, dot, split, warps, stages in (
-            (16, 16, False, 1, 4, 2), (16, 16, False, 2, 4, 2), (16, 16, False, 4, 4, 2),
-            (32, 16, False, 2, 4, 2), (32, 16, False, 4, 4, 2), (16, 32, False, 2, 4, 2),
-            (64, 16, False, 1, 4, 2), (64, 16, False, 2, 8, 2),
-            (16, 16, True, 1, 4, 2), (16, 16, True, 2, 4, 2), (16, 16, True, 4, 4, 2),
-            (32, 16, True, 2, 4, 2), (32, 32, True, 2, 4, 2), (16, 32, True, 2, 4, 2),
-            (32, 32, True, 1, 4, 2), (64, 32, True, 1, 4, 2), (64, 32, True, 2, 8, 2),
-            (32, 32, True, 4, 4, 2)):
-        out.append(triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "USE_DOT": dot,
-                                  "SPLIT_K": split}, num_warps=warps, num_stages=stages))
+    for mode, bn, bw, split, warps in (
+            (SELECT, 16, 32, 2, 4), (SELECT, 16, 32, 4, 4), (SELECT, 16, 64, 2, 4),
+            (SELECT, 32, 32, 2, 4), (SELECT, 32, 32, 4, 4), (SELECT, 32, 64, 1, 4),
+            (SELECT, 32, 64, 2, 8), (SELECT, 64, 32, 2, 8), (SELECT, 8, 64, 4, 4),
+            (PLANES, 16, 32, 2, 4), (PLANES, 16, 32, 4, 4), (PLANES, 32, 32, 2, 4),
+            (PLANES, 32, 32, 4, 8), (PLANES, 16, 64, 2, 8), (PLANES, 8, 64, 4, 4),
+            (DOT, 32, 32, 2, 4), (DOT, 32, 32, 4, 4), (DOT, 64, 32, 2, 4),
+            (DOT, 64, 32, 4, 8), (DOT, 64, 64, 2, 8), (DOT, 128, 32, 2, 8),
+            (DOT, 32, 64, 4, 4), (DOT, 16, 64, 4, 4), (DOT, 128, 32, 1, 8)):
+        out.append(triton.Config({"MODE": mode, "BLOCK_N": bn, "BLOCK_W": bw,
+                                  "SPLIT_K": split}, num_warps=warps, num_stages=1))
     return out
 
 
-def fits(config_kwargs: dict, m: int, k: int, fp8: bool) -> bool:
-    """Whether a config suits (M, K, dtype) on the GPU: whole word blocks per split, CUDA cores
-    only up to M = 4, fp8 tensor-core steps at least 32 columns deep."""
+def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False) -> bool:
+    """Whether a config suits (M, K): whole BLOCK_W word blocks, at least one per split, its
+    MODE for M (SELECT up to 2 rows, PLANES up to 8, DOT from 4; tensor-core steps at least 16
+    columns deep)."""
     words = k // 32
-    bw, split, dot = (config_kwargs["BLOCK_W"], config_kwargs.get("SPLIT_K", 1),
-                      config_kwargs["USE_DOT"])
-    return (words % (bw * split) == 0 and (dot or m <= 4)
-            and not (fp8 and dot and bw < 32))
+    bw, split = config_kwargs["BLOCK_W"], config_kwargs.get("SPLIT_K", 1)
+    mode = config_kwargs.get("MODE", DOT)
+    if words % bw or words // bw < split:
+        return False
+    return {SELECT: m <= 2, PLANES: m <= 8, DOT: m >= 4 and bw >= 16}[mode]
 
 
 def _prune(configs_, named_args, **kwargs):
-    fp8 = kwargs.get("X_FP8", named_args.get("X_FP8", False))
-    kept = [c for c in configs_
-            if fits(c.kwargs, named_args["M"], named_args["K"], fp8)]
-    return kept or [c for c in configs_ if c.kwargs.get("SPLIT_K", 1) == 1][:1]
-
-
-@triton.jit
-def _x_at(x_ptr, rm, m_ok, stride_xm, col, p: tl.constexpr, F32: tl.constexpr):
-    """x[rm, 4 * group + p] for the groups' first columns ``col`` (BLOCK_W,)."""
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :] + p, mask=m_ok[:, None],
-                other=0.0)
-    return x.to(tl.float32) if F32 else x
-
-
-@triton.jit
-def _dot_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col, DOT_F32: tl.constexpr):
-    """acc + x @ W.T over one slab step on tensor cores: each position's weight plane."""
-    zero = tl.zeros(v0.shape, dtype=v0.dtype)
-    for p in tl.static_range(4):
-        if p == 0:
-            wp = tl.where(i0 == 0, v0, zero)
-        elif p == 3:
-            wp = tl.where(i1 == 3, v1, zero)
-        else:
-            wp = tl.where(i0 == p, v0, tl.where(i1 == p, v1, zero))
-        xp = _x_at(x_ptr, rm, m_ok, stride_xm, col, p, DOT_F32)
-        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
-            acc += tl.dot(xp, tl.trans(wp.to(tl.float32)))
-        else:
-            acc += tl.dot(xp, tl.trans(wp))
-    return acc
-
-
-@triton.jit
-def _core_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col):
-    """acc + x @ W.T over one slab step on CUDA cores: each kept value times its x."""
-    x0 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 0, True)
-    x1 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 1, True)
-    x2 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 2, True)
-    x3 = _x_at(x_ptr, rm, m_ok, stride_xm, col, 3, True)
-    # (BLOCK_M, BLOCK_N, BLOCK_W): the x each kept value multiplies
-    a0 = i0[None, :, :]
-    a1 = i1[None, :, :]
-    xa = tl.where(a0 == 0, x0[:, None, :], tl.where(a0 == 1, x1[:, None, :], x2[:, None, :]))
-    xb = tl.where(a1 == 3, x3[:, None, :], tl.where(a1 == 2, x2[:, None, :], x1[:, None, :]))
-    prod = v0.to(tl.float32)[None, :, :] * xa + v1.to(tl.float32)[None, :, :] * xb
-    return acc + tl.sum(prod, axis=2)
+    kept = [c for c in configs_ if fits(c.kwargs, named_args["M"], named_args["K"])]
+    return kept or [c for c in configs_ if fits(c.kwargs, 4, named_args["K"])][:1]
 
 
 @triton.jit
@@ -122,44 +87,99 @@ def _epilogue(acc, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, stride_x
 
 
 @triton.jit
+def _plane(v0, v1, code, p: tl.constexpr):
+    """The weight at position ``p`` of each group: v0 where the first kept position is p, v1
+    where the second is, else 0 (code = i0 | i1 << 2, i0 < i1)."""
+    zero = tl.zeros(v0.shape, dtype=v0.dtype)
+    if p == 0:
+        return tl.where((code & 3) == 0, v0, zero)
+    elif p == 3:
+        return tl.where((code >> 2) == 3, v1, zero)
+    else:
+        return tl.where((code & 3) == p, v0, tl.where((code >> 2) == p, v1, zero))
+
+
+@triton.jit
+def _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p: tl.constexpr, TRANS: tl.constexpr):
+    """x's position plane ``p`` at groups ``g``: (BLOCK_M, BLOCK_W), or transposed."""
+    if TRANS:
+        return tl.load(x_ptr + rm[None, :] * stride_xm + p * Q + g[:, None],
+                       mask=m_ok[None, :], other=0.0)
+    return tl.load(x_ptr + rm[:, None] * stride_xm + p * Q + g[None, :], mask=m_ok[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, MODE: tl.constexpr,
+          DOT_F32: tl.constexpr):
+    """acc + the products of one slab step."""
+    if MODE == 2:  # tensor cores: acc (BLOCK_N, BLOCK_M) += plane_p @ x_p.T
+        for p in tl.static_range(4):
+            xp = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p, True)
+            wp = _plane(v0, v1, code, p)
+            if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
+                acc += tl.dot(wp.to(tl.float32), xp.to(tl.float32))
+            else:
+                acc += tl.dot(wp.to(tl.bfloat16), xp.to(tl.bfloat16))
+    elif MODE == 1:  # CUDA cores, planes: acc (BLOCK_M, BLOCK_N, BLOCK_W)
+        for p in tl.static_range(4):
+            xp = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p, False).to(tl.float32)
+            wp = _plane(v0, v1, code, p).to(tl.float32)
+            acc += wp[None, :, :] * xp[:, None, :]
+    else:  # CUDA cores, each kept value times its x: acc (BLOCK_M, BLOCK_N, BLOCK_W)
+        x0 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 0, False).to(tl.float32)[:, None, :]
+        x1 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 1, False).to(tl.float32)[:, None, :]
+        x2 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 2, False).to(tl.float32)[:, None, :]
+        x3 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 3, False).to(tl.float32)[:, None, :]
+        c = code[None, :, :]
+        # i0 in {0, 1, 2} (bits 0-1), i1 in {1, 2, 3} (bits 2-3)
+        xa = tl.where((c & 2) != 0, x2, tl.where((c & 1) != 0, x1, x0))
+        xb = tl.where((c & 8) != 0, tl.where((c & 4) != 0, x3, x2), x1)
+        acc += v0.to(tl.float32)[None, :, :] * xa + v1.to(tl.float32)[None, :, :] * xb
+    return acc
+
+
+@triton.jit
 def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
-                M, N, K, stride_xm, stride_xs, M_BUCKET, X_FP8: tl.constexpr,
+                M, N, K, stride_xm, stride_xs, M_BUCKET,
                 HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_BIAS: tl.constexpr,
                 DOT_F32: tl.constexpr, SMALL_M: tl.constexpr, DOT_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_DOT: tl.constexpr,
+                MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                 SPLIT_K: tl.constexpr):
-    BLOCK_M: tl.constexpr = DOT_M if USE_DOT else SMALL_M
+    BLOCK_M: tl.constexpr = DOT_M if MODE == 2 else SMALL_M
     rn, n_ok = tile(0, BLOCK_N, N)
     rm, m_ok = tile(2, BLOCK_M, M)
     W = K // 32
-    per_split = W // SPLIT_K  # whole BLOCK_W blocks (the config is pruned otherwise)
+    Q = K // 4
+    blocks = W // BLOCK_W
+    per_split = tl.cdiv(blocks, SPLIT_K) * BLOCK_W
     w_lo = tl.program_id(1) * per_split
+    w_hi = tl.minimum(w_lo + per_split, W)
     rw = tl.arange(0, BLOCK_W)
-    two = tl.arange(0, 2)
-    row_v = v_ptr + rn[:, None, None].to(tl.int64) * (K // 2)
+    row_v = v_ptr + rn[:, None].to(tl.int64) * (K // 2)
     row_m = m_ptr + rn[:, None].to(tl.int64) * W
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for w0 in range(w_lo, w_lo + per_split, BLOCK_W):
+    if MODE == 2:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)
+    for w0 in range(w_lo, w_hi, BLOCK_W):
         mw = tl.load(row_m + w0 + rw[None, :], mask=n_ok[:, None], other=0)
         for s in tl.static_range(8):
-            code = (mw >> (4 * s)) & 0xF
-            i0 = code & 3
-            i1 = code >> 2
             g = s * W + w0 + rw  # the groups of this slab step
-            v = tl.load(row_v + 2 * g[None, :, None] + two[None, None, :],
-                        mask=n_ok[:, None, None], other=0.0)
-            v0, v1 = tl.split(v)
-            col = 4 * g
-            if USE_DOT:
-                acc = _dot_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col, DOT_F32)
-            else:
-                acc = _core_step(acc, v0, v1, i0, i1, x_ptr, rm, m_ok, stride_xm, col)
+            v0 = tl.load(row_v + g[None, :], mask=n_ok[:, None], other=0.0)
+            v1 = tl.load(row_v + Q + g[None, :], mask=n_ok[:, None], other=0.0)
+            code = (mw >> (4 * s)) & 0xF
+            acc = _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, MODE, DOT_F32)
+    if MODE == 2:
+        out = tl.trans(acc)
+    else:
+        out = tl.sum(acc, axis=2)
     if SPLIT_K == 1:
-        _epilogue(acc, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, stride_xs,
+        _epilogue(out, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, stride_xs,
                   HAS_XS, HAS_WS, HAS_BIAS)
     else:
         ok = m_ok[:, None] & n_ok[None, :]
-        tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], acc,
+        tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], out,
                  mask=ok)
         tl.debug_barrier()  # every thread's partial is written before the count
         tile_id = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
@@ -175,5 +195,5 @@ def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt
                       HAS_XS, HAS_WS, HAS_BIAS)
 
 
-tuned = triton.autotune(configs=configs(), key=["M_BUCKET", "N", "K", "X_FP8"],
+tuned = triton.autotune(configs=configs(), key=["M_BUCKET", "N", "K", "HAS_XS"],
                         prune_configs_by={"early_config_prune": _prune})(sk24_kernel)

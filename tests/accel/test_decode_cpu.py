@@ -71,11 +71,12 @@ from sparsekit.accel import sk24
 from tests.accel.test_decode_cpu import masked_24
 split = {"BLOCK_N": 16, "BLOCK_W": 16, "SPLIT_K": 4}
 for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-    # the CUDA-core path and the tl.dot path, whole rows (K 512) and split over 2 or 4
-    # programs (K 2048), M over one tile and over two (33)
+    # the three ways to multiply (0, 1: CUDA cores, 2: tl.dot), whole rows (K 512) and
+    # split over 2, 3 (unevenly) or 4 programs (K 2048), M over one tile and over two (33);
+    # x as (M, K) and as its position planes
     for m, k, config in ((1, 512, None), (20, 512, None), (3, 2048, None),
-                         (33, 2048, {**split, "USE_DOT": True}),
-                         (2, 2048, {**split, "USE_DOT": False})):
+                         (33, 2048, {**split, "MODE": 2}), (2, 2048, {**split, "MODE": 0}),
+                         (7, 2048, {**split, "MODE": 1, "SPLIT_K": 3})):
         w = masked_24(48, k, seed=m).to(dtype)
         values, meta = sk24.compress(w)
         x = torch.randn(m, k).to(dtype)
@@ -83,16 +84,17 @@ for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         ws = None if dtype == torch.bfloat16 else torch.rand(48) + 0.5
         bias = torch.randn(48).bfloat16()
         ref = sk24.reference(x, values, meta, xs, ws, bias).float()
-        y = sk24.launch(x, values, meta, xs, ws, bias, config=config).float()
+        y = sk24.launch(sk24.planes(x) if m % 2 else x, values, meta, xs, ws, bias,
+                        config=config).float()
         err = ((y - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-2, (dtype, m, k, err)
         # every split-K launch leaves its tile counters at zero
         assert int(sk24.counters(x.device).abs().sum()) == 0
 try:
     sk24.launch(x[:, :1024], values[:, :512], meta[:, :32], None, None, None,
-                config={**split, "USE_DOT": False, "SPLIT_K": 4})
+                config={**split, "MODE": 0, "SPLIT_K": 4})
 except ValueError as e:
-    assert "BLOCK_W * SPLIT_K" in str(e)
+    assert "at least SPLIT_K blocks" in str(e)
 else:
     raise AssertionError("a split that does not divide K ran")
 print("ok")
@@ -215,3 +217,14 @@ def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypat
     assert got["decode_max_m"] == 4
     assert list(got["us"]) == ["1", "4", "16"] and got["us"]["16"] == [20.0, 8.0]
     assert calls == [(1, True), (1, False), (4, True), (4, False), (16, True), (16, False)]
+
+
+def test_position_planes_round_trip_and_feed_the_op():
+    x = torch.randn(3, 1024).bfloat16()
+    xp = sk24.planes(x)
+    assert xp.shape == (3, 4, 256) and torch.equal(xp[:, 1, 5], x[:, 4 * 5 + 1])
+    assert torch.equal(sk24.unplanes(xp), x)
+    values, meta = sk24.compress(masked_24(32, 1024).bfloat16())
+    assert torch.equal(ops.sk24_mm(xp, values, meta, None, None, None),
+                       ops.sk24_mm(x, values, meta, None, None, None))
+    torch.library.opcheck(ops.sk24_mm, (xp, values, meta, None, None, None))
