@@ -80,16 +80,6 @@ def test_only_the_core_helpers_sit_outside_the_layer_folders(graph):
 LONG_FUNCTIONS = {
     "sparsekit.accel.api:accelerate": 88,
     "sparsekit.accel.api:_plan_whole_model": 87,
-    "sparsekit.prune.patterns:lowest_k_masks": 77,
-    "sparsekit.prune.sparsegpt:obs_prune": 70,
-    "sparsekit.prune.sparsegpt:sparsegpt_prune": 88,
-    "sparsekit.prune.sparsegpt:_prune_blocks": 74,
-    "sparsekit.prune.sensitivity:allocate": 72,
-    "sparsekit.prune.sensitivity:sensitivity": 71,
-    "sparsekit.run.train:fit": 72,
-    "sparsekit.prune.pruner:__init__": 67,
-    "sparsekit.quant.quantize:quantize_": 66,
-    "sparsekit.prune.channels:__init__": 62,
 }
 
 

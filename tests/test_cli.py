@@ -388,6 +388,57 @@ def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
     assert len(sent) == 3
 
 
+def test_hydra_argv_is_the_one_rewrite_of_the_command_line(tmp_path, monkeypatch, capsys):
+    """What Hydra runs, from what was typed: a new run gets a directory of its own (a sweep: a
+    parent of its own), made only after the overrides checked out; a named directory, a help
+    flag or ``resume=DIR`` makes none (resume replays the recorded overrides in that run's
+    directory, then the new ones); under torchrun every rank takes rank 0's directory."""
+    import sparsekit.run.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt, *a: "2026-01-01_00-00-00")
+    cli.register_configs()
+    stamp = "2026-01-01_00-00-00"
+    assert cli.hydra_argv(["prune.sparsity=0.5"]) == [
+        "prune.sparsity=0.5", f"hydra.run.dir='runs/{stamp}'"]
+    assert cli.hydra_argv(("prune.sparsity=0.5",))[-1] == f"hydra.run.dir='runs/{stamp}_1'"
+    made = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert made == [stamp, f"{stamp}_1"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.hydra_argv(["prune.sparsity=1.5"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("sparsekit: error: prune.sparsity")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == made  # none made
+    for unchanged in (["--help"], ["--cfg", "job"], ["hydra.run.dir=mine", "train.seed=2"]):
+        assert cli.hydra_argv(unchanged) == unchanged
+    assert cli.hydra_argv(["-m", "train.seed=1,2"]) == [
+        "-m", "train.seed=1,2", f"hydra.sweep.dir='multirun/{stamp}'"]
+
+    old = tmp_path / "runs" / "old"
+    (old / ".hydra").mkdir(parents=True)
+    (old / ".hydra" / "overrides.yaml").write_text("- train.seed=7\n- resume=true\n")
+    assert cli.hydra_argv([f"resume={old}", "train.seed=3"]) == [
+        "train.seed=7", "train.seed=3", f"hydra.run.dir='{old.resolve()}'", "resume=true"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [*made, "old"]
+
+    asked = []
+
+    def rank0_made(make, code):  # a rank other than 0: rank 0's answer, nothing made here
+        asked.append(code)
+        return "runs/rank0"
+
+    monkeypatch.setattr(cli, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(cli, "init", lambda: None)
+    monkeypatch.setattr(cli, "from_rank0", rank0_made)
+    assert cli.hydra_argv(["train.seed=4"]) == ["train.seed=4", "hydra.run.dir='runs/rank0'"]
+    assert asked == [cli.EXIT_RUNTIME]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [*made, "old"]
+    monkeypatch.setattr(cli, "from_rank0", lambda make, code: make())  # rank 0 makes it
+    assert cli.hydra_argv(["train.seed=4"])[-1] == f"hydra.run.dir='runs/{stamp}_2'"
+
+
 def test_dense_checkpoint_can_be_a_sparsekit_file(tmp_path):
     """model.checkpoint may be the model.safetensors of an earlier run (compressed 2:4 and
     bitmask tensors), as well as a plain safetensors state dict."""

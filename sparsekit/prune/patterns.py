@@ -174,6 +174,21 @@ def lowest_k_masks(
     if need == 0:
         return [m.clone() for m in keep]
 
+    threshold, ties = _radix_threshold(scores, keep, need, comm)
+    take = _tie_quota(scores, keep, threshold, ties, comm) if comm is not None else None
+    return _prune_below(scores, keep, threshold, ties, take)
+
+
+def _radix_threshold(
+    scores: Sequence[torch.Tensor],
+    keep: Sequence[torch.Tensor],
+    need: int,
+    comm: ShardComm | None,
+) -> tuple[int, int]:
+    """The sort key (:func:`_sort_key`) of the ``need``-th lowest kept score over all tensors
+    (and ranks), and how many kept entries equal to it are to be pruned: a two-pass radix select
+    over the keys' high, then low 16 bits, chunk by chunk."""
+
     def keys():
         for s, m in zip(scores, keep):
             flat_s, flat_m = s.reshape(-1), m.reshape(-1)
@@ -198,8 +213,18 @@ def lowest_k_masks(
     lo = int(torch.searchsorted(cum, torch.tensor(need - below), right=False))
     threshold = (hi << 16) | lo
     ties = need - below - (int(cum[lo - 1]) if lo else 0)  # entries equal to threshold to prune
-    take = _tie_quota(scores, keep, threshold, ties, comm) if comm is not None else None
+    return threshold, ties
 
+
+def _prune_below(
+    scores: Sequence[torch.Tensor],
+    keep: Sequence[torch.Tensor],
+    threshold: int,
+    ties: int,
+    take: list[int] | None,
+) -> list[torch.Tensor]:
+    """``keep`` with every kept entry whose key is below ``threshold`` pruned, and the first
+    ``ties`` kept entries equal to it (``take[i]`` of tensor ``i`` when given: sharded)."""
     out = []
     for i, (s, m) in enumerate(zip(scores, keep)):
         if take is not None:

@@ -195,34 +195,40 @@ def sensitivity(
     layers = select_modules(model, include, exclude)
     baseline = float(evaluate(model))
     table = SensitivityTable(levels, baseline, {}, {}, pattern, criterion, higher_is_better)
+    options = {"pattern": pattern, "criterion": criterion, "calibration": calibration,
+               "calibration_fn": calibration_fn, "criterion_options": criterion_options}
     for name, module in layers.items():
-        snapshot = _snapshot(module)
-        values: list[float] = []
         try:
-            for level in levels:
-                report = prune_(
-                    model,
-                    sparsity=None if nm is not None else level,
-                    pattern=pattern,
-                    criterion=criterion,
-                    include=["re:" + re.escape(name)],
-                    calibration=calibration,
-                    calibration_fn=calibration_fn,
-                    criterion_options=criterion_options,
-                )
-                skipped = report.layers[name].skipped
-                if skipped:
-                    table.skipped[name] = skipped
-                    break
-                values.append(float(evaluate(model)))
-                _restore(module, snapshot)
+            values = _measure_layer(model, evaluate, name, module, levels, nm, options, table)
         finally:
-            _restore(module, snapshot)
             model.train(was_training)
         if name not in table.skipped:
             table.metrics[name] = values
             table.params[name] = module.weight.numel()
     return table
+
+
+def _measure_layer(model: nn.Module, evaluate: Callable[[nn.Module], float], name: str,
+                   module: nn.Module, levels: list[float], nm: tuple[int, int] | None,
+                   options: dict[str, Any], table: SensitivityTable) -> list[float]:
+    """``evaluate(model)`` with layer ``name`` alone pruned (:func:`prune_` with ``options``)
+    at each level, the layer restored after each and at the end (also when ``evaluate``
+    raises); a layer that cannot take the pattern is recorded in ``table.skipped``."""
+    snapshot = _snapshot(module)
+    values: list[float] = []
+    try:
+        for level in levels:
+            report = prune_(model, sparsity=None if nm is not None else level,
+                            include=["re:" + re.escape(name)], **options)
+            skipped = report.layers[name].skipped
+            if skipped:
+                table.skipped[name] = skipped
+                break
+            values.append(float(evaluate(model)))
+            _restore(module, snapshot)
+    finally:
+        _restore(module, snapshot)
+    return values
 
 
 def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -276,26 +282,10 @@ def allocate(
             raise UsageError("an N:M sensitivity table takes dense_layers= or dense_params=, "
                              "not target= or max_level= (those are for unstructured levels)")
         return allocate_dense(table, dense_layers=dense_layers, dense_params=dense_params)
-    if target is None:
-        raise UsageError("allocate needs target= (an overall sparsity) for an unstructured table")
-    if not table.metrics:
-        raise UsageError("the sensitivity table has no measured layer")
-    if not 0 <= target < 1:
-        raise UsageError(f"target must be an overall sparsity in [0, 1), got {target}")
-    top = max(table.levels) if max_level is None else max_level
-    if not 0 < top < 1:
-        raise UsageError(f"max_level must be in (0, 1), got {max_level}")
+    top = _check_allocate(table, target, max_level)
     total = sum(table.params.values())
     need = target * total  # weights to prune
-    steps = []  # (cost per pruned weight, layer, level from, level to, weights, cost)
-    for name, degr in ((n, table.degradation(n)) for n in table.metrics):
-        pts = [(0.0, 0.0)] + [(lv, d) for lv, d in zip(table.levels, degr) if lv <= top + 1e-12]
-        if any(math.isnan(d) for _, d in pts):
-            raise UsageError(f"layer {name!r} has a NaN metric in the sensitivity table")
-        hull = _lower_hull(pts)
-        p = table.params[name]
-        for (l0, d0), (l1, d1) in zip(hull, hull[1:]):
-            steps.append(((d1 - d0) / ((l1 - l0) * p), name, l0, l1, (l1 - l0) * p))
+    steps = _hull_steps(table, top)
     reachable = sum(w for *_, w in steps)
     if need > reachable * (1 + 1e-12):
         raise UsageError(
@@ -311,6 +301,38 @@ def allocate(
         levels[name] = l0 + take * (l1 - l0)
         need -= take * weights
     return {name: round(level, 12) for name, level in levels.items()}
+
+
+def _check_allocate(table: SensitivityTable, target: float | None,
+                    max_level: float | None) -> float:
+    """The highest level :func:`allocate` may give a layer (``max_level``, or the table's
+    highest), after checking ``target`` and ``max_level`` (UsageError naming the one at
+    fault)."""
+    if target is None:
+        raise UsageError("allocate needs target= (an overall sparsity) for an unstructured table")
+    if not table.metrics:
+        raise UsageError("the sensitivity table has no measured layer")
+    if not 0 <= target < 1:
+        raise UsageError(f"target must be an overall sparsity in [0, 1), got {target}")
+    top = max(table.levels) if max_level is None else max_level
+    if not 0 < top < 1:
+        raise UsageError(f"max_level must be in (0, 1), got {max_level}")
+    return top
+
+
+def _hull_steps(table: SensitivityTable, top: float) -> list[tuple]:
+    """The segments of every layer's lower convex hull of (level, degradation) points up to
+    level ``top``, as ``(cost per pruned weight, layer, level from, level to, weights)``."""
+    steps = []
+    for name, degr in ((n, table.degradation(n)) for n in table.metrics):
+        pts = [(0.0, 0.0)] + [(lv, d) for lv, d in zip(table.levels, degr) if lv <= top + 1e-12]
+        if any(math.isnan(d) for _, d in pts):
+            raise UsageError(f"layer {name!r} has a NaN metric in the sensitivity table")
+        hull = _lower_hull(pts)
+        p = table.params[name]
+        for (l0, d0), (l1, d1) in zip(hull, hull[1:]):
+            steps.append(((d1 - d0) / ((l1 - l0) * p), name, l0, l1, (l1 - l0) * p))
+    return steps
 
 
 def allocate_dense(

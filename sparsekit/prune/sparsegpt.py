@@ -195,11 +195,7 @@ def obs_prune(
     h = hessian.detach().float().clone()
     rows, cols = w.shape
     if nm is not None:
-        n, m = nm
-        if cols % m:
-            raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of M={m}")
-        if blocksize % m:
-            raise UsageError(f"blocksize {blocksize} must be a multiple of M={m} for N:M")
+        _check_nm_shape(nm, cols, blocksize, name)
     dead = dead_inputs(h, name)
     u = inverse_cholesky(h, percdamp, name)
     del h
@@ -209,33 +205,60 @@ def obs_prune(
         i2 = min(i1 + blocksize, cols)
         w1 = w[:, i1:i2].clone()
         u1 = u[i1:i2, i1:i2]
-        d = u1.diagonal()
-        err = torch.zeros_like(w1)
         prune1 = torch.zeros_like(w1, dtype=torch.bool)
         if nm is None:
-            score = w1.square() / d.square()
-            score[:, dead[i1:i2]] = 0.0  # always-zero inputs: pruning them costs nothing
             k = prune_count(budget_offset + rows * i2, sparsity) - prune_count(
                 budget_offset + rows * i1, sparsity
             )
-            if k:
-                idx = score.reshape(-1).topk(k, largest=False).indices
-                prune1.view(-1)[idx] = True
-        for i in range(i2 - i1):
-            if nm is not None and i % nm[1] == 0:
-                score = w1[:, i : i + nm[1]].square() / d[i : i + nm[1]].square()
-                score[:, dead[i1 + i : i1 + i + nm[1]]] = 0.0
-                idx = score.topk(nm[1] - nm[0], dim=1, largest=False).indices
-                prune1[:, i : i + nm[1]].scatter_(1, idx, True)
-            col = w1[:, i]
-            e = torch.where(prune1[:, i], col, torch.zeros_like(col)) / d[i]
-            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
-            w1[:, i] = torch.where(prune1[:, i], torch.zeros_like(col), w1[:, i])
-            err[:, i] = e
+            _choose_in_block(prune1, w1, u1.diagonal(), dead[i1:i2], k)
+        err = _sweep_block(w1, u1, prune1, dead[i1:i2], nm)
         w[:, i1:i2] = w1
         keep[:, i1:i2] = ~prune1
         w[:, i2:] -= err @ u[i1:i2, i2:]
     return w, keep
+
+
+def _check_nm_shape(nm: tuple[int, int], cols: int, blocksize: int, name: str) -> None:
+    """UsageError unless the ``cols`` inputs and the blocks of ``blocksize`` split into
+    groups of M."""
+    m = nm[1]
+    if cols % m:
+        raise UsageError(f"layer {name!r}: input dimension {cols} is not a multiple of M={m}")
+    if blocksize % m:
+        raise UsageError(f"blocksize {blocksize} must be a multiple of M={m} for N:M")
+
+
+def _choose_in_block(prune1: torch.Tensor, w1: torch.Tensor, d: torch.Tensor,
+                     dead1: torch.Tensor, k: int) -> None:
+    """Unstructured: mark in ``prune1`` the ``k`` weights of the block ``w1`` with the lowest
+    OBS saliency ``w^2 / d^2`` (``d``: the diagonal of the block's Cholesky factor)."""
+    score = w1.square() / d.square()
+    score[:, dead1] = 0.0  # always-zero inputs: pruning them costs nothing
+    if k:
+        idx = score.reshape(-1).topk(k, largest=False).indices
+        prune1.view(-1)[idx] = True
+
+
+def _sweep_block(w1: torch.Tensor, u1: torch.Tensor, prune1: torch.Tensor,
+                 dead1: torch.Tensor, nm: tuple[int, int] | None) -> torch.Tensor:
+    """Prune the block ``w1`` column by column in place (``prune1`` marks the weights; N:M
+    marks each group of M columns as it reaches it), spreading each pruned weight's error over
+    the block's later columns; returns the scaled errors ``(rows, block)`` for the columns
+    after the block."""
+    d = u1.diagonal()
+    err = torch.zeros_like(w1)
+    for i in range(w1.shape[1]):
+        if nm is not None and i % nm[1] == 0:
+            score = w1[:, i : i + nm[1]].square() / d[i : i + nm[1]].square()
+            score[:, dead1[i : i + nm[1]]] = 0.0
+            idx = score.topk(nm[1] - nm[0], dim=1, largest=False).indices
+            prune1[:, i : i + nm[1]].scatter_(1, idx, True)
+        col = w1[:, i]
+        e = torch.where(prune1[:, i], col, torch.zeros_like(col)) / d[i]
+        w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
+        w1[:, i] = torch.where(prune1[:, i], torch.zeros_like(col), w1[:, i])
+        err[:, i] = e
+    return err
 
 
 def _solve_layer(
@@ -380,6 +403,21 @@ def sparsegpt_prune(
     """
     if not modules:
         return {}
+    batches = _checked_batches(modules, sparsity, nm, calibration, blocksize, percdamp)
+    masks: dict[str, torch.Tensor] = {}
+    solve = (blocksize, percdamp, comm, solver, sequential, layer_solver)
+    order = _call_order(model, modules, batches[0], calibration_fn)
+    run = (sparsity, nm, batches, calibration_fn, solve, masks)
+    if not _prune_through_blocks(model, modules, order, run):
+        _prune_full(model, modules, order, *run)
+    return {name: masks[name] for name in modules}
+
+
+def _checked_batches(modules: dict[str, nn.Module], sparsity: dict[str, float | None],
+                     nm: tuple[int, int] | None, calibration: Iterable, blocksize: int,
+                     percdamp: float) -> list:
+    """The calibration batches as a list, after checking every option and layer
+    (UsageError naming the one at fault)."""
     if blocksize < 1:
         raise UsageError(f"blocksize must be a positive number of columns, got {blocksize}")
     if not percdamp > 0:
@@ -395,33 +433,35 @@ def sparsegpt_prune(
     batches = list(calibration) if calibration is not None else []
     if not batches:
         raise UsageError("sparsegpt needs calibration batches: pass calibration=[batch, ...]")
+    return batches
 
-    masks: dict[str, torch.Tensor] = {}
-    solve = (blocksize, percdamp, comm, solver, sequential, layer_solver)
-    order = _call_order(model, modules, batches[0], calibration_fn)
+
+def _prune_through_blocks(model: nn.Module, modules: dict[str, nn.Module],
+                          order: list[list[str]], run: tuple) -> bool:
+    """When the layers of a transformer's repeated blocks (:func:`find_blocks`) form one run in
+    call order: the groups before them, then the blocks one at a time (:func:`_prune_blocks`,
+    or whole-model passes with a warning when they cannot be replayed), then the groups after;
+    ``run`` is ``(sparsity, nm, batches, calibration_fn, solve, masks)``. False, having pruned
+    nothing, otherwise."""
     found = find_blocks(model, modules)
-    if found is not None:
-        prefix, blocks = found
-        inside = [all(n.startswith(prefix) for n in g) for g in order]
-        first, last = inside.index(True), len(inside) - 1 - inside[::-1].index(True)
-        if all(inside[first : last + 1]):  # the blocks' layers form one run in call order
-            with torch.no_grad():
-                _prune_full(model, modules, order[:first], sparsity, nm, batches,
-                            calibration_fn, solve, masks)
-                if not _prune_blocks(model, modules, blocks, prefix, order[first : last + 1],
-                                     sparsity, nm, batches, calibration_fn, solve, masks):
-                    warnings.warn(
-                        f"sparsegpt: the blocks under {prefix[:-1]!r} were not all called equally "
-                        "often during calibration (shared or skipped blocks), so they cannot be "
-                        "replayed one at a time: whole-model passes instead (same result, "
-                        "slower)", RuntimeWarning, stacklevel=2)
-                    _prune_full(model, modules, order[first : last + 1], sparsity, nm, batches,
-                                calibration_fn, solve, masks)
-                _prune_full(model, modules, order[last + 1 :], sparsity, nm, batches,
-                            calibration_fn, solve, masks)
-            return {name: masks[name] for name in modules}
-    _prune_full(model, modules, order, sparsity, nm, batches, calibration_fn, solve, masks)
-    return {name: masks[name] for name in modules}
+    if found is None:
+        return False
+    prefix, blocks = found
+    inside = [all(n.startswith(prefix) for n in g) for g in order]
+    first, last = inside.index(True), len(inside) - 1 - inside[::-1].index(True)
+    if not all(inside[first : last + 1]):  # the blocks' layers do not form one run
+        return False
+    with torch.no_grad():
+        _prune_full(model, modules, order[:first], *run)
+        if not _prune_blocks(model, modules, blocks, prefix, order[first : last + 1], *run):
+            warnings.warn(
+                f"sparsegpt: the blocks under {prefix[:-1]!r} were not all called equally "
+                "often during calibration (shared or skipped blocks), so they cannot be "
+                "replayed one at a time: whole-model passes instead (same result, "
+                "slower)", RuntimeWarning, stacklevel=3)
+            _prune_full(model, modules, order[first : last + 1], *run)
+        _prune_full(model, modules, order[last + 1 :], *run)
+    return True
 
 
 class SparseGPT:
@@ -565,7 +605,32 @@ def _prune_blocks(
     at a time. Returns False, having pruned nothing, when the blocks were not all called the
     same number of times (shared or skipped blocks): then the caller warns and falls back to
     whole-model passes."""
-    sequential = solve[4]
+    inputs = _record_block_inputs(model, blocks, batches, calibration_fn)
+    if not inputs.replayable():
+        return False
+    by_block: dict[int, list[list[str]]] = {}
+    for group in groups:
+        by_block.setdefault(int(group[0][len(prefix):].split(".", 1)[0]), []).append(group)
+    solved = (modules, sparsity, nm, solve, masks)
+    hidden = inputs.hidden
+    for index, block in enumerate(blocks):
+        items = inputs.items(index, hidden)
+        chunk = by_block.get(index, [])
+        if not solve[4]:  # not sequential
+            hidden = _solve_dense_block(inputs, block, items, chunk, solved)
+        else:
+            _solve_block_sequentially(inputs, block, items, chunk, solved)
+            if index + 1 < len(blocks) and bool(by_block.keys() - set(range(index + 1))):
+                with eval_mode(block):
+                    hidden = [inputs.feed(block, item) for item in items]
+        del items
+    return True
+
+
+def _record_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list,
+                         calibration_fn: CalibrationFn | None) -> _BlockInputs:
+    """Every block's inputs in one pass of the model over ``batches`` (with the model's KV
+    cache off for the pass)."""
     inputs = _BlockInputs(blocks)
     handles = [b.register_forward_pre_hook(inputs.hook(i), with_kwargs=True)
                for i, b in enumerate(blocks)]
@@ -580,47 +645,45 @@ def _prune_blocks(
             handle.remove()
         if use_cache:
             config.use_cache = use_cache
-    if not inputs.replayable():
-        return False
-    by_block: dict[int, list[list[str]]] = {}
-    for group in groups:
-        by_block.setdefault(int(group[0][len(prefix):].split(".", 1)[0]), []).append(group)
-    hidden = inputs.hidden
-    for index, block in enumerate(blocks):
-        items = inputs.items(index, hidden)
-        more = index + 1 < len(blocks) and bool(by_block.keys() - set(range(index + 1)))
-        if not sequential:
-            chunk = by_block.get(index, [])
-            hessians = [_Hessian() for _ in chunk]
-            handles = [modules[g[0]].register_forward_pre_hook(h.hook, with_kwargs=True)
-                       for g, h in zip(chunk, hessians)]
-            try:
-                with eval_mode(block):
-                    outs = [inputs.feed(block, item) for item in items]
-            finally:
-                for handle in handles:
-                    handle.remove()
-            for group, hess in zip(chunk, hessians):
-                _solve_group(modules, group, hess, sparsity, nm, solve, masks)
-            hidden = outs
-            del items
-            continue
-        for group in by_block.get(index, []):
-            hess = _Hessian()
-            handle = modules[group[0]].register_forward_pre_hook(hess.hook_then_stop,
-                                                                 with_kwargs=True)
-            try:
-                with eval_mode(block):
-                    for item in items:
-                        try:
-                            inputs.feed(block, item)
-                        except _Collected:
-                            pass
-            finally:
-                handle.remove()
-            _solve_group(modules, group, hess, sparsity, nm, solve, masks)
-        if more:
+    return inputs
+
+
+def _solve_dense_block(inputs: _BlockInputs, block: nn.Module, items: list,
+                       chunk: list[list[str]], solved: tuple) -> list[torch.Tensor]:
+    """Not sequential: one pass of the dense block over ``items`` collects the Hessians of all
+    its groups ``chunk`` and the next block's inputs (returned); then the groups are solved.
+    ``solved`` is ``(modules, sparsity, nm, solve, masks)``."""
+    modules, sparsity, nm, solve, masks = solved
+    hessians = [_Hessian() for _ in chunk]
+    handles = [modules[g[0]].register_forward_pre_hook(h.hook, with_kwargs=True)
+               for g, h in zip(chunk, hessians)]
+    try:
+        with eval_mode(block):
+            outs = [inputs.feed(block, item) for item in items]
+    finally:
+        for handle in handles:
+            handle.remove()
+    for group, hess in zip(chunk, hessians):
+        _solve_group(modules, group, hess, sparsity, nm, solve, masks)
+    return outs
+
+
+def _solve_block_sequentially(inputs: _BlockInputs, block: nn.Module, items: list,
+                              chunk: list[list[str]], solved: tuple) -> None:
+    """Sequential: each group of ``chunk`` in turn, its Hessian from a pass of the block (as
+    pruned so far) over ``items`` that stops at the group's first layer."""
+    modules, sparsity, nm, solve, masks = solved
+    for group in chunk:
+        hess = _Hessian()
+        handle = modules[group[0]].register_forward_pre_hook(hess.hook_then_stop,
+                                                             with_kwargs=True)
+        try:
             with eval_mode(block):
-                hidden = [inputs.feed(block, item) for item in items]
-        del items
-    return True
+                for item in items:
+                    try:
+                        inputs.feed(block, item)
+                    except _Collected:
+                        pass
+        finally:
+            handle.remove()
+        _solve_group(modules, group, hess, sparsity, nm, solve, masks)

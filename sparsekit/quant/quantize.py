@@ -110,14 +110,8 @@ def quantize_(
     if scheme.static:
         scales = _static_scales(model, scheme, report, chosen_ok, calibration, calibration_fn,
                                 strict)
-    if gptq is not None:
-        todo, errors = gptq_quantize(model, chosen_ok, scheme, list(calibration), gptq,
-                                     calibration_fn)
-    else:
-        todo = {name: quantized_module(m, scheme, input_scale=scales[name])
-                for name, m in chosen_ok.items()}
-        errors = ({} if calibration is None else
-                  _layer_errors(model, chosen, todo, calibration, calibration_fn))
+    todo, errors = _quantized_layers(model, scheme, chosen, chosen_ok, scales, gptq,
+                                     calibration, calibration_fn)
     for layer in report.layers:
         layer.rel_error = errors.get(layer.name)
     for name, q in todo.items():
@@ -125,6 +119,23 @@ def quantize_(
     if gptq is None:
         after_swap(model)
     return report
+
+
+def _quantized_layers(
+    model: nn.Module, scheme: Scheme, chosen: dict[str, nn.Module],
+    chosen_ok: dict[str, nn.Module], scales: dict[str, torch.Tensor | None],
+    gptq: GPTQ | None, calibration: Iterable[Any] | None, calibration_fn: CalibrationFn | None,
+) -> tuple[dict[str, nn.Module], dict[str, float]]:
+    """The quantized module of each layer of ``chosen_ok`` (not yet swapped in) and each one's
+    relative output error on ``calibration`` (none without it): by GPTQ when ``gptq`` is
+    given, else by rounding to nearest."""
+    if gptq is not None:
+        return gptq_quantize(model, chosen_ok, scheme, list(calibration), gptq, calibration_fn)
+    todo = {name: quantized_module(m, scheme, input_scale=scales[name])
+            for name, m in chosen_ok.items()}
+    errors = ({} if calibration is None else
+              _layer_errors(model, chosen, todo, calibration, calibration_fn))
+    return todo, errors
 
 
 @torch.no_grad()

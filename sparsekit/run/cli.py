@@ -387,8 +387,7 @@ def resume_argv(argv: list[str]) -> list[str]:
         print(f"sparsekit: resume={value}: {run_dir} replays overrides that import code or "
               f"plugins: {' '.join(risky)}", file=sys.stderr)
     rest = [a for a in argv if not a.startswith("resume=")]
-    run_dir = run_dir.resolve()
-    return [*original, *rest, f"hydra.run.dir='{run_dir}'", "resume=true"]
+    return [*original, *rest, _dir_override("hydra.run.dir", run_dir.resolve()), "resume=true"]
 
 
 def shared_resume_argv(argv: list[str]) -> list[str]:
@@ -403,20 +402,49 @@ def shared_resume_argv(argv: list[str]) -> list[str]:
     return from_rank0(lambda: resume_argv(argv), EXIT_RUNTIME)
 
 
+def _dir_override(key: str, path: Path | str) -> str:
+    """The override that runs Hydra in directory ``path`` (``key``: ``hydra.run.dir``, or
+    ``hydra.sweep.dir`` for a sweep's parent), quoted for Hydra's parser."""
+    return f"{key}='{path}'"
+
+
 def unique_run_dir(argv: list[str]) -> list[str]:
     """Give this run (a sweep: its parent directory) a directory of its own, created now with
     ``os.mkdir`` (``runs/<date_time>``, then ``_1``, ``_2``, ... when taken), so two runs started
-    in the same second never share one. Unchanged when argv names the directory already, asks
-    for help, or runs under torchrun (rank 0 names it: :func:`share_run_dir`)."""
+    in the same second never share one. Under torchrun rank 0 makes it and every rank takes its
+    name (each rank's clock would otherwise name its own; this initializes the process group).
+    Unchanged when argv names the directory already (the user, or :func:`resume_argv` for the
+    run it continues) or asks for help."""
     sweep = any(a in ("-m", "--multirun") for a in argv)
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
     if (any(a.lstrip("+").startswith(key + "=") for a in argv)
-            or any(a in _FLAGS_WITHOUT_CHECK for a in argv)
-            or (launched_by_torchrun() and not sweep)):
+            or any(a in _FLAGS_WITHOUT_CHECK for a in argv)):
         return argv
     parent = Path("multirun") if sweep else RUNS
-    made = unique_dir(parent / time.strftime("%Y-%m-%d_%H-%M-%S"))
-    return [*argv, f"{key}='{made}'"]
+
+    def make() -> str:
+        return str(unique_dir(parent / time.strftime("%Y-%m-%d_%H-%M-%S")))
+
+    if launched_by_torchrun() and not sweep:
+        init()
+        made = from_rank0(make, EXIT_RUNTIME)
+    else:
+        made = make()
+    return [*argv, _dir_override(key, made)]
+
+
+def hydra_argv(argv: Sequence[str]) -> list[str]:
+    """The command line Hydra runs, from the one the user typed; the only place argv is
+    rewritten. In order: ``resume=`` becomes the recorded overrides of the run it continues,
+    in that run's directory (:func:`shared_resume_argv`: rank 0 decides under torchrun); the
+    overrides are checked (:func:`check_overrides`: the config composed once, bad input is
+    one line and exit 2, before any directory is made); a new run gets its own directory
+    (:func:`unique_run_dir`: shared by every rank under torchrun). Flags that only print
+    (``--help``, ``--cfg``, ...) skip the check and the directory."""
+    argv = shared_resume_argv(list(argv))
+    if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
+        check_overrides([a for a in argv if not a.startswith("-")])
+    return unique_run_dir(argv)
 
 
 def _app(cfg: DictConfig) -> None:
@@ -447,53 +475,43 @@ class SweepFigures(Callback):
             print(f"sweep figure: {png}")
 
 
-def share_run_dir(argv: list[str], pattern: str = "runs/%Y-%m-%d_%H-%M-%S") -> list[str]:
-    """Under torchrun, every rank's Hydra run directory is rank 0's (``hydra.run.dir``; each
-    rank's clock would otherwise name its own), created by rank 0 with a suffix when taken.
-    Initializes the process group. ``argv`` is
-    returned unchanged outside torchrun, for sweeps, or when it already names the directory."""
-    if not launched_by_torchrun() or any(a.startswith("hydra.run.dir=") for a in argv):
-        return argv
-    if any(a in ("-m", "--multirun") for a in argv):
-        return argv
-    init()
-    # made at once: a run started in the same second gets a suffix
-    run_dir = from_rank0(lambda: str(unique_dir(time.strftime(pattern))), EXIT_RUNTIME)
-    return [*argv, f"hydra.run.dir={run_dir}"]
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``sparsekit`` console script and ``python -m sparsekit``."""
-    import hydra
-
-    argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
     set_launch_env()  # torchrun: NCCL multicast off unless the user exported otherwise
-    argv = shared_resume_argv(argv)  # torchrun: rank 0 resolves resume=, the others follow
-    argv = share_run_dir(argv)  # torchrun: every rank writes into rank 0's run directory
-    if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
-        check_overrides([a for a in argv if not a.startswith("-")])
-    argv = unique_run_dir(argv)
+    args = hydra_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        _run_hydra(args)
+    except OSError as e:  # Hydra creating the run directory, before the run starts
+        report_runtime_error(_run_dir_error(e, args))
+    except Exception as e:
+        report_runtime_error(e)
+
+
+def _run_hydra(args: list[str]) -> None:
+    """Hydra's app (:func:`_app`) on the command line ``args``. Hydra re-raises what the run
+    raises (instead of printing its own short traceback), so that :func:`main` reports it:
+    one line, or a traceback and "this is a bug"."""
+    import hydra
+
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_app)
-    saved, sys.argv = sys.argv, [sys.argv[0] or "sparsekit", *argv]
-    # Hydra re-raises what the run raises (instead of printing its own short traceback), so
-    # that errors are reported here: one line, or a traceback and "this is a bug"
+    saved, sys.argv = sys.argv, [sys.argv[0] or "sparsekit", *args]
     full_error, os.environ["HYDRA_FULL_ERROR"] = os.environ.get("HYDRA_FULL_ERROR"), "1"
     try:
         app()
-    except OSError as e:  # Hydra creating the run directory, before the run starts
-        run_dir = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
-        if run_dir and e.filename is not None:
-            e = StorageError(
-                f"cannot create the run directory hydra.run.dir={run_dir[-1]}: {e.filename}: "
-                f"{e.strerror or e}"
-            )
-        report_runtime_error(e)
-    except Exception as e:
-        report_runtime_error(e)
     finally:
         sys.argv = saved
         if full_error is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+def _run_dir_error(err: OSError, args: list[str]) -> BaseException:
+    """An OSError from Hydra as a StorageError naming ``hydra.run.dir`` when ``args`` names the
+    run directory and the error a file; else ``err`` itself."""
+    run_dir = [a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")]
+    if run_dir and err.filename is not None:
+        return StorageError(f"cannot create the run directory hydra.run.dir={run_dir[-1]}: "
+                            f"{err.filename}: {err.strerror or err}")
+    return err

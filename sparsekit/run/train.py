@@ -196,24 +196,14 @@ def fit(
     ranks."""
     model.train()
     device = next(model.parameters()).device
-    if distiller is None and teacher is not None and distill_alpha > 0:
-        distiller = Distiller(teacher, target="logits", loss="kl", temperature=temperature)
-    if distill_alpha <= 0:
-        distiller = None
+    distiller = _distiller(distiller, teacher, distill_alpha, temperature)
     bar = progress(range(start_step, steps), quiet, desc=desc, initial=start_step, total=steps)
     for step in bar:
         lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr_now
-        idx = batch_indices(len(dataset), batch_size, seed, step)
-        x, y = get_batch(dataset, D.rank_slice(idx) if shard else idx)
-        x, y = to_device(x, device), y.to(device)
-        if distiller is None:
-            loss = task_loss(logits_of(model(x)), y)
-        else:
-            out, kd = distiller(model, x)
-            loss = kd if distill_alpha >= 1 else (
-                (1 - distill_alpha) * task_loss(logits_of(out), y) + distill_alpha * kd)
+        x, y = _step_batch(dataset, batch_size, seed, step, shard, device)
+        loss = _step_loss(model, x, y, distiller, distill_alpha)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip > 0:
@@ -222,8 +212,43 @@ def fit(
         if pruner is not None and pruner.step(step):
             follow_parameters(optimizer, model)  # channel pruning made new, narrower ones
         if on_step is not None:
-            metrics = {}
-            if step % log_every == 0 or step == steps - 1:
-                loss_value = D.mean_over_ranks(loss.detach()) if shard else loss.detach()
-                metrics = {"train/loss": loss_value.item(), "train/lr": lr_now}
-            on_step(step, metrics)
+            logged = step % log_every == 0 or step == steps - 1
+            on_step(step, _step_metrics(loss, lr_now, shard) if logged else {})
+
+
+def _step_batch(dataset: Dataset, batch_size: int, seed: int, step: int, shard: bool,
+                device: torch.device) -> tuple[Any, torch.Tensor]:
+    """Step ``step``'s batch ``(inputs, targets)`` on ``device``: this rank's slice of it when
+    ``shard``."""
+    idx = batch_indices(len(dataset), batch_size, seed, step)
+    x, y = get_batch(dataset, D.rank_slice(idx) if shard else idx)
+    return to_device(x, device), y.to(device)
+
+
+def _step_metrics(loss: torch.Tensor, lr: float, shard: bool) -> dict[str, float]:
+    """The logged metrics of a step: its loss (read back from the device, the mean over ranks
+    when ``shard``) and learning rate."""
+    loss_value = D.mean_over_ranks(loss.detach()) if shard else loss.detach()
+    return {"train/loss": loss_value.item(), "train/lr": lr}
+
+
+def _distiller(distiller: Distiller | None, teacher: nn.Module | None, distill_alpha: float,
+               temperature: float) -> Distiller | None:
+    """What :func:`fit` distills with: ``distiller``, else KL on ``teacher``'s logits at
+    ``temperature``; None when ``distill_alpha`` is not positive."""
+    if distill_alpha <= 0:
+        return None
+    if distiller is None and teacher is not None:
+        return Distiller(teacher, target="logits", loss="kl", temperature=temperature)
+    return distiller
+
+
+def _step_loss(model: nn.Module, x: Any, y: torch.Tensor, distiller: Distiller | None,
+               distill_alpha: float) -> torch.Tensor:
+    """One step's loss: the task loss, or its mix with ``distiller``'s (weight
+    ``distill_alpha``; the distillation loss alone at 1, where ``y`` is never read)."""
+    if distiller is None:
+        return task_loss(logits_of(model(x)), y)
+    out, kd = distiller(model, x)
+    return kd if distill_alpha >= 1 else (
+        (1 - distill_alpha) * task_loss(logits_of(out), y) + distill_alpha * kd)
