@@ -100,12 +100,16 @@ def _plane(v0, v1, code, p: tl.constexpr):
 
 
 @triton.jit
-def _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p: tl.constexpr, TRANS: tl.constexpr):
-    """x's position plane ``p`` at groups ``g``: (BLOCK_M, BLOCK_W), or transposed."""
-    if TRANS:
-        return tl.load(x_ptr + rm[None, :] * stride_xm + p * Q + g[:, None],
-                       mask=m_ok[None, :], other=0.0)
+def _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p: tl.constexpr):
+    """x's position plane ``p`` at groups ``g``: (BLOCK_M, BLOCK_W)."""
     return tl.load(x_ptr + rm[:, None] * stride_xm + p * Q + g[None, :], mask=m_ok[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _x_plane_t(x_ptr, rm, m_ok, stride_xm, Q, g, p: tl.constexpr):
+    """x's position plane ``p`` at groups ``g``, transposed: (BLOCK_W, BLOCK_M)."""
+    return tl.load(x_ptr + rm[None, :] * stride_xm + p * Q + g[:, None], mask=m_ok[None, :],
                    other=0.0)
 
 
@@ -114,23 +118,33 @@ def _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, MODE: tl.constexp
           DOT_F32: tl.constexpr):
     """acc + the products of one slab step."""
     if MODE == 2:  # tensor cores: acc (BLOCK_N, BLOCK_M) += plane_p @ x_p.T
+        # fp8 values are exact in float16 (one conversion per two values, before the planes)
+        DT: tl.constexpr = tl.float32 if DOT_F32 else (
+            tl.float16 if v0.dtype == tl.float8e4nv else tl.bfloat16)
+        v0 = v0.to(DT)
+        v1 = v1.to(DT)
         for p in tl.static_range(4):
-            xp = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p, True)
-            wp = _plane(v0, v1, code, p)
-            if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
-                acc += tl.dot(wp.to(tl.float32), xp.to(tl.float32))
-            else:
-                acc += tl.dot(wp.to(tl.bfloat16), xp.to(tl.bfloat16))
+            xp = _x_plane_t(x_ptr, rm, m_ok, stride_xm, Q, g, p).to(DT)
+            acc += tl.dot(_plane(v0, v1, code, p), xp)
     elif MODE == 1:  # CUDA cores, planes: acc (BLOCK_M, BLOCK_N, BLOCK_W)
         for p in tl.static_range(4):
-            xp = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p, False).to(tl.float32)
+            xp = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, p).to(tl.float32)
             wp = _plane(v0, v1, code, p).to(tl.float32)
             acc += wp[None, :, :] * xp[:, None, :]
+    elif MODE == 3:  # SELECT for one row: acc (BLOCK_N, BLOCK_W), x's planes as vectors
+        row = x_ptr + tl.program_id(2) * stride_xm
+        x0 = tl.load(row + g).to(tl.float32)[None, :]
+        x1 = tl.load(row + Q + g).to(tl.float32)[None, :]
+        x2 = tl.load(row + 2 * Q + g).to(tl.float32)[None, :]
+        x3 = tl.load(row + 3 * Q + g).to(tl.float32)[None, :]
+        xa = tl.where((code & 2) != 0, x2, tl.where((code & 1) != 0, x1, x0))
+        xb = tl.where((code & 8) != 0, tl.where((code & 4) != 0, x3, x2), x1)
+        acc += v0.to(tl.float32) * xa + v1.to(tl.float32) * xb
     else:  # CUDA cores, each kept value times its x: acc (BLOCK_M, BLOCK_N, BLOCK_W)
-        x0 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 0, False).to(tl.float32)[:, None, :]
-        x1 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 1, False).to(tl.float32)[:, None, :]
-        x2 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 2, False).to(tl.float32)[:, None, :]
-        x3 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 3, False).to(tl.float32)[:, None, :]
+        x0 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 0).to(tl.float32)[:, None, :]
+        x1 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 1).to(tl.float32)[:, None, :]
+        x2 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 2).to(tl.float32)[:, None, :]
+        x3 = _x_plane(x_ptr, rm, m_ok, stride_xm, Q, g, 3).to(tl.float32)[:, None, :]
         c = code[None, :, :]
         # i0 in {0, 1, 2} (bits 0-1), i1 in {1, 2, 3} (bits 2-3)
         xa = tl.where((c & 2) != 0, x2, tl.where((c & 1) != 0, x1, x0))
@@ -147,31 +161,39 @@ def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt
                 MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                 SPLIT_K: tl.constexpr):
     BLOCK_M: tl.constexpr = DOT_M if MODE == 2 else SMALL_M
+    HOW: tl.constexpr = 3 if (MODE == 0 and SMALL_M == 1) else MODE  # 3: SELECT, one row
     rn, n_ok = tile(0, BLOCK_N, N)
     rm, m_ok = tile(2, BLOCK_M, M)
-    W = K // 32
-    Q = K // 4
+    # K is a multiple of 512 (sk24.K_MULTIPLE): said so, every tile's address is 16-byte
+    # aligned and its loads are vectors (Triton knows only that K is a multiple of 16)
+    W = tl.multiple_of(K // 32, 16)
+    Q = tl.multiple_of(K // 4, 128)
     blocks = W // BLOCK_W
     per_split = tl.cdiv(blocks, SPLIT_K) * BLOCK_W
     w_lo = tl.program_id(1) * per_split
     w_hi = tl.minimum(w_lo + per_split, W)
     rw = tl.arange(0, BLOCK_W)
-    row_v = v_ptr + rn[:, None].to(tl.int64) * (K // 2)
+    row_v = v_ptr + rn[:, None].to(tl.int64) * tl.multiple_of(K // 2, 256)
     row_m = m_ptr + rn[:, None].to(tl.int64) * W
-    if MODE == 2:
+    if HOW == 2:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif HOW == 3:
+        acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)
     for w0 in range(w_lo, w_hi, BLOCK_W):
+        w0 = tl.multiple_of(w0, BLOCK_W)
         mw = tl.load(row_m + w0 + rw[None, :], mask=n_ok[:, None], other=0)
         for s in tl.static_range(8):
             g = s * W + w0 + rw  # the groups of this slab step
             v0 = tl.load(row_v + g[None, :], mask=n_ok[:, None], other=0.0)
             v1 = tl.load(row_v + Q + g[None, :], mask=n_ok[:, None], other=0.0)
             code = (mw >> (4 * s)) & 0xF
-            acc = _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, MODE, DOT_F32)
-    if MODE == 2:
+            acc = _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, HOW, DOT_F32)
+    if HOW == 2:
         out = tl.trans(acc)
+    elif HOW == 3:
+        out = tl.sum(acc, axis=1)[None, :]
     else:
         out = tl.sum(acc, axis=2)
     if SPLIT_K == 1:
