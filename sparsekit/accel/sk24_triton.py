@@ -37,7 +37,9 @@ def configs() -> list:
             (PLANES, 32, 32, 4, 8), (PLANES, 16, 64, 2, 8), (PLANES, 8, 64, 4, 4),
             (DOT, 32, 32, 2, 4), (DOT, 32, 32, 4, 4), (DOT, 64, 32, 2, 4),
             (DOT, 64, 32, 4, 8), (DOT, 64, 64, 2, 8), (DOT, 128, 32, 2, 8),
-            (DOT, 32, 64, 4, 4), (DOT, 16, 64, 4, 4), (DOT, 128, 32, 1, 8)):
+            (DOT, 32, 64, 4, 4), (DOT, 16, 64, 4, 4), (DOT, 128, 32, 1, 8),
+            # K = 512 (16 words a row) takes only these
+            (SELECT, 16, 16, 1, 4), (PLANES, 16, 16, 1, 4), (DOT, 32, 16, 1, 4)):
         out.append(triton.Config({"MODE": mode, "BLOCK_N": bn, "BLOCK_W": bw,
                                   "SPLIT_K": split}, num_warps=warps, num_stages=1))
     return out
@@ -56,8 +58,7 @@ def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False) -> bool:
 
 
 def _prune(configs_, named_args, **kwargs):
-    kept = [c for c in configs_ if fits(c.kwargs, named_args["M"], named_args["K"])]
-    return kept or [c for c in configs_ if fits(c.kwargs, 4, named_args["K"])][:1]
+    return [c for c in configs_ if fits(c.kwargs, named_args["M"], named_args["K"])]
 
 
 @triton.jit

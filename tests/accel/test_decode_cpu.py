@@ -228,3 +228,13 @@ def test_position_planes_round_trip_and_feed_the_op():
     assert torch.equal(ops.sk24_mm(xp, values, meta, None, None, None),
                        ops.sk24_mm(x, values, meta, None, None, None))
     torch.library.opcheck(ops.sk24_mm, (xp, values, meta, None, None, None))
+
+
+def test_every_decode_shape_has_a_kernel_config():
+    pytest.importorskip("triton")
+    from sparsekit.accel import sk24_triton
+
+    space = [c.kwargs for c in sk24_triton.configs()]
+    for k in (512, 1024, 4096, 14336, 28672):
+        for m in range(1, 65):
+            assert any(sk24_triton.fits(c, m, k) for c in space), (m, k)
