@@ -160,8 +160,9 @@ def hf_generate_fn(model, ids, new: int):
 def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
     t0 = time.perf_counter()
     # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
+    backend = "inductor" if device.type == "cuda" else "eager"
     fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
-                         device=device, backend="inductor" if device.type == "cuda" else "eager")
+                         device=device, compile=sk.CompileOptions(backend=backend))
     t_acc = time.perf_counter() - t0
 
     def run():

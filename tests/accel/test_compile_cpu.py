@@ -193,6 +193,8 @@ def test_siblings_run_as_one_gemm(build, scheme, groups):
                           plan=sk.PlanOptions(siblings=True))
     notes = [n for n in fused.report.notes if n.startswith("siblings fused")]
     assert len(notes) == len(groups)
+    # the merge pass goes into the compiled model's inductor options
+    assert type(fused.options.inductor["post_grad_custom_pre_pass"]).__name__ == "MergeSameCalls"
     for group, note in zip(groups, notes):
         assert all(f".{m}" in note for m in group), note
         slices = [m for n, m in fused.model.named_modules() if n.endswith(f".{group[0]}")]
