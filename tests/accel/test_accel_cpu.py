@@ -74,7 +74,8 @@ def test_accelerate_validates_before_needing_cuda():
         sk.accelerate(model, torch.randn(2, 8), sparsity="1:4")
     with pytest.raises(ValueError, match="min_speedup"):
         sk.accelerate(model, torch.randn(2, 8), plan=sk.PlanOptions(min_speedup=0))
-    with pytest.raises(ValueError, match=r"^CompileOptions\.inductor: Unexpected optimization option triton\.bog"):
+    with pytest.raises(ValueError, match=r"^CompileOptions\.inductor: Unexpected optimization "
+                                         r"option triton\.bog"):
         sk.accelerate(model, torch.randn(2, 8),
                       compile=sk.CompileOptions(inductor={"triton.bogus": 1}))
     with pytest.raises(ValueError, match="inductor must be a dict"):
