@@ -57,7 +57,7 @@ def accelerate(
     run as ``plan.dense_precision``. A model quantized by ``sk.quantize_``/QAT (fp8 or int8
     ``QuantLinear``) runs its own weights, scales and activation numerics: ``precision`` must be
     its scheme (an ``fp8_static_tensor`` model's fp8 2:4 layers run scale, bias and a following
-    tanh GELU inside the GEMM on sparsekit's own cuSPARSELt binding, :mod:`~.cslt_ext`).
+    tanh GELU inside the GEMM on sparsekit's cuSPARSELt binding, :mod:`sparsekit.accel.cslt_ext`).
     ``example_inputs``: a tensor, tuple (``model(*x)``) or dict (``model(**x)``) of the shape you
     will serve, run several times (an input with state, e.g. an HF ``StaticCache``, advances).
     ``precision``: "bf16" | "fp8" | "int8" (W8A8; per-token or a static scheme's own scales).
