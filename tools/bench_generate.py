@@ -48,7 +48,14 @@ from sparsekit.accel import ops, planner, sk24
 from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
-BOUND_TBS = 4.8  # H200 HBM3e peak
+BOUNDS_TBS = {"H200": 4.8, "H100": 3.35}  # HBM peak (H200 HBM3e, H100 SXM HBM3)
+BOUND_TBS = 4.8
+
+
+def bound_tbs() -> float:
+    """The HBM bandwidth bound of this GPU in TB/s (the H200's when unknown)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((v for k, v in BOUNDS_TBS.items() if k in name), BOUND_TBS)
 # (name, N, K): Llama-3-8B attention (q+k+v fused, o) and MLP (gate+up fused, down); 70B MLP
 # and attention
 SHAPES = [("8b_qkv", 6144, 4096), ("8b_o", 4096, 4096), ("8b_gate_up", 28672, 4096),
@@ -63,40 +70,67 @@ def masked_weight(n: int, k: int, device, gen: torch.Generator) -> torch.Tensor:
     return w * nm_mask(w.abs(), 2, 4)
 
 
+ROTATE_BYTES = 200e6  # weights cycled per timed call: more than the L2 (50 MB on H100/H200)
+
+
+def copies_for(nbytes: int) -> int:
+    """How many copies of a weight the timed calls cycle through, so that each call reads its
+    weight from HBM as a decode step does, not from L2."""
+    return max(1, min(16, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+
+
+def rotating(fns: list):
+    """One callable that calls ``fns`` in turn (each over its own copy of the weights)."""
+    it = iter(range(1 << 62))
+    return lambda: fns[next(it) % len(fns)]()
+
+
+def time_rotating(fns: list) -> float:
+    """Microseconds per call of a weight that is not in L2: ``len(fns)`` calls per graph."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    return graph_time_us(rotating(fns), calls=len(fns))
+
+
+def weight_set(n: int, k: int, device, gen: torch.Generator) -> dict:
+    w = masked_weight(n, k, "cpu", gen).to(device)
+    vals, meta = sk24.compress(w)
+    w8 = (w.float() / (w.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
+    ws = (w.float().abs().amax(1) / 448).contiguous()
+    v8, m8 = sk24.compress(w8)
+    return {"w": w, "vals": vals, "meta": meta, "v8": v8, "m8": m8, "ws": ws}
+
+
 def gemm_rows(device: torch.device, shapes, ms, smoke: bool) -> list[dict]:
-    """Time one decode GEMM per shape, M and kernel (CUDA graphs)."""
+    """Time one decode GEMM per shape, M and kernel (CUDA graphs, weights cycled past L2)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, n, k in shapes:
-        w = masked_weight(n, k, "cpu", gen).to(device)
-        vals, meta = sk24.compress(w)
-        w8 = (w.float() / (w.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
-        ws = (w.float().abs().amax(1) / 448).contiguous()
-        v8, m8 = sk24.compress(w8)
+        sets = [weight_set(n, k, device, gen)]
+        if not smoke:
+            sets += [{key: t.clone() for key, t in sets[0].items()}
+                     for _ in range(copies_for(n * k * 2) - 1)]
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             x8, xs = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device=device)
-            ways = {"bf16_dense": (functools.partial(F.linear, x, w),
+            ways = {"bf16_dense": ([functools.partial(F.linear, x, s_["w"]) for s_ in sets],
                                    2 * n * k + 2 * m * k + 2 * m * n),
-                    "bf16_2:4": (functools.partial(ops.sk24_mm, x, vals, meta, None, None,
-                                                   None),
+                    "bf16_2:4": ([functools.partial(ops.sk24_mm, x, s_["vals"], s_["meta"],
+                                                    None, None, None) for s_ in sets],
                                  sk24.bound_bytes(m, n, k, torch.bfloat16)),
-                    "fp8_2:4": (functools.partial(ops.sk24_mm, x8, v8, m8, xs, ws, None),
+                    "fp8_2:4": ([functools.partial(ops.sk24_mm, x8, s_["v8"], s_["m8"], xs,
+                                                   s_["ws"], None) for s_ in sets],
                                 sk24.bound_bytes(m, n, k, torch.float8_e4m3fn))}
-            ref = ways["bf16_dense"][0]().float()
-            row = {"shape": name, "N": n, "K": k, "M": m}
-            for way, (fn, nbytes) in ways.items():
-                if smoke:
-                    us = float("nan")
-                else:
-                    fn()  # autotune outside the graph
-                    torch.cuda.synchronize()
-                    us = graph_time_us(fn)
-                err = ((fn().float() - ref).norm() / ref.norm()).item()
+            ref = ways["bf16_dense"][0][0]().float()
+            row = {"shape": name, "N": n, "K": k, "M": m, "copies": len(sets)}
+            for way, (fns, nbytes) in ways.items():
+                us = float("nan") if smoke else time_rotating(fns)
+                err = ((fns[0]().float() - ref).norm() / ref.norm()).item()
                 row[way] = {"us": us, "bytes": nbytes, "tb_s": nbytes / us / 1e6 if us else None,
                             "rel_err": err}
                 if row[way]["tb_s"] is not None:
-                    row[way]["bound_share"] = row[way]["tb_s"] / BOUND_TBS
+                    row[way]["bound_share"] = row[way]["tb_s"] / bound_tbs()
             for way in ("bf16_2:4", "fp8_2:4"):
                 row[way]["over_dense"] = row["bf16_dense"]["us"] / row[way]["us"]
             rows.append(row)
@@ -104,7 +138,130 @@ def gemm_rows(device: torch.device, shapes, ms, smoke: bool) -> list[dict]:
                                    {kk: round(vv, 4) if isinstance(vv, float) else vv
                                     for kk, vv in v.items()}) for k_, v in row.items()}),
                   flush=True)
+        del sets
     return rows
+
+
+# --- kernel configurations ---------------------------------------------------------------------
+
+def _compile_configs(job: tuple) -> int:
+    """Compile (by launching on a small weight) the kernel for each (dtype, M, config) of
+    ``job``: run in worker processes so that the configs compile in parallel."""
+    items, = job
+    count = 0
+    for dtype_name, m, cfg in items:
+        dtype = getattr(torch, dtype_name)
+        w = masked_weight(64, 4096, "cuda", torch.Generator().manual_seed(0)).to(dtype)
+        vals, meta = sk24.compress(w)
+        x = torch.randn(m, 4096, device="cuda").to(dtype)
+        fp8 = dtype == torch.float8_e4m3fn
+        xs = torch.ones(m, 1, device="cuda") if fp8 else None
+        ws = torch.ones(64, device="cuda") if fp8 else None
+        try:
+            sk24.launch(x, vals, meta, xs, ws, None, config=cfg)
+            count += 1
+        except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped)
+            print(f"compile {dtype_name} M={m} {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
+    torch.cuda.synchronize()
+    return count
+
+
+def config_items(ms, k_min: int) -> list:
+    """(dtype, M, config) for every config of the kernel's space that suits M (and K)."""
+    from sparsekit.accel import sk24_triton
+
+    items = []
+    for dtype_name in ("bfloat16", "float8_e4m3fn"):
+        for m in ms:
+            for c in sk24_triton.configs():
+                cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                if sk24_triton.fits(c.kwargs, m, k_min, dtype_name == "float8_e4m3fn"):
+                    items.append((dtype_name, m, cfg))
+    return items
+
+
+def config_rows(device: torch.device, shapes, ms, jobs: int) -> list[dict]:
+    """Every kernel config of the autotuner's space, timed per shape, M and dtype (weights
+    cycled past L2), with the autotuner's own pick and cuBLAS bf16 beside them."""
+    import multiprocessing as mp
+
+    from sparsekit.accel import sk24_triton
+
+    items = config_items(ms, 4096)
+    t0 = time.perf_counter()
+    if jobs > 1:
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            done = sum(pool.map(_compile_configs, [(items[i::jobs],) for i in range(jobs)]))
+    else:
+        done = _compile_configs((items,))
+    print(f"compiled {done}/{len(items)} configs in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, n, k in shapes:
+        sets = [weight_set(n, k, device, gen)]
+        sets += [{key: t.clone() for key, t in sets[0].items()}
+                 for _ in range(copies_for(n * k * 2) - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            x8, xs = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device=device)
+            dense_us = time_rotating([functools.partial(F.linear, x, s_["w"]) for s_ in sets])
+            for dtype_name, xx, vk, mk, scales in (("bfloat16", x, "vals", "meta", False),
+                                                   ("float8_e4m3fn", x8, "v8", "m8", True)):
+                nbytes = sk24.bound_bytes(m, n, k, xx.dtype)
+                row = {"shape": name, "N": n, "K": k, "M": m, "dtype": dtype_name,
+                       "dense_us": dense_us, "bytes": nbytes, "configs": []}
+                for c in sk24_triton.configs():
+                    if not sk24_triton.fits(c.kwargs, m, k, dtype_name == "float8_e4m3fn"):
+                        continue
+                    cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                    fns = [functools.partial(sk24.launch, xx, s_[vk], s_[mk],
+                                             xs if scales else None,
+                                             s_["ws"] if scales else None, None, cfg)
+                           for s_ in sets]
+                    try:
+                        us = time_rotating(fns)
+                    except Exception as e:  # noqa: BLE001
+                        row["configs"].append({"config": cfg, "error": str(e)[:200]})
+                        continue
+                    row["configs"].append({"config": cfg, "us": us,
+                                           "tb_s": nbytes / us / 1e6,
+                                           "bound_share": nbytes / us / 1e6 / bound_tbs(),
+                                           "over_dense": dense_us / us})
+                fns = [functools.partial(sk24.launch, xx, s_[vk], s_[mk],
+                                         xs if scales else None, s_["ws"] if scales else None,
+                                         None) for s_ in sets]
+                row["autotuned_us"] = time_rotating(fns)
+                ok = [c for c in row["configs"] if "us" in c]
+                best = min(ok, key=lambda c: c["us"]) if ok else None
+                row["best"] = best
+                row["autotuned_over_dense"] = dense_us / row["autotuned_us"]
+                rows.append(row)
+                print(json.dumps({"shape": name, "M": m, "dtype": dtype_name,
+                                  "dense_us": round(dense_us, 2),
+                                  "best_us": best and round(best["us"], 2),
+                                  "best_tb_s": best and round(best["tb_s"], 2),
+                                  "best_over_dense": best and round(best["over_dense"], 3),
+                                  "best": best and best["config"],
+                                  "auto_over_dense": round(row["autotuned_over_dense"], 3)}),
+                      flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def config_summary(rows: list[dict]) -> dict:
+    out = {}
+    for dtype_name, way in (("bfloat16", "bf16_2:4"), ("float8_e4m3fn", "fp8_2:4")):
+        r = [row for row in rows if row["dtype"] == dtype_name and row["M"] <= 16
+             and row["best"]]
+        geo = (math.exp(statistics.fmean(math.log(row["best"]["over_dense"]) for row in r))
+               if r else float("nan"))
+        auto = (math.exp(statistics.fmean(math.log(row["autotuned_over_dense"]) for row in r))
+                if r else float("nan"))
+        out[way] = {"best_config_geomean_over_cublas_m_le_16": geo,
+                    "autotuned_geomean_over_cublas_m_le_16": auto, "target": TARGETS[way]}
+    return out
 
 
 def gemm_summary(rows: list[dict]) -> dict:
@@ -169,7 +326,9 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
         return fast.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     t0 = time.perf_counter()
     run()
-    info = {"accelerate_s": t_acc, "first_generate_s": time.perf_counter() - t0}
+    info = {"accelerate_s": t_acc, "first_generate_s": time.perf_counter() - t0,
+            "report_seconds": dict(fast.report.seconds)}
+    print(json.dumps({"way": f"{precision} {sparsity}", **info}), flush=True)
     return run, info, fast
 
 
@@ -212,8 +371,10 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
         dense = copy.deepcopy(master)
         if not smoke:
             ways["dense_hf"] = (hf_generate_fn(dense, ids, new), {})
-        fn, info, _ = sk_generate_fn(copy.deepcopy(master), ids, new, "bf16", "dense", device)
-        ways["dense_sk"] = (fn, info)
+        if smoke or args.dense_sk:
+            fn, info, _ = sk_generate_fn(copy.deepcopy(master), ids, new, "bf16", "dense",
+                                         device)
+            ways["dense_sk"] = (fn, info)
         for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):
             if name.split("_")[1] not in args.precisions.split(","):
                 continue
@@ -232,7 +393,12 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
                     ways[name] = (fn, {})
                 except Exception as e:  # noqa: BLE001
                     res["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        outputs = {name: fn() for name, (fn, _) in ways.items()}
+        outputs = {}
+        for name, (fn, info) in ways.items():
+            t0 = time.perf_counter()
+            outputs[name] = fn()
+            info.setdefault("first_call_s", time.perf_counter() - t0)
+            print(json.dumps({"way": name, "first_call_s": info["first_call_s"]}), flush=True)
         seq = {}
         for name, (fn, info) in ways.items():
             if smoke:
@@ -268,7 +434,9 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sections", default="gemm,generate")
+    ap.add_argument("--sections", default="gemm,generate",
+                    help="comma-separated: gemm, configs (every kernel config), generate")
+    ap.add_argument("--jobs", type=int, default=8, help="processes compiling kernel configs")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
@@ -277,6 +445,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--dense-sk", action=argparse.BooleanOptionalAction, default=False,
+                    help="also sparsekit's generate on the dense model (one more 8B copy)")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")
@@ -295,6 +465,13 @@ def main(argv: list[str] | None = None) -> dict:
             shapes = [("smoke", 64, 512)]
         res["gemm"] = gemm_rows(device, shapes, (1, 3) if args.smoke else MS, args.smoke)
         res["gemm_summary"] = gemm_summary(res["gemm"])
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    if "configs" in sections:
+        shapes = SHAPES if args.shapes == "all" else [s for s in SHAPES
+                                                      if s[0] in args.shapes.split(",")]
+        res["configs"] = config_rows(device, shapes, MS, args.jobs)
+        res["configs_summary"] = config_summary(res["configs"])
+        print(json.dumps(res["configs_summary"]), flush=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
     if "generate" in sections:
         def save(rows):

@@ -14,9 +14,9 @@ graphs whose inputs are mutated, as the cache's position counters are). The cach
 sparsekit's, one per (batch, length), reset between calls, so its tensors keep their addresses
 and the graphs stay valid; the prefill computes the logits of the last position only.
 Compiles are counted in the model's report (``report.compiles``): one per prefill bucket and
-one per batch size for decode, and one more of each on a cache's second use (its layers are
-allocated on its first), and a prompt that fills its bucket exactly runs without a mask: one
-more graph for that length.
+one per batch size for decode (the cache's layers are allocated before its first use, so its
+second use compiles nothing new), and a prompt that fills its bucket exactly runs without a
+mask: one more graph for that length.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class Generator:
         cache = self.caches.get(key)
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=length)
+            _allocate(cache, self.model, batch, self.device)
             self.caches[key] = cache
         else:
             cache.reset()
@@ -209,6 +210,24 @@ class Generator:
             if pid is not None:
                 return int(pid)
         return 0
+
+
+def _allocate(cache: Any, model: nn.Module, batch: int, device: torch.device) -> None:
+    """Allocate the cache's layers now (HF allocates them on their first update otherwise):
+    the first prefill then sees the same cache as every later one (one compile per shape, and
+    it can be captured)."""
+    if not hasattr(cache, "early_initialization"):
+        return
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else \
+        model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                 torch.bfloat16)
+    try:
+        cache.early_initialization(batch, heads, head_dim, dtype, device)
+    except (TypeError, ValueError) as e:  # a cache layout this does not know: allocate lazily
+        log.info("generate: the static cache is allocated on its first use (%s)", e)
 
 
 def _small_state(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

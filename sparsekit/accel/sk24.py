@@ -76,6 +76,8 @@ def compress(weight: torch.Tensor, layout: str = "slabs") -> tuple[torch.Tensor,
     else:
         words = (code.reshape(n, k // 32, GROUPS_PER_WORD) << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # as signed int32 bits
+    if weight.is_cuda:
+        counters(weight.device)  # before any graph capture that launches the kernel
     return values, words.to(torch.int32).contiguous()
 
 
@@ -123,16 +125,37 @@ def m_bucket(m: int) -> int:
     return 1 if m <= 1 else min(1 << (m - 1).bit_length(), MAX_M)
 
 
+MAX_SPLIT = 4          # the largest SPLIT_K in the kernel's configs (workspace size)
+_COUNTERS = 1 << 16    # per-device tile counters of the split-K reduction
+_counters: dict = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K tile counters (int32 zeros; every launch leaves them at zero).
+    Made outside any CUDA graph capture: :func:`compress` makes them for a CUDA weight."""
+    key = str(torch.device(device))
+    if key not in _counters:
+        _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
 def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
            bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
     """Run the Triton kernel: autotuned per (M bucket, N, K, dtype) on CUDA; with ``config``
-    (``BLOCK_N``, ``BLOCK_W``, ``USE_DOT``, optionally ``num_warps``, ``num_stages``) fixed, as
-    on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter cannot time)."""
+    (``BLOCK_N``, ``BLOCK_W``, ``USE_DOT``, ``SPLIT_K``, optionally ``num_warps``,
+    ``num_stages``) fixed, as on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter
+    cannot time)."""
     triton, tuned, raw = _kernel()
     m, k = x.shape
     if config is None and not x.is_cuda:
-        config = {"BLOCK_N": 16, "BLOCK_W": 16, "USE_DOT": m > 4}
+        config = {"BLOCK_N": 16, "BLOCK_W": 16, "USE_DOT": m > 4,
+                  "SPLIT_K": 2 if (k // 32) % 32 == 0 else 1}
+    if config is not None:
+        config = {"SPLIT_K": 1, **config}
+        if (k // 32) % (config["BLOCK_W"] * config["SPLIT_K"]):
+            raise ValueError(f"sk24 kernel: config {config} needs K/32 = {k // 32} words to "
+                             f"be a multiple of BLOCK_W * SPLIT_K")
     kernel = tuned if config is None else raw
     n = values.shape[0]
     if x.dtype != values.dtype:
@@ -140,18 +163,26 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
     x = x.contiguous()
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     small_m = 1 if m == 1 else (2 if m == 2 else 4)  # rows per program on CUDA cores
-    dummy = y
+    dot_m = 16 if m <= 16 else 32                     # rows per program on tensor cores
+    split_max = MAX_SPLIT if config is None else config["SPLIT_K"]
+    part = torch.empty((split_max, m, n), dtype=torch.float32, device=x.device)
+    cnt = counters(x.device)
     xs = x_scale.reshape(-1).float() if x_scale is not None else None
 
     def grid(meta_):
-        return (triton.cdiv(n, meta_["BLOCK_N"]),
-                triton.cdiv(m, 16 if meta_["USE_DOT"] else small_m))
+        tiles_n = triton.cdiv(n, meta_["BLOCK_N"])
+        tiles_m = triton.cdiv(m, dot_m if meta_["USE_DOT"] else small_m)
+        if tiles_n * tiles_m > _COUNTERS:
+            raise ValueError(f"sk24 kernel: {tiles_n * tiles_m} output tiles, at most "
+                             f"{_COUNTERS}")
+        return (tiles_n, meta_["SPLIT_K"], tiles_m)
+    dummy = y
     kernel[grid](x, values, meta, dummy if xs is None else xs,
                  dummy if w_scale is None else w_scale, dummy if bias is None else bias, y,
-                 m, n, k, x.stride(0), 0 if xs is None or xs.numel() == 1 else 1,
+                 part, cnt, m, n, k, x.stride(0), 0 if xs is None or xs.numel() == 1 else 1,
                  m_bucket(m), X_FP8=x.dtype == torch.float8_e4m3fn,
                  HAS_XS=xs is not None, HAS_WS=w_scale is not None, HAS_BIAS=bias is not None,
-                 DOT_F32=not x.is_cuda, SMALL_M=small_m, **(config or {}))
+                 DOT_F32=not x.is_cuda, SMALL_M=small_m, DOT_M=dot_m, **(config or {}))
     return y
 
 

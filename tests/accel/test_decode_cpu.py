@@ -69,18 +69,32 @@ _INTERPRETED = r"""
 import torch
 from sparsekit.accel import sk24
 from tests.accel.test_decode_cpu import masked_24
+split = {"BLOCK_N": 16, "BLOCK_W": 16, "SPLIT_K": 4}
 for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-    for m in (1, 20):  # the CUDA-core path and the tl.dot path
-        w = masked_24(48, 512, seed=m).to(dtype)
+    # the CUDA-core path and the tl.dot path, whole rows (K 512) and split over 2 or 4
+    # programs (K 2048), M over one tile and over two (33)
+    for m, k, config in ((1, 512, None), (20, 512, None), (3, 2048, None),
+                         (33, 2048, {**split, "USE_DOT": True}),
+                         (2, 2048, {**split, "USE_DOT": False})):
+        w = masked_24(48, k, seed=m).to(dtype)
         values, meta = sk24.compress(w)
-        x = torch.randn(m, 512).to(dtype)
+        x = torch.randn(m, k).to(dtype)
         xs = None if dtype == torch.bfloat16 else torch.rand(m, 1) + 0.5
         ws = None if dtype == torch.bfloat16 else torch.rand(48) + 0.5
         bias = torch.randn(48).bfloat16()
         ref = sk24.reference(x, values, meta, xs, ws, bias).float()
-        y = sk24.launch(x, values, meta, xs, ws, bias).float()
+        y = sk24.launch(x, values, meta, xs, ws, bias, config=config).float()
         err = ((y - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-2, (dtype, m, err)
+        assert err < 1e-2, (dtype, m, k, err)
+        # every split-K launch leaves its tile counters at zero
+        assert int(sk24.counters(x.device).abs().sum()) == 0
+try:
+    sk24.launch(x[:, :1024], values[:, :512], meta[:, :32], None, None, None,
+                config={**split, "USE_DOT": False, "SPLIT_K": 4})
+except ValueError as e:
+    assert "BLOCK_W * SPLIT_K" in str(e)
+else:
+    raise AssertionError("a split that does not divide K ran")
 print("ok")
 """
 
@@ -148,8 +162,9 @@ def test_generate_equals_hf_generate_and_bounds_compiles():
     out = fast.generate(ids, max_new_tokens=8)
     want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
-    fast.generate(ids[:, :9], max_new_tokens=8)  # the cache's second use
     before = fast.report.compiles
+    assert before >= 2  # the prefill bucket and the decode step
+    fast.generate(ids[:, :9], max_new_tokens=8)  # the cache's second use: nothing new
     for length in (10, 15):  # one bucket (16): no new graph
         got = fast.generate(ids[:, :length] if length <= 11 else
                             torch.cat([ids, ids[:, :length - 11]], 1), max_new_tokens=8)
