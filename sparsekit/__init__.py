@@ -40,6 +40,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AccelReport": "sparsekit.accel",
     "accelerate": "sparsekit.accel",
+    "CompileOptions": "sparsekit.accel",
+    "PlanOptions": "sparsekit.accel",
     "ChannelPruner": "sparsekit.prune.channels",
     "ChannelReport": "sparsekit.prune.channels",
     "apply_channel_plan": "sparsekit.prune.channels",

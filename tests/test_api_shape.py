@@ -65,7 +65,7 @@ def test_accelerate_selects_layers_like_the_pruner():
         return m
 
     x = torch.randn(2, 64)
-    kw = dict(precision="bf16", device="cpu", compile=False, plan_cache=False)
+    kw = dict(precision="bf16", device="cpu", compile=False, plan=sk.PlanOptions(cache=False))
     by_re = sk.accelerate(net(), x, exclude=["re:0|1"], **kw)
     by_include = sk.accelerate(net(), x, include=["2"], **kw)
     for fast in (by_re, by_include):
@@ -75,7 +75,7 @@ def test_accelerate_selects_layers_like_the_pruner():
     with pytest.raises(ValueError, match="exclude pattern 'fc9' matches no"):
         sk.accelerate(net(), x, exclude=["fc9"], **kw)
     with pytest.raises(TypeError, match="positional argument"):
-        sk.accelerate(net(), x, "bf16", device="cpu", compile=False, plan_cache=False)
+        sk.accelerate(net(), x, "bf16", device="cpu", compile=False)
 
 
 class _Writer:

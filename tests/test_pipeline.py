@@ -69,3 +69,37 @@ def test_built_in_callbacks_come_first_and_registration_checks_the_type():
     assert kinds == [Logging, Evaluation, Checkpointing]
     with pytest.raises(TypeError, match="Callback"):
         register_callback(lambda ctx: None)
+
+
+def test_accel_stage_hands_the_config_to_accelerate_as_the_option_objects(monkeypatch):
+    """accel.capture goes into CompileOptions, accel.min_speedup and accel.siblings into
+    PlanOptions (the stage runs only on CUDA: the device and accelerate stand in here)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    import sparsekit as sk
+    from sparsekit.run import pipeline
+
+    class Called(Exception):
+        pass
+
+    seen = {}
+
+    def accelerate(model, example_inputs, **kwargs):
+        seen.update(kwargs, example=example_inputs)
+        raise Called
+
+    cfg = Config()
+    cfg.accel.enabled, cfg.accel.precision, cfg.accel.sparsity = True, "fp8", "auto"
+    cfg.accel.min_speedup, cfg.accel.siblings, cfg.accel.capture = 1.05, True, False
+    ctx = SimpleNamespace(cfg=cfg, device=torch.device("cuda"), model=nn.Linear(4, 4),
+                          example=torch.randn(3, 4))
+    monkeypatch.setattr(sk, "accelerate", accelerate)
+    with pytest.raises(Called):
+        pipeline.stage_accelerate(ctx)
+    assert seen["precision"] == "fp8" and seen["sparsity"] == "auto"
+    assert seen["compile"] == sk.CompileOptions(capture=False)
+    assert seen["plan"] == sk.PlanOptions(min_speedup=1.05, siblings=True)
+    assert seen["example"].shape == (1, 4)

@@ -322,8 +322,9 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
     """sparsekit's way: ``accelerate`` (timed), then ``fast.generate``."""
     t0 = time.perf_counter()
     # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
+    backend = "inductor" if device.type == "cuda" else "eager"
     fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
-                         device=device, backend="inductor" if device.type == "cuda" else "eager")
+                         device=device, compile=sk.CompileOptions(backend=backend))
     info = {"accelerate_s": time.perf_counter() - t0,
             "report_seconds": dict(fast.report.seconds)}
     print(json.dumps({"way": f"{precision} {sparsity}", **info}), flush=True)

@@ -260,7 +260,8 @@ def bench_model(name: str, master: nn.Module, x: torch.Tensor, device: torch.dev
         key = f"{precision}_{sparsity}" + ("" if fused else "_unfused")
         t0 = time.time()
         res, err = try_peer(lambda p=precision, s=sparsity, f=fused: sk.accelerate(
-            copy.deepcopy(master), x, precision=p, sparsity=s, fused_quant=f))
+            copy.deepcopy(master), x, precision=p, sparsity=s,
+            plan=sk.PlanOptions(fused_quant=f)))
         if res is None:
             out["errors"][key] = err
             log(f"{name} {key}: FAILED {err}")

@@ -454,7 +454,8 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
         out.append((f"{name}_nocap", {**dict(out)[name], "capture": False}))
     out.append(("sk_bf16_dense", {"kind": "sk", "precision": "bf16", "sparsity": "dense",
                                   "backend": backend}))
-    # the layers left dense (the LM head) as fp8 dense too: accelerate's dense_precision="fp8"
+    # the layers left dense (the LM head) as fp8 dense too:
+    # accelerate(plan=PlanOptions(dense_precision="fp8"))
     for name in ("sk_fp8_2:4", "sk_fp8s_2:4", "sk_fp8_auto", "sk_fp8s_auto"):
         out.append((f"{name}_head8", {**dict(out)[name], "dense_precision": "fp8"}))
     out.append(("dense_compiled_ro_frz", {"kind": "dense", "mode": "reduce-overhead",
@@ -496,12 +497,14 @@ def run_variant(how: dict, master: nn.Module, inputs, skip, device) -> tuple:
     if kind == "sk":
         if how.get("static"):
             static_quantize_(model, how["static"], inputs, skip)
-        fast = sk.accelerate(model, inputs, precision=how["precision"],
-                             sparsity=how["sparsity"], device=device, backend=how["backend"],
-                             mode=how.get("mode"), inductor=how.get("inductor"),
-                             fused_quant=how.get("fused_quant", True), clone_outputs=False,
-                             dense_precision=how.get("dense_precision", "bf16"),
-                             siblings=how.get("siblings", False), capture=how.get("capture"))
+        compile_options = sk.CompileOptions(
+            mode=how.get("mode"), backend=how["backend"], inductor=how.get("inductor"),
+            capture=how.get("capture"), clone_outputs=False)
+        plan = sk.PlanOptions(fused_quant=how.get("fused_quant", True),
+                              dense_precision=how.get("dense_precision", "bf16"),
+                              siblings=how.get("siblings", False))
+        fast = sk.accelerate(model, inputs, precision=how["precision"], sparsity=how["sparsity"],
+                             device=device, compile=compile_options, plan=plan)
         report = fast.report
         return (lambda: call(fast, inputs)), report.seconds.get("compile", 0.0), \
             report.seconds.get("plan", 0.0), report.compiles, report

@@ -101,8 +101,10 @@ def build_group(first: str, master, inputs: dict, device: torch.device, backend:
     if first.startswith("dense"):
         module, args = compile_module(model, mode=mode, backend=backend), inputs
     else:
-        fast = sk.accelerate(model, inputs, precision="bf16", sparsity="2:4", siblings=True,
-                             clone_outputs=False, device=device, backend=backend, mode=mode)
+        fast = sk.accelerate(
+            model, inputs, precision="bf16", sparsity="2:4", device=device,
+            compile=sk.CompileOptions(mode=mode, backend=backend, clone_outputs=False),
+            plan=sk.PlanOptions(siblings=True))
         if not graphs:
             return lambda: bench_models.call(fast, inputs)  # through the wrapper
         module, args = fast.runner, {k: fast._as_input(v) for k, v in inputs.items()}

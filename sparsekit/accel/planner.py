@@ -1,4 +1,9 @@
-"""The speed-aware planner behind ``sparsity="auto"``: per GEMM shape, time each candidate
+"""All of ``accelerate``'s planning: which variant each linear layer runs. :class:`Planner`
+holds one model's plan: each layer's candidates (:func:`layer_plan`) and choice, a
+:class:`PlannedLayer` per layer it may replace, the variant modules it builds, sibling fusion,
+and the token counts up to which the small-M (decode) kernels serve (:meth:`Planner.plan_decode`).
+
+With ``sparsity="auto"`` the planner is speed-aware: per GEMM shape, time each candidate
 variant as it will run, keep the fastest, and remember the timings on disk.
 
 "As it will run": a candidate layer is compiled with ``torch.compile`` (inductor, so its
@@ -32,20 +37,35 @@ the plans' times are cached under a key of the model's layer shapes, input shape
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import gc
+import hashlib
 import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.io.files import atomic_write
-from sparsekit.accel.report import BASELINE, decide
+from sparsekit.accel import algsearch, cslt_ext
+from sparsekit.accel import siblings as siblings_
+from sparsekit.accel.kernels import VARIANTS, variant_name
+from sparsekit.accel.model import AcceleratedModel
+from sparsekit.accel.options import CompileOptions, PlanOptions
+from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision, decide
 from sparsekit.io.cache import cache_root
+from sparsekit.io.files import atomic_write
+from sparsekit.nn.calibration import feed, tree_map
 from sparsekit.nn.timing import flush_l2, graph_time_us, time_ms
+from sparsekit.quant.formats import get_scheme
+from sparsekit.quant.modules import QuantLinear
 
 DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (docs/gpu.md)
 DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one by 5%
@@ -120,8 +140,6 @@ def whole_model_plans(layers: dict[str, tuple[list[str], str]], precision: str,
     sizes the precision's dense is not (its 2:4 is faster
     wherever 8-bit pays); the per-layer choice still covers each layer's every candidate. A
     plan equal to an earlier one is left out. Pure."""
-    from sparsekit.accel.kernels import variant_name
-
     plans: dict[str, dict[str, str]] = {
         "dense": {n: c[0] for n, (c, _) in layers.items()},
         "per_layer": {n: ch for n, (_, ch) in layers.items()},
@@ -305,8 +323,487 @@ def time_module(module: nn.Module, x: torch.Tensor, backend: str = "inductor",
         return time_ms(lambda: fn(x), "cpu", warmup=1, repeats=5) * 1e3
 
 
-__all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_TOKENS", "MIN_REPEATED_BLOCKS",
-           "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES", "cache_path", "choose",
-           "choose_plan", "extrapolate_ms", "load", "model_key", "plan_key", "repeated_blocks",
-           "store", "time_model_ms", "time_module", "time_paired", "truncated", "weight_bytes",
-           "whole_model_plans"]
+# ---- accelerate's plan: per-layer candidates and choices, whole-model plans, decode limits ----
+
+_ALIGN = 32  # in/out features the 8-bit and 2:4 kernels take (cuSPARSELt, _scaled_mm, _int_mm)
+DECODE_BUCKETS = (1, 4, 16, 32)  # token counts at which the small-M kernel is timed
+
+
+def own_precision(layer: nn.Module) -> str | None:
+    """The accel precision that keeps a W8A8 ``QuantLinear``'s numerics (its activation format:
+    "fp8" for fp8 and fp8_static, "int8" for int8 and int8_static); None for other layers."""
+    if not isinstance(layer, QuantLinear):
+        return None
+    act = get_scheme(layer.scheme).activation
+    return None if act is None else act.name
+
+
+def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
+               out_features: int, dense_precision: str = "bf16") -> tuple[list[str], str]:
+    """Candidate variants for one linear (bf16 dense always first; the last one is what
+    sparsity "2:4"/"dense" installs) and why the list is what it is. Pure."""
+    if in_features % _ALIGN or out_features % _ALIGN:
+        return [BASELINE], (f"in/out features {in_features}/{out_features} not multiples of "
+                            f"{_ALIGN}: stays bf16 dense")
+    if sparsity == "dense":
+        return list(dict.fromkeys([BASELINE, variant_name(precision, False)])), "sparsity=dense"
+    if not has_2to4:
+        return (list(dict.fromkeys([BASELINE, variant_name(dense_precision, False)])),
+                f"weight holds no 2:4 pattern: {dense_precision} dense")
+    if sparsity == "2:4":
+        return [BASELINE, variant_name(precision, True)], "2:4 pattern"
+    cands = [BASELINE, variant_name(precision, False), "bf16_2:4", variant_name(precision, True)]
+    return list(dict.fromkeys(cands)), "auto: fastest measured"
+
+
+@dataclass
+class PlannedLayer:
+    """A layer ``accelerate`` may replace: the original ``layer``, the ``tokens`` (M) it is
+    called with on the example inputs, its ``candidates`` (variants, bf16 dense first; with
+    ``sparsity="auto"`` those that ran at its shape) and its ``decision`` (the report's entry;
+    ``decision.variant`` is what gets installed)."""
+
+    layer: nn.Module
+    tokens: int
+    candidates: list[str]
+    decision: LayerDecision
+
+
+class Planner:
+    """``accelerate``'s planning for one model: each layer's candidates and choice
+    (:meth:`decide`; with ``sparsity="auto"`` timed per GEMM shape), then on CUDA the
+    whole-model plans (:meth:`plan_whole_model`), the variant modules (:meth:`build`, with the
+    cuSPARSELt algorithm search), sibling fusion and the small-M kernels' token limits
+    (:meth:`finish`). ``layers``: name -> :class:`PlannedLayer`. Timings and choices are read
+    from and saved to the disk cache (``options.cache``). ``compile``/``compiled``: how the
+    model will run (the whole-model plans are timed that way)."""
+
+    def __init__(self, device: torch.device, precision: str, sparsity: str,
+                 options: PlanOptions, compile: CompileOptions, compiled: bool,
+                 report: AccelReport):
+        self.device, self.precision, self.sparsity = device, precision, sparsity
+        self.options, self.compile, self.compiled = options, compile, compiled
+        self.report = report
+        self.inductor = compile.inductor or {}
+        self.whole_model = (device.type == "cuda" if options.whole_model is None
+                            else options.whole_model)
+        self.layers: dict[str, PlannedLayer] = {}
+        self.algs: dict[tuple, int] = {}
+        self.cache = load() if options.cache else {}
+        self.new: dict[str, dict] = {}
+        self.name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self._shapes: dict[tuple, tuple[str, str, dict]] = {}  # one choice per GEMM shape
+        # the whole-model plans run as the model will, their outputs not cloned
+        self._plan_compile = dataclasses.replace(compile, clone_outputs=False)
+
+    # -- variant modules and their timings --
+
+    def build(self, variant: str, layer: nn.Module, m: int) -> nn.Module:
+        cls = VARIANTS[variant]
+        # a layer's scheme picks its kernel route (per-tensor fp8: sparsekit's binding)
+        key = (variant, layer.out_features, layer.in_features, m, getattr(layer, "scheme", None))
+        fused_quant = self.options.fused_quant
+        if cls.uses_alg and self.device.type == "cuda" and self.options.search_algs:
+            if key not in self.algs:
+                hit = self.cache.get(self._key(variant, layer, m), {})
+                if "alg_id" in hit:
+                    self.algs[key] = int(hit["alg_id"])
+                else:
+                    mod, self.algs[key], _ = algsearch.search(variant, layer, m,
+                                                              use_cache=self.options.cache)
+                    mod.fused_quant = fused_quant
+                    return mod
+        return cls(layer, alg_id=self.algs.get(key, 0), fused_quant=fused_quant)
+
+    def _key(self, variant: str, layer: nn.Module, m: int) -> str:
+        # a static-scheme layer quantizes its input elementwise: another cost than per token
+        numerics = f"{variant}|{layer.scheme}" if isinstance(layer, QuantLinear) else variant
+        return plan_key(self.name, torch.__version__, numerics, layer.out_features,
+                        layer.in_features, m, inductor=self.inductor)
+
+    def time(self, variant: str, layer: nn.Module, m: int) -> float:
+        """Microseconds of ``variant`` for ``layer`` at ``m`` tokens, compiled (cached)."""
+        key = self._key(variant, layer, m)
+        hit = self.cache.get(key)
+        if hit is not None and "us" in hit:
+            return float(hit["us"])
+        mod = self.build(variant, layer, m)
+        x = torch.randn(m, layer.in_features, device=self.device, dtype=torch.bfloat16)
+        us = time_module(mod, x, self.compile.backend, self.inductor)
+        entry = {"us": us}
+        if mod.uses_alg:
+            entry["alg_id"] = mod.alg_id
+        self.cache[key] = self.new[key] = entry
+        return us
+
+    def save(self) -> None:
+        if self.options.cache and self.new:
+            store(self.new)
+
+    def install(self, model: nn.Module, assign: dict[str, str]) -> None:
+        """Put the variants ``assign`` ({layer name: variant}) in place in ``model`` (bf16 dense
+        keeps a float Linear as it is: cuBLAS)."""
+        for name, variant in assign.items():
+            planned = self.layers[name]
+            if variant == BASELINE and not isinstance(planned.layer, QuantLinear):
+                model.set_submodule(name, planned.layer)
+            else:
+                model.set_submodule(name, self.build(variant, planned.layer, planned.tokens))
+
+    # -- per layer --
+
+    def decide(self, name: str, layer: nn.Module, m: int, has_2to4: bool) -> None:
+        """Layer ``name``'s candidates and, with ``sparsity="auto"``, its per-shape choice;
+        adds its decision to the report and, when accelerate may replace it, to ``layers``."""
+        cands, reason = layer_plan(has_2to4, self.precision, self.sparsity, layer.in_features,
+                                   layer.out_features, self.options.dense_precision)
+        quantized = own_precision(layer) is not None
+        if quantized:  # only variants with the layer's own numerics: its scheme, dense or 2:4
+            reason = f"quantized ({layer.scheme}): its weights, scales and activation numerics"
+            if layer.in_features % _ALIGN or layer.out_features % _ALIGN:  # quant's forward
+                self.report.layers.append(LayerDecision(
+                    name, layer.out_features, layer.in_features, m, has_2to4, "QuantLinear",
+                    reason + "; in/out features not multiples of 32: kept"))
+                return
+            cands = [variant_name(self.precision, False)] + (
+                [variant_name(self.precision, True)] if has_2to4 and self.sparsity != "dense"
+                else [])
+        decision = LayerDecision(name, layer.out_features, layer.in_features, m, has_2to4,
+                                 BASELINE, reason)
+        self.report.layers.append(decision)
+        planned = self.layers[name] = PlannedLayer(layer, m, cands, decision)
+        if quantized and self.sparsity == "auto" and len(cands) > 1:
+            timings = {v: self.time(v, layer, m) for v in cands}
+            decision.variant = min(timings, key=timings.get)
+            decision.timings_us = timings
+            decision.reason += f"; faster measured at M={m}"
+        elif self.sparsity != "auto" or len(cands) == 1:
+            decision.variant = cands[-1]
+        else:
+            decision.variant, why, timings = self._choose_shape(layer, m, cands)
+            decision.timings_us = dict(timings)
+            decision.reason = f"{reason}; {why}"
+            # a variant that did not run at this shape is no candidate of any plan
+            planned.candidates = [c for c in cands if c in timings]
+
+    def _choose_shape(self, layer: nn.Module, m: int,
+                      cands: list[str]) -> tuple[str, str, dict[str, float]]:
+        """(variant, why, timings in us) of ``layer``'s GEMM shape at ``m`` tokens (:func:`choose`
+        on each candidate's time), timed once per shape."""
+        key = (layer.out_features, layer.in_features, m, tuple(cands))
+        if key not in self._shapes:
+            timings = {}
+            for v in cands:
+                try:
+                    timings[v] = self.time(v, layer, m)
+                except RuntimeError as e:  # a kernel this shape cannot run: not a candidate
+                    if v == BASELINE:
+                        raise
+                    self.report.notes.append(f"{v} at {layer.out_features}x{layer.in_features}"
+                                             f", M={m} did not run: "
+                                             f"{str(e).splitlines()[0][:120]}")
+            variant, why = choose(timings, m, self.options.min_speedup)
+            self._shapes[key] = (variant, why, timings)
+        return self._shapes[key]
+
+    # -- whole model --
+
+    def plan_whole_model(self, model: nn.Module, inputs: Any) -> None:
+        """Time a few whole-model plans as they will run (:func:`whole_model_plans`,
+        :func:`choose_plan`; cached on disk) and set each decision to the best one's variant."""
+        t0 = time.perf_counter()
+        layers = {n: (p.candidates, p.decision.variant) for n, p in self.layers.items()}
+        decode = all(p.tokens <= DECODE_TOKENS for p in self.layers.values())
+        plans = whole_model_plans(layers, self.precision, decode)
+        key = model_key(self.name, torch.__version__, self._signature(model, inputs))
+        entry = self.cache.get(key, {})
+        cached = entry.get("plan") in plans and "ms" in entry
+        if cached:
+            entry = {**entry, "ms": {k: float(v) for k, v in entry["ms"].items()},
+                     "why": entry.get("why", f"whole model: plan {entry['plan']} (cached)")
+                     + " (cached)"}
+        else:
+            entry = self._time_plans(model, inputs, plans, decode)
+            self.cache[key] = self.new[key] = entry
+        self.report.seconds["plan_model"] = time.perf_counter() - t0
+        self._keep_plan(plans, entry["plan"], entry["why"], entry["ms"], entry.get("confirm_ms"))
+
+    def _signature(self, model: nn.Module, inputs: Any) -> str:
+        """A hash of everything a whole-model decision depends on (see :func:`model_key`):
+        layer shapes, tokens, candidates, per-layer choices, input shapes and the options."""
+        c, o = self.compile, self.options
+        options = dict(compile=self.compiled, mode=c.mode, dynamic=c.dynamic,
+                       backend=c.backend, inductor=c.inductor, capture=c.capture,
+                       fused_quant=o.fused_quant, dense_precision=o.dense_precision,
+                       precision=self.precision, min_speedup=o.min_speedup,
+                       plan_blocks=PLAN_BLOCKS_TIMED, plan_cold_l2=True,
+                       plan_confirm=[CONFIRM_BELOW, PLAN_MARGIN],
+                       shorten_min_bytes=SHORTEN_MIN_BYTES,
+                       # decisions of the planner that extrapolated decode steps from a few
+                       # blocks are not reused
+                       decode_timed_whole=True)
+        shapes = []
+        tree_map(lambda t: shapes.append([list(t.shape), str(t.dtype)]) or t, inputs)
+        layers = [[n, p.decision.out_features, p.decision.in_features, p.decision.tokens,
+                   p.decision.has_2to4, p.candidates, p.decision.variant,
+                   getattr(p.layer, "scheme", None)] for n, p in self.layers.items()]
+        blob = json.dumps([type(model).__name__, shapes, layers, options], sort_keys=True,
+                          default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:20]
+
+    def _time_plans(self, model: nn.Module, inputs: Any, plans: dict[str, dict[str, str]],
+                    decode: bool) -> dict:
+        """{"plan", "why", "ms" (each plan's ms per call)[, "confirm_ms"]}: every plan installed
+        and timed (a big model of repeated blocks on a few of them), the fastest chosen, a
+        close call confirmed by timing it alternating with dense (:meth:`_confirm_plan`)."""
+        big = weight_bytes(model) >= SHORTEN_MIN_BYTES
+        # a decode-sized step is timed whole: on the H200 1 and 5 of a 32-layer Llama's blocks
+        # put its attention-bound decode step 20% off both ways, and "auto" chose a 2:4 plan
+        # running at 0.77x; a step costs milliseconds, compiles are what planning a whole
+        # model costs
+        blocks = repeated_blocks(model, plans) if big and not decode else None
+        if big and decode:
+            self.report.notes.append("decode-sized input: whole-model plans timed on the whole "
+                                     "model, not extrapolated from a few blocks")
+        ms, blocks = self._time_each(model, inputs, plans, blocks)
+        if blocks is not None:
+            k1, k2 = PLAN_BLOCKS_TIMED
+            self.report.notes.append(f"whole-model plans timed with {k1} and {k2} of the "
+                                     f"{len(blocks[1])} blocks of {blocks[0]}, extrapolated "
+                                     f"linearly to all of them")
+        best, why = choose_plan(ms, self.options.min_speedup)
+        entry = {"plan": best, "why": why, "ms": ms}
+        if best != "dense" and blocks is None and ms["dense"] / ms[best] < CONFIRM_BELOW:
+            best, why, entry["confirm_ms"] = self._confirm_plan(model, inputs, plans, best)
+            entry.update(plan=best, why=why)
+        return entry
+
+    def _time_each(self, model: nn.Module, inputs: Any, plans: dict[str, dict[str, str]],
+                   blocks: tuple[str, nn.Module] | None
+                   ) -> tuple[dict[str, float], tuple[str, nn.Module] | None]:
+        """(ms per call of each plan that ran, the ``blocks`` they were timed on: None when the
+        model did not run shortened)."""
+        ms: dict[str, float] = {}
+        for pname, assign in plans.items():
+            self.install(model, assign)
+            if pname == "dense" and blocks is not None:
+                try:  # a model whose forward needs all its blocks: time it whole
+                    ms[pname] = self._time_plan(model, inputs, blocks)
+                    continue
+                except Exception as e:  # noqa: BLE001  (any failure of the shortened model)
+                    self.report.notes.append(
+                        f"the model did not run with {blocks[0]} shortened ({type(e).__name__}"
+                        f": {str(e).splitlines()[0][:100]}): plans timed on the whole model")
+                    blocks = None
+            try:
+                ms[pname] = self._time_plan(model, inputs, blocks)
+            except RuntimeError as e:
+                if pname == "dense":
+                    raise
+                self.report.notes.append(f"whole-model plan {pname} did not run: "
+                                         f"{str(e).splitlines()[0][:120]}")
+        return ms, blocks
+
+    def _keep_plan(self, plans: dict[str, dict[str, str]], best: str, why: str,
+                   ms: dict[str, float], confirm: dict[str, float] | None) -> None:
+        """Plan ``best`` into the report (times, notes) and each layer's decision."""
+        report = self.report
+        report.plans_ms = dict(ms)
+        report.plan = best
+        src = confirm or ms  # the alternating times where there are any
+        report.model_us = {"dense": src["dense"] * 1e3,
+                           "accelerated": src.get(best, ms[best]) * 1e3}
+        same = [p for p in plans if p != best and plans[p] == plans[best]]
+        report.notes.append(why + "; plans timed (ms): " +
+                            ", ".join(f"{p} {t:.3f}" for p, t in ms.items()) +
+                            (f"; {best} = {', '.join(same)}" if same else "") +
+                            ("; timed alternating (ms): " +
+                             ", ".join(f"{p} {t:.3f}" for p, t in confirm.items())
+                             if confirm else ""))
+        for name, variant in plans[best].items():
+            d = self.layers[name].decision
+            if variant != d.variant:
+                d.reason += (f"; per-layer choice {d.variant} overridden by whole-model plan "
+                             f"{best}")
+                d.variant = variant
+            else:
+                d.reason += f"; whole-model plan {best}"
+
+    def _runner(self, model: nn.Module) -> AcceleratedModel:
+        """``model`` as one plan of it will run: wrapped and compiled as accelerate's result."""
+        r = self.report
+        return AcceleratedModel(model, AccelReport(r.precision, "auto", r.min_speedup, r.device),
+                                self.device, self._plan_compile, compile=self.compiled)
+
+    def _confirm_plan(self, model: nn.Module, inputs: Any, plans: dict[str, dict[str, str]],
+                      best: str) -> tuple[str, str, dict[str, float]]:
+        """(plan, why, {"dense": ms, best: ms}): ``best`` and "dense" built side by side
+        (module copies sharing the weights) and timed alternating (:func:`time_paired`);
+        ``best`` is kept if it beats dense by ``min_speedup`` and ``PLAN_MARGIN`` there, else
+        dense. Plans timed one after the other misjudged close calls: on the H200
+        BERT-large's fp8 per-layer plan timed 1.002x dense and ran at 0.953x of it."""
+        fns = []
+        for name in ("dense", best):
+            shell = _shell_copy(model)
+            self.install(shell, plans[name])
+            fns.append(functools.partial(feed, self._runner(shell), inputs))
+        try:
+            dense_ms, best_ms = time_paired(fns[0], fns[1], self.device, rounds=CONFIRM_ROUNDS)
+        finally:
+            fns = shell = None
+            if self.compiled:
+                _reset_compiled()
+        ratio, need = dense_ms / best_ms, max(self.options.min_speedup, PLAN_MARGIN)
+        timed = {"dense": dense_ms, best: best_ms}
+        if ratio < need:
+            return "dense", (f"whole model: plan {best} {ratio:.3f}x dense timed alternating "
+                             f"with it (< {need}): dense"), timed
+        return best, f"whole model: plan {best} {ratio:.2f}x dense, timed alternating with it", \
+            timed
+
+    def _time_plan(self, model: nn.Module, inputs: Any,
+                   blocks: tuple[str, nn.Module] | None) -> float:
+        """ms per call of the model as installed, compiled and run as it will run. A model of
+        many repeated blocks (``blocks``) is timed with two small numbers of them and
+        extrapolated: the plans differ block by block the same way, and each compile costs
+        seconds per block. The shortened model's calls start with a cold L2 cache: in the whole
+        model each block's weights were evicted by the other blocks (warm, a few small fp8 or
+        2:4 blocks would read theirs from L2 and look faster per block than they run)."""
+        def once() -> float:
+            fast = self._runner(model)
+            try:
+                return time_model_ms(lambda: feed(fast, inputs), self.device,
+                                     cold_l2=blocks is not None)
+            finally:
+                fast = None
+                if self.compiled:
+                    _reset_compiled()
+
+        if blocks is None:
+            return once()
+        times = {}
+        for k in PLAN_BLOCKS_TIMED:
+            with truncated(model, blocks[0], k):
+                times[k] = once()
+        return extrapolate_ms(times, len(blocks[1]))
+
+    # -- after the variants are installed --
+
+    def fuse_siblings(self, model: nn.Module, inputs: Any,
+                      groups: list[list[str]]) -> CompileOptions:
+        """``PlanOptions(siblings=True)`` on the installed model: each group of layers fed one
+        tensor becomes one GEMM (:func:`siblings.fuse`). Returns the compile options of the
+        model: with the inductor pass merging the members' identical calls
+        (:class:`siblings.MergeSameCalls`) when any was fused (unless ``inductor`` sets
+        ``post_grad_custom_pre_pass``)."""
+        if not self.compiled or self.compile.backend != "inductor":
+            self.report.notes.append("siblings: not fused without compile by inductor "
+                                     "(elsewhere every member would run the whole GEMM)")
+            return self.compile
+        notes = siblings_.fuse(model, inputs, groups, self.layers, self.build)
+        self.report.notes.extend(notes)
+        if not any(n.startswith("siblings fused") for n in notes):
+            return self.compile
+        return dataclasses.replace(self.compile, inductor={
+            "post_grad_custom_pre_pass": siblings_.MergeSameCalls(), **self.inductor})
+
+    def finish(self, model: nn.Module) -> None:
+        """Record the cuSPARSELt algorithm each installed layer uses and how its epilogue runs,
+        plan the small-M kernels' token limits (:meth:`plan_decode`), save the cache."""
+        own = 0
+        for name, planned in self.layers.items():
+            mod = model.get_submodule(name)
+            if getattr(mod, "uses_alg", False):
+                planned.decision.alg_ids[planned.decision.variant] = mod.alg_id
+            own += getattr(mod, "path", "") == "cslt_alpha"
+        self._epilogue_note(own)
+        self.plan_decode(model)
+        self.save()
+
+    def _epilogue_note(self, own: int) -> None:
+        """A note on where the fp8 2:4 layers apply their scales (``own``: how many run on
+        sparsekit's cuSPARSELt binding)."""
+        fp8_24 = [p.layer for p in self.layers.values() if p.decision.variant == "fp8_2:4"]
+        if own:
+            self.report.notes.append(f"epilogue: {own} fp8 2:4 layer(s) on sparsekit's "
+                                     f"cuSPARSELt binding (scale and bias in the GEMM)")
+        elif any(not isinstance(layer, QuantLinear) for layer in fp8_24):
+            self.report.notes.append(
+                "epilogue: fp8 2:4 layers quantize activations per token, scales applied after "
+                "the GEMM; a model quantized with quantize_(model, 'fp8_static_tensor', "
+                "calibration=...) first runs scale and bias inside it (faster: docs/gpu.md)")
+        elif any(get_scheme(layer.scheme).weight_granularity == "tensor" for layer in fp8_24) \
+                and cslt_ext.reason():
+            self.report.notes.append(f"epilogue: sparsekit's cuSPARSELt binding unavailable "
+                                     f"({cslt_ext.reason()}); scales applied after torch's "
+                                     f"binding")
+
+    def plan_decode(self, model: nn.Module) -> None:
+        """Per 2:4 layer with the small-M kernel, the token counts it serves: on CUDA each shape
+        is timed at ``DECODE_BUCKETS`` against the layer's large-M path (CUDA graphs) and keeps
+        the small-M kernel up to the last count where it is faster (``decode_max_m``; 0:
+        never, and the layer drops that format's copy of its weight); the choice is cached on
+        disk with the per-layer timings. On CPU the reference paths keep it for every M <= 32
+        (numerics, not speed)."""
+        if self.device.type != "cuda":
+            return
+        chosen: dict[str, dict] = {}
+        for mod in model.modules():
+            if getattr(mod, "dvalues", None) is None:
+                continue
+            numerics = (f"{mod.variant}|decode|{mod.path}|"
+                        f"{'dynamic' if mod.act_scale is None else 'static'}")
+            key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
+                           mod.in_features, 0, inductor=self.inductor)
+            if key not in chosen:
+                chosen[key] = self.cache.get(key) or time_decode(mod, self.device)
+                self.cache[key] = self.new[key] = chosen[key]
+                self.report.notes.append(
+                    f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the "
+                    f"small-M kernel for M <= {chosen[key]['decode_max_m']} (us small-M/"
+                    "large-M: " + ", ".join(f"M={m} {t[0]:.1f}/{t[1]:.1f}"
+                                            for m, t in chosen[key]["us"].items()) + ")")
+            mod.decode_max_m = int(chosen[key]["decode_max_m"])
+            if mod.decode_max_m == 0:  # never used: its copy of the weight goes
+                mod.dvalues = mod.dmeta = None
+
+
+def time_decode(mod: nn.Module, device: torch.device) -> dict:
+    """{"decode_max_m": the last of DECODE_BUCKETS where ``mod``'s small-M kernel beats its
+    large-M path, "us": {M: [small-M us, large-M us]}} (timed in CUDA graphs)."""
+    from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
+
+    limit, us = 0, {}
+    for m in DECODE_BUCKETS:
+        x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
+        pair = []
+        for max_m in (m, 0):
+            mod.decode_max_m = max_m
+            pair.append(timing.graph_time_us(functools.partial(mod, x)))
+        us[str(m)] = pair
+        if pair[0] >= pair[1]:
+            break
+        limit = m
+    return {"decode_max_m": limit, "us": us}
+
+
+def _shell_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules sharing its parameters and buffers (no tensor copied)."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _reset_compiled() -> None:
+    """Drop what torch.compile holds (code caches, CUDA-graph trees and their memory)."""
+    _compat.reset_compiled()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+__all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
+           "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
+           "PlannedLayer", "Planner", "cache_path", "choose", "choose_plan", "extrapolate_ms",
+           "layer_plan", "load", "model_key", "own_precision", "plan_key", "repeated_blocks",
+           "store", "time_decode", "time_model_ms", "time_module", "time_paired", "truncated",
+           "weight_bytes", "whole_model_plans"]

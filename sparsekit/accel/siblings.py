@@ -8,7 +8,8 @@ biases, per-channel scales; a 2:4 weight stays 2:4 along its input), shared by t
 which are replaced by :class:`SiblingSlice` modules returning ``group(x)[..., start:end]``.
 The model's code still calls q, k and v one by one, so the traced graph holds the same
 computation three times, on the same input and the same buffers; :class:`MergeSameCalls`, an
-inductor post-grad pass that ``accelerate(siblings=True)`` installs, keeps one of them.
+inductor post-grad pass that ``accelerate(plan=PlanOptions(siblings=True))`` installs, keeps one
+of them.
 (Inductor's own ``freezing`` does that merge too, but under CUDA graphs it measured slower: on
 the H200 the rows with freezing ran 197 / 453 device copies per forward on the 32-layer Llama,
 as many as its weight and scale tensors, and dense with freezing alone ran 12% slower;
@@ -185,20 +186,21 @@ class SiblingSlice(nn.Module):
 
 def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
          build: Callable[[str, nn.Module, int], nn.Module]) -> list[str]:
-    """Replace each group of installed layers (``chosen``: name -> (original layer, tokens,
-    candidates, decision)) whose members run one variant by slices of one layer built with
+    """Replace each group of installed layers (``chosen``: name ->
+    :class:`~sparsekit.accel.planner.PlannedLayer`) whose members run one variant by slices
+    of one layer built with
     ``build(variant, concatenated layer, tokens)`` (bf16 dense float layers become one
     ``bf16_dense`` layer); a group whose members differ is left as it is. Checked with one
     eager forward: a model that needs contiguous outputs gets its layers back. Returns notes."""
     notes, done = [], []
     for group in groups:
         members = [n for n in group if n in chosen]
-        variants = {chosen[n][3].variant for n in members}
+        variants = {chosen[n].decision.variant for n in members}
         if len(members) < 2 or len(variants) != 1:
             if len(members) > 1:
                 notes.append(f"siblings {members} not fused: variants {sorted(variants)} differ")
             continue
-        layers = [chosen[n][0] for n in members]
+        layers = [chosen[n].layer for n in members]
         src, why = concat_linears(layers)
         if src is None:
             notes.append(f"siblings {members} not fused: {why}")
@@ -210,16 +212,17 @@ def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
                          f"and one GEMM would lose the scale and bias inside it")
             continue
         variant = variants.pop()
-        mod = build(variant, src, chosen[members[0]][1])
+        mod = build(variant, src, chosen[members[0]].tokens)
         start = 0
         for name, layer in zip(members, layers):
-            done.append((name, model.get_submodule(name), chosen[name][3].reason))
+            done.append((name, model.get_submodule(name), chosen[name].decision.reason))
             model.set_submodule(name, SiblingSlice(mod, start, start + layer.out_features,
                                                    layer.in_features))
             start += layer.out_features
         for name in members:
-            chosen[name][3].reason += (f"; one {variant} GEMM ({start}x{layers[0].in_features})"
-                                       f" with {', '.join(m for m in members if m != name)}")
+            chosen[name].decision.reason += (
+                f"; one {variant} GEMM ({start}x{layers[0].in_features})"
+                f" with {', '.join(m for m in members if m != name)}")
         notes.append(f"siblings fused: {', '.join(members)} (one {variant} GEMM, "
                      f"{start}x{layers[0].in_features})")
     if done:
@@ -229,7 +232,7 @@ def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
         except Exception as e:  # noqa: BLE001 - a model the slices do not suit runs unfused
             for name, previous, reason in done:
                 model.set_submodule(name, previous)
-                chosen[name][3].reason = reason
+                chosen[name].decision.reason = reason
             return [f"siblings not fused: the model failed with slices ({type(e).__name__}: "
                     f"{str(e).splitlines()[0][:120]})"]
     return notes

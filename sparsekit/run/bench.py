@@ -106,7 +106,7 @@ def generation_speed(
     quiet: bool = True,
 ) -> dict[str, float]:
     """Tokens per second of ``generate_fn(input_ids)`` (a causal LM's ``generate``, or an
-    :class:`~sparsekit.accel.api.AcceleratedModel`'s, asked for ``new_tokens`` new tokens per
+    :class:`~sparsekit.accel.model.AcceleratedModel`'s, asked for ``new_tokens`` new tokens per
     sequence): ``{"median", "p10", "p90"}`` over ``repeats`` timed calls after ``warmup``
     (which also compiles). Tokens are counted from what each call returns (its sequences minus
     the prompt, over the batch), so a call that stops early is counted as what it gave; a call

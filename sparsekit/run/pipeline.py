@@ -619,10 +619,10 @@ def stage_accelerate(ctx: RunContext) -> None:
         print("accel skipped: CUDA is not available")
         ctx.accel["skipped"] = "CUDA is not available"
         return
-    fast = ctx.fast = sk.accelerate(copy.deepcopy(ctx.model), ctx.example[:1],
-                                    precision=a.precision, sparsity=a.sparsity,
-                                    min_speedup=a.min_speedup, siblings=a.siblings,
-                                    capture=a.capture)
+    fast = ctx.fast = sk.accelerate(
+        copy.deepcopy(ctx.model), ctx.example[:1], precision=a.precision, sparsity=a.sparsity,
+        compile=sk.CompileOptions(capture=a.capture),
+        plan=sk.PlanOptions(min_speedup=a.min_speedup, siblings=a.siblings))
     report = fast.sparsekit_report
     if ctx.tracker.writer is not None:
         report.log(ctx.tracker.writer)

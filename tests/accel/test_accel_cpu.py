@@ -9,7 +9,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.accel import algsearch
-from sparsekit.accel.api import layer_plan
+from sparsekit.accel.planner import layer_plan
 from sparsekit.accel.convert import (
     ConvAsLinear,
     SplitMultiheadAttention,
@@ -73,11 +73,14 @@ def test_accelerate_validates_before_needing_cuda():
     with pytest.raises(ValueError, match="sparsity"):
         sk.accelerate(model, torch.randn(2, 8), sparsity="1:4")
     with pytest.raises(ValueError, match="min_speedup"):
-        sk.accelerate(model, torch.randn(2, 8), min_speedup=0)
-    with pytest.raises(ValueError, match=r"^inductor: Unexpected optimization option triton\.bog"):
-        sk.accelerate(model, torch.randn(2, 8), inductor={"triton.bogus": 1})
+        sk.accelerate(model, torch.randn(2, 8), plan=sk.PlanOptions(min_speedup=0))
+    with pytest.raises(ValueError, match=r"^CompileOptions\.inductor: Unexpected optimization "
+                                         r"option triton\.bog"):
+        sk.accelerate(model, torch.randn(2, 8),
+                      compile=sk.CompileOptions(inductor={"triton.bogus": 1}))
     with pytest.raises(ValueError, match="inductor must be a dict"):
-        sk.accelerate(model, torch.randn(2, 8), inductor=["triton.multi_kernel"])
+        sk.accelerate(model, torch.randn(2, 8),
+                      compile=sk.CompileOptions(inductor=["triton.multi_kernel"]))
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             sk.accelerate(model, torch.randn(2, 8))

@@ -141,7 +141,7 @@ def test_own_graph_survives_a_reduce_overhead_model_built_after_it():
     model = make_24_(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))).eval()
     ref = copy.deepcopy(model).double()
     fast = sk.accelerate(copy.deepcopy(model), torch.randn(64, 256), precision="fp8",
-                         sparsity="auto", whole_model=False)
+                         sparsity="auto", plan=sk.PlanOptions(whole_model=False))
     assert fast.capture
     x = torch.randn(64, 256)
     other = torch.compile(copy.deepcopy(model).cuda().bfloat16(), mode="reduce-overhead")
@@ -244,16 +244,17 @@ def test_llama_block_compiled_accurate(precision, fused_quant):
     x = torch.randn(4, 64, 256)
     with torch.no_grad():
         ref = copy.deepcopy(block).double()(x.double())
-    fast = sk.accelerate(block.float(), x, precision=precision, fused_quant=fused_quant)
+    fast = sk.accelerate(block.float(), x, precision=precision,
+                         plan=sk.PlanOptions(fused_quant=fused_quant))
     assert len(fast.report.layers) == 7
     assert rel_err(fast(x), ref) <= TOL[precision]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_siblings_one_gemm_and_no_weight_copies(precision):
-    """siblings=True under reduce-overhead: fewer sparse GEMM kernels than the plain model, no
-    device-to-device copy per weight on each replay (what inductor freezing caused: run 9 of
-    docs/gpu.md), the same output within the variant's tolerance."""
+    """PlanOptions(siblings=True) under reduce-overhead: fewer sparse GEMM kernels than the
+    plain model, no device-to-device copy per weight on each replay (what inductor freezing
+    caused: run 9 of docs/gpu.md), the same output within the variant's tolerance."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
@@ -274,8 +275,11 @@ def test_siblings_one_gemm_and_no_weight_copies(precision):
         return (sum("sparse" in n.lower() and "gemm" in n.lower() for n in names),
                 sum("memcpy dtod" in n.lower() for n in names))
 
-    plain = sk.accelerate(copy.deepcopy(block).float(), x, precision=precision)
-    fused = sk.accelerate(copy.deepcopy(block).float(), x, precision=precision, siblings=True)
+    # the plan pinned: the same fixed variants in both (no timing-dependent whole-model choice)
+    plain = sk.accelerate(copy.deepcopy(block).float(), x, precision=precision,
+                          plan=sk.PlanOptions(whole_model=False))
+    fused = sk.accelerate(copy.deepcopy(block).float(), x, precision=precision,
+                          plan=sk.PlanOptions(whole_model=False, siblings=True))
     assert sum(n.startswith("siblings fused") for n in fused.report.notes) == 2
     (g_plain, c_plain), (g_fused, c_fused) = kernels_of(plain), kernels_of(fused)
     assert g_fused == g_plain - 3  # q/k/v one GEMM, gate/up one GEMM

@@ -71,7 +71,8 @@ def test_accelerated_models_trace_without_graph_breaks(build, precision):
     sk.prune_(model.eval(), pattern="2:4", criterion="magnitude")
     with torch.no_grad():
         ref = _call(copy.deepcopy(model).double(), x if isinstance(x, dict) else x.double())
-    fast = sk.accelerate(model, x, precision=precision, device="cpu", backend="eager")
+    fast = sk.accelerate(model, x, precision=precision, device="cpu",
+                         compile=sk.CompileOptions(backend="eager"))
     sparse = {d.variant for d in fast.report.layers}
     assert f"{precision}_2:4" in sparse  # the 2:4 layers were swapped
     assert any(isinstance(m, kernels.VARIANTS[f"{precision}_2:4"]) for m in fast.model.modules())
@@ -127,7 +128,7 @@ def test_output_types_preserved_and_recompiles_bounded():
     sk.prune_(net, pattern="2:4", criterion="magnitude")
     ref = net(torch.randn(3, 64))
     fast = sk.accelerate(net, torch.randn(3, 64), precision="fp8", device="cpu",
-                         backend="eager")
+                         compile=sk.CompileOptions(backend="eager"))
     out = fast(torch.randn(3, 64))
     assert isinstance(out, _Out) and output_types_equal(out, ref)
     assert isinstance(out.aux, tuple) and isinstance(out.aux[1], list)
@@ -150,7 +151,8 @@ def test_static_scales_leave_no_row_reduction_in_the_graph(scheme):
     model.to(torch.bfloat16)
     with torch.no_grad():
         ref = model(**x).logits
-    fast = sk.accelerate(model, x, precision="fp8", device="cpu", backend="eager")
+    fast = sk.accelerate(model, x, precision="fp8", device="cpu",
+                         compile=sk.CompileOptions(backend="eager"))
     assert {d.variant for d in fast.report.layers} == {"fp8_2:4", "bf16_dense"}  # lm_head
     exp = torch._dynamo.explain(fast.model)(**x)
     assert exp.graph_break_count == 0, exp.break_reasons
@@ -188,9 +190,11 @@ def test_siblings_run_as_one_gemm(build, scheme, groups):
     plain = sk.accelerate(copy.deepcopy(model), x, precision=precision, device="cpu",
                           compile=False)
     fused = sk.accelerate(copy.deepcopy(model), x, precision=precision, device="cpu",
-                          siblings=True)
+                          plan=sk.PlanOptions(siblings=True))
     notes = [n for n in fused.report.notes if n.startswith("siblings fused")]
     assert len(notes) == len(groups)
+    # the merge pass goes into the compiled model's inductor options
+    assert type(fused.options.inductor["post_grad_custom_pre_pass"]).__name__ == "MergeSameCalls"
     for group, note in zip(groups, notes):
         assert all(f".{m}" in note for m in group), note
         slices = [m for n, m in fused.model.named_modules() if n.endswith(f".{group[0]}")]
@@ -200,8 +204,8 @@ def test_siblings_run_as_one_gemm(build, scheme, groups):
     assert n_fused == n_plain - sum(len(g) - 1 for g in groups)
     ya, yb = (a.logits, b.logits) if hasattr(a, "logits") else (a[0], b[0])
     torch.testing.assert_close(yb.float(), ya.float(), rtol=0.02, atol=0.02)
-    eager = sk.accelerate(copy.deepcopy(model), x, precision=precision, device="cpu",
-                          compile=False, siblings=True)
+    eager = sk.accelerate(copy.deepcopy(model), x, precision=precision, device="cpu", compile=False,
+                          plan=sk.PlanOptions(siblings=True))
     assert any("not fused without compile by inductor" in n for n in eager.report.notes)
     assert not any(type(m).__name__ == "SiblingSlice" for m in eager.model.modules())
 
@@ -214,7 +218,8 @@ def test_siblings_keep_per_tensor_fp8_layers_on_the_epilogue_path():
     model.eval()
     sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["pooler.dense"])
     sk.quantize_(model, "fp8_static_tensor", exclude=["pooler.dense"], calibration=[x])
-    fast = sk.accelerate(model, x, precision="fp8", device="cpu", siblings=True)
+    fast = sk.accelerate(model, x, precision="fp8", device="cpu",
+                         plan=sk.PlanOptions(siblings=True))
     assert any("per-tensor weight scales differ" in n for n in fast.report.notes)
     assert not any(type(m).__name__ == "SiblingSlice" for m in fast.model.modules())
     assert all(m.path == "cslt_alpha" for m in fast.model.modules()
@@ -260,7 +265,8 @@ def test_cpu_accelerate_builds_from_quantized_model():
     with torch.no_grad():
         ref = net(x).y
     wq = net.a.weight.clone()
-    fast = sk.accelerate(net, x, precision="int8", device="cpu", backend="eager")
+    fast = sk.accelerate(net, x, precision="int8", device="cpu",
+                         compile=sk.CompileOptions(backend="eager"))
     assert isinstance(fast.model.a, kernels.VARIANTS["int8_2:4"])
     assert torch.equal(fast.model.a.packed, wq)
     assert torch.equal(fast(x).y, ref)
@@ -274,8 +280,8 @@ def test_cpu_accelerate_builds_from_quantized_model():
 def test_dense_precision_fp8_for_unpruned_layers():
     net = _Net().eval()
     sk.prune_(net, pattern="2:4", criterion="magnitude", exclude=["b"])
-    fast = sk.accelerate(net, torch.randn(2, 64), precision="bf16", device="cpu",
-                         dense_precision="fp8", compile=False)
+    fast = sk.accelerate(net, torch.randn(2, 64), precision="bf16", device="cpu", compile=False,
+                         plan=sk.PlanOptions(dense_precision="fp8"))
     by_name = {d.name: d.variant for d in fast.report.layers}
     assert by_name == {"a": "bf16_2:4", "b": "fp8_dense"}
 
@@ -419,8 +425,8 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
              ("fp8_dense", "fp8_dense"): 7.0}
     monkeypatch.setattr(planner, "time_model_ms", fake_times(table))
     net = cur[0] = copy.deepcopy(master)
-    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
-                         compile=False, whole_model=True)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
+                         plan=sk.PlanOptions(whole_model=True))
     r = fast.report
     # M=6 is decode-sized: no all-bf16-2:4 plan and no all-fp8-dense one
     assert r.plan == "fp8_2:4" and r.plans_ms == {"dense": 10.0, "per_layer": 8.0,
@@ -435,8 +441,8 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
 
     monkeypatch.setattr(planner, "time_model_ms", no_timing)
     net = cur[0] = copy.deepcopy(master)
-    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
-                         compile=False, whole_model=True)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
+                         plan=sk.PlanOptions(whole_model=True))
     assert fast.report.plan == "fp8_2:4" and type(net.a).__name__ == "FP8Sparse24"
     # every plan slower than dense (a decode-like case): the float Linears stay. The per-layer
     # timings are measured for real here (plan_cache=False), so the per-layer plan may mix any
@@ -447,8 +453,8 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
 
     monkeypatch.setattr(planner, "time_model_ms", fake_times(Slow()))
     net = cur[0] = copy.deepcopy(master)
-    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
-                         compile=False, whole_model=True, plan_cache=False)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
+                         plan=sk.PlanOptions(whole_model=True, cache=False))
     assert fast.report.plan == "dense" and isinstance(net.a, nn.Linear)
     assert {d.variant for d in fast.report.layers} == {"bf16_dense"}
 
@@ -476,8 +482,8 @@ def _close_call_plans(monkeypatch, tmp_path, alternating: tuple[float, float]):
         return alternating
 
     monkeypatch.setattr(planner, "time_paired", paired)
-    fast = sk.accelerate(net, torch.randn(96, 64), precision="fp8", sparsity="auto",
-                         device="cpu", compile=False, whole_model=True)
+    fast = sk.accelerate(net, torch.randn(96, 64), precision="fp8", sparsity="auto", device="cpu",
+                         compile=False, plan=sk.PlanOptions(whole_model=True))
     return master, net, fast, seen
 
 
@@ -599,8 +605,8 @@ def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch
     # per layer, bf16 2:4 looks fastest (not wall clock: the per_layer plan must not be fp8 2:4)
     monkeypatch.setattr(planner, "time_module", lambda mod, *a: 1.0 if mod.variant == "bf16_2:4"
                         else 2.0)
-    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
-                         compile=False, whole_model=True, plan_cache=False)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
+                         plan=sk.PlanOptions(whole_model=True, cache=False))
     r = fast.report
     assert set(seen) == {1, 5} and len(net.model.layers) == 8
     assert r.plans_ms["dense"] == pytest.approx(1.0 + 8 * 1.0)
@@ -633,7 +639,7 @@ def test_decode_sized_plans_of_a_deep_model_are_timed_whole(monkeypatch):
     monkeypatch.setattr(planner, "time_module", lambda mod, *a: 1.0 if mod.variant == "bf16_2:4"
                         else 2.0)
     r = sk.accelerate(net, x, precision="bf16", sparsity="auto", device="cpu", compile=False,
-                      whole_model=True, plan_cache=False).report
+                      plan=sk.PlanOptions(whole_model=True, cache=False)).report
     assert seen and set(seen) == {(8, False)}
     assert any("decode-sized input" in n for n in r.notes)
     assert not any("blocks of" in n for n in r.notes)
@@ -686,8 +692,8 @@ def test_a_small_deep_model_is_planned_whole(monkeypatch):
 
         monkeypatch.setattr(planner, "time_model_ms", fake_time)
         monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", threshold)
-        r = sk.accelerate(m, x, precision="fp8", sparsity="auto", device="cpu",
-                          compile=False, whole_model=True, plan_cache=False).report
+        r = sk.accelerate(m, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
+                          plan=sk.PlanOptions(whole_model=True, cache=False)).report
         assert {n for n, _ in seen} == counts and len(m[0]) == 8
         assert {cold for _, cold in seen} == {counts != {8}}
         assert any("blocks of" in n for n in r.notes) == (counts != {8})
@@ -710,8 +716,8 @@ def test_a_model_that_cannot_be_shortened_is_planned_whole(monkeypatch):
     monkeypatch.setattr(planner, "time_model_ms", fake_time)
     monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", 0)
     x = torch.randn(96, 64)  # above DECODE_TOKENS (a decode-sized input is timed whole)
-    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu",
-                         compile=False, whole_model=True, plan_cache=False)
+    fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
+                         plan=sk.PlanOptions(whole_model=True, cache=False))
     r = fast.report
     assert set(seen) == {8} and len(net.blocks) == 8  # every plan timed whole
     assert any("did not run with blocks shortened (ValueError: expected 8 blocks" in n

@@ -157,7 +157,8 @@ def _tiny_llama():
 def test_generate_equals_hf_generate_and_bounds_compiles():
     model, ref = _tiny_llama()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
-    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", backend="eager")
+    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu",
+                         compile=sk.CompileOptions(backend="eager"))
     sparse = [m for m in fast.model.modules() if type(m).__name__ == "Sparse24BF16"]
     assert len(sparse) == 14 and all(m.dvalues is not None for m in sparse)
     out = fast.generate(ids, max_new_tokens=8)
@@ -195,7 +196,7 @@ def test_generate_sampling_and_errors():
 
 
 def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypatch):
-    from sparsekit.accel import api
+    from sparsekit.accel import planner
     from sparsekit.nn import timing
 
     lin = nn.Linear(512, 64)
@@ -213,7 +214,7 @@ def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypat
         return (20.0 if m == 16 else 5.0) if small else 8.0
 
     monkeypatch.setattr(timing, "graph_time_us", fake_time)
-    got = api._time_decode(mod, torch.device("cpu"))
+    got = planner.time_decode(mod, torch.device("cpu"))
     assert got["decode_max_m"] == 4
     assert list(got["us"]) == ["1", "4", "16"] and got["us"]["16"] == [20.0, 8.0]
     assert calls == [(1, True), (1, False), (4, True), (4, False), (16, True), (16, False)]

@@ -11,8 +11,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit import _compat
-from sparsekit.accel import graphs
-from sparsekit.accel.api import AcceleratedModel
+from sparsekit.accel import AcceleratedModel, CompileOptions, graphs
 from sparsekit.accel.report import AccelReport
 
 
@@ -142,7 +141,7 @@ def test_accelerated_model_falls_back_to_reduce_overhead_once(monkeypatch):
     report says why, and the call (and later ones) run that."""
     net = nn.Linear(8, 8).eval().to(torch.bfloat16)
     fast = AcceleratedModel(net, AccelReport("bf16", "2:4", 1.0, "cpu"), torch.device("cpu"),
-                            backend="eager")
+                            CompileOptions(backend="eager"))
     modes = []
     monkeypatch.setattr(fast, "_compile", lambda mode: modes.append(mode) or net)
 
@@ -166,7 +165,9 @@ def test_accelerated_model_falls_back_to_reduce_overhead_once(monkeypatch):
 def test_capture_is_checked_and_off_on_cpu():
     net = nn.Sequential(nn.Linear(64, 64)).eval()
     sk.prune_(net, pattern="2:4", criterion="magnitude")
-    with pytest.raises(ValueError, match="capture=True needs a CUDA device"):
-        sk.accelerate(net, torch.randn(4, 64), device="cpu", capture=True)
-    fast = sk.accelerate(net, torch.randn(4, 64), device="cpu", backend="eager")
+    with pytest.raises(ValueError, match=r"CompileOptions\(capture=True\) needs a CUDA device"):
+        sk.accelerate(net, torch.randn(4, 64), device="cpu",
+                      compile=sk.CompileOptions(capture=True))
+    fast = sk.accelerate(net, torch.randn(4, 64), device="cpu",
+                         compile=sk.CompileOptions(backend="eager"))
     assert fast.capture is False and fast.graphs is None

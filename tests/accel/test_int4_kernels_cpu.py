@@ -287,7 +287,7 @@ def test_accelerate_precision_int4(sparsity, variant):
     with torch.no_grad():
         ref = copy.deepcopy(model).double()(x.double())
     fast = sk.accelerate(model, x, precision="int4", sparsity=sparsity, device="cpu",
-                         backend="eager")
+                         compile=sk.CompileOptions(backend="eager"))
     assert [d.variant for d in fast.report.layers] == [variant, variant]
     assert isinstance(fast.model[0], kernels.VARIANTS[variant])
     y = fast(x)

@@ -123,8 +123,8 @@ def test_decode_step_is_the_same_step_every_call(monkeypatch):
             return 1.0 + len(net.model.layers) * per_call.get(kind, 1.0)
 
         monkeypatch.setattr(planner, "time_model_ms", fake_time)
-        fast = sk.accelerate(net, vin, precision="fp8", sparsity=how, device="cpu",
-                             compile=False, whole_model=True, plan_cache=False)
+        fast = sk.accelerate(net, vin, precision="fp8", sparsity=how, device="cpu", compile=False,
+                             plan=sk.PlanOptions(whole_model=True, cache=False))
         if how == "auto":
             assert fast.report.plan == "fp8_2:4"
         with torch.no_grad():
