@@ -155,6 +155,28 @@ def _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, MODE: tl.constexp
 
 
 @triton.jit
+def _reduce_splits(out, part_ptr, cnt_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, M,
+                   N, stride_xs, HAS_XS: tl.constexpr, HAS_WS: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write this split's partial sums; the tile's last split to arrive adds them all, stores
+    the output and sets the tile's counter back to zero."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], out, mask=ok)
+    tl.debug_barrier()  # every thread's partial is written before the count
+    tile_id = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        tl.debug_barrier()
+        total = tl.zeros(out.shape, dtype=tl.float32)
+        for j in tl.static_range(SPLIT_K):
+            total += tl.load(part_ptr + (j * M + rm[:, None]) * N + rn[None, :], mask=ok,
+                             other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+        _epilogue(total, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, stride_xs,
+                  HAS_XS, HAS_WS, HAS_BIAS)
+
+
+@triton.jit
 def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
                 M, N, K, stride_xm, stride_xs, M_BUCKET,
                 HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -201,22 +223,8 @@ def sk24_kernel(x_ptr, v_ptr, m_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt
         _epilogue(out, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, stride_xs,
                   HAS_XS, HAS_WS, HAS_BIAS)
     else:
-        ok = m_ok[:, None] & n_ok[None, :]
-        tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], out,
-                 mask=ok)
-        tl.debug_barrier()  # every thread's partial is written before the count
-        tile_id = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last of the tile's splits: reduce and store
-            tl.debug_barrier()
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + (j * M + rm[:, None]) * N + rn[None, :], mask=ok,
-                                 other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
-            _epilogue(total, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, stride_xs,
-                      HAS_XS, HAS_WS, HAS_BIAS)
-
+        _reduce_splits(out, part_ptr, cnt_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok,
+                       M, N, stride_xs, HAS_XS, HAS_WS, HAS_BIAS, SPLIT_K)
 
 tuned = triton.autotune(configs=configs(), key=["M_BUCKET", "N", "K", "HAS_XS"],
                         prune_configs_by={"early_config_prune": _prune})(sk24_kernel)
