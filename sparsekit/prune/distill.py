@@ -232,17 +232,14 @@ def distill_(
     dropout: bool = True,
     **distiller: Any,
 ) -> list[float]:
-    """Train ``model`` for ``steps`` optimizer steps (AdamW, linear warm-up over ``warmup``
-    steps, then cosine decay to 10% of ``lr``: :func:`~sparsekit.prune.schedules.lr_at`) to
-    match ``teacher`` on ``batches`` (cycled; re-iterable), with the :class:`Distiller` loss
-    for ``task`` (keyword arguments ``target``, ``loss``, ``temperature``, ``feature_weight``,
-    ``feature_loss`` go to it). ``dropout=False`` trains ``model`` in eval mode (no dropout,
-    batch norms on their running statistics): the student then matches the teacher's
-    deterministic outputs, which all-MiniLM-L6-v2 at 2:4 learns markedly faster
-    (docs/accuracy.md). ``pruner`` (a :class:`~sparsekit.Pruner` of ``model``, still
-    holding its masks) steps after every optimizer step, so pruned weights stay zero; without
-    one, ``model`` must have no zeros to keep (a finalized pruned model would be filled in):
-    make the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step.
+    """Train ``model`` for ``steps`` AdamW steps (``lr`` warmed up over ``warmup`` steps, then
+    cosine decay to 10%: :func:`~sparsekit.prune.schedules.lr_at`) to match ``teacher`` on
+    ``batches`` (cycled; re-iterable) with the :class:`Distiller` loss of ``task`` (keywords
+    ``target``, ``loss``, ``temperature``, ``feature_weight``, ``feature_loss`` go to it);
+    ``dropout=False``: in eval mode (no dropout; batch norms on running statistics). ``pruner``
+    (a :class:`~sparsekit.Pruner` of ``model`` holding its masks) steps after every optimizer
+    step, so pruned weights stay zero; without one, ``model`` must have no zeros to keep: make
+    the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step.
 
     >>> torch.manual_seed(0) and None
     >>> teacher = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))

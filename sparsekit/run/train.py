@@ -164,14 +164,12 @@ def fit(
     shard: bool = False,
     log_every: int = 1,
 ) -> None:
-    """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
-    ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`: masks or channels) takes its
-    step (the optimizer follows any parameters the step replaced), then
-    ``on_step(step, metrics)`` runs. ``dropout=False`` trains in eval mode (no dropout, batch
-    norms on their running statistics). Distillation: ``distiller`` (a :class:`Distiller`), or
-    ``teacher`` with ``temperature`` (KL on the logits); its loss weighs ``distill_alpha``, the
-    task loss ``1 - distill_alpha`` (at ``distill_alpha=1`` the targets are never read:
-    unlabeled data) (logging, evaluation, checkpoints happen there).
+    """Train ``model`` (in eval mode if ``dropout=False``) for steps ``start_step .. steps - 1``.
+    After each optimizer step the ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`:
+    masks or channels) steps (the optimizer follows any parameters it replaced), then
+    ``on_step(step, metrics)`` runs (logging, evaluation, checkpoints). Distillation:
+    ``distiller`` (a :class:`Distiller`), or ``teacher`` with ``temperature`` (KL on the logits);
+    its loss weighs ``distill_alpha``, the task loss ``1 - distill_alpha`` (unlabeled data at 1).
     ``metrics`` is ``{"train/loss", "train/lr"}`` every ``log_every`` steps and at the last
     step, and empty otherwise, so the loss is read back from the device (and averaged over
     ranks) only when it is logged.
