@@ -113,6 +113,41 @@ def test_distill_keeps_the_pruners_masks():
         sk.distill_(student, teacher, x, steps=1)
 
 
+def test_distill_warms_up_the_learning_rate():
+    """AdamW's first step moves every weight with a gradient by the learning rate (m / sqrt(v)
+    is the gradient's sign; no weight decay): lr without warm-up, lr / warmup with it."""
+    torch.manual_seed(0)
+    teacher = nn.Linear(4, 4)
+    x = [torch.randn(8, 4)]
+    for warmup, factor in ((0, 1.0), (4, 0.25)):
+        student = nn.Linear(4, 4)
+        before = student.weight.detach().clone()
+        sk.distill_(student, teacher, x, steps=1, lr=1e-2, task="classification",
+                    warmup=warmup)
+        torch.testing.assert_close((student.weight - before).abs(),
+                                   torch.full((4, 4), 1e-2 * factor), rtol=1e-4, atol=0)
+    with pytest.raises(UsageError, match="warmup=-1"):
+        sk.distill_(nn.Linear(4, 4), teacher, x, steps=1, warmup=-1)
+
+
+def test_distill_without_dropout_trains_in_eval_mode():
+    """dropout=False: the first loss is the eval-mode loss, computed before any step; with
+    dropout on (p=0.5) it is not, and the model is left in eval mode either way."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    x = torch.randn(16, 8)
+    for dropout in (False, True):
+        student = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+        student.load_state_dict(teacher.state_dict())
+        with torch.no_grad():
+            student[0].weight.mul_(0.5)
+            want = float(Distiller(teacher, task="classification")(student.eval(), x)[1])
+        losses = sk.distill_(student, teacher, [x], steps=2, lr=1e-3, task="classification",
+                             dropout=dropout)
+        assert (losses[0] == pytest.approx(want, rel=1e-6)) is not dropout
+        assert not student.training
+
+
 def test_feature_extraction_on_text_from_the_command_line(hf_dirs, tmp_path, capsys):
     args = ["recipe=embedding_alps_24_distill", f"model.path={hf_dirs['bert']}",
             f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}", "data.seq_len=32",

@@ -98,6 +98,27 @@ def test_fit_learns_and_respects_masks():
     assert bool((zeros >= 2).all())  # the 2:4 pattern held through 19 optimizer steps
 
 
+def test_fit_without_dropout_trains_in_eval_mode():
+    """dropout=False: at lr 0 the logged loss of every step is the eval-mode loss of its
+    batch (dropout p=0.5 would change it), and the model trains in eval mode."""
+    ds = blobs()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4))
+    opt = make_optimizer(model.parameters(), "adamw", 0.0)
+    for dropout in (False, True):
+        seen: list = []
+        fit(model, ds, opt, steps=3, lr=0.0, batch_size=32, seed=0, dropout=dropout,
+            on_step=lambda s, m, seen=seen: seen.append((m["train/loss"], model.training)),
+            quiet=True)
+        with torch.no_grad():
+            want = [F.cross_entropy(model.eval()(ds[batch_indices(len(ds), 32, 0, s)][0]),
+                                    ds[batch_indices(len(ds), 32, 0, s)][1]).item()
+                    for s in range(3)]
+        got = [loss for loss, _ in seen]
+        assert (got == pytest.approx(want, rel=1e-5)) is not dropout
+        assert [training for _, training in seen] == [dropout] * 3
+
+
 def test_fit_with_distillation_moves_towards_teacher():
     ds = blobs()
     teacher = nn.Linear(16, 4)

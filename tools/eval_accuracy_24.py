@@ -14,7 +14,9 @@ between the pruned and the dense model's embeddings (mean pooling over the atten
 sentence-transformers does) over the held-out sentences. Every criterion in ``--criteria``
 prunes every Linear of the encoder to 2:4 in one shot from the same calibration batches; then
 ``--distill-from`` (a criterion) is distilled from the dense model (1 - cosine of the pooled
-embeddings, AdamW, masks held by the Pruner) for ``--distill-minutes`` of wall time.
+embeddings, AdamW with ``--warmup`` and cosine decay, the student without dropout, batches of
+sentences of similar length, masks held by the Pruner) for at most ``--distill-steps`` and
+``--distill-minutes`` of ``--cores`` cores (the process's CPU time).
 
 Causal LM (``--lm-dir`` and ``--lm-text``: e.g. what tools/train_small_llama.py writes): held-out
 perplexity of the dense model, of each criterion at 2:4, and of ``--distill-from`` after
@@ -105,28 +107,54 @@ def one_shot(dense, criterion: str, calibration: list, options: dict | None = No
     return model, time.perf_counter() - t0
 
 
+def length_batches(tokenizer, sentences: list[str], batch_size: int, seed: int) -> list[dict]:
+    """Batches of ``sentences`` of similar token counts (less padding, so more steps in the
+    budget): the sentences shuffled by ``seed``, then sorted by length within chunks of 50
+    batches, cut into batches, and the batches shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(sentences), generator=g).tolist()
+    lengths = [len(ids) for ids in tokenizer(sentences, truncation=True,
+                                             max_length=128)["input_ids"]]
+    chunk, groups = 50 * batch_size, []
+    for i in range(0, len(order), chunk):
+        part = sorted(order[i:i + chunk], key=lengths.__getitem__)
+        groups += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
+    shuffled = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
+    return [dict(tokenizer([sentences[j] for j in group], padding=True, truncation=True,
+                           max_length=128, return_tensors="pt")) for group in shuffled]
+
+
 def distilled(dense, criterion: str, calibration: list, train: list, minutes: float,
-              steps: int, lr: float, task: str, cores: int) -> tuple:
+              steps: int, lr: float, task: str, cores: int, warmup: int = 0,
+              dropout: bool = True, feature_weight: float = 0.0) -> tuple:
     """One shot under a Pruner (masks held), then distillation for at most ``steps``, and at
     most ``minutes`` on ``cores`` cores: the budget is the process's CPU time, ``minutes * 60
-    * cores`` seconds, so that other work on a shared machine does not shorten it;
-    (model, steps done, wall seconds, CPU seconds)."""
+    * cores`` seconds, so that other work on a shared machine does not shorten it. The
+    learning rate warms up over ``warmup`` steps, then decays (cosine, to 10%) with the
+    progress: steps done over ``steps`` or budget spent over the budget, whichever is
+    further, so a run the budget stops still ends at the low rate. ``dropout=False`` trains
+    the student in eval mode. (model, steps done, wall seconds, CPU seconds)."""
+    from sparsekit.run.train import lr_at
+
     model = copy.deepcopy(dense)
     pruner = sk.Pruner(model, pattern="2:4", criterion=criterion, calibration=calibration,
                        include=LAYERS)
     pruner.step(0)
-    d = sk.Distiller(dense, task=task)
+    d = sk.Distiller(dense, task=task, feature_weight=feature_weight)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     t0, c0, done = time.perf_counter(), time.process_time(), 0
-    model.train()
+    model.train(dropout)
+    budget = 60 * minutes
+
     def spent() -> float:  # on a GPU, wall time; on CPU, the process's CPU time over cores
         if DEVICE.type == "cuda":
             return time.perf_counter() - t0
         return (time.process_time() - c0) / cores
 
-    while done < steps and spent() < 60 * minutes:
-        for group in opt.param_groups:  # cosine decay over the step budget
-            group["lr"] = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * done / steps)))
+    while done < steps and spent() < budget:
+        progress = max(done, min(steps, int(steps * spent() / budget)))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(progress, steps, lr, warmup)
         _, loss = d(model, to_device(train[done % len(train)], DEVICE))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -185,7 +213,9 @@ def embedding_part(args, result: Results) -> None:
         n_cal, n_held = args.calibration, args.held_out
         calib = to_device(batches_of(tok, sents[:n_cal], 32), DEVICE)
         held = to_device(batches_of(tok, sents[-n_held:], 64), DEVICE)
-        train = batches_of(tok, sents[n_cal:len(sents) - n_held], args.batch_size)
+        train_sents = sents[n_cal:len(sents) - n_held]
+        train = (length_batches(tok, train_sents, args.batch_size, args.seed) if args.bucket
+                 else batches_of(tok, train_sents, args.batch_size))
         result["embedding_model"] = str(model_dir)
         result["sentences"] = {"calibration": n_cal, "held_out": n_held,
                                "distill_train": len(sents) - n_cal - n_held,
@@ -200,13 +230,16 @@ def embedding_part(args, result: Results) -> None:
               flush=True)
     result["embedding_oneshot"] = rows
     if args.distill_minutes > 0:
-        model, done, secs, cpu = distilled(dense, args.distill_from, calib, train,
-                                           args.distill_minutes, args.distill_steps, args.lr,
-                                           "feature_extraction", args.cores)
+        model, done, secs, cpu = distilled(
+            dense, args.distill_from, calib, train, args.distill_minutes, args.distill_steps,
+            args.lr, "feature_extraction", args.cores, warmup=args.warmup,
+            dropout=args.dropout, feature_weight=args.feature_weight)
         cos = embedding_agreement(model, dense, held)
-        result["embedding_distill"] = {"criterion": args.distill_from, "cosine": cos,
-                                       "steps": done, "seconds": secs, "cpu_seconds": cpu,
-                                       "lr": args.lr, "batch_size": args.batch_size}
+        result["embedding_distill"] = {
+            "criterion": args.distill_from, "cosine": cos, "steps": done, "seconds": secs,
+            "cpu_seconds": cpu, "lr": args.lr, "warmup": args.warmup,
+            "batch_size": args.batch_size, "length_buckets": args.bucket,
+            "dropout": args.dropout, "feature_weight": args.feature_weight, "seed": args.seed}
         print(f"embedding 2:4 {args.distill_from} + distillation ({done} steps, {secs:.0f} s): "
               f"cosine {cos:.4f}", flush=True)
 
@@ -280,9 +313,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--distill-from", default="alps")
     ap.add_argument("--distill-minutes", type=float, default=10.0,
                     help="budget: this many minutes of --cores cores (process CPU time)")
-    ap.add_argument("--distill-steps", type=int, default=400, help="the most steps")
+    ap.add_argument("--distill-steps", type=int, default=800, help="the most steps")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    ap.add_argument("--warmup", type=int, default=40, help="linear warm-up steps")
+    ap.add_argument("--dropout", action="store_true",
+                    help="keep the student's dropout on while it learns (default: eval mode)")
+    ap.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=True,
+                    help="batch sentences of similar length (less padding, more steps)")
+    ap.add_argument("--feature-weight", type=float, default=0.0,
+                    help="weight of per-layer feature matching (sk.Distiller)")
+    ap.add_argument("--seed", type=int, default=0, help="order of the training sentences")
     ap.add_argument("--lm-dir", type=Path, default=None)
     ap.add_argument("--lm-text", type=Path, default=None)
     ap.add_argument("--lm-seq-len", type=int, default=256)

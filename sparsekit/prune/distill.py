@@ -33,7 +33,6 @@ puts every pruned weight back to zero.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -41,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparsekit.checks import check_int
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.nn.calibration import eval_mode, to_device
+from sparsekit.prune.schedules import lr_at
 
 LOSSES = ("auto", "kl", "cosine", "mse")
 TARGETS = ("auto", "logits", "last_hidden", "pooled")
@@ -227,15 +228,18 @@ def distill_(
     pruner: Any = None,
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,
+    warmup: int = 0,
+    dropout: bool = True,
     **distiller: Any,
 ) -> list[float]:
-    """Train ``model`` for ``steps`` optimizer steps (AdamW, cosine decay to 10% of ``lr``) to
-    match ``teacher`` on ``batches`` (cycled; re-iterable), with the :class:`Distiller` loss
-    for ``task`` (keyword arguments ``target``, ``loss``, ``temperature``, ``feature_weight``,
-    ``feature_loss`` go to it). ``pruner`` (a :class:`~sparsekit.Pruner` of ``model``, still
-    holding its masks) steps after every optimizer step, so pruned weights stay zero; without
-    one, ``model`` must have no zeros to keep (a finalized pruned model would be filled in):
-    make the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step.
+    """Train ``model`` for ``steps`` AdamW steps (``lr`` warmed up over ``warmup`` steps, then
+    cosine decay to 10%: :func:`~sparsekit.prune.schedules.lr_at`) to match ``teacher`` on
+    ``batches`` (cycled; re-iterable) with the :class:`Distiller` loss of ``task`` (keywords
+    ``target``, ``loss``, ``temperature``, ``feature_weight``, ``feature_loss`` go to it);
+    ``dropout=False``: in eval mode (no dropout; batch norms on running statistics). ``pruner``
+    (a :class:`~sparsekit.Pruner` of ``model`` holding its masks) steps after every optimizer
+    step, so pruned weights stay zero; without one, ``model`` must have no zeros to keep: make
+    the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step.
 
     >>> torch.manual_seed(0) and None
     >>> teacher = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -251,16 +255,17 @@ def distill_(
     (True, 0.5)
     """
     batches = _check_distill(model, batches, steps, pruner)
+    check_int("warmup", warmup, 0)
     d = Distiller(teacher, task=task, **distiller)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     device = next(model.parameters()).device
     losses: list[float] = []
     stream = itertools.cycle(batches)
-    model.train()
+    model.train(dropout)
     for step in range(steps):
-        for group in optimizer.param_groups:  # cosine decay to 10% of lr
-            group["lr"] = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, steps))))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
         _, loss = d(model, to_device(next(stream), device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -4,6 +4,8 @@ Progress is the fraction of the final target in force: the Pruner multiplies a l
 sparsity by it (unstructured), or enforces that fraction of N:M groups. Progress only moves at
 update steps ``start, start + every, ...`` and is 1 from ``end`` on, so calling ``step`` on
 every batch, skipping steps, or resuming mid-run all give the same masks.
+
+:func:`lr_at` is the learning-rate schedule of the fine-tuning and distillation loops.
 """
 
 from __future__ import annotations
@@ -96,3 +98,20 @@ class Cubic(_Ramp):
 
 
 SCHEDULES: dict[str, type[Schedule]] = {"oneshot": OneShot, "linear": Linear, "cubic": Cubic}
+
+
+def lr_at(
+    step: int, total: int, base_lr: float, warmup: int = 0, schedule: str = "cosine"
+) -> float:
+    """Learning rate at ``step`` of ``total``: linear warm-up over ``warmup`` steps, then
+    constant or cosine decay to 10% of ``base_lr``.
+
+    >>> lr_at(0, 100, 1.0), round(lr_at(100, 100, 1.0), 6)
+    (1.0, 0.1)
+    """
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return base_lr
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))

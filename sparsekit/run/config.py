@@ -419,6 +419,8 @@ class TrainConfig(_Checked):
     dense_lr: float = number(1e-2, 0, 10)  # 0: no dense training (dense_steps=0)
     finetune_steps: int = number(1000, 0)
     finetune_lr: float = number(2e-3, 0, 10)
+    finetune_warmup: int = number(0, 0)  # linear warm-up steps of the fine-tuning's lr
+    finetune_dropout: bool = True  # false: fine-tune in eval mode (no dropout)
     optimizer: Optimizer = Optimizer.adamw
     weight_decay: float = number(0.0, 0, 10)
     lr_schedule: LRSchedule = LRSchedule.cosine

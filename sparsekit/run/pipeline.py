@@ -489,7 +489,8 @@ def stage_fine_tune(ctx: RunContext) -> None:
     train_model = D.wrap_ddp(ctx.model, ctx.device) if ctx.mode == "ddp" else ctx.model
     fit(train_model, ctx.data.train, ctx.optimizer, steps=ctx.steps, lr=t.finetune_lr,
         batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=ctx.start,
-        warmup=0, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip, pruner=ctx.pruner,
+        warmup=t.finetune_warmup, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
+        dropout=t.finetune_dropout, pruner=ctx.pruner,
         distiller=distiller(ctx), distill_alpha=t.distill.alpha,
         on_step=ctx.step_hook("finetune"), quiet=ctx.quiet,
         desc="fine-tuning", shard=ctx.mode != "none", log_every=t.log_every)

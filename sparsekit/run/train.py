@@ -19,29 +19,13 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit.run import distributed as D
 from sparsekit.prune.distill import Distiller, embedding_agreement, kl_loss
+from sparsekit.prune.schedules import lr_at
 from sparsekit.nn.calibration import to_device, eval_mode
 from sparsekit.errors import UsageError
 from sparsekit.progress import progress
 from sparsekit.io.runstate import follow_parameters
 
 StepHook = Callable[[int, dict[str, float]], None]
-
-
-def lr_at(
-    step: int, total: int, base_lr: float, warmup: int = 0, schedule: str = "cosine"
-) -> float:
-    """Learning rate at ``step`` of ``total``: linear warm-up over ``warmup`` steps, then
-    constant or cosine decay to 10% of ``base_lr``.
-
-    >>> lr_at(0, 100, 1.0), round(lr_at(100, 100, 1.0), 6)
-    (1.0, 0.1)
-    """
-    if step < warmup:
-        return base_lr * (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return base_lr
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
 def make_optimizer(
@@ -168,6 +152,7 @@ def fit(
     warmup: int = 0,
     lr_schedule: str = "cosine",
     grad_clip: float = 0.0,
+    dropout: bool = True,
     pruner: Any = None,
     teacher: nn.Module | None = None,
     distill_alpha: float = 0.0,
@@ -179,13 +164,12 @@ def fit(
     shard: bool = False,
     log_every: int = 1,
 ) -> None:
-    """Train ``model`` for steps ``start_step .. steps - 1``. After each optimizer step the
-    ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`: masks or channels) takes its
-    step (the optimizer follows any parameters the step replaced), then
-    ``on_step(step, metrics)`` runs. Distillation: ``distiller`` (a :class:`Distiller`), or
-    ``teacher`` with ``temperature`` (KL on the logits); its loss weighs ``distill_alpha``, the
-    task loss ``1 - distill_alpha`` (at ``distill_alpha=1`` the targets are never read:
-    unlabeled data) (logging, evaluation, checkpoints happen there).
+    """Train ``model`` (in eval mode if ``dropout=False``) for steps ``start_step .. steps - 1``.
+    After each optimizer step the ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`:
+    masks or channels) steps (the optimizer follows any parameters it replaced), then
+    ``on_step(step, metrics)`` runs (logging, evaluation, checkpoints). Distillation:
+    ``distiller`` (a :class:`Distiller`), or ``teacher`` with ``temperature`` (KL on the logits);
+    its loss weighs ``distill_alpha``, the task loss ``1 - distill_alpha`` (unlabeled data at 1).
     ``metrics`` is ``{"train/loss", "train/lr"}`` every ``log_every`` steps and at the last
     step, and empty otherwise, so the loss is read back from the device (and averaged over
     ranks) only when it is logged.
@@ -194,7 +178,7 @@ def fit(
     over ranks), each rank trains on its equal slice of every global batch of ``batch_size``, so
     a step equals one process's step on the whole batch; the loss reported is the mean over
     ranks."""
-    model.train()
+    model.train(dropout)
     device = next(model.parameters()).device
     distiller = _distiller(distiller, teacher, distill_alpha, temperature)
     bar = progress(range(start_step, steps), quiet, desc=desc, initial=start_step, total=steps)
