@@ -5,21 +5,27 @@ Sections (``--sections``, default both):
 - ``gemm``: one decode GEMM (x (M, K) @ W.T) on Llama-3-8B and 70B shapes at M = 1, 4, 16, 32:
   cuBLAS bf16 dense (``F.linear``), sparsekit's small-M 2:4 kernel in bf16 and in fp8 (W8A8,
   activation already quantized), each in a CUDA graph. Per row: microseconds, the bytes a GEMM
-  must move at least (weights as stored, x, y), achieved TB/s and its share of the H200's
-  4.8 TB/s, and the ratio to cuBLAS. The summary gives the geo-means at M <= 16 against the
+  must move at least (weights as stored, x, y), achieved TB/s and its share of the GPU's
+  bound (4.8 TB/s on an H200, 3.35 on an H100), and the ratio to cuBLAS; weights are cycled
+  past the L2 as in a decode step. The summary gives the geo-means at M <= 16 against the
   targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the rows under 80% of the bound.
+- ``configs``: every config of the small-M kernel's autotuning space per shape, M and dtype
+  (compiled first in ``--jobs`` processes), beside cuBLAS bf16 and the autotuner's own pick:
+  which configs win where, to keep the space small.
 - ``generate``: an HF ``LlamaForCausalLM`` with Llama-3-8B shapes (``--layers`` of 32, random
   weights, 2:4 by magnitude on every Linear but the LM head), a prompt of ``--prompt`` tokens
   and ``--new`` new tokens, greedy, per batch in ``--batches``. Ways: ``dense_hf`` (HF's static
   cache + ``torch.compile(mode="reduce-overhead")`` of the forward: HF's documented fast path),
-  ``dense_sk`` (sparsekit's generate on a dense accelerated model: its prefill buckets and
-  graphs, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8, per-token activation and
-  per-channel weight scales), and the peers ``torchao_fp8_dense`` and ``torchao_int4_wo``
-  (weight-only int4, HF's static cache + compile) when torchao runs. Each way's time is paired
-  (alternating ABBA blocks, :func:`sparsekit.accel.planner.time_paired`) with the fastest dense
-  way, and its ratio is to that. Per row: tokens/s, ms per new token, the paired ratio, the
-  greedy tokens' agreement with the dense run of the same (masked) weights, and for sparsekit's
-  ways the seconds of ``accelerate`` and of the first ``generate`` (compiles).
+  ``dense_sk`` (with ``--dense-sk``: sparsekit's generate on a dense accelerated model, its
+  prefill buckets and graphs, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8,
+  per-token activation and per-channel weight scales), and the peers ``torchao_fp8_dense``
+  and ``torchao_int4_wo`` (weight-only int4, HF's static cache + compile) when torchao runs.
+  Each way's time is paired (alternating ABBA blocks,
+  :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
+  that. Per row: tokens/s, ms per new token, the paired ratio, the
+  greedy tokens' agreement with the dense run of the same (masked) weights, the seconds of
+  each way's first call per batch (compiles) and of ``accelerate``. Each way is built once and
+  serves every batch; on an 80 GB GPU, run one precision per call (``--precisions``).
 
 ``--smoke`` runs a one-layer tiny model on CPU (reference kernels, no timing claims): what CI
 runs. JSON to ``--out``.
