@@ -17,6 +17,10 @@ from kill_after_checkpoint import command as kill_command  # tests/ is on sys.pa
 from sparsekit.run.pipeline import CHECKPOINT
 from sparsekit.io.runstate import load_checkpoint
 
+# pytest -n 2 --dist loadgroup: this file's tests run on one worker, which builds its shared
+# module fixture once
+pytestmark = pytest.mark.xdist_group("test_resume")
+
 TINY = [
     "data.kwargs.num_samples=300", "train.dense_steps=30", "train.finetune_steps=20",
     "train.log_every=5", "train.eval_every=5", "train.checkpoint_every=5",

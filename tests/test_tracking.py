@@ -35,6 +35,10 @@ from sparsekit.run.tracking import (
     sweep_figures,
 )
 
+# pytest -n 2 --dist loadgroup: this file's tests run on one worker, which builds its shared
+# module fixture once
+pytestmark = pytest.mark.xdist_group("test_tracking")
+
 
 def tiny_config(cache: Path) -> Config:
     cfg = Config(cache_dir=str(cache))

@@ -1,6 +1,9 @@
 import json
 
+import pytest
 
+
+@pytest.mark.slow
 def test_smoke_table_matches_the_runs_which_are_reused_only_with_the_same_arguments(
         tmp_path, run_tool, tool_module):
     """Each run's summary.json feeds one row; the diff column is run minus its seed's dense.
@@ -32,6 +35,7 @@ def test_smoke_table_matches_the_runs_which_are_reused_only_with_the_same_argume
     assert "data.kwargs.num_samples=300" in json.loads(args.read_text())
 
 
+@pytest.mark.slow
 def test_recipes_table_gives_mean_and_range_per_recipe(tmp_path, run_tool):
     """``--recipes`` runs the README's MNIST-1D recipes (smoke: the first, one seed) and
     prints one row per recipe from its summaries."""

@@ -10,6 +10,7 @@ from sparsekit.run.cli import recipe_names
 RECIPES = ("llm_sparsegpt_24", "llm_wanda_24_distill")
 
 
+@pytest.mark.slow
 def test_smoke_trains_saves_and_runs_the_recipes(tmp_path, run_tool):
     """The model trains (its loss falls below the uniform guess), is saved as a from_pretrained
     directory, and each recipe's dense perplexity is the one the tool measured on the very same
