@@ -402,7 +402,6 @@ def one_process_run(tmp_path_factory):
 @needs_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 @pytest.mark.slow
-@pytest.mark.xdist_group("torchrun_cli")  # one worker runs both: one one_process_run
 def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp_path):
     """torchrun, 2 gloo ranks, DDP or FSDP2: SIGKILLed mid fine-tuning, resumed; ends like a
     one-process run of the same global batches (masks equal, weights and loss within float

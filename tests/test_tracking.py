@@ -35,10 +35,6 @@ from sparsekit.run.tracking import (
     sweep_figures,
 )
 
-# pytest -n 2 --dist loadgroup: this file's tests run on one worker, which builds its shared
-# module fixture once
-pytestmark = pytest.mark.xdist_group("test_tracking")
-
 
 def tiny_config(cache: Path) -> Config:
     cfg = Config(cache_dir=str(cache))
@@ -130,6 +126,7 @@ def _wait_for(port: int, path: str, ready, seconds: float = 60):
     return got
 
 
+@pytest.mark.slow
 def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
     sweep, _ = cli_sweep
     summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]
