@@ -3,8 +3,26 @@ import os
 import pytest
 import torch
 
+from sparsekit.io.cache import cache_root
+
 # 2 CPU cores in CI: one intra-op thread per test process keeps runs predictable.
 torch.set_num_threads(int(os.environ.get("SPARSEKIT_TEST_THREADS", "1")))
+
+# ``pytest -n 2`` (pytest-xdist, the README's test command): one worker per core, so the
+# processes a test starts (CLI runs, tools, torchrun ranks) take one thread each too, and each
+# worker caches in its own directory (no two workers write the same cache file).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["SPARSEKIT_CACHE"] = str(cache_root() / f"pytest-{_WORKER}")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked ``slow`` first (in their collected order). The README's ``-n 2 --dist
+    loadfile --no-loadscope-reorder`` hands each worker a whole file at a time (a module
+    fixture is built once), the files in this order: those with long tests start first, and
+    the short ones fill both workers at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)

@@ -138,6 +138,7 @@ def test_a_name_never_imports_code(tmp_path, monkeypatch):
     assert "evil_criterion" not in sys.modules
 
 
+@pytest.mark.slow
 def test_toy_plugin_from_the_command_line(toy_plugin, tmp_path, capsys):
     """``sparsekit prune.criterion=toy``, the toy installed as an entry point: its one-shot
     masks (no fine-tuning) are the complement of magnitude's on the same dense model."""

@@ -280,6 +280,7 @@ needs_gloo = pytest.mark.skipif(
 
 
 @needs_gloo
+@pytest.mark.slow
 def test_replicated_and_sharded_masks_on_two_gloo_ranks():
     """Every check above in one pair of spawned ranks (each spawn imports torch and sparsekit
     twice over: the checks share it)."""
@@ -400,6 +401,7 @@ def one_process_run(tmp_path_factory):
 
 @needs_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp_path):
     """torchrun, 2 gloo ranks, DDP or FSDP2: SIGKILLed mid fine-tuning, resumed; ends like a
     one-process run of the same global batches (masks equal, weights and loss within float
@@ -444,6 +446,7 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
 
 
 @needs_gloo
+@pytest.mark.slow
 def test_torchrun_cli_world_size_that_cannot_split_the_batch(tmp_path):
     proc = _sparsekit(["data.batch_size=101", "train.quiet=true"], tmp_path, nproc=2)
     _, err = proc.communicate(timeout=300)

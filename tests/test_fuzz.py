@@ -566,6 +566,7 @@ VALID = {  # values each option accepts, so that cases also reach a composed con
 }
 
 
+@pytest.mark.slow
 @settings(FAST, max_examples=35)
 @given(data=st.data())
 def test_fuzz_command_line(data):

@@ -61,6 +61,7 @@ def _started(extra: list[str], tmp_path: Path, uninterrupted) -> tuple[subproces
     return full, tmp_path / "full"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra, uninterrupted):
     full, full_dir = _started(extra, tmp_path, uninterrupted)
@@ -97,6 +98,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra, uninterrupte
     assert "finetune_steps: 20" in (run_dir / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_sigkill_during_dense_training_then_resume(tmp_path, uninterrupted):
     """Killed while training the dense baseline: the baseline's checkpoint (beside its cache
     entry) carries the run on, and the result equals an uninterrupted run's, bit for bit."""

@@ -273,6 +273,7 @@ def _ranks_entry(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_data_parallel_ranks_share_hessians():
     """Two gloo ranks, each calibrating on its own batch, reach the weights one process
     computes from both batches."""

@@ -126,6 +126,7 @@ def _wait_for(port: int, path: str, ready, seconds: float = 60):
     return got
 
 
+@pytest.mark.slow
 def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
     sweep, _ = cli_sweep
     summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow
 def test_smoke_writes_gemm_and_generate_rows(tmp_path, run_tool):
     out = tmp_path / "gen.json"
     run_tool("bench_generate.py", "--smoke", "--batches", "2", "--out", out)

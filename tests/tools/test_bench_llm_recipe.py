@@ -3,6 +3,7 @@ import json
 import pytest
 
 
+@pytest.mark.slow
 def test_smoke_measures_the_recipe(tmp_path, run_tool):
     """The smoke run prunes a config-built Llama 2:4 through the recipe and reports figures
     that hang together: the parameter count of its config, the solve inside the recipe's time,

@@ -1,5 +1,5 @@
-"""tools/bench_models.py --smoke: tiny Llama, BERT and ViT on CPU (reference ops), all the way
-to the JSON and markdown the H200 run writes."""
+"""tools/bench_models.py --smoke: tiny Llama and ViT on CPU (reference ops), all the way to the
+JSON and markdown the H200 run writes."""
 
 import json
 import statistics
@@ -7,14 +7,16 @@ import statistics
 import pytest
 
 
+@pytest.mark.slow
 def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
-    run_tool("bench_models.py", "--smoke", "--models", "llama,bert,vit", "--out-dir", tmp_path,
+    # a dict-input HF model and a tensor-input one (with MultiheadAttention to split); every
+    # row compiles the model again, so a third (BERT) costs a third more (BERT's accelerated
+    # outputs under compile: tests/accel/test_compile_cpu.py)
+    run_tool("bench_models.py", "--smoke", "--models", "llama,vit", "--out-dir", tmp_path,
              "--cache-dir", tmp_path / "cache")
     res = json.loads((tmp_path / "bench_models.json").read_text())
-    assert res["smoke"] is True and set(res["models"]) == {"llama", "bert", "vit"}
-    for name, out_type in (("llama", "CausalLMOutputWithPast"),
-                           ("bert", "BaseModelOutputWithPoolingAndCrossAttentions"),
-                           ("vit", "Tensor")):
+    assert res["smoke"] is True and set(res["models"]) == {"llama", "vit"}
+    for name, out_type in (("llama", "CausalLMOutputWithPast"), ("vit", "Tensor")):
         e = res["models"][name]
         v = e["variants"]
         dense = {k: v[k]["ms"] for k in ("dense_eager", "dense_compiled", "dense_recheck")}
@@ -51,8 +53,8 @@ def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
         floor = v["dense_eager"]["rel_err"]
         assert 0 < floor < 0.03
         assert v["sk_bf16_2:4"]["rel_err"] < 1.5 * floor + 1e-3
-        # fp8 ran on the 2:4 layers; its error is at least about the bf16 floor (on the tiny
-        # BERT the bf16 rest of the model dominates: fp8 adds under 3%, so no strict margin)
+        # fp8 ran on the 2:4 layers; its error is at least about the bf16 floor (on a tiny
+        # model the bf16 rest of it can dominate: fp8 adds little, so no strict margin)
         assert v["sk_fp8_2:4"]["layer_variants"].get("fp8_2:4", 0) > 0
         assert 0.9 * floor < v["sk_fp8_2:4"]["rel_err"] < 0.15
         # static activation scales (calibrated on the same inputs): every Linear but the LM

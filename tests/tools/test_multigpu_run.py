@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.slow
 def test_smoke_ddp_and_fsdp2_kill_resume(tmp_path, run_tool):
     run_tool("multigpu_run.py", "--smoke", "--out", tmp_path)
     r = json.loads((tmp_path / "multigpu.json").read_text())

@@ -17,6 +17,7 @@ CPU_WAYS = ("dense_ro", "dense_ro_skipguards", "sk_bf16_24", "sk_bf16_24_skipgua
 GRAPH_WAYS = ("dense_owngraph", "sk_bf16_24_owngraph")
 
 
+@pytest.mark.slow
 def test_smoke_run_times_every_cpu_way_and_skips_the_cuda_graphs(tmp_path, run_tool):
     out = tmp_path / "host.json"
     done = run_tool("probe_host.py", "--smoke", "--out", out)

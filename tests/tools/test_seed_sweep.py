@@ -1,8 +1,14 @@
 import json
 
+import pytest
 
-def test_smoke_table_matches_the_runs(tmp_path, run_tool):
-    """Each run's summary.json feeds one row; the diff column is run minus its seed's dense."""
+
+@pytest.mark.slow
+def test_smoke_table_matches_the_runs_which_are_reused_only_with_the_same_arguments(
+        tmp_path, run_tool, tool_module):
+    """Each run's summary.json feeds one row; the diff column is run minus its seed's dense.
+    A second sweep reuses the smoke runs as they are, but a full sweep into the same folder
+    would not: the stored arguments differ, so the run is made again."""
     done = run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
     res = json.loads((tmp_path / "seed_sweep.json").read_text())["runs"]
     assert list(res) == ["ptq_int8", "ptq_fp8"] and list(res["ptq_int8"]) == ["0"]
@@ -16,22 +22,20 @@ def test_smoke_table_matches_the_runs(tmp_path, run_tool):
     # one dense baseline trained for the seed, reused by the second run
     assert len(list((tmp_path / "cache" / "baselines").glob("*.safetensors"))) == 1
 
-
-def test_a_run_is_reused_only_with_the_same_arguments(tmp_path, run_tool):
-    """A second sweep reuses the smoke runs as they are, but a full sweep into the same folder
-    would not: the stored arguments differ, so the run is made again."""
-    run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
+    # the sweeps again, in this process (the runs they make are still CLI subprocesses)
+    sweep = tool_module("seed_sweep")
     summary = tmp_path / "runs" / "ptq_int8_s0" / "summary.json"
     first = summary.stat().st_mtime_ns
-    run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
+    sweep.main(["--smoke", "--out-dir", str(tmp_path)])
     assert summary.stat().st_mtime_ns == first  # reused
     args = tmp_path / "runs" / "ptq_int8_s0" / "sweep_args.json"
     args.write_text(json.dumps(["something", "else"]))  # as if RUNS had changed
-    run_tool("seed_sweep.py", "--smoke", "--out-dir", tmp_path)
+    sweep.main(["--smoke", "--out-dir", str(tmp_path)])
     assert summary.stat().st_mtime_ns != first  # made again
     assert "data.kwargs.num_samples=300" in json.loads(args.read_text())
 
 
+@pytest.mark.slow
 def test_recipes_table_gives_mean_and_range_per_recipe(tmp_path, run_tool):
     """``--recipes`` runs the README's MNIST-1D recipes (smoke: the first, one seed) and
     prints one row per recipe from its summaries."""
