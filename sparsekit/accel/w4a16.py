@@ -247,6 +247,81 @@ def _launch(kernel, raw, x, weight_args, n, k, scales, bias, config):
     return y
 
 
+ROWS_MAX_M = 4  # the M up to which the word-tile kernels run (CUDA cores)
+
+
+def x_planes_24(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the 2:4 word-tile kernel reads it: (M, K/64, 32, 2) float32, [:, b, 4s + p, i]
+    holding ``x[:, 32w + 4s + p]`` for word ``w = 2b + i`` (position p of group s of metadata
+    word w) times ``16**-j``, j = 0, 2, 1, 3 for s % 4 = 0..3 (the kernel reads group s's
+    first kept nibble 16**j times too large): one step's x is one contiguous block."""
+    m, k = x.shape
+    f = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -4, 2.0 ** -12] * 2,
+                     device=x.device).repeat_interleave(4)
+    return (x.float().reshape(m, k // 64, 2, 32) * f).transpose(2, 3).contiguous()
+
+
+def x_planes(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the dense word-tile kernel reads it: (M, K/32, 8, 4) float32, [:, b, j, i]
+    holding ``x[:, 8w + j]`` times ``16**-j`` (j < 4) or ``16**-(j - 3)`` for word
+    ``w = 4b + i`` (the kernel reads nibble j of a word that many times too large)."""
+    m, k = x.shape
+    f = torch.tensor([1.0, 2.0 ** -4, 2.0 ** -8, 2.0 ** -12, 2.0 ** -4, 2.0 ** -8, 2.0 ** -12,
+                      2.0 ** -16], device=x.device)
+    return (x.float().reshape(m, k // 32, 4, 8) * f).transpose(2, 3).contiguous()
+
+
+def rows_fit(k: int, group: int, sparse: bool) -> bool:
+    """Whether the word-tile kernels (M <= 4) take K and ``group``: a 16-byte vector of a row
+    (64 columns of 2:4, 32 dense) must lie inside one quantization group."""
+    triton, src = _kernels()
+    return src.row_fits(k, group, sparse, 1, 1)
+
+
+def _launch_rows(sparse, x, values, meta, n, k, scales, bias, config):
+    """The word-tile kernels (M <= 4): values as words, x as float32 planes, split-K partials
+    summed by the last program of each output tile (:func:`sk24.counters`)."""
+    triton, src = _kernels()
+    m = x.shape[0]
+    block_m = 1 if m == 1 else (2 if m == 2 else 4)
+    if config is None and not x.is_cuda:
+        config = {"BLOCK_N": 32, "U": 1, "SPLIT_K": 2 if k >= 256 else 1, "num_warps": 1}
+    if config is not None and not src.row_fits(k, k // scales.shape[1], sparse, config["U"],
+                                               config["SPLIT_K"]):
+        raise ValueError(f"int4 kernel: config {config} does not fit K {k}, group "
+                         f"{k // scales.shape[1]}")
+    xpad = x if m % block_m == 0 else torch.cat([x, x.new_zeros(block_m - m % block_m, k)])
+    if sparse:  # x's rows padded to a whole BLOCK_M: the kernel loads them unmasked
+        kernel = src.tuned_24_rows if config is None else src.int4_24_rows_kernel
+        xp, words = x_planes_24(xpad), values.contiguous().view(torch.int64)
+    else:
+        kernel = src.tuned_rows if config is None else src.int4_rows_kernel
+        xp, words = x_planes(xpad), values.contiguous().view(torch.int32)
+    meta = words if meta is None else meta.contiguous()
+    scales = scales.contiguous()
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    split = max(c.kwargs["SPLIT_K"] for c in src.row_configs()) if config is None \
+        else config["SPLIT_K"]
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    cnt = sk24.counters(x.device)
+
+    def grid(meta_):
+        tiles = triton.cdiv(n, meta_["BLOCK_N"]) * triton.cdiv(m, block_m)
+        if tiles > cnt.numel():
+            raise ValueError(f"int4 kernel: {tiles} output tiles, at most {cnt.numel()}")
+        return (triton.cdiv(n, meta_["BLOCK_N"]), meta_["SPLIT_K"], triton.cdiv(m, block_m))
+    kernel[grid](xp, words, meta, scales, y if bias is None else bias, y, part, cnt, m, n, k,
+                 scales.stride(0), sk24.m_bucket(m), 0x4B000000, k // scales.shape[1],
+                 HAS_BIAS=bias is not None, BLOCK_M=block_m, SPARSE=sparse, **(config or {}))
+    return y
+
+
+def _use_rows(m: int, k: int, group: int, sparse: bool, config: dict | None) -> bool:
+    if config is not None:
+        return "U" in config
+    return m <= ROWS_MAX_M and rows_fit(k, group, sparse)
+
+
 def launch(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
     """Run the dense Triton kernel: autotuned per (M bucket, N, K, group) on CUDA; with
@@ -254,6 +329,8 @@ def launch(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
     CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter cannot time)."""
     n, k = values.shape[0], 2 * values.shape[1]
     _check_call("int4 GEMM", x, n, k, scales, bias)
+    if _use_rows(x.shape[0], k, k // scales.shape[1], False, config):
+        return _launch_rows(False, x.contiguous(), values, None, n, k, scales, bias, config)
     _, src = _kernels()
     return _launch(src.tuned_dense, src.int4_kernel, x, (values,), n, k, scales, bias, config)
 
@@ -263,6 +340,8 @@ def launch_24(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scales:
     """Run the 2:4 Triton kernel (autotuned on CUDA, ``config`` as in :func:`launch`)."""
     n, k = values.shape[0], 4 * values.shape[1]
     _check_call("int4 2:4 GEMM", x, n, k, scales, bias)
+    if _use_rows(x.shape[0], k, k // scales.shape[1], True, config):
+        return _launch_rows(True, x.contiguous(), values, meta, n, k, scales, bias, config)
     _, src = _kernels()
     return _launch(src.tuned_24, src.int4_24_kernel, x, (values, meta), n, k, scales, bias,
                    config)
