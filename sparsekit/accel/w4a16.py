@@ -14,8 +14,12 @@ The formats, for a weight W (N, K) with int values ``q`` and ``scales`` (N, K / 
 - dense: ``values`` (N, K/2) uint8, columns 2j and 2j+1 in byte j's low and high nibble;
 - 2:4 (at most 2 nonzeros in every group of 4 along K): ``values`` (N, K/4) uint8, the two kept
   entries of group j (in increasing column order) in byte j's low and high nibble, and
-  ``meta`` (N, K/32) int32, the 4-bit position codes of :mod:`sparsekit.accel.sk24`
-  (``i0 | i1 << 2`` per group, group g in bits ``4*(g % 8)`` of word ``g // 8``);
+  ``meta`` (N, K/32) int32, a 4-bit code per group, group g in bits ``4*(g % 8)`` of word
+  ``g // 8``: for kept positions i0 < i1 in the group, ``P | Q << 1 | R << 2`` with
+  ``P = (i0 == 0)``, ``R = (i1 == 3)`` and ``Q = (i1 == 2)`` when P else ``(i0 == 1)``. The
+  kernels pick each kept value's activation with these three bits and two selects:
+  ``x[i0] = x0 if P else (x1 if Q else x2)``, ``x[i1] = x3 if R else (x2 if Q else x1)``
+  (:func:`positions` decodes them);
 - a nibble holds ``q + 8`` (offset binary, 0..15);
 - ``scales`` (N, K / group_size) float32 (the quantizer's own values, so the kernels compute
   exactly the weight quant/ dequantizes; bfloat16 scales are taken too and save 1/64 byte per
@@ -112,6 +116,31 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return pack_nibbles(q), scales.contiguous()
 
 
+def _nibble_codes(meta: torch.Tensor) -> torch.Tensor:
+    """(N, W) int32 words of 8 4-bit codes -> (N, 8W) int32, group g = nibble g % 8 of word
+    g // 8."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=meta.device)
+    return ((meta[..., None] >> shifts) & 0xF).reshape(meta.shape[0], -1)
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_nibble_codes` (codes 0..15; a code of 8 or more in a word's top
+    nibble wraps to a negative word, as int32 bits)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    w = (codes.reshape(codes.shape[0], -1, 8).long() << shifts).sum(-1)
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def positions(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept positions (i0, i1), i0 < i1, (N, K/4) int32 of every group of the int4 2:4
+    metadata ``meta`` (N, K/32) (codes P | Q << 1 | R << 2, the module docstring's)."""
+    code = _nibble_codes(meta)
+    p, q, r = code & 1, (code >> 1) & 1, (code >> 2) & 1
+    i0 = torch.where(p == 1, 0, torch.where(q == 1, 1, 2))
+    i1 = torch.where(r == 1, 3, torch.where(q == 1, 2, 1))
+    return i0.int(), i1.int()
+
+
 def pack_24(q: torch.Tensor, scales: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 2:4 format of int values ``q`` (N, K) int8 with at most 2 nonzeros in every group of
@@ -122,6 +151,11 @@ def pack_24(q: torch.Tensor, scales: torch.Tensor
         kept, meta = sk24.compress(q.to(torch.bfloat16), layout="interleaved")
     except ValueError as e:
         raise ValueError(f"int4 2:4 format: {e}") from None
+    code = _nibble_codes(meta)  # sk24's i0 | i1 << 2 -> P | Q << 1 | R << 2
+    i0, i1 = code & 3, code >> 2
+    p, r = i0 == 0, i1 == 3
+    qbit = torch.where(p, i1 == 2, i0 == 1)
+    meta = _words(p.int() | (qbit.int() << 1) | (r.int() << 2))
     return pack_nibbles(kept.to(torch.int8)), meta, scales.contiguous()
 
 
@@ -133,7 +167,8 @@ def unpack(values: torch.Tensor) -> torch.Tensor:
 def unpack_24(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """The int values (N, K) int8 of the 2:4 format, its zeros in place."""
     kept = unpack_nibbles(values).to(torch.bfloat16)
-    return sk24.decompress(kept, meta, layout="interleaved").to(torch.int8)
+    i0, i1 = positions(meta)
+    return sk24.decompress(kept, _words(i0 | (i1 << 2)), layout="interleaved").to(torch.int8)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor,
@@ -167,9 +202,7 @@ def dequantize_packed_24(values: torch.Tensor, meta: torch.Tensor, scales: torch
     """The 2:4 format's weight ``q * scale`` (N, K), zeros in place, as
     :func:`dequantize_packed` (the kept values placed by where-selects, no scatter)."""
     v0, v1 = _nibble_floats(values)  # (N, K/4): the kept entries of each group of 4
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=meta.device)
-    code = ((meta[..., None] >> shifts) & 0xF).reshape(values.shape)
-    i0, i1 = code & 3, code >> 2
+    i0, i1 = positions(meta)
     cols = [torch.where(i0 == j, v0, torch.where(i1 == j, v1, 0.0)) for j in range(4)]
     return _scaled(torch.stack(cols, dim=-1).reshape(values.shape[0], -1), scales, dtype)
 
@@ -357,6 +390,6 @@ def bound_bytes(m: int, n: int, k: int, group_size: int, sparse: bool,
 
 __all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "SCALE_DTYPES", "bound_bytes",
            "check_shape", "dequantize", "dequantize_packed", "dequantize_packed_24", "launch",
-           "launch_24", "pack", "pack_24",
+           "launch_24", "pack", "pack_24", "positions",
            "pack_nibbles", "reference", "reference_24", "unpack", "unpack_24",
            "unpack_nibbles"]

@@ -79,6 +79,15 @@ def _load_scales(s_ptr, rn, n_ok, k0, stride_s, GROUP: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
+def _positions(code):
+    """The kept positions (i0, i1) of codes ``P | Q << 1 | R << 2`` (the format's)."""
+    q = (code & 2) != 0
+    i0 = tl.where((code & 1) != 0, 0, tl.where(q, 1, 2))
+    i1 = tl.where((code & 4) != 0, 3, tl.where(q, 2, 1))
+    return i0, i1
+
+
+@triton.jit
 def _expand24(v0, v1, i0, i1, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Kept values (BLOCK_N, BLOCK_K/4) x 2 at positions i0 < i1 of each group of 4 -> the
     dense tile (BLOCK_N, BLOCK_K) in the values' dtype."""
@@ -136,8 +145,7 @@ def int4_24_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         s = _load_scales(s_ptr, rn, n_ok, k0, stride_s, GROUP, BLOCK_K)
         code = tl.reshape((mw[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, G))
-        i0 = code & 3
-        i1 = code >> 2
+        i0, i1 = _positions(code)
         v0, v1 = _nibbles(b)
         if BLOCK_K > GROUP:
             v0 = _group_scale(v0, s, BLOCK_N, G, TG)
@@ -276,15 +284,6 @@ def _q(w, j: tl.constexpr, magic):
 
 
 @triton.jit
-def _bit(mw, b: tl.constexpr):
-    """Whether bit ``b`` of the int32 words ``mw`` is set."""
-    if b == 31:
-        return mw < 0
-    else:
-        return (mw & (1 << b)) != 0
-
-
-@triton.jit
 def _x_vec(xw, plane, rw):
     """One x plane's values at this step's words (``xw``: the step's block of the planes),
     shaped (1, SW) to broadcast along N."""
@@ -292,15 +291,15 @@ def _x_vec(xw, plane, rw):
 
 
 @triton.jit
-def _sel_fma(pa, pb, v0, v1, b0, b1, b2, b3, xw, s: tl.constexpr, rw):
-    """pa + v0 * x[i0], pb + v1 * x[i1] for the groups of slab ``s`` of one x row ``xr``
-    (b0..b3: the code's bits; i0 = b0 + 2 b1 in 0..2, i1 = b2 + 2 b3 in 1..3)."""
+def _sel_fma(pa, pb, v0, v1, cp, cq, cr, xw, s: tl.constexpr, rw):
+    """pa + v0 * x[i0], pb + v1 * x[i1] for group ``s`` of this step's words, one x row
+    (``xw``: its block of planes), from the code's bits P, Q, R."""
     x0 = _x_vec(xw, 4 * s, rw)
     x1 = _x_vec(xw, 4 * s + 1, rw)
     x2 = _x_vec(xw, 4 * s + 2, rw)
     x3 = _x_vec(xw, 4 * s + 3, rw)
-    pa += v0 * tl.where(b1, x2, tl.where(b0, x1, x0))
-    pb += v1 * tl.where(b3, tl.where(b2, x3, x2), x1)
+    pa += v0 * tl.where(cp, x0, tl.where(cq, x1, x2))
+    pb += v1 * tl.where(cr, x3, tl.where(cq, x2, x1))
     return pa, pb
 
 
@@ -417,16 +416,15 @@ def int4_24_rows_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_
                     src = half >> 12 if t >= 2 else half
                     v0 = _q(src, 2 * t - 3 * (t // 2), MAGIC)  # j = 0, 2, 1, 3
                     v1 = _q(src, 2 * t - 3 * (t // 2) + 1, MAGIC)
-                    c0 = _bit(mw, 16 * h + 4 * t)  # group 4h + t's code
-                    c1 = _bit(mw, 16 * h + 4 * t + 1)
-                    c2 = _bit(mw, 16 * h + 4 * t + 2)
-                    c3 = _bit(mw, 16 * h + 4 * t + 3)
-                    a0, b0 = _sel_fma(a0, b0, v0, v1, c0, c1, c2, c3, xr0 + xo, 4 * h + t, rw)
+                    cp = (mw & (1 << (16 * h + 4 * t))) != 0  # group 4h + t's P, Q, R
+                    cq = (mw & (2 << (16 * h + 4 * t))) != 0
+                    cr = (mw & (4 << (16 * h + 4 * t))) != 0
+                    a0, b0 = _sel_fma(a0, b0, v0, v1, cp, cq, cr, xr0 + xo, 4 * h + t, rw)
                     if BLOCK_M > 1:
-                        a1, b1 = _sel_fma(a1, b1, v0, v1, c0, c1, c2, c3, xr1 + xo, 4 * h + t, rw)
+                        a1, b1 = _sel_fma(a1, b1, v0, v1, cp, cq, cr, xr1 + xo, 4 * h + t, rw)
                     if BLOCK_M > 2:
-                        a2, b2 = _sel_fma(a2, b2, v0, v1, c0, c1, c2, c3, xr2 + xo, 4 * h + t, rw)
-                        a3, b3 = _sel_fma(a3, b3, v0, v1, c0, c1, c2, c3, xr3 + xo, 4 * h + t, rw)
+                        a2, b2 = _sel_fma(a2, b2, v0, v1, cp, cq, cr, xr2 + xo, 4 * h + t, rw)
+                        a3, b3 = _sel_fma(a3, b3, v0, v1, cp, cq, cr, xr3 + xo, 4 * h + t, rw)
         sc = tl.load(row_s + (w0 * 32) // GROUP, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         acc0 += (a0 + b0 * 0.0625) * sc
         if BLOCK_M > 1:

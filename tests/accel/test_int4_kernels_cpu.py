@@ -202,6 +202,24 @@ def test_triton_kernels_interpreted_equal_reference():
     assert run.stdout.count("ok ") == 2 * (2 * len(CASES) + 1) + 2 * 3 * len(ROW_CASES)
 
 
+def test_metadata_codes_every_pair():
+    """The 2:4 codes P | Q << 1 | R << 2 of every kept pair (i0, i1), decoded back by
+    ``positions`` and by the kernels' selects ``x[i0] = x0 if P else (x1 if Q else x2)``,
+    ``x[i1] = x3 if R else (x2 if Q else x1)``."""
+    pairs = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    q = torch.zeros(1, 64, dtype=torch.int8)
+    for g, (i0, i1) in enumerate(pairs * 2):
+        q[0, 4 * g + i0], q[0, 4 * g + i1] = 1 + g % 7, -1 - g % 8
+    v, meta, _ = w4a16.pack_24(q, _scales(1, 1))
+    i0, i1 = w4a16.positions(meta)
+    assert list(zip(i0[0, :12].tolist(), i1[0, :12].tolist())) == pairs * 2
+    code = ((meta[0, :, None] >> torch.arange(0, 32, 4)) & 0xF).reshape(-1)[:6]
+    for c, (a, b) in zip(code.tolist(), pairs):
+        p_, q_, r_ = c & 1, (c >> 1) & 1, (c >> 2) & 1
+        assert (0 if p_ else (1 if q_ else 2), 3 if r_ else (2 if q_ else 1)) == (a, b)
+    assert torch.equal(w4a16.unpack_24(v, meta), q)
+
+
 def test_tile_fit_rule():
     from sparsekit.accel import w4a16_triton
 
