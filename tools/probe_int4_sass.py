@@ -25,11 +25,13 @@ from pathlib import Path
 ISSUE_BUDGET = 128 / (4.8e12 / (132 * 1.98e9))  # thread-instructions per byte at 4.8 TB/s
 # (kernel, BLOCK_M, path, BLOCK_N, BLOCK_K, warps): path "rows" is the word-tile kernel of
 # M <= 4 (its BLOCK_K: the columns of one iteration, U vectors of 64 (2:4) or 32 (dense)
-# columns), "cuda" and "dot" the tile kernel on CUDA cores (groups below one vector) and on
-# tensor cores (M > 4)
-ROWS = [("2:4", 1, "rows", 128, 128, 4), ("2:4", 4, "rows", 128, 128, 4),
-        ("2:4", 1, "cuda", 32, 256, 4), ("2:4", 16, "dot", 64, 128, 4),
-        ("dense", 1, "rows", 128, 128, 4), ("dense", 4, "rows", 128, 128, 4),
+# columns), "cuda" and "dot" the tile kernel on CUDA cores (M <= 4 with groups below one
+# vector) and on tensor cores (M > 4)
+ROWS = [("2:4", 1, "rows", 128, 128, 1), ("2:4", 2, "rows", 64, 128, 1),
+        ("2:4", 4, "rows", 32, 128, 1), ("2:4", 1, "cuda", 32, 256, 4),
+        ("2:4", 4, "cuda", 16, 256, 4), ("2:4", 16, "dot", 64, 128, 4),
+        ("dense", 1, "rows", 128, 128, 1), ("dense", 2, "rows", 64, 128, 1),
+        ("dense", 4, "rows", 64, 64, 1), ("dense", 1, "cuda", 32, 256, 4),
         ("dense", 16, "dot", 64, 128, 4)]
 _POINTERS = ("x_ptr", "v_ptr", "m_ptr", "s_ptr", "b_ptr", "y_ptr", "part_ptr", "cnt_ptr")
 

@@ -1,9 +1,13 @@
 """The Triton source of :mod:`sparsekit.accel.w4a16`'s kernels (imported only when a kernel
 runs: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``).
 
-Row strides are arguments (not derived from K in the kernel) so that Triton sees them divisible
-by 16 and loads the packed bytes in wide vectors rather than one byte at a time. Both kernels
-walk K in tiles of ``BLOCK_K`` columns for a ``BLOCK_M x BLOCK_N`` output tile.
+Two families: the word-tile kernels of M <= 4 (``int4_24_rows_kernel``, ``int4_rows_kernel``,
+at the end of this file and described there) and the tile kernels (``int4_24_kernel``,
+``int4_kernel``) for M > 4 and for quantization groups smaller than one 16-byte vector of a row.
+
+Tile kernels: row strides are arguments (not derived from K in the kernel) so that Triton sees
+them divisible by 16 and loads the packed bytes in wide vectors rather than one byte at a time.
+Both walk K in tiles of ``BLOCK_K`` columns for a ``BLOCK_M x BLOCK_N`` output tile.
 Per tile they load the packed bytes (and the 2:4 metadata words), turn nibbles into int
 values, and multiply:
 - ``USE_DOT`` false (M <= 4, CUDA cores): the 2:4 kernel never builds the dense tile; it picks
@@ -226,26 +230,30 @@ tuned_dense = triton.autotune(configs=_configs(), key=_KEY,
 
 
 # --- M <= 4 on CUDA cores: 2-D word tiles, split-K ---------------------------------------------
-# The kernels above cost 14-38 instructions per weight byte at M <= 4 (tools/probe_int4_sass.py):
-# byte loads, 3-D register tiles and nibble shifts. These read whole 32-bit words of nibbles
-# (8-byte words of a 2:4 row: one metadata word's 8 groups) as (BLOCK_N, SW) tiles of 16-byte
-# vectors, and turn a nibble at bits 4j..4j+3 (j = 0..3) of a word into ``q * 16**j`` with one
-# AND-OR and one add (``n << 4j | 0x4B000000`` is the float ``2**23 + n * 16**j``, exact): x
-# comes in as float32 planes (made by torch ops before the launch, :func:`x_planes_24`,
-# :func:`x_planes`) that carry the matching ``16**-j``, so the products need no shifts. Scales
-# multiply once per iteration (an iteration lies inside one quantization group).
+# (docs/int4-kernels.md; tools/probe_int4_sass.py counts their instructions per byte.) A row is
+# read as whole words, (BLOCK_N, SW) tiles of 16-byte vectors (8-byte words of a 2:4 row: one
+# metadata word's 8 groups; 4-byte words of a dense row), never reshaped. A nibble at bits
+# 4j..4j+3 (j <= 4) of a word becomes ``q * 16**j`` with one AND-OR and one add
+# (``n << 4j | 0x4B000000`` is the float ``2**23 + n * 16**j``, exact); x comes in as float32
+# planes (made by torch ops before the launch: w4a16.x_planes_24, w4a16.x_planes) that carry
+# the matching ``16**-j``, so the products need no rescaling. An iteration (U vectors) lies
+# inside one quantization group: its products are scaled once. K is split over SPLIT_K
+# programs, summed by the last to arrive (as sk24_triton's kernel).
 SW_24, SW_DENSE = 2, 4  # words per row in one 16-byte vector: int64 (2:4), int32 (dense)
 
 
 def row_configs() -> list:
-    """The autotuner's space of the M <= 4 kernels: (BLOCK_N, U, SPLIT_K, warps); BLOCK_N is a
-    multiple of 32 * warps (every thread owns whole rows)."""
+    """The autotuner's space of the M <= 4 kernels: (BLOCK_N, U, SPLIT_K, warps), rows per
+    thread ``BLOCK_N / (32 * warps)`` 1, 2 or 4 (more share x's loads and selects' tests, but
+    take registers). A decode GEMM keeps the GPU busy by splitting K: per thread a few vectors
+    per row, many programs."""
     out = []
-    for bn, u, split, warps in ((64, 1, 2, 2), (64, 2, 2, 2), (128, 1, 2, 4), (128, 2, 2, 4),
-                                (128, 1, 4, 4), (128, 2, 4, 4), (64, 1, 4, 2), (64, 2, 4, 1),
-                                (128, 2, 1, 4), (256, 2, 2, 4), (128, 4, 2, 2), (64, 4, 4, 2)):
+    for bn, u, split, warps in ((128, 1, 8, 1), (128, 1, 16, 1), (128, 2, 4, 1), (128, 2, 8, 1),
+                                (256, 1, 8, 2), (256, 2, 4, 2), (64, 1, 8, 1), (64, 1, 16, 1),
+                                (64, 2, 8, 1), (128, 1, 8, 2), (128, 2, 4, 2), (256, 1, 4, 4),
+                                (32, 1, 16, 1), (32, 2, 8, 1), (64, 1, 4, 2), (128, 1, 2, 4)):
         out.append(triton.Config({"BLOCK_N": bn, "U": u, "SPLIT_K": split}, num_warps=warps,
-                                 num_stages=3))
+                                 num_stages=2))
     return out
 
 
@@ -369,6 +377,31 @@ def _split_range(n_words, SPAN: tl.constexpr, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def _word24(a0, b0, a1, b1, a2, b2, a3, b3, vw, mw, xw, x_row, rw, MAGIC,
+            BLOCK_M: tl.constexpr):
+    """The products of one step's words: values ``vw`` (int64), metadata ``mw``, x rows at
+    ``xw + m * x_row`` (a_m, b_m: the first and second kept values' sums of row m)."""
+    for h in tl.static_range(2):  # the word's 32-bit halves: groups 4h .. 4h + 3
+        half = (vw >> (32 * h)).to(tl.int32) if h == 1 else vw.to(tl.int32)
+        for t in tl.static_range(4):
+            # group 4h + t's kept values at nibbles 2t, 2t + 1; bits 16.. shifted to 4..
+            # (nibble j at bits 4j .. 4j + 3, j <= 4), x carries 16**-j of v0's j
+            src = half >> 12 if t >= 2 else half
+            v0 = _q(src, 2 * t - 3 * (t // 2), MAGIC)  # j = 0, 2, 1, 3
+            v1 = _q(src, 2 * t - 3 * (t // 2) + 1, MAGIC)
+            cp = (mw & (1 << (16 * h + 4 * t))) != 0  # group 4h + t's P, Q, R
+            cq = (mw & (2 << (16 * h + 4 * t))) != 0
+            cr = (mw & (4 << (16 * h + 4 * t))) != 0
+            a0, b0 = _sel_fma(a0, b0, v0, v1, cp, cq, cr, xw, 4 * h + t, rw)
+            if BLOCK_M > 1:
+                a1, b1 = _sel_fma(a1, b1, v0, v1, cp, cq, cr, xw + x_row, 4 * h + t, rw)
+            if BLOCK_M > 2:
+                a2, b2 = _sel_fma(a2, b2, v0, v1, cp, cq, cr, xw + 2 * x_row, 4 * h + t, rw)
+                a3, b3 = _sel_fma(a3, b3, v0, v1, cp, cq, cr, xw + 3 * x_row, 4 * h + t, rw)
+    return a0, b0, a1, b1, a2, b2, a3, b3
+
+
+@triton.jit
 def int4_24_rows_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                         stride_s, M_BUCKET, MAGIC, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPARSE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -386,9 +419,6 @@ def int4_24_rows_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_
     row_m = m_ptr + rn[:, None].to(tl.int64) * W
     row_s = s_ptr + rn.to(tl.int64) * stride_s
     xr0 = x_ptr + rm0 * 32 * W  # x's planes (rows padded to BLOCK_M: no masks)
-    xr1 = xr0 + 32 * W
-    xr2 = xr1 + 32 * W
-    xr3 = xr2 + 32 * W
     acc0 = tl.zeros((BLOCK_N, 2), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, 2), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, 2), dtype=tl.float32)
@@ -408,23 +438,8 @@ def int4_24_rows_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_
             xo = (w0 + 2 * i) * 32  # the step's block of x's planes
             vw = tl.load(row_v + u[None, :], mask=n_ok[:, None], other=0)
             mw = tl.load(row_m + u[None, :], mask=n_ok[:, None], other=0)
-            for h in tl.static_range(2):  # the word's 32-bit halves: groups 4h .. 4h + 3
-                half = (vw >> (32 * h)).to(tl.int32) if h == 1 else vw.to(tl.int32)
-                for t in tl.static_range(4):
-                    # group 4h + t's kept values at nibbles 2t, 2t + 1; bits 16.. shifted to 4..
-                    # (nibble j at bits 4j .. 4j + 3, j <= 4), x carries 16**-j of v0's j
-                    src = half >> 12 if t >= 2 else half
-                    v0 = _q(src, 2 * t - 3 * (t // 2), MAGIC)  # j = 0, 2, 1, 3
-                    v1 = _q(src, 2 * t - 3 * (t // 2) + 1, MAGIC)
-                    cp = (mw & (1 << (16 * h + 4 * t))) != 0  # group 4h + t's P, Q, R
-                    cq = (mw & (2 << (16 * h + 4 * t))) != 0
-                    cr = (mw & (4 << (16 * h + 4 * t))) != 0
-                    a0, b0 = _sel_fma(a0, b0, v0, v1, cp, cq, cr, xr0 + xo, 4 * h + t, rw)
-                    if BLOCK_M > 1:
-                        a1, b1 = _sel_fma(a1, b1, v0, v1, cp, cq, cr, xr1 + xo, 4 * h + t, rw)
-                    if BLOCK_M > 2:
-                        a2, b2 = _sel_fma(a2, b2, v0, v1, cp, cq, cr, xr2 + xo, 4 * h + t, rw)
-                        a3, b3 = _sel_fma(a3, b3, v0, v1, cp, cq, cr, xr3 + xo, 4 * h + t, rw)
+            a0, b0, a1, b1, a2, b2, a3, b3 = _word24(a0, b0, a1, b1, a2, b2, a3, b3, vw, mw,
+                                                     xr0 + xo, 32 * W, rw, MAGIC, BLOCK_M)
         sc = tl.load(row_s + (w0 * 32) // GROUP, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         acc0 += (a0 + b0 * 0.0625) * sc
         if BLOCK_M > 1:
