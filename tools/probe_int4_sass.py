@@ -27,7 +27,7 @@ ISSUE_BUDGET = 128 / (4.8e12 / (132 * 1.98e9))  # thread-instructions per byte a
 # M <= 4 (its BLOCK_K: the columns of one iteration, U vectors of 64 (2:4) or 32 (dense)
 # columns), "cuda" and "dot" the tile kernel on CUDA cores (M <= 4 with groups below one
 # vector) and on tensor cores (M > 4)
-ROWS = [("2:4", 1, "rows", 128, 128, 1), ("2:4", 2, "rows", 64, 128, 1),
+ROWS = [("2:4", 1, "rows", 32, 256, 1), ("2:4", 2, "rows", 32, 128, 1),
         ("2:4", 4, "rows", 32, 128, 1), ("2:4", 1, "cuda", 32, 256, 4),
         ("2:4", 4, "cuda", 16, 256, 4), ("2:4", 16, "dot", 64, 128, 4),
         ("dense", 1, "rows", 128, 128, 1), ("dense", 2, "rows", 64, 128, 1),

@@ -113,6 +113,8 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """The dense format of int values ``q`` (N, K) int8 and ``scales`` (N, K / group_size):
     (values (N, K/2) uint8, scales contiguous). ValueError on a shape the kernel cannot take."""
     _check_q(q, scales)
+    if q.is_cuda:
+        sk24.counters(q.device)  # the split-K counters, before any graph capture
     return pack_nibbles(q), scales.contiguous()
 
 
@@ -156,6 +158,8 @@ def pack_24(q: torch.Tensor, scales: torch.Tensor
     p, r = i0 == 0, i1 == 3
     qbit = torch.where(p, i1 == 2, i0 == 1)
     meta = _words(p.int() | (qbit.int() << 1) | (r.int() << 2))
+    if q.is_cuda:
+        sk24.counters(q.device)  # the split-K counters, before any graph capture
     return pack_nibbles(kept.to(torch.int8)), meta, scales.contiguous()
 
 
@@ -284,14 +288,15 @@ ROWS_MAX_M = 4  # the M up to which the word-tile kernels run (CUDA cores)
 
 
 def x_planes_24(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) as the 2:4 word-tile kernel reads it: (M, K/64, 32, 2) float32, [:, b, 4s + p, i]
-    holding ``x[:, 32w + 4s + p]`` for word ``w = 2b + i`` (position p of group s of metadata
-    word w) times ``16**-j``, j = 0, 2, 1, 3 for s % 4 = 0..3 (the kernel reads group s's
-    first kept nibble 16**j times too large): one step's x is one contiguous block."""
+    """x (M, K) as the 2:4 word-tile kernel reads it: (M, K/64, 8, 2, 4) float32,
+    ``[:, b, s, i, p]`` holding ``x[:, 32w + 4s + p]`` for word ``w = 2b + i`` (position p of
+    group s of metadata word w) times ``16**-j``, j = 0, 2, 1, 3 for s % 4 = 0..3 (the kernel
+    reads group s's first kept nibble 16**j times too large): one step's x is one contiguous
+    block, a group's positions in both words one 32-byte vector."""
     m, k = x.shape
-    f = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -4, 2.0 ** -12] * 2,
-                     device=x.device).repeat_interleave(4)
-    return (x.float().reshape(m, k // 64, 2, 32) * f).transpose(2, 3).contiguous()
+    f = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -4, 2.0 ** -12] * 2, device=x.device)
+    xs = x.float().reshape(m, k // 64, 2, 8, 4) * f[:, None]
+    return xs.transpose(2, 3).contiguous()
 
 
 def x_planes(x: torch.Tensor) -> torch.Tensor:

@@ -251,7 +251,8 @@ def row_configs() -> list:
     for bn, u, split, warps in ((128, 1, 8, 1), (128, 1, 16, 1), (128, 2, 4, 1), (128, 2, 8, 1),
                                 (256, 1, 8, 2), (256, 2, 4, 2), (64, 1, 8, 1), (64, 1, 16, 1),
                                 (64, 2, 8, 1), (128, 1, 8, 2), (128, 2, 4, 2), (256, 1, 4, 4),
-                                (32, 1, 16, 1), (32, 2, 8, 1), (64, 1, 4, 2), (128, 1, 2, 4)):
+                                (32, 1, 16, 1), (32, 2, 8, 1), (32, 4, 4, 1), (32, 4, 8, 1),
+                                (64, 1, 4, 2), (128, 1, 2, 4)):
         out.append(triton.Config({"BLOCK_N": bn, "U": u, "SPLIT_K": split}, num_warps=warps,
                                  num_stages=2))
     return out
@@ -292,20 +293,19 @@ def _q(w, j: tl.constexpr, magic):
 
 
 @triton.jit
-def _x_vec(xw, plane, rw):
-    """One x plane's values at this step's words (``xw``: the step's block of the planes),
-    shaped (1, SW) to broadcast along N."""
-    return tl.load(xw + plane * 2 + rw)[None, :]
-
-
-@triton.jit
 def _sel_fma(pa, pb, v0, v1, cp, cq, cr, xw, s: tl.constexpr, rw):
     """pa + v0 * x[i0], pb + v1 * x[i1] for group ``s`` of this step's words, one x row
-    (``xw``: its block of planes), from the code's bits P, Q, R."""
-    x0 = _x_vec(xw, 4 * s, rw)
-    x1 = _x_vec(xw, 4 * s + 1, rw)
-    x2 = _x_vec(xw, 4 * s + 2, rw)
-    x3 = _x_vec(xw, 4 * s + 3, rw)
+    (``xw``: its block of planes), from the code's bits P, Q, R. x's four positions of the
+    group in both words are one 32-byte load, split in registers (no layout conversion)."""
+    rp = tl.arange(0, 4)
+    xs = tl.load(xw + s * 8 + rw[:, None] * 4 + rp[None, :])  # (word, position)
+    xe, xo = tl.split(tl.reshape(xs, (2, 2, 2)))  # positions 0, 2 and 1, 3
+    x0, x2 = tl.split(xe)
+    x1, x3 = tl.split(xo)
+    x0 = x0[None, :]
+    x1 = x1[None, :]
+    x2 = x2[None, :]
+    x3 = x3[None, :]
     pa += v0 * tl.where(cp, x0, tl.where(cq, x1, x2))
     pb += v1 * tl.where(cr, x3, tl.where(cq, x2, x1))
     return pa, pb
@@ -408,7 +408,7 @@ def int4_24_rows_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_
                         U: tl.constexpr, SPLIT_K: tl.constexpr):
     """2:4, M <= 4: ``v_ptr`` the values as int64 words (N, K/32) (word w: groups 8w..8w+7,
     one byte each, as the metadata word w), x as :func:`~sparsekit.accel.w4a16.x_planes_24`
-    (M, K/64, 32, 2) float32; ``MAGIC`` 0x4B000000."""
+    (M, K/64, 8, 2, 4) float32; ``MAGIC`` 0x4B000000."""
     rn, n_ok = tile(0, BLOCK_N, N)
     rm0 = tl.program_id(2) * BLOCK_M
     W = tl.multiple_of(K // 32, 2)  # K is a multiple of 64
