@@ -312,9 +312,9 @@ def x_planes(x: torch.Tensor) -> torch.Tensor:
 
 def rows_fit(k: int, group: int, sparse: bool) -> bool:
     """Whether the word-tile kernels (M <= 4) take K and ``group``: a 16-byte vector of a row
-    (64 columns of 2:4, 32 dense) must lie inside one quantization group."""
-    triton, src = _kernels()
-    return src.row_fits(k, group, sparse, 1, 1)
+    (64 columns of 2:4, 32 dense) must lie inside one quantization group (K, a multiple of
+    64 and of the group, then holds whole vectors)."""
+    return k % K_MULTIPLE == 0 and group % (64 if sparse else 32) == 0
 
 
 def _launch_rows(sparse, x, values, meta, n, k, scales, bias, config):
@@ -363,9 +363,12 @@ def _use_rows(m: int, k: int, group: int, sparse: bool, config: dict | None) -> 
 
 def launch(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
-    """Run the dense Triton kernel: autotuned per (M bucket, N, K, group) on CUDA; with
-    ``config`` (``BLOCK_N``, ``BLOCK_K``, optionally ``num_warps``, ``num_stages``) fixed, as on
-    CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter cannot time)."""
+    """Run the dense Triton kernel: autotuned per (M bucket, N, K, group) on CUDA, the
+    word-tile kernel for M <= 4 where :func:`rows_fit`, else the tile kernel; with ``config``
+    fixed, as on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter cannot time): the
+    word-tile kernel's (``BLOCK_N``, ``U``, ``SPLIT_K``, optionally ``num_warps``) or the tile
+    kernel's (``BLOCK_N``, ``BLOCK_K``, optionally ``num_warps``, ``num_stages``), the keys
+    pick the kernel."""
     n, k = values.shape[0], 2 * values.shape[1]
     _check_call("int4 GEMM", x, n, k, scales, bias)
     if _use_rows(x.shape[0], k, k // scales.shape[1], False, config):
@@ -394,8 +397,8 @@ def bound_bytes(m: int, n: int, k: int, group_size: int, sparse: bool,
     return weight + n * (k // group_size) * scale_bytes + m * k * 2 + m * n * 2
 
 
-__all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "SCALE_DTYPES", "bound_bytes",
-           "check_shape", "dequantize", "dequantize_packed", "dequantize_packed_24", "launch",
-           "launch_24", "pack", "pack_24", "positions",
-           "pack_nibbles", "reference", "reference_24", "unpack", "unpack_24",
-           "unpack_nibbles"]
+__all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "ROWS_MAX_M", "SCALE_DTYPES",
+           "bound_bytes", "check_shape", "dequantize", "dequantize_packed",
+           "dequantize_packed_24", "launch", "launch_24", "pack", "pack_24", "pack_nibbles",
+           "positions", "reference", "reference_24", "rows_fit", "unpack", "unpack_24",
+           "unpack_nibbles", "x_planes", "x_planes_24"]
