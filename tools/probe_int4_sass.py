@@ -23,14 +23,20 @@ import tempfile
 from pathlib import Path
 
 ISSUE_BUDGET = 128 / (4.8e12 / (132 * 1.98e9))  # thread-instructions per byte at 4.8 TB/s
-# (kernel, BLOCK_M, tensor cores, BLOCK_N, BLOCK_K, warps)
-ROWS = [("2:4", 1, False, 32, 256, 4), ("2:4", 4, False, 16, 256, 4),
-        ("2:4", 16, True, 64, 128, 4), ("dense", 1, False, 32, 256, 4),
-        ("dense", 16, True, 64, 128, 4)]
-_POINTERS = ("x_ptr", "v_ptr", "m_ptr", "s_ptr", "b_ptr", "y_ptr")
+# (kernel, BLOCK_M, path, BLOCK_N, BLOCK_K, warps): path "rows" is the word-tile kernel of
+# M <= 4 (its BLOCK_K: the columns of one iteration, U vectors of 64 (2:4) or 32 (dense)
+# columns), "cuda" and "dot" the tile kernel on CUDA cores (M <= 4 with groups below one
+# vector) and on tensor cores (M > 4)
+ROWS = [("2:4", 1, "rows", 32, 256, 1), ("2:4", 2, "rows", 32, 128, 1),
+        ("2:4", 4, "rows", 32, 128, 1), ("2:4", 1, "cuda", 32, 256, 4),
+        ("2:4", 4, "cuda", 16, 256, 4), ("2:4", 16, "dot", 64, 128, 4),
+        ("dense", 1, "rows", 128, 128, 1), ("dense", 2, "rows", 64, 128, 1),
+        ("dense", 4, "rows", 64, 64, 1), ("dense", 1, "cuda", 32, 256, 4),
+        ("dense", 16, "dot", 64, 128, 4)]
+_POINTERS = ("x_ptr", "v_ptr", "m_ptr", "s_ptr", "b_ptr", "y_ptr", "part_ptr", "cnt_ptr")
 
 
-def compile_sass(sparse: bool, block_m: int, dot: bool, block_n: int, block_k: int,
+def compile_sass(sparse: bool, block_m: int, path: str, block_n: int, block_k: int,
                  warps: int, group: int = 128) -> str:
     """The sm_90 disassembly of one kernel specialization (strides divisible by 16, as the
     packed formats' are for K a multiple of 512)."""
@@ -38,15 +44,26 @@ def compile_sass(sparse: bool, block_m: int, dot: bool, block_n: int, block_k: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sparsekit.accel import w4a16_triton
+    from sparsekit.accel import w4a16_triton as src
 
-    fn = w4a16_triton.int4_24_kernel if sparse else w4a16_triton.int4_kernel
-    sig = {"x_ptr": "*bf16", "v_ptr": "*u8"} | ({"m_ptr": "*i32"} if sparse else {})
-    sig |= {"s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}
-    sig |= {k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_v", "stride_m", "stride_s",
-                               "M_BUCKET")}
-    consts = {"GROUP": group, "HAS_BIAS": False, "BLOCK_M": block_m, "USE_DOT": dot,
-              "DOT_F32": False, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    if path == "rows":
+        fn = src.int4_24_rows_kernel if sparse else src.int4_rows_kernel
+        sig = {"x_ptr": "*fp32", "v_ptr": "*i64" if sparse else "*i32", "m_ptr": "*i32",
+               "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
+               "cnt_ptr": "*i32"}
+        sig |= {k: "i32" for k in ("M", "N", "K", "stride_s", "M_BUCKET", "MAGIC")}
+        span = (src.SW_24 * 32) if sparse else (src.SW_DENSE * 8)
+        consts = {"GROUP": group, "HAS_BIAS": False, "BLOCK_M": block_m, "SPARSE": sparse,
+                  "BLOCK_N": block_n, "U": block_k // span, "SPLIT_K": 2}
+    else:
+        fn = src.int4_24_kernel if sparse else src.int4_kernel
+        sig = {"x_ptr": "*bf16", "v_ptr": "*u8"} | ({"m_ptr": "*i32"} if sparse else {})
+        sig |= {"s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}
+        sig |= {k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_v", "stride_m",
+                                   "stride_s", "M_BUCKET")}
+        consts = {"GROUP": group, "HAS_BIAS": False, "BLOCK_M": block_m,
+                  "USE_DOT": path == "dot", "DOT_F32": False, "BLOCK_N": block_n,
+                  "BLOCK_K": block_k}
     sig |= {k: "constexpr" for k in consts}
     aligned = set(_POINTERS) | {"N", "K", "stride_xm", "stride_v", "stride_m"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k in aligned}
@@ -81,18 +98,19 @@ def loop_body(sass: str) -> list[str]:
     return best
 
 
-def probe(kind: str, block_m: int, dot: bool, block_n: int, block_k: int, warps: int) -> dict:
+def probe(kind: str, block_m: int, path: str, block_n: int, block_k: int, warps: int) -> dict:
     sparse = kind == "2:4"
-    body = loop_body(compile_sass(sparse, block_m, dot, block_n, block_k, warps))
+    body = loop_body(compile_sass(sparse, block_m, path, block_n, block_k, warps))
     opcodes = collections.Counter(ins.split()[1] if ins.startswith("@") else ins.split()[0]
                                   for ins in body)
     bytes_per_thread = block_n * block_k * (0.375 if sparse else 0.5) / (32 * warps)
     per_byte = len(body) / bytes_per_thread
-    return {"kernel": f"int4_{kind}", "BLOCK_M": block_m, "tensor_cores": dot,
+    return {"kernel": f"int4_{kind}", "BLOCK_M": block_m, "path": path,
             "BLOCK_N": block_n, "BLOCK_K": block_k, "warps": warps,
             "loop_instructions": len(body), "weight_bytes_per_thread": bytes_per_thread,
             "instructions_per_byte": round(per_byte, 2),
             "issue_bound_pct": round(100 * min(1.0, ISSUE_BUDGET / per_byte), 1),
+            "loads": dict(sorted((op, n) for op, n in opcodes.items() if op.startswith("LD"))),
             "top_opcodes": dict(opcodes.most_common(8))}
 
 
@@ -101,13 +119,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--smoke", action="store_true", help="one small row (CI)")
     args = ap.parse_args(argv)
-    rows = [("dense", 1, False, 16, 128, 2)] if args.smoke else ROWS
+    rows = [("dense", 1, "rows", 64, 32, 2)] if args.smoke else ROWS
     out = []
     for row in rows:
         r = probe(*row)
-        print(f"{r['kernel']} M<={r['BLOCK_M']} {'tl.dot' if r['tensor_cores'] else 'CUDA cores'}"
-              f" {r['BLOCK_N']}x{r['BLOCK_K']}: {r['instructions_per_byte']} instructions per "
-              f"weight byte (issue bound ~{r['issue_bound_pct']}% of 4.8 TB/s)")
+        print(f"{r['kernel']} M<={r['BLOCK_M']} {r['path']} {r['BLOCK_N']}x{r['BLOCK_K']}: "
+              f"{r['instructions_per_byte']} instructions per weight byte (issue bound "
+              f"~{r['issue_bound_pct']}% of 4.8 TB/s), loads {r['loads']}")
         out.append(r)
     Path(args.out).write_text(json.dumps(out, indent=1))
     return out

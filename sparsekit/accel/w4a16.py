@@ -14,8 +14,12 @@ The formats, for a weight W (N, K) with int values ``q`` and ``scales`` (N, K / 
 - dense: ``values`` (N, K/2) uint8, columns 2j and 2j+1 in byte j's low and high nibble;
 - 2:4 (at most 2 nonzeros in every group of 4 along K): ``values`` (N, K/4) uint8, the two kept
   entries of group j (in increasing column order) in byte j's low and high nibble, and
-  ``meta`` (N, K/32) int32, the 4-bit position codes of :mod:`sparsekit.accel.sk24`
-  (``i0 | i1 << 2`` per group, group g in bits ``4*(g % 8)`` of word ``g // 8``);
+  ``meta`` (N, K/32) int32, a 4-bit code per group, group g in bits ``4*(g % 8)`` of word
+  ``g // 8``: for kept positions i0 < i1 in the group, ``P | Q << 1 | R << 2`` with
+  ``P = (i0 == 0)``, ``R = (i1 == 3)`` and ``Q = (i1 == 2)`` when P else ``(i0 == 1)``. The
+  kernels pick each kept value's activation with these three bits and two selects:
+  ``x[i0] = x0 if P else (x1 if Q else x2)``, ``x[i1] = x3 if R else (x2 if Q else x1)``
+  (:func:`positions` decodes them);
 - a nibble holds ``q + 8`` (offset binary, 0..15);
 - ``scales`` (N, K / group_size) float32 (the quantizer's own values, so the kernels compute
   exactly the weight quant/ dequantizes; bfloat16 scales are taken too and save 1/64 byte per
@@ -109,7 +113,34 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """The dense format of int values ``q`` (N, K) int8 and ``scales`` (N, K / group_size):
     (values (N, K/2) uint8, scales contiguous). ValueError on a shape the kernel cannot take."""
     _check_q(q, scales)
+    if q.is_cuda:
+        sk24.counters(q.device)  # the split-K counters, before any graph capture
     return pack_nibbles(q), scales.contiguous()
+
+
+def _nibble_codes(meta: torch.Tensor) -> torch.Tensor:
+    """(N, W) int32 words of 8 4-bit codes -> (N, 8W) int32, group g = nibble g % 8 of word
+    g // 8."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=meta.device)
+    return ((meta[..., None] >> shifts) & 0xF).reshape(meta.shape[0], -1)
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_nibble_codes` (codes 0..15; a code of 8 or more in a word's top
+    nibble wraps to a negative word, as int32 bits)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    w = (codes.reshape(codes.shape[0], -1, 8).long() << shifts).sum(-1)
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def positions(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept positions (i0, i1), i0 < i1, (N, K/4) int32 of every group of the int4 2:4
+    metadata ``meta`` (N, K/32) (codes P | Q << 1 | R << 2, the module docstring's)."""
+    code = _nibble_codes(meta)
+    p, q, r = code & 1, (code >> 1) & 1, (code >> 2) & 1
+    i0 = torch.where(p == 1, 0, torch.where(q == 1, 1, 2))
+    i1 = torch.where(r == 1, 3, torch.where(q == 1, 2, 1))
+    return i0.int(), i1.int()
 
 
 def pack_24(q: torch.Tensor, scales: torch.Tensor
@@ -122,6 +153,13 @@ def pack_24(q: torch.Tensor, scales: torch.Tensor
         kept, meta = sk24.compress(q.to(torch.bfloat16), layout="interleaved")
     except ValueError as e:
         raise ValueError(f"int4 2:4 format: {e}") from None
+    code = _nibble_codes(meta)  # sk24's i0 | i1 << 2 -> P | Q << 1 | R << 2
+    i0, i1 = code & 3, code >> 2
+    p, r = i0 == 0, i1 == 3
+    qbit = torch.where(p, i1 == 2, i0 == 1)
+    meta = _words(p.int() | (qbit.int() << 1) | (r.int() << 2))
+    if q.is_cuda:
+        sk24.counters(q.device)  # the split-K counters, before any graph capture
     return pack_nibbles(kept.to(torch.int8)), meta, scales.contiguous()
 
 
@@ -133,7 +171,8 @@ def unpack(values: torch.Tensor) -> torch.Tensor:
 def unpack_24(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """The int values (N, K) int8 of the 2:4 format, its zeros in place."""
     kept = unpack_nibbles(values).to(torch.bfloat16)
-    return sk24.decompress(kept, meta, layout="interleaved").to(torch.int8)
+    i0, i1 = positions(meta)
+    return sk24.decompress(kept, _words(i0 | (i1 << 2)), layout="interleaved").to(torch.int8)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor,
@@ -167,9 +206,7 @@ def dequantize_packed_24(values: torch.Tensor, meta: torch.Tensor, scales: torch
     """The 2:4 format's weight ``q * scale`` (N, K), zeros in place, as
     :func:`dequantize_packed` (the kept values placed by where-selects, no scatter)."""
     v0, v1 = _nibble_floats(values)  # (N, K/4): the kept entries of each group of 4
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=meta.device)
-    code = ((meta[..., None] >> shifts) & 0xF).reshape(values.shape)
-    i0, i1 = code & 3, code >> 2
+    i0, i1 = positions(meta)
     cols = [torch.where(i0 == j, v0, torch.where(i1 == j, v1, 0.0)) for j in range(4)]
     return _scaled(torch.stack(cols, dim=-1).reshape(values.shape[0], -1), scales, dtype)
 
@@ -247,13 +284,95 @@ def _launch(kernel, raw, x, weight_args, n, k, scales, bias, config):
     return y
 
 
+ROWS_MAX_M = 4  # the M up to which the word-tile kernels run (CUDA cores)
+
+
+def x_planes_24(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the 2:4 word-tile kernel reads it: (M, K/64, 8, 2, 4) float32,
+    ``[:, b, s, i, p]`` holding ``x[:, 32w + 4s + p]`` for word ``w = 2b + i`` (position p of
+    group s of metadata word w) times ``16**-j``, j = 0, 2, 1, 3 for s % 4 = 0..3 (the kernel
+    reads group s's first kept nibble 16**j times too large): one step's x is one contiguous
+    block, a group's positions in both words one 32-byte vector."""
+    m, k = x.shape
+    t = torch.arange(8, device=x.device) % 4  # made on the device: no copy, capturable
+    f = torch.exp2(-4.0 * (2 * t - 3 * (t // 2)))
+    xs = x.float().reshape(m, k // 64, 2, 8, 4) * f[:, None]
+    return xs.transpose(2, 3).contiguous()
+
+
+def x_planes(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the dense word-tile kernel reads it: (M, K/32, 8, 4) float32, [:, b, j, i]
+    holding ``x[:, 8w + j]`` times ``16**-j`` (j < 4) or ``16**-(j - 3)`` for word
+    ``w = 4b + i`` (the kernel reads nibble j of a word that many times too large)."""
+    m, k = x.shape
+    j = torch.arange(8, device=x.device)  # made on the device: no copy, capturable
+    f = torch.exp2(-4.0 * torch.where(j < 4, j, j - 3))
+    return (x.float().reshape(m, k // 32, 4, 8) * f).transpose(2, 3).contiguous()
+
+
+def rows_fit(k: int, group: int, sparse: bool) -> bool:
+    """Whether the word-tile kernels (M <= 4) take K and ``group``: a 16-byte vector of a row
+    (64 columns of 2:4, 32 dense) must lie inside one quantization group (K, a multiple of
+    64 and of the group, then holds whole vectors)."""
+    return k % K_MULTIPLE == 0 and group % (64 if sparse else 32) == 0
+
+
+def _launch_rows(sparse, x, values, meta, n, k, scales, bias, config):
+    """The word-tile kernels (M <= 4): values as words, x as float32 planes, split-K partials
+    summed by the last program of each output tile (:func:`sk24.counters`)."""
+    triton, src = _kernels()
+    m = x.shape[0]
+    block_m = 1 if m == 1 else (2 if m == 2 else 4)
+    if config is None and not x.is_cuda:
+        config = {"BLOCK_N": 32, "U": 1, "SPLIT_K": 2 if k >= 256 else 1, "num_warps": 1}
+    if config is not None and not src.row_fits(k, k // scales.shape[1], sparse, config["U"],
+                                               config["SPLIT_K"]):
+        raise ValueError(f"int4 kernel: config {config} does not fit K {k}, group "
+                         f"{k // scales.shape[1]}")
+    xpad = x if m % block_m == 0 else torch.cat([x, x.new_zeros(block_m - m % block_m, k)])
+    if sparse:  # x's rows padded to a whole BLOCK_M: the kernel loads them unmasked
+        kernel = src.tuned_24_rows if config is None else src.int4_24_rows_kernel
+        xp, words = x_planes_24(xpad), values.contiguous().view(torch.int64)
+    else:
+        kernel = src.tuned_rows if config is None else src.int4_rows_kernel
+        xp, words = x_planes(xpad), values.contiguous().view(torch.int32)
+    meta = words if meta is None else meta.contiguous()
+    scales = scales.contiguous()
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    split = max(c.kwargs["SPLIT_K"] for c in src.row_configs()) if config is None \
+        else config["SPLIT_K"]
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    cnt = sk24.counters(x.device)
+
+    def grid(meta_):
+        tiles = triton.cdiv(n, meta_["BLOCK_N"]) * triton.cdiv(m, block_m)
+        if tiles > cnt.numel():
+            raise ValueError(f"int4 kernel: {tiles} output tiles, at most {cnt.numel()}")
+        return (triton.cdiv(n, meta_["BLOCK_N"]), meta_["SPLIT_K"], triton.cdiv(m, block_m))
+    kernel[grid](xp, words, meta, scales, y if bias is None else bias, y, part, cnt, m, n, k,
+                 scales.stride(0), sk24.m_bucket(m), 0x4B000000, k // scales.shape[1],
+                 HAS_BIAS=bias is not None, BLOCK_M=block_m, SPARSE=sparse, **(config or {}))
+    return y
+
+
+def _use_rows(m: int, k: int, group: int, sparse: bool, config: dict | None) -> bool:
+    if config is not None:
+        return "U" in config
+    return m <= ROWS_MAX_M and rows_fit(k, group, sparse)
+
+
 def launch(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
-    """Run the dense Triton kernel: autotuned per (M bucket, N, K, group) on CUDA; with
-    ``config`` (``BLOCK_N``, ``BLOCK_K``, optionally ``num_warps``, ``num_stages``) fixed, as on
-    CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter cannot time)."""
+    """Run the dense Triton kernel: autotuned per (M bucket, N, K, group) on CUDA, the
+    word-tile kernel for M <= 4 where :func:`rows_fit`, else the tile kernel; with ``config``
+    fixed, as on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter cannot time): the
+    word-tile kernel's (``BLOCK_N``, ``U``, ``SPLIT_K``, optionally ``num_warps``) or the tile
+    kernel's (``BLOCK_N``, ``BLOCK_K``, optionally ``num_warps``, ``num_stages``), the keys
+    pick the kernel."""
     n, k = values.shape[0], 2 * values.shape[1]
     _check_call("int4 GEMM", x, n, k, scales, bias)
+    if _use_rows(x.shape[0], k, k // scales.shape[1], False, config):
+        return _launch_rows(False, x.contiguous(), values, None, n, k, scales, bias, config)
     _, src = _kernels()
     return _launch(src.tuned_dense, src.int4_kernel, x, (values,), n, k, scales, bias, config)
 
@@ -263,6 +382,8 @@ def launch_24(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scales:
     """Run the 2:4 Triton kernel (autotuned on CUDA, ``config`` as in :func:`launch`)."""
     n, k = values.shape[0], 4 * values.shape[1]
     _check_call("int4 2:4 GEMM", x, n, k, scales, bias)
+    if _use_rows(x.shape[0], k, k // scales.shape[1], True, config):
+        return _launch_rows(True, x.contiguous(), values, meta, n, k, scales, bias, config)
     _, src = _kernels()
     return _launch(src.tuned_24, src.int4_24_kernel, x, (values, meta), n, k, scales, bias,
                    config)
@@ -276,8 +397,8 @@ def bound_bytes(m: int, n: int, k: int, group_size: int, sparse: bool,
     return weight + n * (k // group_size) * scale_bytes + m * k * 2 + m * n * 2
 
 
-__all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "SCALE_DTYPES", "bound_bytes",
-           "check_shape", "dequantize", "dequantize_packed", "dequantize_packed_24", "launch",
-           "launch_24", "pack", "pack_24",
-           "pack_nibbles", "reference", "reference_24", "unpack", "unpack_24",
-           "unpack_nibbles"]
+__all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "ROWS_MAX_M", "SCALE_DTYPES",
+           "bound_bytes", "check_shape", "dequantize", "dequantize_packed",
+           "dequantize_packed_24", "launch", "launch_24", "pack", "pack_24", "pack_nibbles",
+           "positions", "reference", "reference_24", "rows_fit", "unpack", "unpack_24",
+           "unpack_nibbles", "x_planes", "x_planes_24"]

@@ -163,6 +163,31 @@ def _check_interpreted_kernels() -> None:
                 y = run(x, *packed, s, b, config={"BLOCK_N": 16, "BLOCK_K": block_k})
                 _close_bf16(y, _ref64(x, q, s, b))
                 print(f"ok sparse={sparse} group={group} BLOCK_K={block_k} M={m}")
+    _check_interpreted_row_kernels()
+
+
+# the word-tile kernels of M <= 4: (K, group, U, SPLIT_K): one iteration per group with an
+# uneven split, two vectors per iteration, per channel with the default CPU config (None)
+ROW_CASES = [(320, 64, 1, 2), (256, 128, 2, 2), (256, 256, None, None)]
+
+
+def _check_interpreted_row_kernels() -> None:
+    n = 40  # two BLOCK_N tiles of 32, the second partly masked
+    for sparse in (True, False):
+        for k, group, u, split in ROW_CASES:
+            q = _q24(n, k, seed=k + group, sparse=sparse)
+            s = _scales(n, k // group)
+            bias = torch.randn(n).bfloat16()
+            packed = w4a16.pack_24(q, s)[:2] if sparse else w4a16.pack(q, s)[:1]
+            run = w4a16.launch_24 if sparse else w4a16.launch
+            config = None if u is None else {"BLOCK_N": 32, "U": u, "SPLIT_K": split,
+                                              "num_warps": 1}
+            for m in (1, 2, 3):  # BLOCK_M 1, 2 and 4 (a padded row)
+                x = torch.randn(m, k).bfloat16()
+                b = bias if m != 1 else None
+                y = run(x, *packed, s, b, config=config)
+                _close_bf16(y, _ref64(x, q, s, b))
+                print(f"ok rows sparse={sparse} K={k} group={group} M={m}")
 
 
 @pytest.mark.slow  # a fresh process: importing torch dominates (the kernels take ~2 s)
@@ -174,7 +199,25 @@ def test_triton_kernels_interpreted_equal_reference():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok ") == 2 * (2 * len(CASES) + 1)
+    assert run.stdout.count("ok ") == 2 * (2 * len(CASES) + 1) + 2 * 3 * len(ROW_CASES)
+
+
+def test_metadata_codes_every_pair():
+    """The 2:4 codes P | Q << 1 | R << 2 of every kept pair (i0, i1), decoded back by
+    ``positions`` and by the kernels' selects ``x[i0] = x0 if P else (x1 if Q else x2)``,
+    ``x[i1] = x3 if R else (x2 if Q else x1)``."""
+    pairs = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    q = torch.zeros(1, 64, dtype=torch.int8)
+    for g, (i0, i1) in enumerate(pairs * 2):
+        q[0, 4 * g + i0], q[0, 4 * g + i1] = 1 + g % 7, -1 - g % 8
+    v, meta, _ = w4a16.pack_24(q, _scales(1, 1))
+    i0, i1 = w4a16.positions(meta)
+    assert list(zip(i0[0, :12].tolist(), i1[0, :12].tolist())) == pairs * 2
+    code = ((meta[0, :, None] >> torch.arange(0, 32, 4)) & 0xF).reshape(-1)[:6]
+    for c, (a, b) in zip(code.tolist(), pairs):
+        p_, q_, r_ = c & 1, (c >> 1) & 1, (c >> 2) & 1
+        assert (0 if p_ else (1 if q_ else 2), 3 if r_ else (2 if q_ else 1)) == (a, b)
+    assert torch.equal(w4a16.unpack_24(v, meta), q)
 
 
 def test_tile_fit_rule():

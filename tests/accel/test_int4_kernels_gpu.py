@@ -65,6 +65,14 @@ def test_fixed_tile_kernels_match_reference(n, k, group):
     _check(n, k, group, (1, 3, 8, 32), config={"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4})
 
 
+# the word-tile kernels (M <= 4) with a fixed config: group 64 (one vector per iteration, an
+# uneven split), per channel (two vectors per iteration)
+@pytest.mark.parametrize("n,k,group,u", [(1000, 1984, 64, 1), (512, 2048, 2048, 2)])
+def test_fixed_row_kernels_match_reference(n, k, group, u):
+    _check(n, k, group, (1, 2, 3, 4),
+           config={"BLOCK_N": 64, "U": u, "SPLIT_K": 5, "num_warps": 1})
+
+
 @pytest.mark.parametrize("cls,prefill", [(int4.Int4Sparse24, "dequant"),
                                          (int4.Int4Sparse24, "bf16_2:4"),
                                          (int4.Int4Dense, "dequant")])
