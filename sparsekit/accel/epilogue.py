@@ -15,6 +15,9 @@ reshape.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import hashlib
 from pathlib import Path
 
@@ -41,37 +44,48 @@ def _is_reshape(node: torch.fx.Node) -> bool:
             or (node.op == "call_function" and node.target is torch.reshape))
 
 
-class FuseGelu(_compat.custom_graph_pass()):
-    """Inductor pre-grad pass: GELU after a ``sparse24_mm_alpha`` (directly or through one
-    reshape/view) becomes the GEMM's ``gelu=True``. Counts the rewrites in ``fused``."""
+@functools.cache
+def _fusegelu_class() -> type:
+    """The class, made on first use: its base (inductor's ``CustomGraphPass``) imports
+    dynamo, which ``import sparsekit`` should not."""
+    class FuseGelu(_compat.custom_graph_pass()):
+        """Inductor pre-grad pass: GELU after a ``sparse24_mm_alpha`` (directly or through one
+        reshape/view) becomes the GEMM's ``gelu=True``. Counts the rewrites in ``fused``."""
 
-    def __init__(self) -> None:
-        self.fused = 0
+        def __init__(self) -> None:
+            self.fused = 0
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        packet = torch.ops.sparsekit.sparse24_mm_alpha
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in (packet, packet.default):
-                continue
-            args = list(node.args)
-            if len(args) != 7 or args[6] is not False or len(node.users) != 1:
-                continue
-            (user,) = node.users
-            shaped = user if _is_reshape(user) and user.args[0] is node else None
-            if shaped is not None and len(shaped.users) != 1:
-                continue
-            act = next(iter(shaped.users)) if shaped is not None else user
-            if not _is_gelu(act) or act.args[0] is not (shaped or node):
-                continue
-            args[6] = True
-            node.args = tuple(args)
-            act.replace_all_uses_with(shaped or node)
-            graph.erase_node(act)
-            self.fused += 1
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            packet = torch.ops.sparsekit.sparse24_mm_alpha
+            for node in list(graph.nodes):
+                if node.op != "call_function" or node.target not in (packet, packet.default):
+                    continue
+                args = list(node.args)
+                if len(args) != 7 or args[6] is not False or len(node.users) != 1:
+                    continue
+                (user,) = node.users
+                shaped = user if _is_reshape(user) and user.args[0] is node else None
+                if shaped is not None and len(shaped.users) != 1:
+                    continue
+                act = next(iter(shaped.users)) if shaped is not None else user
+                if not _is_gelu(act) or act.args[0] is not (shaped or node):
+                    continue
+                args[6] = True
+                node.args = tuple(args)
+                act.replace_all_uses_with(shaped or node)
+                graph.erase_node(act)
+                self.fused += 1
 
-    def uuid(self) -> str:  # inductor's graph cache key: this file's code and the GELU form
-        return hashlib.sha256(Path(__file__).read_bytes()
-                              + ops.GELU_APPROXIMATE.encode()).hexdigest()
+        def uuid(self) -> str:  # inductor's graph cache key: this file's code and the GELU form
+            return hashlib.sha256(Path(__file__).read_bytes()
+                                  + ops.GELU_APPROXIMATE.encode()).hexdigest()
+    return FuseGelu
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FuseGelu":
+        return _fusegelu_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def uses_alpha_path(model: torch.nn.Module) -> bool:
@@ -79,4 +93,4 @@ def uses_alpha_path(model: torch.nn.Module) -> bool:
     return any(getattr(m, "path", "") == "cslt_alpha" for m in model.modules())
 
 
-__all__ = ["FuseGelu", "uses_alpha_path"]
+__all__ = ["FuseGelu", "uses_alpha_path"]  # noqa: F822 (FuseGelu: module __getattr__)

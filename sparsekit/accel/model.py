@@ -12,7 +12,8 @@ from torch import nn
 
 from sparsekit import _compat
 from sparsekit.accel import graphs
-from sparsekit.accel.epilogue import FuseGelu, uses_alpha_path
+from sparsekit.accel import epilogue
+from sparsekit.accel.epilogue import uses_alpha_path
 from sparsekit.accel.options import CompileOptions
 from sparsekit.accel.report import AccelReport
 from sparsekit.nn.calibration import tree_map
@@ -47,7 +48,7 @@ class AcceleratedModel(nn.Module):
         self.options = options
         self.clone_outputs = options.clone_outputs
         self.max_compiles = max_compiles
-        self.fuse_gelu: FuseGelu | None = None
+        self.fuse_gelu: Any = None  # an epilogue.FuseGelu when the model runs one
         capture = bool(options.capture) and compile and device.type == "cuda"
         if compile:
             mode = options.mode
@@ -69,7 +70,7 @@ class AcceleratedModel(nn.Module):
                 "pre_grad_custom_pass" not in (inductor or {}):
             # GELU into the epilogue of the GEMMs on sparsekit's binding
             if self.fuse_gelu is None:
-                self.fuse_gelu = FuseGelu()
+                self.fuse_gelu = epilogue.FuseGelu()
             inductor = {**(inductor or {}), "pre_grad_custom_pass": self.fuse_gelu}
         return _compat.compile_module(self.model, mode=mode, dynamic=self.options.dynamic,
                                       backend=backend, options=inductor)

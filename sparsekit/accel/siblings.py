@@ -19,6 +19,8 @@ would run the whole GEMM).
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import weakref
 from collections.abc import Callable
@@ -134,28 +136,39 @@ def _hashable(a: Any) -> Any:
     return a
 
 
-class MergeSameCalls(_compat.custom_graph_pass()):
-    """Inductor post-grad pass (``post_grad_custom_pre_pass``): calls of one pure op with the
-    same arguments (the same graph nodes and constants) become one, their users moved to the
-    first. The members of a sibling group each call the group's GEMM, and its activation
-    quantization, on the same input and buffers: one call of each is left."""
+@functools.cache
+def _mergesamecalls_class() -> type:
+    """The class, made on first use: its base (inductor's ``CustomGraphPass``) imports
+    dynamo, which ``import sparsekit`` should not."""
+    class MergeSameCalls(_compat.custom_graph_pass()):
+        """Inductor post-grad pass (``post_grad_custom_pre_pass``): calls of one pure op with the
+        same arguments (the same graph nodes and constants) become one, their users moved to the
+        first. The members of a sibling group each call the group's GEMM, and its activation
+        quantization, on the same input and buffers: one call of each is left."""
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        seen: dict[tuple, torch.fx.Node] = {}
-        for node in list(graph.nodes):
-            if node.op != "call_function" or not _compat.pure_op(node.target):
-                continue
-            key = (node.target, _hashable(node.args), _hashable(node.kwargs))
-            try:
-                first = seen.setdefault(key, node)
-            except TypeError:  # an argument that cannot be compared: left as it is
-                continue
-            if first is not node:
-                node.replace_all_uses_with(first)
-                graph.erase_node(node)
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen: dict[tuple, torch.fx.Node] = {}
+            for node in list(graph.nodes):
+                if node.op != "call_function" or not _compat.pure_op(node.target):
+                    continue
+                key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+                try:
+                    first = seen.setdefault(key, node)
+                except TypeError:  # an argument that cannot be compared: left as it is
+                    continue
+                if first is not node:
+                    node.replace_all_uses_with(first)
+                    graph.erase_node(node)
 
-    def uuid(self) -> str:  # inductor's graph cache key: this file's code
-        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        def uuid(self) -> str:  # inductor's graph cache key: this file's code
+            return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return MergeSameCalls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MergeSameCalls":
+        return _mergesamecalls_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SiblingSlice(nn.Module):
@@ -238,4 +251,5 @@ def fuse(model: nn.Module, inputs: Any, groups: list[list[str]], chosen: dict,
     return notes
 
 
-__all__ = ["MergeSameCalls", "SiblingSlice", "concat_linears", "first_calls", "fuse"]
+__all__ = ["MergeSameCalls", "SiblingSlice", "concat_linears", "first_calls",  # noqa: F822
+           "fuse"]  # MergeSameCalls: made by the module __getattr__

@@ -12,14 +12,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import functools
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch builds without distributed support
-    DTensor = None
+
+@functools.cache
+def _dtensor() -> type | None:
+    """``torch.distributed.tensor.DTensor`` (imported on first use: it takes about half a
+    second), None on torch builds without distributed support."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
 
 
 def is_initialized() -> bool:
@@ -78,7 +87,10 @@ def reshard(model: nn.Module) -> None:
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """True for a DTensor (an FSDP2 parameter)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+    if not dist.is_available() or "torch.distributed.tensor" not in sys.modules:
+        return False  # no DTensor can exist before its module is imported
+    dtensor = _dtensor()
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,7 +101,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def like(local_tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """A DTensor with ``local_tensor`` as this rank's shard, sharded like DTensor ``reference``
     (same global shape); shares ``local_tensor``'s storage."""
-    return DTensor.from_local(
+    return _dtensor().from_local(
         local_tensor,
         reference.device_mesh,
         reference.placements,
