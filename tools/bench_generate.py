@@ -183,7 +183,8 @@ def config_items(ms, k_min: int) -> list:
         for m in ms:
             for c in sk24_triton.configs():
                 cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
-                if sk24_triton.fits(c.kwargs, m, k_min, dtype_name == "float8_e4m3fn"):
+                if sk24_triton.fits(c.kwargs, m, k_min, dtype_name == "float8_e4m3fn",
+                                     c.num_stages):
                     items.append((dtype_name, m, cfg))
     return items
 
@@ -222,7 +223,8 @@ def config_rows(device: torch.device, shapes, ms, jobs: int) -> list[dict]:
                 row = {"shape": name, "N": n, "K": k, "M": m, "dtype": dtype_name,
                        "dense_us": dense_us, "bytes": nbytes, "configs": []}
                 for c in sk24_triton.configs():
-                    if not sk24_triton.fits(c.kwargs, m, k, dtype_name == "float8_e4m3fn"):
+                    if not sk24_triton.fits(c.kwargs, m, k, dtype_name == "float8_e4m3fn",
+                                            c.num_stages):
                         continue
                     cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                     fns = [functools.partial(sk24.launch, xx, s_[vk], s_[mk],

@@ -27,38 +27,49 @@ SELECT, PLANES, DOT = 0, 1, 2
 
 
 def configs() -> list:
-    """The autotuner's space: (MODE, BLOCK_N, BLOCK_W, SPLIT_K, warps)."""
+    """The autotuner's space: (MODE, BLOCK_N, BLOCK_W, SPLIT_K, warps, stages). Tensor-core
+    configs use two or three stages: Triton then copies each step's values, metadata and x
+    into shared memory asynchronously (``cp.async``) while the previous step multiplies, with
+    two barriers a step instead of one per layout conversion."""
     out = []
-    for mode, bn, bw, split, warps in (
-            (SELECT, 16, 32, 2, 4), (SELECT, 16, 32, 4, 4), (SELECT, 16, 64, 2, 4),
-            (SELECT, 32, 32, 2, 4), (SELECT, 32, 32, 4, 4), (SELECT, 32, 64, 1, 4),
-            (SELECT, 32, 64, 2, 8), (SELECT, 64, 32, 2, 8), (SELECT, 8, 64, 4, 4),
-            (PLANES, 16, 32, 2, 4), (PLANES, 16, 32, 4, 4), (PLANES, 32, 32, 2, 4),
-            (PLANES, 32, 32, 4, 8), (PLANES, 16, 64, 2, 8), (PLANES, 8, 64, 4, 4),
-            (DOT, 32, 32, 2, 4), (DOT, 32, 32, 4, 4), (DOT, 64, 32, 2, 4),
-            (DOT, 64, 32, 4, 8), (DOT, 64, 64, 2, 8), (DOT, 128, 32, 2, 8),
-            (DOT, 32, 64, 4, 4), (DOT, 16, 64, 4, 4), (DOT, 128, 32, 1, 8),
+    for mode, bn, bw, split, warps, stages in (
+            (SELECT, 16, 32, 2, 4, 1), (SELECT, 16, 32, 4, 4, 1), (SELECT, 16, 64, 2, 4, 1),
+            (SELECT, 32, 32, 2, 4, 1), (SELECT, 32, 32, 4, 4, 1), (SELECT, 32, 64, 1, 4, 1),
+            (SELECT, 32, 64, 2, 8, 1), (SELECT, 64, 32, 2, 8, 1), (SELECT, 8, 64, 4, 4, 1),
+            (PLANES, 16, 32, 2, 4, 1), (PLANES, 32, 32, 2, 4, 1), (PLANES, 16, 64, 2, 8, 1),
+            (DOT, 64, 32, 2, 4, 1), (DOT, 32, 64, 4, 4, 1),
+            (DOT, 64, 16, 1, 4, 3), (DOT, 64, 16, 2, 4, 3), (DOT, 64, 16, 4, 4, 3),
+            (DOT, 64, 32, 1, 4, 2), (DOT, 64, 32, 2, 4, 2), (DOT, 64, 32, 4, 4, 2),
+            (DOT, 32, 32, 2, 4, 3), (DOT, 32, 32, 4, 4, 3), (DOT, 64, 64, 2, 4, 2),
             # K = 512 (16 words a row) takes only these
-            (SELECT, 16, 16, 1, 4), (PLANES, 16, 16, 1, 4), (DOT, 32, 16, 1, 4)):
+            (SELECT, 16, 16, 1, 4, 1), (PLANES, 16, 16, 1, 4, 1), (DOT, 32, 16, 1, 4, 1)):
         out.append(triton.Config({"MODE": mode, "BLOCK_N": bn, "BLOCK_W": bw,
-                                  "SPLIT_K": split}, num_warps=warps, num_stages=1))
+                                  "SPLIT_K": split}, num_warps=warps, num_stages=stages))
     return out
 
 
-def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False) -> bool:
+SHARED_BYTES = 160 * 1024  # the staged weight tiles a config may keep in shared memory
+
+
+def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False, stages: int = 1) -> bool:
     """Whether a config suits (M, K): whole BLOCK_W word blocks, at least one per split, its
     MODE for M (SELECT up to 2 rows, PLANES up to 8, DOT from 4; tensor-core steps at least 16
-    columns deep)."""
+    columns deep), and with ``stages`` > 1 its staged values and metadata within
+    SHARED_BYTES."""
     words = k // 32
-    bw, split = config_kwargs["BLOCK_W"], config_kwargs.get("SPLIT_K", 1)
-    mode = config_kwargs.get("MODE", DOT)
+    bn, bw = config_kwargs["BLOCK_N"], config_kwargs["BLOCK_W"]
+    split, mode = config_kwargs.get("SPLIT_K", 1), config_kwargs.get("MODE", DOT)
     if words % bw or words // bw < split:
+        return False
+    if stages > 1 and (16 * bn * bw * (1 if fp8 else 2) + 4 * bn * bw) * stages > SHARED_BYTES:
         return False
     return {SELECT: m <= 2, PLANES: m <= 8, DOT: m >= 4 and bw >= 16}[mode]
 
 
 def _prune(configs_, named_args, **kwargs):
-    return [c for c in configs_ if fits(c.kwargs, named_args["M"], named_args["K"])]
+    fp8 = named_args["v_ptr"].element_size() == 1
+    return [c for c in configs_
+            if fits(c.kwargs, named_args["M"], named_args["K"], fp8, c.num_stages)]
 
 
 @triton.jit
@@ -119,9 +130,10 @@ def _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, MODE: tl.constexp
           DOT_F32: tl.constexpr):
     """acc + the products of one slab step."""
     if MODE == 2:  # tensor cores: acc (BLOCK_N, BLOCK_M) += plane_p @ x_p.T
-        # fp8 values are exact in float16 (one conversion per two values, before the planes)
+        # fp8 planes and x go to the tensor cores as they are (e4m3 x e4m3, float32 sums) in
+        # steps 32 deep; a shallower step takes them as float16 (exact)
         DT: tl.constexpr = tl.float32 if DOT_F32 else (
-            tl.float16 if v0.dtype == tl.float8e4nv else tl.bfloat16)
+            tl.float16 if v0.dtype == tl.float8e4nv and v0.shape[1] < 32 else v0.dtype)
         v0 = v0.to(DT)
         v1 = v1.to(DT)
         for p in tl.static_range(4):

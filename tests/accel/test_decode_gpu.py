@@ -29,6 +29,32 @@ def test_kernel_equals_reference(dtype, shape):
         assert err < 5e-3, (m, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_every_tensor_core_config_equals_reference(dtype):
+    """Each tensor-core config the autotuner may pick (staged or not, fp8 natively or through
+    float16) against the reference, at M = 5 (padded to 16) and 17 (padded to 32)."""
+    from sparsekit.accel import sk24_triton
+
+    n, k = 256, 4096
+    values, meta = sk24.compress(masked_24(n, k).to("cuda", dtype))
+    fp8 = dtype == torch.float8_e4m3fn
+    for m in (5, 17):
+        x = sk24.planes(torch.randn(m, k, device="cuda").to(dtype))
+        xs = torch.rand(m, 1, device="cuda") + 0.5 if fp8 else None
+        ws = torch.rand(n, device="cuda") + 0.5 if fp8 else None
+        ref = sk24.reference(sk24.unplanes(x), values, meta, xs, ws, None).float()
+        tried = 0
+        for c in sk24_triton.configs():
+            if c.kwargs["MODE"] != sk24_triton.DOT or not sk24_triton.fits(
+                    c.kwargs, m, k, fp8, c.num_stages):
+                continue
+            cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+            y = sk24.launch(x, values, meta, xs, ws, None, config=cfg).float()
+            assert ((y - ref).norm() / ref.norm()).item() < 5e-3, (m, cfg)
+            tried += 1
+        assert tried >= 8
+
+
 def test_generate_on_gpu_equals_masked_eager_model():
     model, ref = _tiny_llama()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
