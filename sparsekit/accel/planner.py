@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparsekit import _compat
@@ -758,11 +759,7 @@ class Planner:
             if key not in chosen:
                 chosen[key] = self.cache.get(key) or time_decode(mod, self.device)
                 self.cache[key] = self.new[key] = chosen[key]
-                self.report.notes.append(
-                    f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the "
-                    f"small-M kernel for M <= {chosen[key]['decode_max_m']} (us small-M/"
-                    "large-M: " + ", ".join(f"M={m} {t[0]:.1f}/{t[1]:.1f}"
-                                            for m, t in chosen[key]["us"].items()) + ")")
+                self.report.notes.append(decode_note(mod, chosen[key]))
             mod.decode_max_m = int(chosen[key]["decode_max_m"])
             if mod.decode_max_m == 0:  # never used: its copy of the weight goes
                 mod.dvalues = mod.dmeta = None
@@ -770,21 +767,37 @@ class Planner:
 
 def time_decode(mod: nn.Module, device: torch.device) -> dict:
     """{"decode_max_m": the last of DECODE_BUCKETS where ``mod``'s small-M kernel beats its
-    large-M path, "us": {M: [small-M us, large-M us]}} (timed in CUDA graphs)."""
+    large-M path, "us": {M: [small-M us, large-M us, bf16 dense us]}} (timed in CUDA graphs;
+    dense: ``F.linear`` on a bf16 weight of the layer's shape, the baseline a decode step is
+    compared with)."""
     from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
 
+    dense_w = torch.randn(mod.out_features, mod.in_features, device=device,
+                          dtype=torch.bfloat16)
     limit, us = 0, {}
     for m in DECODE_BUCKETS:
         x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
-        pair = []
+        times = []
         for max_m in (m, 0):
             mod.decode_max_m = max_m
-            pair.append(timing.graph_time_us(functools.partial(mod, x)))
-        us[str(m)] = pair
-        if pair[0] >= pair[1]:
+            times.append(timing.graph_time_us(functools.partial(mod, x)))
+        times.append(timing.graph_time_us(functools.partial(F.linear, x, dense_w)))
+        us[str(m)] = times
+        if times[0] >= times[1]:
             break
         limit = m
     return {"decode_max_m": limit, "us": us}
+
+
+def decode_note(mod: nn.Module, entry: dict) -> str:
+    """The report's line for one decode plan: the limit, the timings per M and the token counts
+    where neither 2:4 path beats bf16 dense (a decode step there is slower than dense)."""
+    times = entry["us"]
+    slower = [m for m, t in times.items() if len(t) > 2 and min(t[:2]) > t[2]]
+    return (f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the small-M kernel "
+            f"for M <= {entry['decode_max_m']} (us small-M/large-M/bf16 dense: "
+            + ", ".join(f"M={m} " + "/".join(f"{u:.1f}" for u in t) for m, t in times.items())
+            + ")" + (f"; slower than bf16 dense at M = {', '.join(slower)}" if slower else ""))
 
 
 def _shell_copy(model: nn.Module) -> nn.Module:
@@ -803,7 +816,7 @@ def _reset_compiled() -> None:
 
 __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
            "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
-           "PlannedLayer", "Planner", "cache_path", "choose", "choose_plan", "extrapolate_ms",
-           "layer_plan", "load", "model_key", "own_precision", "plan_key", "repeated_blocks",
+           "PlannedLayer", "Planner", "cache_path", "choose", "choose_plan", "decode_note",
+           "extrapolate_ms", "layer_plan", "load", "model_key", "own_precision", "plan_key", "repeated_blocks",
            "store", "time_decode", "time_model_ms", "time_module", "time_paired", "truncated",
            "weight_bytes", "whole_model_plans"]

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
@@ -205,10 +206,14 @@ def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypat
     mod = VARIANTS["bf16_2:4"](lin)
     # the small-M kernel (decode_max_m >= M) at 5 us, the large-M path at 8 us, except at M=16
     # where the small-M kernel loses: the limit stops at 4, and M=32 is not timed
+    # and bf16 dense at 6 us (4 us at M=4)
     calls = []
 
     def fake_time(fn):
         m = fn.args[0].shape[0]
+        if fn.func is F.linear:
+            calls.append((m, "dense"))
+            return 4.0 if m == 4 else 6.0
         small = fn.func.decode_max_m >= m
         calls.append((m, small))
         return (20.0 if m == 16 else 5.0) if small else 8.0
@@ -216,8 +221,11 @@ def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypat
     monkeypatch.setattr(timing, "graph_time_us", fake_time)
     got = planner.time_decode(mod, torch.device("cpu"))
     assert got["decode_max_m"] == 4
-    assert list(got["us"]) == ["1", "4", "16"] and got["us"]["16"] == [20.0, 8.0]
-    assert calls == [(1, True), (1, False), (4, True), (4, False), (16, True), (16, False)]
+    assert list(got["us"]) == ["1", "4", "16"] and got["us"]["16"] == [20.0, 8.0, 6.0]
+    assert calls == [(m, how) for m in (1, 4, 16) for how in (True, False, "dense")]
+    note = planner.decode_note(mod, got)
+    assert "for M <= 4" in note and "M=16 20.0/8.0/6.0" in note
+    assert note.endswith("slower than bf16 dense at M = 4, 16")
 
 
 def test_position_planes_round_trip_and_feed_the_op():
