@@ -53,7 +53,7 @@ SHARED_BYTES = 160 * 1024  # the staged weight tiles a config may keep in shared
 
 def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False, stages: int = 1) -> bool:
     """Whether a config suits (M, K): whole BLOCK_W word blocks, at least one per split, its
-    MODE for M (SELECT up to 2 rows, PLANES up to 8, DOT from 4; tensor-core steps at least 16
+    MODE for M (SELECT up to 2 rows, PLANES 2 to 8, DOT from 4; tensor-core steps at least 16
     columns deep), and with ``stages`` > 1 its staged values and metadata within
     SHARED_BYTES."""
     words = k // 32
@@ -63,7 +63,7 @@ def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False, stages: int = 1
         return False
     if stages > 1 and (16 * bn * bw * (1 if fp8 else 2) + 4 * bn * bw) * stages > SHARED_BYTES:
         return False
-    return {SELECT: m <= 2, PLANES: m <= 8, DOT: m >= 4 and bw >= 16}[mode]
+    return {SELECT: m <= 2, PLANES: 2 <= m <= 8, DOT: m >= 4 and bw >= 16}[mode]
 
 
 def _prune(configs_, named_args, **kwargs):
