@@ -1,10 +1,13 @@
 """``python tests/kill_after_checkpoint.py PHASE STEP [sparsekit args...]``: the sparsekit
 command line, SIGKILLed right after it wrote the ``PHASE`` checkpoint (``dense``: the baseline's
 training; ``finetune``) of ``STEP``, on every rank. The kill-and-resume tests start it (also
-under torchrun) through :func:`command`; the kill lives here, sparsekit only calls the hook."""
+under torchrun) through :func:`command`; the kill lives here, sparsekit only calls the hook.
+The runs they compare it with (uninterrupted, resumed) go through :func:`run_here`."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -16,6 +19,23 @@ from sparsekit.run.context import Callback, RunContext, register_callback
 def command(phase: str, step: int) -> list[str]:
     """What replaces ``-m sparsekit`` on a command line to kill that run at ``step``."""
     return [str(Path(__file__).resolve()), phase, str(step)]
+
+
+def run_here(argv: list[str], cwd: Path) -> str:
+    """The sparsekit command line ``argv`` in this process, from ``cwd``; what it printed.
+    The same code as ``python -m sparsekit`` (one intra-op thread, as in the processes the
+    tests start: tests/conftest.py), without the seconds of interpreter start-up and imports
+    each process costs; a failure raises (SystemExit from a usage or runtime error)."""
+    from sparsekit.run.cli import main
+
+    old, out = os.getcwd(), io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out):
+            main(argv)
+    finally:
+        os.chdir(old)
+    return out.getvalue()
 
 
 class KillAfterCheckpoint(Callback):

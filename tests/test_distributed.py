@@ -374,28 +374,26 @@ TINY_CLI = [
 ]  # fmt: skip
 
 
-def _sparsekit(args: list[str], cwd, nproc: int = 0, kill: tuple[str, int] | None = None
-               ) -> subprocess.Popen:
-    """``python -m sparsekit`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m sparsekit``;
-    ``kill=(phase, step)``: every rank SIGKILLed right after writing that checkpoint
-    (tests/kill_after_checkpoint.py)."""
+def _torchrun(args: list[str], cwd, kill: tuple[str, int] | None = None) -> subprocess.Popen:
+    """``torchrun --nproc_per_node=2 -m sparsekit ARGS``; ``kill=(phase, step)``: every rank
+    SIGKILLed right after writing that checkpoint (tests/kill_after_checkpoint.py)."""
     from kill_after_checkpoint import command as kill_command
 
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
     entry = ["-m", "sparsekit"] if kill is None else kill_command(*kill)
-    cmd = [sys.executable, *(launcher if nproc else []), *entry, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1"}
-    return subprocess.Popen(
-        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen([sys.executable, *launcher, *entry, *args], cwd=cwd, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-    """The reference: ``python -m sparsekit`` in one process (also caches the dense model)."""
+    """The reference: the command line in one process, this one (also caches the dense
+    model)."""
+    from kill_after_checkpoint import run_here
+
     root = tmp_path_factory.mktemp("cli")
-    single = _sparsekit([*TINY_CLI, f"cache_dir={root / 'cache'}", "hydra.run.dir=single"], root)
-    assert single.wait(timeout=300) == 0, single.stderr.read()
+    run_here([*TINY_CLI, f"cache_dir={root / 'cache'}", "hydra.run.dir=single"], root)
     return root
 
 
@@ -412,7 +410,7 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
     from sparsekit.io.runstate import load_checkpoint
 
     args = [*TINY_CLI, f"cache_dir={one_process_run / 'cache'}", f"train.distributed={mode}"]
-    killed = _sparsekit(args, tmp_path, nproc=2, kill=("finetune", 9))
+    killed = _torchrun(args, tmp_path, kill=("finetune", 9))
     _, err = killed.communicate(timeout=300)
     assert killed.returncode != 0
     (run_dir,) = (tmp_path / "runs").iterdir()  # both ranks wrote into rank 0's directory
@@ -425,7 +423,7 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
         assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.dcp", "last.pt"]
         assert len(list((ckpt_dir / "last.dcp").glob("*.distcp"))) == 2
 
-    resumed = _sparsekit(["resume=true"], tmp_path, nproc=2)
+    resumed = _torchrun(["resume=true"], tmp_path)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert out.count("TensorBoard logdir") == 1  # the summary table comes from rank 0 only
@@ -448,7 +446,7 @@ def test_torchrun_cli_kill_resume_matches_one_process(one_process_run, mode, tmp
 @needs_gloo
 @pytest.mark.slow
 def test_torchrun_cli_world_size_that_cannot_split_the_batch(tmp_path):
-    proc = _sparsekit(["data.batch_size=101", "train.quiet=true"], tmp_path, nproc=2)
+    proc = _torchrun(["data.batch_size=101", "train.quiet=true"], tmp_path)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert (

@@ -1,4 +1,7 @@
-"""A run SIGKILLed during fine-tuning and resumed ends exactly like an uninterrupted run."""
+"""A run SIGKILLed during fine-tuning and resumed ends exactly like an uninterrupted run.
+
+The killed runs are processes of their own; the uninterrupted and resumed runs run in the test's
+process (tests/kill_after_checkpoint.py: run_here), which costs no interpreter start-up."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kill_after_checkpoint import command as kill_command  # tests/ is on sys.path
+from kill_after_checkpoint import command as kill_command, run_here  # tests/ is on sys.path
 from sparsekit.run.pipeline import CHECKPOINT
 from sparsekit.io.runstate import load_checkpoint
 
@@ -25,12 +28,11 @@ TINY = [
 ]
 
 
-def sparsekit(args: list[str], cwd: Path, kill: tuple[str, int] | None = None) -> subprocess.Popen:
-    """``python -m sparsekit ARGS``; ``kill=(phase, step)``: SIGKILLed right after writing that
-    checkpoint (tests/kill_after_checkpoint.py)."""
+def sparsekit(args: list[str], cwd: Path, kill: tuple[str, int]) -> subprocess.Popen:
+    """The command line ``sparsekit ARGS`` in a process of its own, SIGKILLed right after
+    writing the checkpoint ``kill=(phase, step)`` (tests/kill_after_checkpoint.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPARSEKIT_QUIET": "1"}
-    entry = ["-m", "sparsekit"] if kill is None else kill_command(*kill)
-    return subprocess.Popen([sys.executable, *entry, *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, *kill_command(*kill), *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -41,43 +43,32 @@ CHANNELS = ["prune=channel", "prune.channel.ratio=0.5", "prune.channel.steps=2",
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The run that two tests compare with, started once in the background (each test starts
-    its killed run beside it): ``(process, directory)``; wait for the process before reading.
-    A cache of its own: two processes training one baseline at once would race on its file."""
+def uninterrupted(tmp_path_factory) -> Path:
+    """The run that two tests compare with, made once (in this process): its directory."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    proc = sparsekit([*TINY, f"cache_dir={root / 'cache_full'}", "hydra.run.dir=full"], root)
-    yield proc, root / "full"
-    proc.kill()
-
-
-def _started(extra: list[str], tmp_path: Path, uninterrupted) -> tuple[subprocess.Popen, Path]:
-    if not extra:
-        return uninterrupted
-    # a cache each: both processes train the same baseline at once, and two writers of one
-    # dense checkpoint file race (one removes it as the other replaces it)
-    full = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache_full'}",
-                      "hydra.run.dir=full"], tmp_path)
-    return full, tmp_path / "full"
+    run_here([*TINY, f"cache_dir={root / 'cache_full'}", "hydra.run.dir=full"], root)
+    return root / "full"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra, uninterrupted):
-    full, full_dir = _started(extra, tmp_path, uninterrupted)
     killed = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache'}",
                         "hydra.run.dir=runs/killed"], tmp_path,
                        kill=("finetune", 9))
-    assert full.wait(timeout=300) == 0, full.stderr.read()
+    full_dir = uninterrupted
+    if extra:  # made here while the killed run trains (a cache each: two writers of one
+        # dense checkpoint file would race, one removing it as the other replaces it)
+        run_here([*TINY, *extra, f"cache_dir={tmp_path / 'cache_full'}", "hydra.run.dir=full"],
+                 tmp_path)
+        full_dir = tmp_path / "full"
     assert killed.wait(timeout=300) == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "killed"
     assert not (run_dir / "summary.json").exists()
     assert load_checkpoint(run_dir / CHECKPOINT)["step"] == 9
     assert not list((run_dir / CHECKPOINT.parent).glob(".*.tmp"))  # atomic: no leftovers
 
-    resumed = sparsekit(["resume=true"], tmp_path)  # the latest run under runs/
-    out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err
+    out = run_here(["resume=true"], tmp_path)  # the latest run under runs/
     assert "TensorBoard logdir" in out
 
     a = json.loads((full_dir / "summary.json").read_text())
@@ -102,11 +93,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra, uninterrupte
 def test_sigkill_during_dense_training_then_resume(tmp_path, uninterrupted):
     """Killed while training the dense baseline: the baseline's checkpoint (beside its cache
     entry) carries the run on, and the result equals an uninterrupted run's, bit for bit."""
-    full, full_dir = uninterrupted
+    full_dir = uninterrupted
     cache = tmp_path / "cache"
     killed = sparsekit([*TINY, f"cache_dir={cache}", "hydra.run.dir=runs/killed"], tmp_path,
                        kill=("dense", 19))
-    assert full.wait(timeout=300) == 0, full.stderr.read()
     assert killed.wait(timeout=300) == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "killed"
     assert not (run_dir / CHECKPOINT).exists()  # fine-tuning never started
@@ -114,9 +104,7 @@ def test_sigkill_during_dense_training_then_resume(tmp_path, uninterrupted):
     assert load_checkpoint(partial)["step"] == 19
     assert not list((cache / "baselines").glob("*.safetensors"))
 
-    resumed = sparsekit(["resume=true"], tmp_path)  # finds the run killed before fine-tuning
-    out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err
+    run_here(["resume=true"], tmp_path)  # finds the run killed before fine-tuning
     b = json.loads((run_dir / "summary.json").read_text())
     assert b["dense_source"].startswith("trained (resumed at step 20, 30 steps)")
     assert not partial.exists()  # replaced by the finished baseline

@@ -34,12 +34,12 @@ def build(layers: int, d_in: int, d_out: int) -> nn.Module:
     return model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, seconds (CI)")
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--out", default=None, help="write the JSON result here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     layers, d_in, d_out = (2, 64, 32) if args.smoke else (12, 4096, 2048)
 
     model = build(layers, d_in, d_out)

@@ -40,7 +40,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--hidden", type=int, default=768)
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench_llm"))
     ap.add_argument("--smoke", action="store_true", help="a tiny model, seconds")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.smoke:
         a.hidden, a.layers, a.intermediate, a.heads, a.kv_heads = 64, 2, 128, 4, 2
         a.vocab, a.seq_len, a.calibration_batches, a.eval_batches = 400, 32, 2, 2

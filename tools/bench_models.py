@@ -542,6 +542,18 @@ def bench_model(name: str, args, device: torch.device, deadline: float, res: dic
         bench_one_model(name, args, device, deadline, res, write)
 
 
+@contextlib.contextmanager
+def gc_frozen():
+    """The objects alive on entry (torch, transformers, the model under test: a million or
+    so) are left out of garbage collection until exit, so each row's ``gc.collect()`` walks
+    only what the rows made (about 0.25 s less a row)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def bench_one_model(name: str, args, device: torch.device, deadline: float, res: dict, write):
     t_start = time.perf_counter()
     master, inputs, skip, label = build(name, args.smoke, device, args.llama_layers)
@@ -556,6 +568,15 @@ def bench_one_model(name: str, args, device: torch.device, deadline: float, res:
                    torch.bfloat16)
     entry["build_s"] = time.perf_counter() - t_start
     case = (master, inputs, binputs, skip, ref, 3 if args.smoke else args.calls)
+    with gc_frozen():
+        bench_rows(name, case, args, device, deadline, entry, write)
+    del master, case
+    gc.collect()
+
+
+def bench_rows(name: str, case: tuple, args, device: torch.device, deadline: float,
+               entry: dict, write) -> None:
+    """Every variant of one model in turn, then the fastest dense way again."""
     all_variants = variants(args.smoke)
     for vname, how in ordered(all_variants, args.variants, name):
         if args.variants and vname not in DENSE and vname not in args.variants \
@@ -584,8 +605,6 @@ def bench_one_model(name: str, args, device: torch.device, deadline: float, res:
             entry["dense_drift"] = again["ms"] / entry["variants"][first]["ms"]
             summarize(entry, name)
             write()
-    del master
-    gc.collect()
 
 
 def bench_row(name: str, vname: str, how: dict, case: tuple, args, device: torch.device,

@@ -98,13 +98,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and data, seconds (CI)")
     ap.add_argument("--out-dir", default="oneshot_results", help="where the JSON/markdown go")
     ap.add_argument("-o", "--override", action="append", default=[], help="config key=value")
     ap.add_argument("--target", type=float, default=0.7, help="overall sparsity to allocate")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     overrides = [*(SMOKE if args.smoke else []), *args.override]
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # keep the CI smoke model out of the user's baseline cache

@@ -98,7 +98,7 @@ def smoke_llama(out: Path) -> Path:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-dir", type=Path, help="train_small_llama.py's --out-dir")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="take finished runs' summary.json from --work-dir instead of rerunning")
     ap.add_argument("--smoke", action="store_true", help="tiny models, seconds")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     work = a.work_dir.resolve()
     scheme = "int4_weight"
     tiny_lm: list[str] = []

@@ -399,7 +399,7 @@ def kill_and_resume(a, world: int, tag: str, ref_tag: str, size: str, steps: int
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="runs/multigpu")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, tiny model")
@@ -423,7 +423,7 @@ def main() -> None:
     p.add_argument("--kill", nargs=2, metavar=("MODE", "STEP"), help=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--accelerate", action="store_true", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     a.kill_mode, a.kill_step = (a.kill[0], int(a.kill[1])) if a.kill else (None, None)
     if a.worker:
         worker(a)

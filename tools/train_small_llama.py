@@ -49,7 +49,7 @@ def perplexity(model, dataset, batch_size: int, batches: int, device) -> float:
     return math.exp(total / count)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--minutes", type=float, default=5.0, help="training time")
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model, seconds")
     ap.add_argument("--recipes", default=",".join(RECIPES),
                     help="comma list of recipes to run on the trained model")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.smoke:
         a.steps, a.hidden, a.layers, a.intermediate, a.heads = 60, 32, 2, 64, 2
         a.lr = 1e-2

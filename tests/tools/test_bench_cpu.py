@@ -3,9 +3,10 @@ import json
 import pytest
 
 
-def test_smoke_reports_dense_vs_pruned_ratios(tmp_path, run_tool):
+def test_smoke_reports_dense_vs_pruned_ratios(tmp_path, tool_module):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    run_tool("bench_cpu.py", "--smoke", "--threads", 1, "--fuse", "--out", out, "--md", md)
+    tool_module("bench_cpu").main(["--smoke", "--threads", "1", "--fuse", "--out", str(out),
+                                   "--md", str(md)])  # in this process, as its command line
     r = json.loads(out.read_text())
     # the mnist1d CNN has 8010 parameters; half of its 32 conv channels go (round_to=8)
     assert r["fused"] is True

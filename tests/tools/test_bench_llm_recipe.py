@@ -4,11 +4,13 @@ import pytest
 
 
 @pytest.mark.slow
-def test_smoke_measures_the_recipe(tmp_path, run_tool):
+def test_smoke_measures_the_recipe(tmp_path, tool_module):
     """The smoke run prunes a config-built Llama 2:4 through the recipe and reports figures
     that hang together: the parameter count of its config, the solve inside the recipe's time,
     and per-billion figures scaled from them."""
-    run_tool("bench_llm_recipe.py", "--smoke", "--out-dir", tmp_path)
+    # in this process, as its command line (the peak RSS is then this process's: still at
+    # least the RSS before the model)
+    tool_module("bench_llm_recipe").main(["--smoke", "--out-dir", str(tmp_path)])
     r = json.loads((tmp_path / "bench_llm_recipe.json").read_text())
     c = r["config"]
     d, f, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]

@@ -8,12 +8,16 @@ import pytest
 
 
 @pytest.mark.slow
-def test_smoke_writes_json_and_markdown(tmp_path, run_tool):
+def test_smoke_writes_json_and_markdown(tmp_path, tool_module, monkeypatch):
     # a dict-input HF model and a tensor-input one (with MultiheadAttention to split); every
     # row compiles the model again, so a third (BERT) costs a third more (BERT's accelerated
-    # outputs under compile: tests/accel/test_compile_cpu.py)
-    run_tool("bench_models.py", "--smoke", "--models", "llama,vit", "--out-dir", tmp_path,
-             "--cache-dir", tmp_path / "cache")
+    # outputs under compile: tests/accel/test_compile_cpu.py). In this process (the tool's
+    # main, as its command line calls it): a process of its own would import torch and
+    # transformers again; --cache-dir sets SPARSEKIT_CACHE, put back after the test
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path / "cache"))
+    tool_module("bench_models").main([
+        "--smoke", "--models", "llama,vit", "--out-dir", str(tmp_path),
+        "--cache-dir", str(tmp_path / "cache")])
     res = json.loads((tmp_path / "bench_models.json").read_text())
     assert res["smoke"] is True and set(res["models"]) == {"llama", "vit"}
     for name, out_type in (("llama", "CausalLMOutputWithPast"), ("vit", "Tensor")):
@@ -236,15 +240,12 @@ def test_launch_option_rows_and_their_dense_reference(tmp_path):
     assert "| sk_bf16_2:4_combo | 3 | 1.00 | 1.25 | 50 | 20 | 30 | 0 |" in md
 
 
-def test_without_paired_timing_targets_fall_back_to_the_sequential_ratio(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import bench_models as bm
-
-    res = bm.main(["--smoke", "--no-paired", "--models", "vit", "--variants", "sk_bf16_2:4",
-                   "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")])
+def test_without_paired_timing_targets_fall_back_to_the_sequential_ratio(tmp_path, monkeypatch,
+                                                                          tool_module):
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path / "cache"))  # as --cache-dir sets it
+    res = tool_module("bench_models").main([
+        "--smoke", "--no-paired", "--models", "vit", "--variants", "sk_bf16_2:4",
+        "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")])
     v = res["models"]["vit"]["variants"]
     assert not any("paired_ratio" in r or "paired_blocks" in r for r in v.values())
     row = v["sk_bf16_2:4"]

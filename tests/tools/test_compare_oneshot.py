@@ -2,8 +2,8 @@ import json
 import math
 
 
-def test_smoke_writes_the_table(tmp_path, run_tool):
-    run_tool("compare_oneshot.py", "--smoke", "--out-dir", tmp_path)
+def test_smoke_writes_the_table(tmp_path, tool_module):
+    tool_module("compare_oneshot").main(["--smoke", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "oneshot.json").read_text())
     assert set(result["runs"]) == {
         f"{c}/{s}" for c in ("magnitude", "wanda", "sparsegpt") for s in ("50% unstructured", "2:4")

@@ -3,12 +3,12 @@ import json
 import pytest
 
 
-def test_smoke_measures_every_criterion_and_the_distillation(tmp_path, run_tool):
+def test_smoke_measures_every_criterion_and_the_distillation(tmp_path, tool_module):
     """On tiny random models: every criterion's 2:4 agreement (a cosine in (0, 1)) and
     perplexity, and the distilled model's, land in the JSON; the sentence source is real."""
     pytest.importorskip("transformers")
     out = tmp_path / "acc.json"
-    run_tool("eval_accuracy_24.py", "--smoke", "--out", out)
+    tool_module("eval_accuracy_24").main(["--smoke", "--out", str(out)])  # one thread
     r = json.loads(out.read_text())
     assert set(r["embedding_oneshot"]) == {"sparsegpt", "alps"}
     for row in r["embedding_oneshot"].values():

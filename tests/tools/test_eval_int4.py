@@ -3,12 +3,13 @@ import json
 import pytest
 
 
-@pytest.mark.slow  # four pipeline runs and a tiny dense training: about 12 s of CPU
-def test_smoke_reports_every_variant_and_the_targets(tmp_path, run_tool):
+@pytest.mark.slow  # four pipeline runs and a tiny dense training
+def test_smoke_reports_every_variant_and_the_targets(tmp_path, tool_module):
     """The smoke run measures both models through the pipeline: every variant's perplexity (a
     random tiny model's: about its vocabulary size) and targets computed from those figures."""
     out = tmp_path / "int4.json"
-    run_tool("eval_int4.py", "--smoke", "--work-dir", tmp_path / "w", "--out", out)
+    tool_module("eval_int4").main(["--smoke", "--work-dir", str(tmp_path / "w"),
+                                   "--out", str(out)])  # in this process, as its command line
     r = json.loads(out.read_text())
     assert r["scheme"] == "int4_weight_channel" and set(r["models"]) == {"small_llama",
                                                                           "stdlib_lm"}

@@ -9,8 +9,14 @@ import torch.distributed as dist
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 @pytest.mark.slow
-def test_smoke_ddp_and_fsdp2_kill_resume(tmp_path, run_tool):
-    run_tool("multigpu_run.py", "--smoke", "--out", tmp_path)
+def test_smoke_ddp_and_fsdp2_kill_resume(tmp_path, tool_module, monkeypatch):
+    from sparsekit.run.distributed import NO_MULTICAST_ENV
+
+    # the driver in this process (its launches are torchrun processes, as from its command
+    # line); importing it sets these for every process it starts: put back after the test
+    for key, value in NO_MULTICAST_ENV.items():
+        monkeypatch.setenv(key, value)
+    tool_module("multigpu_run").main(["--smoke", "--out", str(tmp_path)])
     r = json.loads((tmp_path / "multigpu.json").read_text())
     assert r["killed_run_exit_code"] != 0 and r["resumed_run_exit_code"] == 0
     assert r["fsdp2_resumed_from"] == 4  # killed after step 5, last checkpoint after step 3

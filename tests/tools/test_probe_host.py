@@ -18,15 +18,16 @@ GRAPH_WAYS = ("dense_owngraph", "sk_bf16_24_owngraph")
 
 
 @pytest.mark.slow
-def test_smoke_run_times_every_cpu_way_and_skips_the_cuda_graphs(tmp_path, run_tool):
+def test_smoke_run_times_every_cpu_way_and_skips_the_cuda_graphs(tmp_path, capsys):
     out = tmp_path / "host.json"
-    done = run_tool("probe_host.py", "--smoke", "--out", out)
+    probe_host.main(["--smoke", "--out", str(out)])  # in this process, as its command line
+    stdout = capsys.readouterr().out
     res = json.loads(out.read_text())
     ways = res["ways"]
     assert set(ways) == set(probe_host.WAYS) == {*CPU_WAYS, *GRAPH_WAYS}
     for w in GRAPH_WAYS:
         assert ways[w] == {"skipped": "needs CUDA"}
-        assert f"{w}: " in done.stdout
+        assert f"{w}: " in stdout
     for w in CPU_WAYS:
         row = ways[w]
         assert "error" not in row, row
@@ -34,7 +35,7 @@ def test_smoke_run_times_every_cpu_way_and_skips_the_cuda_graphs(tmp_path, run_t
             assert math.isfinite(row[key]) and row[key] > 0, (w, key, row[key])
         if w != "dense_ro":  # timed in blocks alternating with the reference
             assert row["paired_ratio"] == pytest.approx(row["paired_ref_ms"] / row["paired_ms"])
-        assert f"{w}: " in done.stdout  # one line per way
+        assert f"{w}: " in stdout  # one line per way
     # the stance skips guards, not work: the same compiled model gives the same output
     assert ways["dense_ro_skipguards"]["max_diff"] == 0.0
     assert ways["sk_bf16_24_skipguards"]["base"] == "sk_bf16_24"
