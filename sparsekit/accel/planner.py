@@ -818,5 +818,5 @@ __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
            "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
            "PlannedLayer", "Planner", "cache_path", "choose", "choose_plan", "decode_note",
            "extrapolate_ms", "layer_plan", "load", "model_key", "own_precision", "plan_key",
-           "repeated_blocks", "store", "time_decode", "time_model_ms", "time_module", "time_paired", "truncated",
-           "weight_bytes", "whole_model_plans"]
+           "repeated_blocks", "store", "time_decode", "time_model_ms", "time_module",
+           "time_paired", "truncated", "weight_bytes", "whole_model_plans"]
