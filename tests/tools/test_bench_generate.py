@@ -8,9 +8,9 @@ import torch
 
 
 @pytest.mark.slow
-def test_smoke_writes_gemm_and_generate_rows(tmp_path, run_tool):
+def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     out = tmp_path / "gen.json"
-    run_tool("bench_generate.py", "--smoke", "--batches", "2", "--out", out)
+    tool_module("bench_generate").main(["--smoke", "--batches", "2", "--out", str(out)])
     res = json.loads(out.read_text())
     assert {r["M"] for r in res["gemm"]} == {1, 3}
     for row in res["gemm"]:
