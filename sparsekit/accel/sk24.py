@@ -18,7 +18,7 @@ Bytes per dense weight: bf16 1.125 (values 1, metadata 0.125), fp8 0.625.
 ``(x @ W.T) * x_scale * w_scale + bias`` in bfloat16, with x (M, K) of ``values``' dtype (or
 its position planes, :func:`planes`: what the model passes, so that no extra kernel runs),
 ``x_scale`` (M, 1) or (1, 1) float32 or None, ``w_scale`` (N,) float32 or None, ``bias`` (N,)
-bfloat16 or None. Up to 8 rows it multiplies on CUDA cores, from 4 on tensor cores
+bfloat16 or None. Up to 8 rows it multiplies on CUDA cores, from 2 on tensor cores
 (``tl.dot``, M padded to 16 or 32): the autotuner picks per shape. :func:`reference` is the
 same product in plain torch (CPU and tests).
 """

@@ -10,8 +10,9 @@ loaded word and the (BLOCK_N, BLOCK_W) tiles of the two kept values of groups ``
 
 Three ways to multiply (``MODE``): 0, on CUDA cores, each kept value times the x it selects by
 its position (M <= 2); 1, on CUDA cores, each position's weight plane times x's plane
-(M <= 8); 2, on tensor cores, W's position planes times x's (``tl.dot``, weights as the left
-operand: y.T = W @ x.T, M padded to 16 or 32). The products accumulate in float32, element-wise
+(2 <= M <= 8); 2, on tensor cores, W's position planes times x's (``tl.dot``, weights as the
+left operand: y.T = W @ x.T, M >= 2 padded to 16 or 32; fp8 planes and x natively when a step
+is 32 groups deep). The products accumulate in float32, element-wise
 across the steps and summed once at the end on CUDA cores.
 
 A decode GEMM is bound by the bytes of the weight, and one row block alone cannot keep enough
@@ -53,7 +54,7 @@ SHARED_BYTES = 160 * 1024  # the staged weight tiles a config may keep in shared
 
 def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False, stages: int = 1) -> bool:
     """Whether a config suits (M, K): whole BLOCK_W word blocks, at least one per split, its
-    MODE for M (SELECT up to 2 rows, PLANES 2 to 8, DOT from 4; tensor-core steps at least 16
+    MODE for M (SELECT up to 2 rows, PLANES 2 to 8, DOT from 2 (x padded to 16 rows); tensor-core steps at least 16
     columns deep), and with ``stages`` > 1 its staged values and metadata within
     SHARED_BYTES."""
     words = k // 32
@@ -63,7 +64,7 @@ def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False, stages: int = 1
         return False
     if stages > 1 and (16 * bn * bw * (1 if fp8 else 2) + 4 * bn * bw) * stages > SHARED_BYTES:
         return False
-    return {SELECT: m <= 2, PLANES: 2 <= m <= 8, DOT: m >= 4 and bw >= 16}[mode]
+    return {SELECT: m <= 2, PLANES: 2 <= m <= 8, DOT: m >= 2 and bw >= 16}[mode]
 
 
 def _prune(configs_, named_args, **kwargs):
