@@ -54,9 +54,9 @@ SHARED_BYTES = 160 * 1024  # the staged weight tiles a config may keep in shared
 
 def fits(config_kwargs: dict, m: int, k: int, fp8: bool = False, stages: int = 1) -> bool:
     """Whether a config suits (M, K): whole BLOCK_W word blocks, at least one per split, its
-    MODE for M (SELECT up to 2 rows, PLANES 2 to 8, DOT from 2 (x padded to 16 rows); tensor-core steps at least 16
-    columns deep), and with ``stages`` > 1 its staged values and metadata within
-    SHARED_BYTES."""
+    MODE for M (SELECT up to 2 rows, PLANES 2 to 8, DOT from 2, x padded to 16 rows;
+    tensor-core steps at least 16 columns deep), and with ``stages`` > 1 its staged values and
+    metadata within SHARED_BYTES."""
     words = k // 32
     bn, bw = config_kwargs["BLOCK_N"], config_kwargs["BLOCK_W"]
     split, mode = config_kwargs.get("SPLIT_K", 1), config_kwargs.get("MODE", DOT)
