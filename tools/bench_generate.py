@@ -11,11 +11,13 @@ Sections (``--sections``, default both):
   targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the rows under 80% of the bound.
 - ``configs``: every config of the small-M kernel's autotuning space per shape, M and dtype
   (compiled first in ``--jobs`` processes), beside cuBLAS bf16 and the autotuner's own pick:
-  which configs win where, to keep the space small.
+  which configs win where, to keep the space small (``--explore``: also candidates outside
+  it).
 - ``generate``: an HF ``LlamaForCausalLM`` with Llama-3-8B shapes (``--layers`` of 32, random
   weights, 2:4 by magnitude on every Linear but the LM head), a prompt of ``--prompt`` tokens
   and ``--new`` new tokens, greedy, per batch in ``--batches``. Ways: ``dense_hf`` (HF's static
-  cache + ``torch.compile(mode="reduce-overhead")`` of the forward: HF's documented fast path),
+  cache, its decode step compiled by HF's own ``CompileConfig(mode="reduce-overhead")``: HF's
+  documented fast path),
   ``dense_sk`` (with ``--dense-sk``: sparsekit's generate on a dense accelerated model, its
   prefill buckets and graphs, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8,
   per-token activation and per-channel weight scales), and the peers ``torchao_fp8_dense``
@@ -23,8 +25,11 @@ Sections (``--sections``, default both):
   Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
   that. Per row: tokens/s, ms per new token, the paired ratio, the
-  greedy tokens' agreement with the dense run of the same (masked) weights, the seconds of
-  each way's first call per batch (compiles) and of ``accelerate``. Each way is built once and
+  greedy tokens' agreement with the dense run of the same (masked) weights (beside it, the
+  agreement of HF's eager generate with that dense run: random weights have small logit
+  margins, so greedy tokens part at rounding differences; tools/check_generate_numerics.py
+  checks agreement on a trained model), the seconds of each way's first call per batch
+  (compiles) and of ``accelerate``. Each way is built once and
   serves every batch; on an 80 GB GPU, run one precision per call (``--precisions``).
 
 ``--smoke`` runs a one-layer tiny model on CPU (reference kernels, no timing claims): what CI
@@ -174,14 +179,34 @@ def _compile_configs(job: tuple) -> int:
     return count
 
 
-def config_items(ms, k_min: int) -> list:
+# tensor-core candidates outside the autotuner's space, timed with --explore: eight warps, and
+# smaller staged tiles (several programs an SM) (MODE 2 = DOT, BLOCK_N, BLOCK_W, SPLIT_K,
+# warps, stages)
+EXPLORE = [(2, 64, 32, 2, 8, 2), (2, 64, 32, 4, 8, 2), (2, 64, 16, 2, 4, 2), (2, 64, 16, 4, 4, 2),
+           (2, 64, 16, 2, 8, 2), (2, 64, 16, 4, 8, 2), (2, 128, 16, 2, 8, 2),
+           (2, 128, 16, 4, 8, 2), (2, 32, 32, 2, 4, 2), (2, 32, 32, 4, 4, 2)]
+
+
+def space(explore: bool = False) -> list:
+    """The kernel's autotuning space, with the EXPLORE candidates when ``explore``."""
+    import triton
+
+    from sparsekit.accel import sk24_triton
+
+    extra = [triton.Config({"MODE": mode, "BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": split},
+                           num_warps=warps, num_stages=stages)
+             for mode, bn, bw, split, warps, stages in EXPLORE] if explore else []
+    return sk24_triton.configs() + extra
+
+
+def config_items(ms, k_min: int, explore: bool = False) -> list:
     """(dtype, M, config) for every config of the kernel's space that suits M (and K)."""
     from sparsekit.accel import sk24_triton
 
     items = []
     for dtype_name in ("bfloat16", "float8_e4m3fn"):
         for m in ms:
-            for c in sk24_triton.configs():
+            for c in space(explore):
                 cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                 if sk24_triton.fits(c.kwargs, m, k_min, dtype_name == "float8_e4m3fn",
                                      c.num_stages):
@@ -189,14 +214,16 @@ def config_items(ms, k_min: int) -> list:
     return items
 
 
-def config_rows(device: torch.device, shapes, ms, jobs: int) -> list[dict]:
-    """Every kernel config of the autotuner's space, timed per shape, M and dtype (weights
-    cycled past L2), with the autotuner's own pick and cuBLAS bf16 beside them."""
+def config_rows(device: torch.device, shapes, ms, jobs: int, explore: bool = False
+                ) -> list[dict]:
+    """Every kernel config of the autotuner's space (and the EXPLORE candidates), timed per
+    shape, M and dtype (weights cycled past L2), with the autotuner's own pick and cuBLAS bf16
+    beside them."""
     import multiprocessing as mp
 
     from sparsekit.accel import sk24_triton
 
-    items = config_items(ms, 4096)
+    items = config_items(ms, 4096, explore)
     t0 = time.perf_counter()
     if jobs > 1:
         with mp.get_context("spawn").Pool(jobs) as pool:
@@ -222,7 +249,7 @@ def config_rows(device: torch.device, shapes, ms, jobs: int) -> list[dict]:
                 nbytes = sk24.bound_bytes(m, n, k, xx.dtype)
                 row = {"shape": name, "N": n, "K": k, "M": m, "dtype": dtype_name,
                        "dense_us": dense_us, "bytes": nbytes, "configs": []}
-                for c in sk24_triton.configs():
+                for c in space(explore):
                     if not sk24_triton.fits(c.kwargs, m, k, dtype_name == "float8_e4m3fn",
                                             c.num_stages):
                         continue
@@ -327,7 +354,16 @@ def hf_generate_fn(model, new: int):
             return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                   cache_implementation="static", pad_token_id=0,
                                   compile_config=CompileConfig(mode="reduce-overhead"))
+    run.model = model
     return run
+
+
+def eager_tokens(model, ids, new: int) -> torch.Tensor:
+    """Greedy tokens of ``model`` run eagerly (HF's dynamic cache, no compile): the control for
+    the agreement figures (how far the compiled dense way itself is from eager)."""
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
 
 
 def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
@@ -448,6 +484,11 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
             continue
         ref_name = min(dense_names, key=lambda n: seq[n]) if not smoke else "dense_sk"
         res["reference"] = ref_name
+        if "dense_hf" in ways:  # on random weights a greedy token flips at a rounding difference
+            control = eager_tokens(ways["dense_hf"][0].model, ids, new)
+            res["control_agreement"] = {"dense_eager_vs_" + ref_name: agreement(
+                control, outputs[ref_name], prompt)}
+            print(json.dumps({"batch": batch, **res["control_agreement"]}), flush=True)
         for name, (fn, _) in ways.items():
             row = res["ways"][name]
             if smoke:
@@ -474,6 +515,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sections", default="gemm,generate",
                     help="comma-separated: gemm, configs (every kernel config), generate")
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling kernel configs")
+    ap.add_argument("--explore", action="store_true",
+                    help="configs: also time the EXPLORE candidates outside the space")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="configs: the M values")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
@@ -506,7 +550,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "configs" in sections:
         shapes = SHAPES if args.shapes == "all" else [s for s in SHAPES
                                                       if s[0] in args.shapes.split(",")]
-        res["configs"] = config_rows(device, shapes, MS, args.jobs)
+        ms = [int(m) for m in args.ms.split(",")]
+        res["configs"] = config_rows(device, shapes, ms, args.jobs, args.explore)
         res["configs_summary"] = config_summary(res["configs"])
         print(json.dumps(res["configs_summary"]), flush=True)
         Path(args.out).write_text(json.dumps(res, indent=1))

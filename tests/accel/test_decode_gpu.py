@@ -31,8 +31,8 @@ def test_kernel_equals_reference(dtype, shape):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_every_tensor_core_config_equals_reference(dtype):
-    """Each tensor-core config the autotuner may pick (staged or not, fp8 natively or through
-    float16) against the reference, at M = 5 (padded to 16) and 17 (padded to 32)."""
+    """Each tensor-core config the autotuner may pick (fp8 natively or through float16) against
+    the reference, at M = 5 (padded to 16) and 17 (padded to 32)."""
     from sparsekit.accel import sk24_triton
 
     n, k = 256, 4096
@@ -52,7 +52,7 @@ def test_every_tensor_core_config_equals_reference(dtype):
             y = sk24.launch(x, values, meta, xs, ws, None, config=cfg).float()
             assert ((y - ref).norm() / ref.norm()).item() < 5e-3, (m, cfg)
             tried += 1
-        assert tried >= 8
+        assert tried >= 3
 
 
 def test_generate_on_gpu_equals_masked_eager_model():

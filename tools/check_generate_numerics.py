@@ -1,0 +1,188 @@
+"""Generation numerics of an accelerated 2:4 model against the eager masked model, on a trained
+small Llama (``tools/train_small_llama.py``), where the logits' margins are real (on random
+weights a greedy token flips at the first rounding difference).
+
+For a model directory and its corpus: every Linear but the LM head is masked 2:4 by magnitude
+(the "eager masked model", bfloat16, HF's own ``generate`` with its dynamic cache, no compile);
+prompts are cut from the end of the corpus (the recipes' held-out part). Then, per batch in
+``--batches`` (batch 1 runs the decode kernels at M = 1, larger batches at M = batch):
+- ``sk_bf16_2:4`` and ``sk_fp8_2:4``: ``sk.accelerate`` then ``fast.generate``, greedy: the
+  fraction of new tokens equal to the eager masked model's, per prompt the first position that
+  differs, and whether all of the first ``--new`` tokens are equal (the target for bf16 2:4);
+- the logits error of a teacher-forced forward over the reference's tokens (prompt + new):
+  ``||logits - ref|| / ||ref||`` against the eager masked model in float32; for fp8 beside the
+  same error of torchao's fp8 (dynamic per-row activations, per-row weights) on the masked
+  model, when torchao runs (target: sparsekit's fp8 within 10% of torchao's).
+
+    python tools/train_small_llama.py --device cpu --minutes 15 --hidden 512 --layers 2 \\
+        --intermediate 1024 --heads 8 --vocab 2048 --seq-len 128 --recipes "" --out-dir sl
+    python tools/check_generate_numerics.py --model sl/model --corpus sl/corpus.txt \\
+        --out numerics.json                                        # on the GPU
+    python tools/check_generate_numerics.py --smoke --out /tmp/n.json   # CPU, random tiny model
+
+On CPU the accelerated model runs the kernels' reference paths (the numerics, not the speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import sparsekit as sk
+from sparsekit.prune.patterns import nm_mask
+
+
+def masked_model(model: nn.Module) -> nn.Module:
+    """``model`` with every Linear but the LM head masked 2:4 by magnitude (in place)."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear) and name != "lm_head":
+                mod.weight.mul_(nm_mask(mod.weight.abs(), 2, 4))
+    return model
+
+
+def load(args, device: torch.device):
+    """(masked bf16 model on ``device``, prompt token ids (prompts, length) on CPU)."""
+    import transformers
+
+    if args.smoke:
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
+                                       num_hidden_layers=1, num_attention_heads=8,
+                                       num_key_value_heads=4, max_position_embeddings=512)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, 256, (args.prompts, args.prompt_len),
+                            generator=torch.Generator().manual_seed(0))
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model)
+        tok = transformers.AutoTokenizer.from_pretrained(args.model)
+        text = Path(args.corpus).read_text(errors="replace")
+        tail = tok(text[-len(text) // 10:])["input_ids"]  # the end: the recipes' held-out part
+        stride = max(args.prompt_len, (len(tail) - args.prompt_len) // args.prompts)
+        ids = torch.tensor([tail[i * stride:i * stride + args.prompt_len]
+                            for i in range(args.prompts)])
+    model.config._attn_implementation = "sdpa"
+    model = masked_model(model.to(device, torch.bfloat16).eval())
+    return model, ids
+
+
+def agreement(out: torch.Tensor, ref: torch.Tensor, prompt: int) -> dict:
+    a, b = out[:, prompt:].cpu(), ref[:, prompt:].cpu()
+    same = a == b
+    first = [int(r.logical_not().nonzero()[0]) if not r.all() else int(r.numel()) for r in same]
+    return {"equal_fraction": same.float().mean().item(), "first_divergence": first,
+            "all_equal": bool(same.all())}
+
+
+@torch.no_grad()
+def logits_error(fn, ids: torch.Tensor, ref_logits: torch.Tensor) -> float:
+    got = fn(ids).logits.float()
+    return ((got - ref_logits).norm() / ref_logits.norm()).item()
+
+
+def torchao_fp8(model: nn.Module) -> nn.Module:
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
+    return model
+
+
+def run(args) -> dict:
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    master, prompts = load(args, device)
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "args": vars(args), "batches": {}}
+    batches = [int(b) for b in args.batches.split(",")]
+    refs = {}
+    for batch in batches:
+        ids = prompts[:batch].to(device)
+        with torch.no_grad():
+            ref = master.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
+                                  do_sample=False, pad_token_id=0)
+            ref_logits = master(ref).logits.float()
+        refs[batch] = (ids, ref, ref_logits)
+    compile_ = sk.CompileOptions(backend="inductor") if device.type == "cuda" else False
+    peers: dict = {}
+    if device.type == "cuda":
+        try:
+            peers["torchao_fp8_dense"] = torchao_fp8(copy.deepcopy(master))
+        except Exception as e:  # noqa: BLE001  (a peer that does not run is recorded)
+            res["torchao_fp8_dense"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for name, precision in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):
+        t0 = time.perf_counter()
+        fast = sk.accelerate(copy.deepcopy(master), {"input_ids": refs[batches[0]][0]},
+                             precision=precision, sparsity="2:4", device=device,
+                             compile=compile_)
+        res.setdefault("accelerate_s", {})[name] = time.perf_counter() - t0
+        res.setdefault("notes", {})[name] = [n for n in fast.report.notes
+                                              if n.startswith("decode")]
+        for batch, (ids, ref, ref_logits) in refs.items():
+            out = fast.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
+                                do_sample=False)
+            row = {"agreement": agreement(out, ref, ids.shape[1]),
+                   "logits_error": logits_error(fast, ref, ref_logits)}
+            res["batches"].setdefault(str(batch), {})[name] = row
+            print(json.dumps({"batch": batch, "way": name, **row["agreement"],
+                              "logits_error": row["logits_error"]}), flush=True)
+        del fast
+    for name, model in peers.items():
+        for batch, (ids, ref, ref_logits) in refs.items():
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
+                                     do_sample=False, pad_token_id=0)
+            row = {"agreement": agreement(out, ref, ids.shape[1]),
+                   "logits_error": logits_error(model, ref, ref_logits)}
+            res["batches"][str(batch)][name] = row
+            print(json.dumps({"batch": batch, "way": name, **row["agreement"],
+                              "logits_error": row["logits_error"]}), flush=True)
+    res["summary"] = summary(res["batches"])
+    print(json.dumps(res["summary"]), flush=True)
+    return res
+
+
+def summary(rows: dict) -> dict:
+    """Per batch: bf16 2:4's first ``--new`` tokens all equal (the target), and fp8 2:4's
+    logits error over torchao fp8's (target <= 1.10) where torchao ran."""
+    out = {}
+    for batch, ways in rows.items():
+        s = {}
+        if "sk_bf16_2:4" in ways:
+            s["bf16_greedy_all_equal"] = ways["sk_bf16_2:4"]["agreement"]["all_equal"]
+        if "sk_fp8_2:4" in ways and "torchao_fp8_dense" in ways:
+            ratio = ways["sk_fp8_2:4"]["logits_error"] / ways["torchao_fp8_dense"]["logits_error"]
+            s["fp8_error_over_torchao"] = ratio
+            s["fp8_within_10pct"] = ratio <= 1.10
+        out[batch] = s
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="a from_pretrained directory (train_small_llama's model)")
+    ap.add_argument("--corpus", help="its text (prompts are cut from the end)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--smoke", action="store_true", help="a random tiny model on CPU")
+    ap.add_argument("--out", default="generate_numerics.json")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.prompt_len, args.new, args.batches = 2, 12, 8, "1,2"
+    elif not (args.model and args.corpus):
+        ap.error("--model and --corpus are required (or --smoke)")
+    res = run(args)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
