@@ -8,7 +8,10 @@ prompts are cut from the end of the corpus (the recipes' held-out part). Then, p
 ``--batches`` (batch 1 runs the decode kernels at M = 1, larger batches at M = batch):
 - ``sk_bf16_2:4`` and ``sk_fp8_2:4``: ``sk.accelerate`` then ``fast.generate``, greedy: the
   fraction of new tokens equal to the eager masked model's, per prompt the first position that
-  differs, and whether all of the first ``--new`` tokens are equal (the target for bf16 2:4);
+  differs, whether all of the first ``--new`` tokens are equal (the target for bf16 2:4), and
+  at each first divergence the reference's own logit margin and whether it is a bfloat16 tie
+  (``equal_but_ties``: every divergence is one); beside them the control
+  ``control_hf_static_cache``: the eager model on HF's static cache against its dynamic one;
 - the logits error of a teacher-forced forward over the reference's tokens (prompt + new):
   ``||logits - ref|| / ||ref||`` against the eager masked model in float32; for fp8 beside the
   same error of torchao's fp8 (dynamic per-row activations, per-row weights) on the masked
@@ -72,12 +75,32 @@ def load(args, device: torch.device):
     return model, ids
 
 
-def agreement(out: torch.Tensor, ref: torch.Tensor, prompt: int) -> dict:
+def agreement(out: torch.Tensor, ref: torch.Tensor, prompt: int,
+              ref_logits: torch.Tensor | None = None) -> dict:
+    """Greedy tokens of ``out`` against ``ref`` after the prompt: the equal fraction, per row
+    the first new position that differs (the row's length when none) and, with the reference's
+    teacher-forced logits, the reference's top-1 minus top-2 logit there and whether that is a
+    tie in bfloat16 (at most two bfloat16 spacings at the top logit's magnitude: the two
+    tokens are not told apart by bfloat16 arithmetic, and a different summation order picks
+    either)."""
     a, b = out[:, prompt:].cpu(), ref[:, prompt:].cpu()
     same = a == b
     first = [int(r.logical_not().nonzero()[0]) if not r.all() else int(r.numel()) for r in same]
-    return {"equal_fraction": same.float().mean().item(), "first_divergence": first,
-            "all_equal": bool(same.all())}
+    res = {"equal_fraction": same.float().mean().item(), "first_divergence": first,
+           "all_equal": bool(same.all())}
+    if ref_logits is not None:
+        margins, ties = [], []
+        for row, j in enumerate(first):
+            if j >= same.shape[1]:
+                continue
+            top = ref_logits[row, prompt - 1 + j].float().topk(2).values.cpu()
+            margin = (top[0] - top[1]).item()
+            spacing = 2.0 ** (torch.floor(torch.log2(top[0].abs().clamp_min(1e-30))).item() - 7)
+            margins.append(margin)
+            ties.append(margin <= 2 * spacing)
+        res.update(divergence_margins=margins, divergences_at_ties=ties,
+                   equal_but_ties=all(ties))
+    return res
 
 
 @torch.no_grad()
@@ -109,6 +132,14 @@ def run(args) -> dict:
                                   do_sample=False, pad_token_id=0)
             ref_logits = master(ref).logits.float()
         refs[batch] = (ids, ref, ref_logits)
+        # the control: the same eager model on HF's static cache (attention over a longer,
+        # masked cache) against its dynamic cache, the reference
+        with torch.no_grad():
+            static = master.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
+                                     do_sample=False, pad_token_id=0,
+                                     cache_implementation="static")
+        res["batches"].setdefault(str(batch), {})["control_hf_static_cache"] = {
+            "agreement": agreement(static, ref, ids.shape[1], ref_logits)}
     compile_ = sk.CompileOptions(backend="inductor") if device.type == "cuda" else False
     peers: dict = {}
     if device.type == "cuda":
@@ -127,9 +158,9 @@ def run(args) -> dict:
         for batch, (ids, ref, ref_logits) in refs.items():
             out = fast.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
                                 do_sample=False)
-            row = {"agreement": agreement(out, ref, ids.shape[1]),
+            row = {"agreement": agreement(out, ref, ids.shape[1], ref_logits),
                    "logits_error": logits_error(fast, ref, ref_logits)}
-            res["batches"].setdefault(str(batch), {})[name] = row
+            res["batches"][str(batch)][name] = row
             print(json.dumps({"batch": batch, "way": name, **row["agreement"],
                               "logits_error": row["logits_error"]}), flush=True)
         del fast
@@ -138,7 +169,7 @@ def run(args) -> dict:
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
                                      do_sample=False, pad_token_id=0)
-            row = {"agreement": agreement(out, ref, ids.shape[1]),
+            row = {"agreement": agreement(out, ref, ids.shape[1], ref_logits),
                    "logits_error": logits_error(model, ref, ref_logits)}
             res["batches"][str(batch)][name] = row
             print(json.dumps({"batch": batch, "way": name, **row["agreement"],
@@ -156,6 +187,7 @@ def summary(rows: dict) -> dict:
         s = {}
         if "sk_bf16_2:4" in ways:
             s["bf16_greedy_all_equal"] = ways["sk_bf16_2:4"]["agreement"]["all_equal"]
+            s["bf16_greedy_equal_but_ties"] = ways["sk_bf16_2:4"]["agreement"]["equal_but_ties"]
         if "sk_fp8_2:4" in ways and "torchao_fp8_dense" in ways:
             ratio = ways["sk_fp8_2:4"]["logits_error"] / ways["torchao_fp8_dense"]["logits_error"]
             s["fp8_error_over_torchao"] = ratio
