@@ -86,6 +86,10 @@ class _AccelLinear(nn.Module):
         self.decode_max_m = 0
         self.register_buffer("dvalues", None)
         self.register_buffer("dmeta", None)
+        # bf16 dense on a copy of the effective weight for dense_m[0] <= M <= dense_m[1]
+        # (set by the planner under sparsity="auto" where dense beats both 2:4 paths)
+        self.dense_m = (0, 0)
+        self.register_buffer("dense_weight", None)
         if self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
             if self.decodes and sk24.check_shape(*w.shape) is None:
@@ -110,6 +114,29 @@ class _AccelLinear(nn.Module):
         return ops.sk24_mm(sk24.planes(q), self.dvalues, self.dmeta, sx, self.w_scale,
                            self.bias)
 
+    def keep_dense(self, lo: int, hi: int) -> None:
+        """Route inputs of ``lo`` <= M <= ``hi`` rows to ``F.linear`` on a bf16 copy of the
+        effective weight (the 2:4 values times the weight scale for fp8), made from the
+        small-M format's copy (which must be there); (0, 0) drops the route and the copy."""
+        if hi < 1:
+            self.dense_m, self.dense_weight = (0, 0), None
+            return
+        if self.dvalues is None:
+            raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
+                             f"a dense route needs the small-M format's weight")
+        w = sk24.decompress(self.dvalues, self.dmeta)
+        if self.w_scale is not None:
+            w = w.float() * self.w_scale[:, None]
+        self.dense_m = (int(lo), int(hi))
+        self.dense_weight = w.to(torch.bfloat16).contiguous()
+
+    def _dense(self, x2d: torch.Tensor) -> torch.Tensor | None:
+        """``F.linear`` on the dense copy when this layer keeps one and ``x2d``'s rows are in
+        ``dense_m``, else None (a Python branch on the shape: one graph per shape)."""
+        if self.dense_weight is None or not self.dense_m[0] <= x2d.shape[0] <= self.dense_m[1]:
+            return None
+        return F.linear(x2d, self.dense_weight, self.bias)
+
     def _quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.act_scale is not None:  # static: elementwise, fused into the producer
             return quantize(x2d, self.act_scale, self.fmt), self.act_scale.expand(len(x2d), 1)
@@ -131,7 +158,9 @@ class _AccelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        y = self._decode(x2d)
+        y = self._dense(x2d)
+        if y is None:
+            y = self._decode(x2d)
         if y is None:
             y = self._mm(x2d)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -142,6 +171,8 @@ class _AccelLinear(nn.Module):
     def extra_repr(self) -> str:
         alg = f", alg_id={self.alg_id}" if self.uses_alg else ""
         dec = f", decode_max_m={self.decode_max_m}" if self.dvalues is not None else ""
+        if self.dense_weight is not None:
+            dec += f", bf16 dense for M in {list(self.dense_m)}"
         return f"{self.in_features}, {self.out_features}, variant={self.variant}{alg}{dec}"
 
 

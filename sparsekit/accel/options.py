@@ -111,7 +111,11 @@ class PlanOptions:
     (``$SPARSEKIT_CACHE/plans.json``; False re-measures). ``whole_model`` (``sparsity="auto"``):
     after the per-layer choice, time a few whole-model plans as they will run and keep the
     fastest (None: on CUDA). ``siblings``: layers fed one tensor (q/k/v, gate/up) with one
-    variant become one GEMM (compiled by inductor; :mod:`sparsekit.accel.siblings`)."""
+    variant become one GEMM (compiled by inductor; :mod:`sparsekit.accel.siblings`).
+    ``decode_dense`` (``sparsity="auto"``, CUDA): a 2:4 layer keeps a bf16 dense copy of its
+    weight (2 bytes per weight) and runs ``F.linear`` on it at the decode token counts (M <= 32)
+    where bf16 dense was timed faster than both its 2:4 paths; False keeps no copy (less
+    memory; those batches then run slower than dense)."""
 
     min_speedup: float = 1.0
     dense_precision: str = "bf16"
@@ -120,6 +124,7 @@ class PlanOptions:
     cache: bool = True
     whole_model: bool | None = None
     siblings: bool = False
+    decode_dense: bool = True
 
     def __post_init__(self) -> None:
         speedup = self.min_speedup
@@ -127,7 +132,7 @@ class PlanOptions:
                 not speedup > 0:
             raise UsageError(f"PlanOptions.min_speedup must be a number > 0, got {speedup!r}")
         check_precision("PlanOptions.dense_precision", self.dense_precision)
-        for name in ("fused_quant", "search_algs", "cache", "siblings"):
+        for name in ("fused_quant", "search_algs", "cache", "siblings", "decode_dense"):
             _check_flag("PlanOptions", name, getattr(self, name))
         _check_flag("PlanOptions", "whole_model", self.whole_model, optional=True)
 

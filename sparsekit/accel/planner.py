@@ -6,6 +6,15 @@ and the token counts up to which the small-M (decode) kernels serve (:meth:`Plan
 With ``sparsity="auto"`` the planner is speed-aware: per GEMM shape, time each candidate
 variant as it will run, keep the fastest, and remember the timings on disk.
 
+Decode: a bf16 or fp8 2:4 layer also has a small-M kernel. On CUDA each such shape is timed at
+M = 1, 4, 16, 32 (``DECODE_BUCKETS``) on the small-M kernel, the large-M path and bf16 dense
+(:func:`time_decode`): the small-M kernel serves up to the last M where it beats the large-M
+path, and under ``sparsity="auto"`` the layer runs bf16 dense (``F.linear`` on a bf16 copy of
+its effective weight, 2 bytes per weight; ``PlanOptions(decode_dense=False)`` keeps none) for
+the M where dense beats the 2:4 path it would run (:func:`dense_range`), so "auto" never runs a
+decode batch slower than dense. M above 32 keeps the large-M path. ``sparsity="2:4"`` keeps
+the 2:4 paths at every M (the report's notes name the batches where they lose to dense).
+
 "As it will run": a candidate layer is compiled with ``torch.compile`` (inductor, so its
 per-token activation quantization and scale epilogue are fused the way they will be inside the
 model) and timed under CUDA-graph replay (the accelerated model runs under CUDA graphs), at the
@@ -741,14 +750,21 @@ class Planner:
 
     def plan_decode(self, model: nn.Module) -> None:
         """Per 2:4 layer with the small-M kernel, the token counts it serves: on CUDA each shape
-        is timed at ``DECODE_BUCKETS`` against the layer's large-M path (CUDA graphs) and keeps
-        the small-M kernel up to the last count where it is faster (``decode_max_m``; 0:
-        never, and the layer drops that format's copy of its weight); the choice is cached on
-        disk with the per-layer timings. On CPU the reference paths keep it for every M <= 32
-        (numerics, not speed)."""
+        is timed at ``DECODE_BUCKETS`` (:func:`time_decode`) against the layer's large-M path
+        and bf16 dense (CUDA graphs) and keeps the small-M kernel up to the last count where it
+        beats the large-M path (``decode_max_m``). Under ``sparsity="auto"`` (and
+        ``decode_dense``) the layer also runs bf16 dense on a copy of its weight for the counts
+        ``dense_m`` where dense beats the 2:4 path it would run there
+        (:meth:`~sparsekit.accel.kernels._AccelLinear.keep_dense`). A layer drops the small-M
+        format's copy of its weight where no count uses it. The choice is cached on disk with
+        the per-layer timings (an entry without ``dense_m`` is timed again when a dense route
+        is wanted). On CPU the reference paths keep the small-M path for every M <= 32 and no
+        dense route (numerics, not speed)."""
         if self.device.type != "cuda":
             return
+        dense = self.sparsity == "auto" and self.options.decode_dense
         chosen: dict[str, dict] = {}
+        copies: dict[str, list] = {}  # key -> [a module of the shape, layers with a copy]
         for mod in model.modules():
             if getattr(mod, "dvalues", None) is None:
                 continue
@@ -757,24 +773,64 @@ class Planner:
             key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
                            mod.in_features, 0, inductor=self.inductor)
             if key not in chosen:
-                chosen[key] = self.cache.get(key) or time_decode(mod, self.device)
-                self.cache[key] = self.new[key] = chosen[key]
-                self.report.notes.append(decode_note(mod, chosen[key]))
-            mod.decode_max_m = int(chosen[key]["decode_max_m"])
-            if mod.decode_max_m == 0:  # never used: its copy of the weight goes
-                mod.dvalues = mod.dmeta = None
+                hit = self.cache.get(key)
+                if hit is None or (dense and "dense_m" not in hit):
+                    hit = time_decode(mod, self.device, dense=dense)
+                chosen[key] = self.cache[key] = self.new[key] = hit
+                self.report.notes.append(decode_note(mod, hit))
+            route_decode(mod, chosen[key], dense)
+            if mod.dense_weight is not None:
+                copies.setdefault(key, [mod, 0])[1] += 1
+        for mod, count in copies.values():
+            lo, hi = mod.dense_m
+            extra = 2 * mod.out_features * mod.in_features * count
+            self.report.notes.append(
+                f"decode: {mod.variant} {mod.out_features}x{mod.in_features} runs bf16 dense "
+                f"for M = {lo}..{hi} (faster there than its 2:4 paths): a bf16 copy of the "
+                f"weight in {count} layer(s), {extra / 2**20:.1f} MiB extra")
 
 
-def time_decode(mod: nn.Module, device: torch.device) -> dict:
-    """{"decode_max_m": the last of DECODE_BUCKETS where ``mod``'s small-M kernel beats its
+def dense_range(us: dict[str, list[float]], decode_max_m: int) -> tuple[int, int]:
+    """(lo, hi): the token counts M (lo <= M <= hi) a layer runs bf16 dense, from
+    :func:`time_decode`'s timings ``us`` ({M: [small-M, large-M, bf16 dense]}, M in
+    ``DECODE_BUCKETS``): from above the bucket before the first one where dense beats the path
+    the layer runs there otherwise (the small-M kernel up to ``decode_max_m``, the large-M path
+    above) up to the last such bucket; buckets between them run dense too (never slower than
+    dense). (0, 0): none. A bucket's time stands for the counts above the bucket before it, as
+    with ``decode_max_m``. Pure."""
+    wins = [m for m in DECODE_BUCKETS if str(m) in us and len(us[str(m)]) > 2
+            and us[str(m)][2] < us[str(m)][0 if m <= decode_max_m else 1]]
+    if not wins:
+        return 0, 0
+    first = DECODE_BUCKETS.index(wins[0])
+    return (DECODE_BUCKETS[first - 1] + 1 if first else 1), wins[-1]
+
+
+def route_decode(mod: nn.Module, entry: dict, dense: bool) -> None:
+    """Set 2:4 layer ``mod``'s small-M limit and (``dense``) its bf16 dense route from a decode
+    plan ``entry`` (:func:`time_decode`'s, maybe read from the cache); the small-M format's
+    copy of the weight goes where no token count is left to it."""
+    mod.decode_max_m = int(entry["decode_max_m"])
+    lo, hi = entry.get("dense_m", (0, 0)) if dense else (0, 0)
+    mod.keep_dense(lo, hi)
+    if mod.dense_weight is not None and lo <= 1 and mod.decode_max_m <= hi:
+        mod.decode_max_m = 0  # every count of the small-M kernel runs dense
+    if mod.decode_max_m == 0:
+        mod.dvalues = mod.dmeta = None
+
+
+def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> dict:
+    """{"decode_max_m": the last of DECODE_BUCKETS up to which ``mod``'s small-M kernel beats its
     large-M path, "us": {M: [small-M us, large-M us, bf16 dense us]}} (timed in CUDA graphs;
     dense: ``F.linear`` on a bf16 weight of the layer's shape, the baseline a decode step is
-    compared with)."""
+    compared with). Timing stops at the first M where the small-M kernel loses, unless
+    ``dense``: then every bucket is timed and the entry has "dense_m" too
+    (:func:`dense_range`, a list [lo, hi])."""
     from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
 
     dense_w = torch.randn(mod.out_features, mod.in_features, device=device,
                           dtype=torch.bfloat16)
-    limit, us = 0, {}
+    limit, us, losing = 0, {}, False
     for m in DECODE_BUCKETS:
         x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
         times = []
@@ -783,10 +839,15 @@ def time_decode(mod: nn.Module, device: torch.device) -> dict:
             times.append(timing.graph_time_us(functools.partial(mod, x)))
         times.append(timing.graph_time_us(functools.partial(F.linear, x, dense_w)))
         us[str(m)] = times
-        if times[0] >= times[1]:
+        losing = losing or times[0] >= times[1]
+        if losing and not dense:
             break
-        limit = m
-    return {"decode_max_m": limit, "us": us}
+        if not losing:
+            limit = m
+    entry = {"decode_max_m": limit, "us": us}
+    if dense:
+        entry["dense_m"] = list(dense_range(us, limit))
+    return entry
 
 
 def decode_note(mod: nn.Module, entry: dict) -> str:
@@ -817,6 +878,7 @@ def _reset_compiled() -> None:
 __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
            "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
            "PlannedLayer", "Planner", "cache_path", "choose", "choose_plan", "decode_note",
-           "extrapolate_ms", "layer_plan", "load", "model_key", "own_precision", "plan_key",
-           "repeated_blocks", "store", "time_decode", "time_model_ms", "time_module",
-           "time_paired", "truncated", "weight_bytes", "whole_model_plans"]
+           "dense_range", "extrapolate_ms", "layer_plan", "load", "model_key", "own_precision",
+           "plan_key", "repeated_blocks", "route_decode", "store", "time_decode",
+           "time_model_ms", "time_module", "time_paired", "truncated", "weight_bytes",
+           "whole_model_plans"]

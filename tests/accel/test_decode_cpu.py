@@ -1,8 +1,10 @@
 """The small-M 2:4 path (sparsekit's format + Triton kernel) and generate() on CPU: the
 format's round trip, the op's reference against dense matmul of the masked weight for every M
 in 1..32, the Triton kernel itself under Triton's interpreter, the layers' decode numerics
-against their large-M path, and an accelerated tiny Llama generating HF's own tokens."""
+against their large-M path, an accelerated tiny Llama generating HF's own tokens, and the
+planner's decode routing (small-M, large-M, bf16 dense under "auto") on faked GPU timings."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -253,3 +255,170 @@ def test_every_decode_shape_has_a_kernel_config():
     big = {"MODE": sk24_triton.DOT, "BLOCK_N": 64, "BLOCK_W": 64, "SPLIT_K": 2}
     assert not sk24_triton.fits(big, 16, 4096, False, 2)
     assert sk24_triton.fits(big, 16, 4096, True, 2) and sk24_triton.fits(big, 16, 4096, False, 1)
+
+
+def test_dense_range_covers_the_buckets_where_dense_beats_the_path_that_would_run():
+    from sparsekit.accel.planner import dense_range
+
+    def us(*rows):  # [small-M, large-M, dense] per bucket 1, 4, 16, 32
+        return {str(m): list(t) for m, t in zip((1, 4, 16, 32), rows)}
+
+    # the H100's shape: the small-M kernel wins at M=1 only, dense beats both from M=4
+    h100 = us([5, 8, 6], [10, 12, 7], [11, 13, 8], [12, 14, 9])
+    assert dense_range(h100, 1) == (2, 32)
+    assert dense_range(us([5, 8, 6], [6, 9, 7], [7, 9, 8], [8, 9, 10]), 16) == (0, 0)
+    # dense beats the large-M path at 16 but not the small-M kernel, which runs there
+    assert dense_range(us([5, 8, 6], [6, 9, 7], [7, 9, 8], [9, 9, 10]), 16) == (0, 0)
+    assert dense_range(us([5, 8, 6], [6, 9, 7], [7, 9, 8], [9, 9, 10]), 4) == (5, 16)
+    # a bucket between two dense ones runs dense too (never slower than dense)
+    assert dense_range(us([5, 8, 4], [6, 9, 7], [7, 9, 10], [11, 12, 10]), 32) == (1, 32)
+    # an entry timed without dense (stopped early) routes nothing past its last bucket
+    assert dense_range({"1": [5, 8, 6], "4": [10, 9, 7]}, 1) == (2, 4)
+    assert dense_range({}, 0) == (0, 0)
+
+
+def _h100_time(fn):
+    """Fake ``graph_time_us`` shaped like the H100's: the small-M kernel wins at M=1 only,
+    from M=4 both 2:4 paths lose to bf16 dense."""
+    m = fn.args[0].shape[0]
+    if fn.func is F.linear:
+        return 6.0 if m == 1 else 7.0
+    small = fn.func.decode_max_m >= m
+    return (5.0 if m == 1 else 14.0) if small else (8.0 if m == 1 else 12.0)
+
+
+def _decode_planned(monkeypatch, tmp_path, sparsity, variant="bf16_2:4", timer=_h100_time,
+                    **options):
+    """(model of two 64x512 layers of ``variant``, its Planner, time_decode's calls) after
+    ``plan_decode`` as on CUDA: time_decode runs on CPU with the fake ``timer``."""
+    from sparsekit.accel import planner
+    from sparsekit.accel.options import CompileOptions, PlanOptions
+    from sparsekit.accel.report import AccelReport
+    from sparsekit.nn import timing
+
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(timing, "graph_time_us", timer)
+    calls = []
+    real = planner.time_decode
+
+    def on_cpu(mod, device, dense=False):
+        calls.append(dense)
+        return real(mod, torch.device("cpu"), dense)
+
+    monkeypatch.setattr(planner, "time_decode", on_cpu)
+    plan = planner.Planner(torch.device("cpu"), variant.split("_")[0], sparsity,
+                           PlanOptions(**options), CompileOptions(), False,
+                           AccelReport(variant.split("_")[0], sparsity, 1.0, "cpu"))
+    plan.device = torch.device("cuda")  # plan as on a GPU
+    layers = []
+    for seed in (0, 1):
+        lin = nn.Linear(512, 64)
+        with torch.no_grad():
+            lin.weight.copy_(masked_24(64, 512, seed))
+        layers.append(VARIANTS[variant](lin))
+    model = nn.Sequential(*layers)
+    plan.plan_decode(model)
+    return model, plan, calls
+
+
+@pytest.mark.parametrize("variant", ["bf16_2:4", "fp8_2:4"])
+def test_auto_runs_dense_where_dense_beats_both_2to4_paths(monkeypatch, tmp_path, variant):
+    model, plan, calls = _decode_planned(monkeypatch, tmp_path, "auto", variant)
+    assert calls == [True]  # one shape, timed once at every bucket
+    mod = model[0]
+    assert mod.dense_m == (2, 32) and mod.decode_max_m == 1 and mod.dvalues is not None
+    assert mod.dense_weight.dtype == torch.bfloat16 and "dense_weight" in dict(
+        mod.named_buffers())
+    # the copy is the layer's effective weight: the masked one (fp8: dequantized)
+    want = sk24.decompress(mod.dvalues, mod.dmeta).float()
+    if mod.w_scale is not None:
+        want = want * mod.w_scale[:, None]
+    assert torch.equal(mod.dense_weight, want.bfloat16())
+    ran = []  # (op, M) of each 2:4 op called
+    for op in ("sk24_mm", "sparse24_mm"):
+        monkeypatch.setattr(ops, op, functools.partial(
+            lambda real, name, *a: ran.append((name, a[0].shape[0])) or real(*a),
+            getattr(ops, op), op))
+    x8 = torch.randn(8, 512).bfloat16()
+    y = mod(x8)
+    assert torch.equal(y, F.linear(x8, mod.dense_weight, mod.bias)) and ran == []
+    x1, x40 = torch.randn(1, 512).bfloat16(), torch.randn(40, 512).bfloat16()
+    assert mod(x1).shape == (1, 64) and mod(x40).shape == (40, 64)
+    # M=1 on the small-M kernel, M above the last bucket on the large-M path
+    assert ran == [("sk24_mm", 1), ("sparse24_mm", 40)]
+    # the dense route agrees with the 2:4 path (relative error: bf16 rounding; fp8 W8A8's
+    # activation quantization)
+    route = mod.dense_m
+    mod.dense_m = (0, 0)
+    y24 = mod(x8)
+    assert ran[-1] == ("sparse24_mm", 8)
+    err = ((y.float() - y24.float()).norm() / y24.float().norm()).item()
+    assert err < (1e-2 if variant == "bf16_2:4" else 6e-2), err
+    mod.dense_m = route
+    assert "bf16 dense for M in [2, 32]" in repr(mod)
+    # compiled whole graph: the route is a branch on the input's rows
+    compiled = torch.compile(mod, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x8), y) and torch.equal(compiled(x1), mod(x1))
+    extra = 2 * 2 * 64 * 512  # bytes: two layers' copies, 2 bytes per weight
+    assert f"decode: {variant} 64x512 runs bf16 dense for M = 2..32 (faster there than its 2:4 " \
+           f"paths): a bf16 copy of the weight in 2 layer(s), {extra / 2**20:.1f} MiB extra" \
+           in plan.report.notes
+
+
+def test_auto_drops_the_small_m_copy_where_dense_takes_every_count(monkeypatch, tmp_path):
+    def dense_everywhere(fn):
+        return 3.0 if fn.func is F.linear else (5.0 if fn.func.decode_max_m else 8.0)
+
+    model, _, _ = _decode_planned(monkeypatch, tmp_path, "auto", timer=dense_everywhere)
+    mod = model[0]
+    assert mod.dense_m == (1, 32) and mod.decode_max_m == 0
+    assert mod.dvalues is None and mod.dmeta is None and mod.dense_weight is not None
+
+
+@pytest.mark.parametrize("sparsity, options", [("2:4", {}), ("auto", {"decode_dense": False})])
+def test_no_dense_copy_when_2to4_is_forced_or_the_option_is_off(monkeypatch, tmp_path,
+                                                                sparsity, options):
+    model, plan, calls = _decode_planned(monkeypatch, tmp_path, sparsity, **options)
+    assert calls == [False]  # timed as before: up to the first bucket the small-M kernel loses
+    for mod in model:
+        assert mod.dense_weight is None and mod.dense_m == (0, 0) and mod.decode_max_m == 1
+        assert "dense_weight" not in dict(mod.named_buffers())
+    x8 = torch.randn(8, 512).bfloat16()
+    assert torch.equal(model[0](x8), model[0]._mm(x8))  # the large-M path
+    assert any(n.endswith("slower than bf16 dense at M = 4") for n in plan.report.notes)
+    assert not any("runs bf16 dense" in n for n in plan.report.notes)
+
+
+def test_cached_decode_plan_reproduces_the_routing(monkeypatch, tmp_path):
+    from sparsekit.accel import planner
+
+    first, plan, calls = _decode_planned(monkeypatch, tmp_path, "auto")
+    plan.save()
+    assert calls == [True]
+    (entry,) = [e for k, e in planner.load().items() if "|decode|" in k]
+    assert entry["dense_m"] == [2, 32] and entry["decode_max_m"] == 1
+
+    def never(fn):
+        raise AssertionError("a cached decode plan was timed again")
+
+    again, _, calls = _decode_planned(monkeypatch, tmp_path, "auto", timer=never)
+    assert calls == []
+    for a, b in zip(first, again):
+        assert (b.dense_m, b.decode_max_m) == (a.dense_m, a.decode_max_m) == ((2, 32), 1)
+        assert torch.equal(a.dense_weight, b.dense_weight)
+
+
+def test_cache_entry_without_dense_route_is_timed_again_under_auto(monkeypatch, tmp_path):
+    from sparsekit.accel import planner
+
+    _, plan, calls = _decode_planned(monkeypatch, tmp_path, "2:4")
+    plan.save()
+    assert calls == [False] and all("dense_m" not in e for e in planner.load().values())
+    # forced 2:4 takes the entry as it is; auto times the shape again, with dense
+    _, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4")
+    assert calls == []
+    model, plan, calls = _decode_planned(monkeypatch, tmp_path, "auto")
+    assert calls == [True] and model[0].dense_m == (2, 32)
+    plan.save()
+    _, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4")
+    assert calls == []

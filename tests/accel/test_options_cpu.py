@@ -50,6 +50,8 @@ def test_compile_options_refuse_bad_fields(kwargs, match):
     ({"cache": None}, r"PlanOptions\.cache must be True or False, got None"),
     ({"siblings": "yes"}, r"PlanOptions\.siblings must be True or False"),
     ({"whole_model": "auto"}, r"PlanOptions\.whole_model must be True, False or None"),
+    ({"decode_dense": "no"}, r"PlanOptions\.decode_dense must be True or False, got 'no'"),
+    ({"decode_dense": None}, r"PlanOptions\.decode_dense must be True or False, got None"),
 ])
 def test_plan_options_refuse_bad_fields(kwargs, match):
     with pytest.raises(UsageError, match=match):
