@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "config": config, "params": params, "seq_len": a.seq_len,
         "calibration_sequences": 8 * a.calibration_batches,
-        "recipe_seconds": round(seconds, 2), "sparsegpt_seconds": round(solve["seconds"], 2),
+        "recipe_seconds": round(seconds, 3), "sparsegpt_seconds": round(solve["seconds"], 3),
         "peak_rss_bytes": peak, "rss_before_model_bytes": rss_before,
         "cuda_peak_bytes": cuda_peak,
         "perplexity": {"dense": summary["dense"]["perplexity"],

@@ -96,10 +96,11 @@ def accelerate(
 
 def _wrap(model: nn.Module, report: AccelReport, device: torch.device, options: CompileOptions,
           compiled: bool, inputs: Any) -> AcceleratedModel:
-    """The :class:`AcceleratedModel` of the installed ``model``; when compiling, run once on
-    ``inputs`` (the first call compiles: its time is part of accelerate's)."""
+    """The :class:`AcceleratedModel` of the installed ``model``; when compiling with
+    ``options.warmup``, run once on ``inputs`` (the first call compiles: its time is part of
+    accelerate's)."""
     fast = AcceleratedModel(model, report, device, options, compile=compiled)
-    if compiled:
+    if compiled and options.warmup:
         t1 = time.perf_counter()
         feed(fast, inputs)
         if device.type == "cuda":

@@ -46,7 +46,10 @@ class CompileOptions:
     inputs hold only tensors and scalars; False: ``mode="reduce-overhead"``.
     ``clone_outputs``: under CUDA graphs an output lives in the graph's memory until the next
     call; cloning hands out tensors of your own (turn it off when you consume each output
-    before the next call)."""
+    before the next call). ``warmup``: run the example inputs once inside ``accelerate``, so
+    that its time holds the compile and the first call is fast; False leaves the compile to
+    the first call (a model served only through ``generate()``, which compiles its own prefill
+    and decode graphs, never runs the example's graph: False saves that compile)."""
 
     mode: str | None = None
     dynamic: bool | None = None
@@ -54,6 +57,7 @@ class CompileOptions:
     inductor: dict | None = None
     capture: bool | None = None
     clone_outputs: bool = True
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -62,6 +66,7 @@ class CompileOptions:
         _check_flag("CompileOptions", "dynamic", self.dynamic, optional=True)
         _check_flag("CompileOptions", "capture", self.capture, optional=True)
         _check_flag("CompileOptions", "clone_outputs", self.clone_outputs)
+        _check_flag("CompileOptions", "warmup", self.warmup)
         self._check_backend()
         if self.capture and self.mode == "reduce-overhead":
             raise UsageError("CompileOptions(capture=True) replays sparsekit's own CUDA graphs "

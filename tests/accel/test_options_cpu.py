@@ -21,6 +21,7 @@ from sparsekit.errors import UsageError
     ({"dynamic": "yes"}, r"CompileOptions\.dynamic must be True, False or None, got 'yes'"),
     ({"capture": 1}, r"CompileOptions\.capture must be True, False or None, got 1"),
     ({"clone_outputs": None}, r"CompileOptions\.clone_outputs must be True or False"),
+    ({"warmup": "no"}, r"CompileOptions\.warmup must be True or False"),
     ({"backend": "no_such_backend"}, r"CompileOptions\.backend must be a registered "
                                      r"torch\.compile backend .*'no_such_backend'"),
     ({"inductor": ["triton.multi_kernel"]}, r"CompileOptions\.inductor must be a dict of "
@@ -120,7 +121,7 @@ def test_default_options_spelled_out_run_as_none_passed(precision, sparsity):
     _compat.reset_compiled()
     b = sk.accelerate(_net(), x, compile=CompileOptions(
         mode=None, dynamic=None, backend="eager", inductor=None, capture=None,
-        clone_outputs=True), **kw)
+        clone_outputs=True, warmup=True), **kw)
     _same_run(a, b, x)
     assert a.compiled and a.options.backend == "eager" and a.options.capture is False
 
@@ -133,3 +134,20 @@ def test_plan_options_reach_the_plan():
         "0": "bf16_2:4", "2": "bf16_2:4", "3": "fp8_dense"}
     assert fast.report.min_speedup == 1.5
     assert type(fast.model[3]).__name__ == "FP8Dense"
+
+
+def test_without_warmup_the_first_call_compiles_and_runs_the_same():
+    x = torch.randn(8, 64)
+    _compat.reset_compiled()
+    warm = sk.accelerate(_net(), x, device="cpu", compile=CompileOptions(backend="eager"))
+    assert "compile" in warm.report.seconds and warm.report.compiles >= 1
+    _compat.reset_compiled()
+    before = _compat.compiled_graph_count()
+    cold = sk.accelerate(_net(), x, device="cpu",
+                         compile=CompileOptions(backend="eager", warmup=False))
+    # accelerate compiled nothing: the example never ran through the compiled model
+    assert "compile" not in cold.report.seconds
+    assert _compat.compiled_graph_count() == before
+    y = cold(x)
+    assert _compat.compiled_graph_count() > before
+    torch.testing.assert_close(y, warm(x), rtol=0, atol=0)
