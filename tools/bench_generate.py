@@ -24,7 +24,8 @@ Sections (``--sections``, default both):
   and ``torchao_int4_wo`` (weight-only int4, HF's static cache + compile) when torchao runs.
   Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
-  that. Per row: tokens/s, ms per new token, the paired ratio, the
+  that (``--profile``: one more call per way under torch.profiler, its kernels' device time
+  by family against its wall time). Per row: tokens/s, ms per new token, the paired ratio, the
   greedy tokens' agreement with the dense run of the same (masked) weights (beside it, the
   agreement of HF's eager generate with that dense run: random weights have small logit
   margins, so greedy tokens part at rounding differences; tools/check_generate_numerics.py
@@ -398,6 +399,49 @@ def torchao_fn(model, new: int, kind: str):
     return hf_generate_fn(model, new)
 
 
+# kernel families by name (lower case), for the profile's split of device time
+KERNEL_FAMILIES = (("sparse_gemm", ("sk24", "cusparselt", "sp_", "sparse")),
+                   ("gemm", ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet", "mm_")),
+                   ("attention", ("flash", "attention", "sdpa", "fmha")))
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
+
+
+def profile_call(fn, device: torch.device, tokens: int) -> dict:
+    """One call of ``fn`` under torch.profiler: its wall time, the device time of its kernels
+    (summed; per family: 2:4 GEMMs, dense GEMMs, attention, other) and the share of the wall
+    time the device was busy. A call whose wall time is well above its kernel time is bound by
+    host work (the generate loop between steps), not by the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    per: dict[str, float] = {}
+    kernels = 0
+    for ev in prof.events():
+        if device.type != "cuda" or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = ev.time_range.elapsed_us() / 1e3
+        per[family(ev.name)] = per.get(family(ev.name), 0.0) + ms
+        kernels += 1
+    device_ms = sum(per.values())
+    return {"wall_ms": wall_ms, "device_ms": device_ms, "kernels": kernels,
+            "device_busy": device_ms / wall_ms if wall_ms else float("nan"),
+            "device_ms_by_family": per, "wall_ms_per_token": wall_ms / tokens,
+            "device_ms_per_token": device_ms / tokens}
+
+
 def agreement(a: torch.Tensor, b: torch.Tensor, prompt: int) -> dict:
     a, b = a[:, prompt:].cpu(), b[:, prompt:].cpu()
     n = min(a.shape[1], b.shape[1])
@@ -508,6 +552,13 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
                               **{k: row[k] for k in ("ms", "ratio", "tokens_per_s")},
                               "agree": row["agreement"]["equal_fraction"]}), flush=True)
             save(out)
+        if args.profile:
+            for name, (fn, _) in ways.items():
+                res["ways"][name]["profile"] = profile_call(functools.partial(fn, ids), device,
+                                                            batch * new)
+                print(json.dumps({"batch": batch, "way": name,
+                                  "profile": res["ways"][name]["profile"]}), flush=True)
+            save(out)
         del outputs
     return out
 
@@ -527,6 +578,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--precisions", default="bf16,fp8")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=1)
+    ap.add_argument("--profile", action="store_true",
+                    help="generate: one more call per way under torch.profiler (device time "
+                         "per kernel family against wall time)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dense-sk", action=argparse.BooleanOptionalAction, default=False,
                     help="also sparsekit's generate on the dense model (one more 8B copy)")
