@@ -69,7 +69,7 @@ def test_agreed_schema_names():
         "ratio", "criterion", "scope", "round_to", "steps", "exclude"
     }
     assert {f.name for f in dataclasses.fields(cfg.accel)} == {
-        "enabled", "precision", "sparsity", "min_speedup", "siblings", "capture"
+        "enabled", "precision", "sparsity", "min_speedup", "siblings", "decode_dense", "capture"
     }
     assert {"none", "int8_weight_only", "int8", "fp8"} <= set(options("quant"))
     assert {"nm24", "unstructured", "none"} <= set(options("prune"))

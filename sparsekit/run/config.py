@@ -465,7 +465,8 @@ class BenchConfig(_Checked):
 class AccelConfig(_Checked):
     """``precision``: one with dense and 2:4 accel variants registered (accel.kernels).
     ``siblings``: layers fed one tensor (q/k/v, gate/up) as one GEMM (``sk.accelerate``).
-    ``capture``: sparsekit's own CUDA graphs (null: where the inputs allow; false:
+    ``decode_dense``: under sparsity auto, a bf16 copy of a 2:4 layer for the decode batch
+    sizes where dense is faster (``sk.PlanOptions``). ``capture``: sparsekit's own CUDA graphs (null: where the inputs allow; false:
     torch.compile's reduce-overhead mode)."""
 
     _key: ClassVar[str] = "accel"
@@ -475,6 +476,7 @@ class AccelConfig(_Checked):
     sparsity: str = "2:4"
     min_speedup: float = number(1.0, 0, 1e3, low_open=True)
     siblings: bool = False
+    decode_dense: bool = True
     capture: bool | None = None
 
 

@@ -623,7 +623,8 @@ def stage_accelerate(ctx: RunContext) -> None:
     fast = ctx.fast = sk.accelerate(
         copy.deepcopy(ctx.model), ctx.example[:1], precision=a.precision, sparsity=a.sparsity,
         compile=sk.CompileOptions(capture=a.capture),
-        plan=sk.PlanOptions(min_speedup=a.min_speedup, siblings=a.siblings))
+        plan=sk.PlanOptions(min_speedup=a.min_speedup, siblings=a.siblings,
+                            decode_dense=a.decode_dense))
     report = fast.sparsekit_report
     if ctx.tracker.writer is not None:
         report.log(ctx.tracker.writer)
