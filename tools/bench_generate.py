@@ -24,8 +24,9 @@ Sections (``--sections``, default both):
   and ``torchao_int4_wo`` (weight-only int4, HF's static cache + compile) when torchao runs.
   Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
-  that (``--profile``: one more call per way under torch.profiler, its kernels' device time
-  by family against its wall time). Per row: tokens/s, ms per new token, the paired ratio, the
+  that (``--profile``: one more call per way under torch.profiler,
+  :func:`bench_models.profile_shares`: kernel time by kind, the span of its kernels and its
+  wall time). Per row: tokens/s, ms per new token, the paired ratio, the
   greedy tokens' agreement with the dense run of the same (masked) weights (beside it, the
   agreement of HF's eager generate with that dense run: random weights have small logit
   margins, so greedy tokens part at rounding differences; tools/check_generate_numerics.py
@@ -48,6 +49,7 @@ import functools
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +61,9 @@ import sparsekit as sk
 from sparsekit.accel import ops, planner, sk24
 from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_models  # noqa: E402  (tools/bench_models.py, beside this script: profile_shares)
 
 BOUNDS_TBS = {"H200": 4.8, "H100": 3.35}  # HBM peak (H200 HBM3e, H100 SXM HBM3)
 BOUND_TBS = 4.8
@@ -386,6 +391,14 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
 
 
 def torchao_fn(model, new: int, kind: str):
+    """HF's fast path (:func:`hf_generate_fn`) on ``model`` quantized by torchao."""
+    return hf_generate_fn(torchao_quantize_(model, kind), new)
+
+
+def torchao_quantize_(model, kind: str):
+    """``model`` (in place) with every Linear but the LM head quantized by torchao: "fp8"
+    (dynamic per-row fp8 activations, per-row fp8 weights) or "int4" (weight-only, groups of
+    128)."""
     from torchao.quantization import quantize_
 
     if kind == "fp8":
@@ -396,58 +409,36 @@ def torchao_fn(model, new: int, kind: str):
         from torchao.quantization import Int4WeightOnlyConfig
         cfg = Int4WeightOnlyConfig(group_size=128, set_inductor_config=False)
     quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
-    return hf_generate_fn(model, new)
+    return model
 
 
-# kernel families by name (lower case), for the profile's split of device time
-KERNEL_FAMILIES = (("sparse_gemm", ("sk24", "cusparselt", "sp_", "sparse")),
-                   ("gemm", ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet", "mm_")),
-                   ("attention", ("flash", "attention", "sdpa", "fmha")))
-
-
-def family(name: str) -> str:
-    low = name.lower()
-    return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
-
-
-def profile_call(fn, device: torch.device, tokens: int) -> dict:
-    """One call of ``fn`` under torch.profiler: its wall time, the device time of its kernels
-    (summed; per family: 2:4 GEMMs, dense GEMMs, attention, other) and the share of the wall
-    time the device was busy. A call whose wall time is well above its kernel time is bound by
-    host work (the generate loop between steps), not by the kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                           else [])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    per: dict[str, float] = {}
-    kernels = 0
-    for ev in prof.events():
-        if device.type != "cuda" or ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        ms = ev.time_range.elapsed_us() / 1e3
-        per[family(ev.name)] = per.get(family(ev.name), 0.0) + ms
-        kernels += 1
-    device_ms = sum(per.values())
-    return {"wall_ms": wall_ms, "device_ms": device_ms, "kernels": kernels,
-            "device_busy": device_ms / wall_ms if wall_ms else float("nan"),
-            "device_ms_by_family": per, "wall_ms_per_token": wall_ms / tokens,
-            "device_ms_per_token": device_ms / tokens}
-
-
-def agreement(a: torch.Tensor, b: torch.Tensor, prompt: int) -> dict:
-    a, b = a[:, prompt:].cpu(), b[:, prompt:].cpu()
+def agreement(out: torch.Tensor, ref: torch.Tensor, prompt: int,
+              ref_logits: torch.Tensor | None = None) -> dict:
+    """Greedy tokens of ``out`` against ``ref`` after the prompt: the equal fraction, per row
+    the first new position that differs (the row's length when none) and, with the reference's
+    teacher-forced logits, the reference's top-1 minus top-2 logit there and whether that is a
+    tie in bfloat16 (at most two bfloat16 spacings at the top logit's magnitude: the two
+    tokens are not told apart by bfloat16 arithmetic, and a different summation order picks
+    either)."""
+    a, b = out[:, prompt:].cpu(), ref[:, prompt:].cpu()
     n = min(a.shape[1], b.shape[1])
-    same = (a[:, :n] == b[:, :n])
-    first = [int(row.logical_not().nonzero()[0]) if not row.all() else n for row in same]
-    return {"equal_fraction": same.float().mean().item(), "first_divergence": first}
+    same = a[:, :n] == b[:, :n]
+    first = [int(r.logical_not().nonzero()[0]) if not r.all() else n for r in same]
+    res = {"equal_fraction": same.float().mean().item(), "first_divergence": first,
+           "all_equal": bool(same.all())}
+    if ref_logits is not None:
+        margins, ties = [], []
+        for row, j in enumerate(first):
+            if j >= n:
+                continue
+            top = ref_logits[row, prompt - 1 + j].float().topk(2).values.cpu()
+            margin = (top[0] - top[1]).item()
+            spacing = 2.0 ** (torch.floor(torch.log2(top[0].abs().clamp_min(1e-30))).item() - 7)
+            margins.append(margin)
+            ties.append(margin <= 2 * spacing)
+        res.update(divergence_margins=margins, divergences_at_ties=ties,
+                   equal_but_ties=all(ties))
+    return res
 
 
 def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
@@ -554,8 +545,8 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
             save(out)
         if args.profile:
             for name, (fn, _) in ways.items():
-                res["ways"][name]["profile"] = profile_call(functools.partial(fn, ids), device,
-                                                            batch * new)
+                res["ways"][name]["profile"] = bench_models.profile_shares(
+                    functools.partial(fn, ids), device)
                 print(json.dumps({"batch": batch, "way": name,
                                   "profile": res["ways"][name]["profile"]}), flush=True)
             save(out)
@@ -579,8 +570,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--profile", action="store_true",
-                    help="generate: one more call per way under torch.profiler (device time "
-                         "per kernel family against wall time)")
+                    help="generate: one more call per way under torch.profiler (kernel time "
+                         "by kind, kernel span and wall time; CUDA)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dense-sk", action=argparse.BooleanOptionalAction, default=False,
                     help="also sparsekit's generate on the dense model (one more 8B copy)")

@@ -316,9 +316,22 @@ def time_ms(fn, device: torch.device, calls: int, warmup: int = 3) -> float:
     return planner.time_model_ms(fn, device, calls=calls, warmup=warmup)
 
 
+def kernel_kind(name: str) -> str:
+    """A GPU kernel's kind by its name: "gemm" (cuBLAS, cuSPARSELt, CUTLASS, sparsekit's small-M
+    2:4 and int4 kernels), "attention", "triton" (inductor's fused kernels) or "other"."""
+    n = name.lower()
+    if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "sm90", "xmma", "cusparse", "nvjet", "cublas",
+                            "matmul", "sk24", "int4_")):
+        return "gemm"
+    return "triton" if n.startswith("triton") else "other"
+
+
 def profile_shares(fn, device: torch.device) -> dict | None:
-    """GPU kernel time of one call by kind (gemm, attention, fused elementwise (triton),
-    other), in percent, plus the kernel count."""
+    """GPU kernel time of one call by kind (:func:`kernel_kind`), in percent, plus the kernel
+    count, the call's wall time and the span from its first kernel to its last (None off
+    CUDA)."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -326,8 +339,10 @@ def profile_shares(fn, device: torch.device) -> dict | None:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
     kinds = {"gemm": 0.0, "attention": 0.0, "triton": 0.0, "other": 0.0}
     count = 0
     first, last = float("inf"), float("-inf")
@@ -335,28 +350,19 @@ def profile_shares(fn, device: torch.device) -> dict | None:
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        n = e.name.lower()
         t = e.device_time if hasattr(e, "device_time") else e.cuda_time
         count += 1
         first, last = min(first, e.time_range.start), max(last, e.time_range.end)
         k = by_name.setdefault(e.name[:100], [0.0, 0])
         k[0] += t
         k[1] += 1
-        if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
-            kinds["attention"] += t
-        elif any(s in n for s in ("gemm", "cutlass", "sm90", "xmma", "cusparse", "nvjet",
-                                  "cublas", "matmul")):
-            kinds["gemm"] += t
-        elif n.startswith("triton"):
-            kinds["triton"] += t
-        else:
-            kinds["other"] += t
+        kinds[kernel_kind(e.name)] += t
     total = sum(kinds.values()) or 1.0
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
     # span: first kernel start to last kernel end; span - gpu_ms is the GPU's idle time
     # between kernels inside the call (launch gaps), wall - span the host's share
     return {"kernels": count, "gpu_ms": total / 1e3, "span_ms": (last - first) / 1e3,
-            **{f"{k}_pct": 100.0 * v / total for k, v in kinds.items()},
+            "wall_ms": wall_ms, **{f"{k}_pct": 100.0 * v / total for k, v in kinds.items()},
             "top": [{"name": n, "us": t, "calls": c, "pct": 100.0 * t / total}
                     for n, (t, c) in top]}
 

@@ -31,23 +31,16 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 import sparsekit as sk
-from sparsekit.prune.patterns import nm_mask
 
-
-def masked_model(model: nn.Module) -> nn.Module:
-    """``model`` with every Linear but the LM head masked 2:4 by magnitude (in place)."""
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if isinstance(mod, nn.Linear) and name != "lm_head":
-                mod.weight.mul_(nm_mask(mod.weight.abs(), 2, 4))
-    return model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import agreement, torchao_quantize_  # noqa: E402  (beside this script)
 
 
 def load(args, device: torch.device):
@@ -71,50 +64,15 @@ def load(args, device: torch.device):
         ids = torch.tensor([tail[i * stride:i * stride + args.prompt_len]
                             for i in range(args.prompts)])
     model.config._attn_implementation = "sdpa"
-    model = masked_model(model.to(device, torch.bfloat16).eval())
+    model = model.to(device, torch.bfloat16).eval()
+    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
     return model, ids
-
-
-def agreement(out: torch.Tensor, ref: torch.Tensor, prompt: int,
-              ref_logits: torch.Tensor | None = None) -> dict:
-    """Greedy tokens of ``out`` against ``ref`` after the prompt: the equal fraction, per row
-    the first new position that differs (the row's length when none) and, with the reference's
-    teacher-forced logits, the reference's top-1 minus top-2 logit there and whether that is a
-    tie in bfloat16 (at most two bfloat16 spacings at the top logit's magnitude: the two
-    tokens are not told apart by bfloat16 arithmetic, and a different summation order picks
-    either)."""
-    a, b = out[:, prompt:].cpu(), ref[:, prompt:].cpu()
-    same = a == b
-    first = [int(r.logical_not().nonzero()[0]) if not r.all() else int(r.numel()) for r in same]
-    res = {"equal_fraction": same.float().mean().item(), "first_divergence": first,
-           "all_equal": bool(same.all())}
-    if ref_logits is not None:
-        margins, ties = [], []
-        for row, j in enumerate(first):
-            if j >= same.shape[1]:
-                continue
-            top = ref_logits[row, prompt - 1 + j].float().topk(2).values.cpu()
-            margin = (top[0] - top[1]).item()
-            spacing = 2.0 ** (torch.floor(torch.log2(top[0].abs().clamp_min(1e-30))).item() - 7)
-            margins.append(margin)
-            ties.append(margin <= 2 * spacing)
-        res.update(divergence_margins=margins, divergences_at_ties=ties,
-                   equal_but_ties=all(ties))
-    return res
 
 
 @torch.no_grad()
 def logits_error(fn, ids: torch.Tensor, ref_logits: torch.Tensor) -> float:
     got = fn(ids).logits.float()
     return ((got - ref_logits).norm() / ref_logits.norm()).item()
-
-
-def torchao_fp8(model: nn.Module) -> nn.Module:
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
-              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
-    return model
 
 
 def run(args, save=lambda res: None) -> dict:
@@ -148,7 +106,7 @@ def run(args, save=lambda res: None) -> dict:
     peers: dict = {}
     if device.type == "cuda":
         try:
-            peers["torchao_fp8_dense"] = torchao_fp8(copy.deepcopy(master))
+            peers["torchao_fp8_dense"] = torchao_quantize_(copy.deepcopy(master), "fp8")
         except Exception as e:  # noqa: BLE001  (a peer that does not run is recorded)
             res["torchao_fp8_dense"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     for name, precision in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):

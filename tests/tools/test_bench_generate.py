@@ -10,8 +10,8 @@ import torch
 @pytest.mark.slow
 def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     out = tmp_path / "gen.json"
-    bench = tool_module("bench_generate")
-    bench.main(["--smoke", "--batches", "2", "--profile", "--out", str(out)])
+    tool_module("bench_generate").main(["--smoke", "--batches", "2", "--profile", "--out",
+                                        str(out)])
     res = json.loads(out.read_text())
     assert {r["M"] for r in res["gemm"]} == {1, 3}
     for row in res["gemm"]:
@@ -24,13 +24,8 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     assert set(gen["ways"]) == {"dense_sk", "sk_bf16_2:4", "sk_fp8_2:4"}
     for way in gen["ways"].values():
         assert way["agreement"]["equal_fraction"] >= 0.0 and "accelerate_s" in way
-    for way in gen["ways"].values():  # on CPU no device kernels: wall time only
-        prof = way["profile"]
-        assert prof["wall_ms"] > 0 and prof["device_ms"] == 0 and prof["kernels"] == 0
-        assert prof["wall_ms_per_token"] == pytest.approx(prof["wall_ms"] / 16)
-    assert [bench.family(n) for n in ("triton_sk24_kernel", "sm90_xmma_gemm_bf16",
-                                      "flash_fwd_kernel", "triton_poi_fused_add")] == [
-        "sparse_gemm", "gemm", "attention", "other"]
+    # --profile: kernel times need CUDA (bench_models.profile_shares), none on CPU
+    assert all(way["profile"] is None for way in gen["ways"].values())
     # the bf16 2:4 model generates the dense run's tokens of the same weights on CPU
     assert gen["ways"]["sk_bf16_2:4"]["agreement"]["equal_fraction"] == 1.0
 

@@ -252,3 +252,11 @@ def test_without_paired_timing_targets_fall_back_to_the_sequential_ratio(tmp_pat
     assert row["target"] == 1.15 and row["met"] == (row["ratio"] >= 1.15)
     md = (tmp_path / "bench_models.md").read_text()
     assert "| sk_bf16_2:4 |" in md and "paired: each" not in md
+
+
+def test_kernel_kind_counts_sparsekits_own_gemm_kernels_as_gemm(tool_module):
+    kind = tool_module("bench_models").kernel_kind
+    assert [kind(n) for n in ("sk24_kernel", "int4_24_rows_kernel", "sm90_xmma_gemm_bf16",
+                              "nvjet_tst_128x8", "flash_fwd_kernel",
+                              "triton_poi_fused_add_mul_0", "elementwise_kernel")] == [
+        "gemm", "gemm", "gemm", "gemm", "attention", "triton", "other"]
