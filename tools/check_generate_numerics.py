@@ -40,7 +40,8 @@ import torch
 import sparsekit as sk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import agreement, torchao_quantize_  # noqa: E402  (beside this script)
+from bench_generate import (  # noqa: E402  (tools/bench_generate.py, beside this script)
+    agreement, eager_tokens, torchao_quantize_)
 
 
 def load(args, device: torch.device):
@@ -87,9 +88,8 @@ def run(args, save=lambda res: None) -> dict:
     refs = {}
     for batch in batches:
         ids = prompts[:batch].to(device)
+        ref = eager_tokens(master, ids, args.new)
         with torch.no_grad():
-            ref = master.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
-                                  do_sample=False, pad_token_id=0)
             ref_logits = master(ref).logits.float()
         refs[batch] = (ids, ref, ref_logits)
         # the control: the same eager model on HF's static cache (attention over a longer,
@@ -130,9 +130,7 @@ def run(args, save=lambda res: None) -> dict:
         del fast
     for name, model in peers.items():
         for batch, (ids, ref, ref_logits) in refs.items():
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
-                                     do_sample=False, pad_token_id=0)
+            out = eager_tokens(model, ids, args.new)
             row = {"agreement": agreement(out, ref, ids.shape[1], ref_logits),
                    "logits_error": logits_error(model, ref, ref_logits)}
             res["batches"][str(batch)][name] = row
