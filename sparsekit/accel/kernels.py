@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import ops, sk24
+from sparsekit.accel import ops, sk24, sk24_mma
 from sparsekit.accel.int4 import Int4Dense, Int4Sparse24
 from sparsekit.errors import UsageError
 from sparsekit.quant.formats import FP8, INT8, Format, get_scheme
@@ -86,15 +86,21 @@ class _AccelLinear(nn.Module):
         self.decode_max_m = 0
         self.register_buffer("dvalues", None)
         self.register_buffer("dmeta", None)
+        # which small-M kernel the format is for: "mma" (sparse tensor cores, sk24_mma) where
+        # it is built and the shape fits, else "triton" (sk24); "" without a small-M path
+        self.dkernel = ""
         # bf16 dense on a copy of the effective weight for dense_m[0] <= M <= dense_m[1]
         # (set by the planner under sparsity="auto" where dense beats both 2:4 paths)
         self.dense_m = (0, 0)
         self.register_buffer("dense_weight", None)
         if self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
-            if self.decodes and sk24.check_shape(*w.shape) is None:
+            if self.decodes and sk24_mma.usable(w):
+                self.dvalues, self.dmeta = sk24_mma.compress(w)
+                self.dkernel, self.decode_max_m = "mma", sk24_mma.MAX_M
+            elif self.decodes and sk24.check_shape(*w.shape) is None:
                 self.dvalues, self.dmeta = sk24.compress(w)
-                self.decode_max_m = sk24.MAX_M
+                self.dkernel, self.decode_max_m = "triton", sk24.MAX_M
         else:
             self.register_buffer("weight", w)
         self.register_buffer("w_scale", scale)
@@ -105,6 +111,13 @@ class _AccelLinear(nn.Module):
         path's: the same activation quantization, scales and bias, in float32."""
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
             return None
+        if self.dkernel == "mma":  # an fp8 layer's activations widened to bf16 (exact)
+            if self.fmt is None:
+                return ops.sk24_mma_mm(x2d.to(torch.bfloat16), self.dvalues, self.dmeta, None,
+                                       None, self.bias)
+            q, sx = self._quant(x2d)
+            return ops.sk24_mma_mm(q.to(torch.bfloat16), self.dvalues, self.dmeta, sx,
+                                   self.w_scale, self.bias)
         # x as the kernel's position planes, made by torch ops that the compiler fuses into
         # x's producer (the custom op itself is opaque to it)
         if self.fmt is None:
@@ -124,7 +137,7 @@ class _AccelLinear(nn.Module):
         if self.dvalues is None:
             raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
                              f"a dense route needs the small-M format's weight")
-        w = sk24.decompress(self.dvalues, self.dmeta)
+        w = (sk24_mma if self.dkernel == "mma" else sk24).decompress(self.dvalues, self.dmeta)
         if self.w_scale is not None:
             w = w.float() * self.w_scale[:, None]
         self.dense_m = (int(lo), int(hi))
@@ -170,7 +183,8 @@ class _AccelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         alg = f", alg_id={self.alg_id}" if self.uses_alg else ""
-        dec = f", decode_max_m={self.decode_max_m}" if self.dvalues is not None else ""
+        dec = (f", decode_max_m={self.decode_max_m} ({self.dkernel})"
+               if self.dvalues is not None else "")
         if self.dense_weight is not None:
             dec += f", bf16 dense for M in {list(self.dense_m)}"
         return f"{self.in_features}, {self.out_features}, variant={self.variant}{alg}{dec}"

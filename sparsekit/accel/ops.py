@@ -22,6 +22,10 @@ Nothing in a forward reads tensor data on the host.
   + bias`` for a 2:4 weight in sparsekit's own format (:mod:`sparsekit.accel.sk24`: values and
   2-bit indices), bf16 or float8 e4m3 ``x`` of the weight's dtype, on sparsekit's Triton kernel
   for small M (decode, M <= 32; it takes any M); the CPU reference expands the weight.
+- ``sk24_mma_mm(x, values, meta, x_scale, w_scale, bias)``: the same product for M <= 32 on the
+  sparse tensor cores (``mma.sp``; :mod:`sparsekit.accel.sk24_mma`: the fragment-ordered
+  format, bf16 or fp8 e4m3 values), x (M, K) bf16 (an fp8 layer's quantized activations
+  widened, exactly); the CPU reference expands the weight.
 - ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
   ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
 - ``quant_rows(x, dtype)``: dynamic activation quantization per token (row), with the
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit import _compat
-from sparsekit.accel import cslt_ext, sk24
+from sparsekit.accel import cslt_ext, sk24, sk24_mma
 from sparsekit.accel import w4a16
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.kernels import scaled_matmul
@@ -183,6 +187,25 @@ def _sk24_mm_fake(x, values, meta, x_scale, w_scale, bias):
     return x.new_empty((x.shape[0], values.shape[0]), dtype=torch.bfloat16)
 
 
+# --- sk24_mma_mm (small-M 2:4 on the sparse tensor cores, the fragment-ordered format) ------
+
+@torch.library.custom_op("sparsekit::sk24_mma_mm", mutates_args=(), device_types="cuda")
+def sk24_mma_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                x_scale: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return sk24_mma.launch(x, values, meta, x_scale, w_scale, bias)
+
+
+@sk24_mma_mm.register_kernel("cpu")
+def _sk24_mma_mm_ref(x, values, meta, x_scale, w_scale, bias):
+    return sk24_mma.reference(x, values, meta, x_scale, w_scale, bias)
+
+
+@sk24_mma_mm.register_fake
+def _sk24_mma_mm_fake(x, values, meta, x_scale, w_scale, bias):
+    return x.new_empty((x.shape[0], 16 * values.shape[0]), dtype=torch.bfloat16)
+
+
 # --- scaled_mm (dense W8A8) ------------------------------------------------------------------
 
 @torch.library.custom_op("sparsekit::scaled_mm", mutates_args=(), device_types="cuda")
@@ -264,5 +287,6 @@ def _int4_mm_fake(x, values, scales, bias):
 
 
 __all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "fmt_of", "int4_24_mm", "int4_mm",
-           "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm", "sk24_mm", "sparse24_mm",
+           "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm", "sk24_mm", "sk24_mma_mm",
+           "sparse24_mm",
            "sparse24_mm_alpha"]

@@ -768,7 +768,7 @@ class Planner:
         for mod in model.modules():
             if getattr(mod, "dvalues", None) is None:
                 continue
-            numerics = (f"{mod.variant}|decode|{mod.path}|"
+            numerics = (f"{mod.variant}|decode|{mod.dkernel}|{mod.path}|"
                         f"{'dynamic' if mod.act_scale is None else 'static'}")
             key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
                            mod.in_features, 0, inductor=self.inductor)
@@ -817,6 +817,7 @@ def route_decode(mod: nn.Module, entry: dict, dense: bool) -> None:
         mod.decode_max_m = 0  # every count of the small-M kernel runs dense
     if mod.decode_max_m == 0:
         mod.dvalues = mod.dmeta = None
+        mod.dkernel = ""
 
 
 def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> dict:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.accel import ops, sk24
+from sparsekit.accel import ops, sk24, sk24_mma
 from sparsekit.accel.generate import bucket, cache_length
 from sparsekit.accel.kernels import VARIANTS
 
@@ -114,13 +114,17 @@ def test_triton_kernel_under_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("kernel", ["triton", "mma"])
 @pytest.mark.parametrize("variant", ["bf16_2:4", "fp8_2:4"])
-def test_layer_decode_path_has_prefill_numerics(variant):
+def test_layer_decode_path_has_prefill_numerics(variant, kernel, monkeypatch):
+    # the mma.sp format where its library loads (a CUDA GPU); here its CPU reference
+    monkeypatch.setattr(sk24_mma, "usable", lambda w: kernel == "mma")
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS[variant](lin)
     assert mod.decode_max_m == sk24.MAX_M and mod.dvalues is not None
+    assert mod.dkernel == kernel and f"({kernel})" in repr(mod)
     x = torch.randn(2, 5, 512).bfloat16()
     decode = mod(x)
     mod.decode_max_m = 0  # the large-M path (cuSPARSELt's op; its reference on CPU)

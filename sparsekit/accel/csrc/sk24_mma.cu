@@ -1,0 +1,235 @@
+// sparsekit's small-M 2:4 GEMM on the sparse tensor cores (mma.sp), for decode batches.
+//
+// y (M, N) = (x (M, K) @ W.T) * x_scale * w_scale + bias, W (N, K) 2:4 along K, stored in the
+// fragment-ordered format of sparsekit/accel/sk24_mma.py: for every tile of 16 rows and 32
+// columns ("step"), the 16 x 16 kept values in the order the 32 lanes of a warp hold them as
+// the A operand of mma.sp.m16n8k32 (bf16: one 16-byte load a lane; fp8 e4m3: one 8-byte load,
+// widened to bf16 in registers), and the 2-bit indices as its metadata. x is the B operand
+// (M rows padded to 8, 16 or 32 with zeros), accumulated in float32.
+//
+// One block of WARPS warps per 16 rows of W; warp w takes steps w*U .. w*U+U-1, then strides
+// by WARPS*U; the warps' partial sums meet in shared memory. Plain C entry point (no torch
+// headers): built by nvcc into a shared library and called through ctypes with the current
+// stream, so the launch goes into CUDA graphs like any other kernel.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+__device__ __forceinline__ uint32_t ldg32(const uint32_t* p) {
+  uint32_t v;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ldg128_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 ldg64_stream(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+               : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ldg32_stream(const uint32_t* p) {
+  uint32_t v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// two e4m3 bytes (the low two of w when hi == 0, else the high two) as bf16x2: the byte's
+// exponent and mantissa bits moved into bf16's field give the value times 2^-120 exactly
+// (subnormals included); one exact multiplication by 2^120 restores it
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, int hi) {
+  uint32_t b = hi ? (w >> 16) : (w & 0xFFFFu);
+  uint32_t t = (b | (b << 8)) & 0x00FF00FFu;
+  uint32_t bits = ((t & 0x00800080u) << 8) | ((t & 0x007F007Fu) << 4);
+  __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&bits);
+  const uint32_t two120 = 0x7B807B80u;
+  __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162*>(&two120);
+  __nv_bfloat162 r = __hmul2(v, s);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+template <int SEL>
+__device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&b)[4], uint32_t e) {
+#if defined(SK24_ORDERED)
+  asm(
+      "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
+        "r"(e), "n"(SEL));
+#else
+  asm(
+      "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
+        "r"(e), "n"(SEL));
+#endif
+}
+
+template <int MT, bool FP8, bool PAIRED, int WARPS, int U>
+__global__ void __launch_bounds__(WARPS * 32)
+sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
+                const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
+                const float* __restrict__ ws, const __nv_bfloat16* __restrict__ bias,
+                __nv_bfloat16* __restrict__ y, int M, int N, int K) {
+  static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
+  const int rt = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q = lane >> 2, t = lane & 3;
+  const int S = K >> 5;
+  float acc[MT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  const uint32_t* xr[MT];
+  bool ok[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    int m = i * 8 + q;
+    ok[i] = m < M;
+    xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
+  }
+  const size_t tile = (size_t)rt * S;
+  for (int base = warp * U; base < S; base += WARPS * U) {
+    uint32_t a[U][4];
+    uint32_t e[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ks = base + u;
+      if (ks < S) {
+        if (FP8) {
+          uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
+          a[u][0] = e4m3x2_to_bf16x2(v.x, 0);
+          a[u][1] = e4m3x2_to_bf16x2(v.x, 1);
+          a[u][2] = e4m3x2_to_bf16x2(v.y, 0);
+          a[u][3] = e4m3x2_to_bf16x2(v.y, 1);
+        } else {
+          uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
+          a[u][0] = v.x; a[u][1] = v.y; a[u][2] = v.z; a[u][3] = v.w;
+        }
+        if (PAIRED) {
+          if ((u & 1) == 0) e[u] = ldg32_stream(meta + ((size_t)rt * (S >> 1) + (ks >> 1)) * 32 + lane);
+          else e[u] = e[u - 1];
+        } else {
+          e[u] = ldg32_stream(meta + (tile + ks) * 32 + lane);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ks = base + u;
+      if (ks < S) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          uint32_t b[4];
+          const uint32_t* p = xr[i] + ks * 16;  // 32 bf16 = 16 words a step
+#pragma unroll
+          for (int j = 0; j < 4; ++j) b[j] = ok[i] ? ldg32(p + 4 * j) : 0u;
+          if (PAIRED && (u & 1)) mma_sp<1>(acc[i], a[u], b, e[u]);
+          else mma_sp<0>(acc[i], a[u], b, e[u]);
+        }
+      }
+    }
+  }
+  // the warps' partial sums: red[warp][i*4 + c][lane]
+  __shared__ float red[WARPS][MT * 4][32];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[warp][i * 4 + c][lane] = acc[i][c];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < MT * 4 * 32; idx += WARPS * 32) {
+    const int ic = idx >> 5, l = idx & 31;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += red[w][ic][l];
+    const int i = ic >> 2, c = ic & 3;
+    const int r = (l >> 2) + ((c & 2) ? 8 : 0);
+    const int m = i * 8 + 2 * (l & 3) + (c & 1);
+    const int n = rt * 16 + r;
+    if (m < M) {
+      if (xs) s *= xs[m * xs_stride];
+      if (ws) s *= ws[n];
+      if (bias) s += __bfloat162float(bias[n]);
+      y[(size_t)m * N + n] = __float2bfloat16(s);
+    }
+  }
+}
+
+template <int MT, bool FP8, bool PAIRED>
+int launch_wu(int warps, int unroll, dim3 grid, cudaStream_t st, const __nv_bfloat16* x, int sx,
+              const void* vals, const uint32_t* meta, const float* xs, int xs_stride,
+              const float* ws, const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int N,
+              int K) {
+#define SK24_GO(W, UU)                                                                      \
+  sk24_mma_kernel<MT, FP8, PAIRED, W, UU><<<grid, W * 32, 0, st>>>(x, sx, vals, meta, xs,   \
+                                                                    xs_stride, ws, bias, y, \
+                                                                    M, N, K);               \
+  return 0;
+  if (warps == 4 && unroll == 4) { SK24_GO(4, 4) }
+  if (warps == 4 && unroll == 8) { SK24_GO(4, 8) }
+  if (warps == 8 && unroll == 4) { SK24_GO(8, 4) }
+  if (warps == 8 && unroll == 8) { SK24_GO(8, 8) }
+  if (warps == 2 && unroll == 8) { SK24_GO(2, 8) }
+#undef SK24_GO
+  return -1;
+}
+
+template <int MT>
+int launch_mt(int fp8, int paired, int warps, int unroll, dim3 grid, cudaStream_t st,
+              const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
+              const float* xs, int xs_stride, const float* ws, const __nv_bfloat16* bias,
+              __nv_bfloat16* y, int M, int N, int K) {
+  if (fp8 && paired)
+    return launch_wu<MT, true, true>(warps, unroll, grid, st, x, sx, vals, meta, xs, xs_stride,
+                                     ws, bias, y, M, N, K);
+  if (fp8)
+    return launch_wu<MT, true, false>(warps, unroll, grid, st, x, sx, vals, meta, xs,
+                                      xs_stride, ws, bias, y, M, N, K);
+  if (paired)
+    return launch_wu<MT, false, true>(warps, unroll, grid, st, x, sx, vals, meta, xs,
+                                      xs_stride, ws, bias, y, M, N, K);
+  return launch_wu<MT, false, false>(warps, unroll, grid, st, x, sx, vals, meta, xs, xs_stride,
+                                     ws, bias, y, M, N, K);
+}
+
+}  // namespace
+
+// 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take,
+// else the CUDA error of the launch
+extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
+                               const float* xs, int xs_stride, const float* ws,
+                               const void* bias, void* y, int M, int N, int K, int fp8,
+                               int paired, int warps, int unroll, void* stream) {
+  if (M < 1 || M > 32 || N % 16 || K % 64) return -2;
+  dim3 grid(N / 16);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const __nv_bfloat16* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const uint32_t* mb = reinterpret_cast<const uint32_t*>(meta);
+  const __nv_bfloat16* bb = reinterpret_cast<const __nv_bfloat16*>(bias);
+  __nv_bfloat16* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  int rc;
+  if (M <= 8)
+    rc = launch_mt<1>(fp8, paired, warps, unroll, grid, st, xb, sx, vals, mb, xs, xs_stride, ws,
+                      bb, yb, M, N, K);
+  else if (M <= 16)
+    rc = launch_mt<2>(fp8, paired, warps, unroll, grid, st, xb, sx, vals, mb, xs, xs_stride, ws,
+                      bb, yb, M, N, K);
+  else
+    rc = launch_mt<4>(fp8, paired, warps, unroll, grid, st, xb, sx, vals, mb, xs, xs_stride, ws,
+                      bb, yb, M, N, K);
+  if (rc) return rc;
+  return (int)cudaGetLastError();
+}
+
+extern "C" int sk24_mma_version() { return 1; }

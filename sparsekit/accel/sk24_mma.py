@@ -1,0 +1,306 @@
+"""sparsekit's small-M 2:4 GEMM on the sparse tensor cores (``mma.sp``), in CUDA.
+
+Triton has no sparse matrix instruction: its small-M kernel (:mod:`sparsekit.accel.sk24`)
+expands the 2:4 weight in registers, which costs instructions per byte and loses to dense
+cuBLAS from M = 4. This kernel (``csrc/sk24_mma.cu``) feeds the compressed values and their
+2-bit indices to ``mma.sp.m16n8k32`` as they are, the way Sparse-Marlin does for 4-bit
+weights: per weight byte it spends one load and no selects, at any M up to 32.
+
+The format (W (N, K), 2:4 along K, N a multiple of 16, K of 64) is fragment-ordered: per tile
+of 16 rows by 32 columns (a "step"), the 16 x 16 kept values in the order in which the warp's
+32 lanes hold them as mma.sp's A operand, so that each lane loads its four registers with one
+16-byte load (fp8 e4m3 weights: 8 bytes, widened to bf16 in registers, exactly):
+
+- ``values`` (N/16, K/32, 32, 8), W's dtype: lane ``l = 4 q + t`` holds, in order, the
+  compressed columns (2t, 2t+1) of rows q and q + 8, then (2t + 8, 2t + 9) of rows q and q + 8;
+  compressed column ``c`` of a step is the ``c % 2``-th kept entry (in column order) of the
+  step's group ``c // 2`` of 4 columns;
+- ``meta`` int32: the kept entries' 2-bit positions in their group, 16 bits per row and half
+  step (compressed columns 8h .. 8h + 7, the first in the low bits); lane ``4 q + p`` (p = 0, 1)
+  of a step holds half p of row q in its low 16 bits and of row q + 8 in its high 16 bits.
+  "paired" (the default, (N/16, K/64, 32)): lanes 4q, 4q+1 carry the even step of a pair and
+  lanes 4q + 2, 4q + 3 the odd one (mma.sp's sparsity selector 0 and 1); "single"
+  ((N/16, K/32, 32)): every step its own word per lane (lanes 4q + 2, 4q + 3 repeat 4q, 4q + 1).
+
+Bytes per dense weight: bf16 1.125 (paired; 1.25 single), fp8 0.625.
+
+The kernel computes ``(x @ W.T) * x_scale * w_scale + bias`` in float32 with x (M, K) bf16 and
+returns bf16 (M, N); an fp8 layer passes its quantized activations widened to bf16 (exact), so
+that the products and sums are those of an fp8 x fp8 GEMM with float32 accumulation.
+
+The kernel is a plain shared library (no torch headers), built by ``nvcc`` on first use into
+the cache directory (``$SPARSEKIT_CACHE`` or ``~/.cache/sparsekit``) and called through ctypes
+on torch's current stream (CUDA graphs capture it). Where there is no nvcc, no CUDA device or
+the build fails, :func:`load` returns None and :func:`reason` says why; the layers then keep the
+Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "sk24_mma.cu"
+DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+META_LAYOUTS = ("paired", "single")
+MAX_M = 32
+# (warps a block, steps a warp loads ahead): the configurations the library is built with
+CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8), (2, 8))
+_why: list[str] = []
+
+
+def check_shape(out_features: int, in_features: int) -> str | None:
+    """None when a weight (out_features, in_features) takes the format, else why not."""
+    if out_features % 16 or out_features < 16:
+        return f"out_features {out_features} is not a multiple of 16"
+    if in_features % 64 or in_features < 64:
+        return f"in_features {in_features} is not a multiple of 64"
+    return None
+
+
+def _kept(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (N, K/2), 2-bit positions (N, K/2) int64) of a 2:4 weight: per group of 4, its
+    two kept entries in column order (the nonzeros, then the lowest free positions)."""
+    n, k = weight.shape
+    w4 = weight.reshape(n, k // 4, 4)
+    nz = w4.float() != 0
+    if bool((nz.sum(-1) > 2).any()):
+        raise ValueError("2:4 mma format: the weight has a group of 4 (along in_features) "
+                         "with more than 2 nonzeros; prune it to 2:4 first")
+    key = nz.to(torch.int32) * 8 + (3 - torch.arange(4, device=weight.device, dtype=torch.int32))
+    idx = key.topk(2, dim=-1).indices.sort(dim=-1).values  # (N, K/4, 2)
+    bits = torch.int8 if weight.element_size() == 1 else torch.int16
+    vals = torch.gather(w4.view(bits), -1, idx).view(weight.dtype)
+    return vals.reshape(n, k // 2), idx.reshape(n, k // 2).to(torch.int64)
+
+
+def _lanes(c: torch.Tensor) -> torch.Tensor:
+    """A compressed matrix (N, K/2) per step in lane order: (N/16, K/32, 32, 8)."""
+    n, half = c.shape
+    t = c.reshape(n // 16, 2, 8, half // 16, 2, 4, 2)  # (rt, rh, q, ks, ch, t, e)
+    return t.permute(0, 3, 2, 5, 4, 1, 6).reshape(n // 16, half // 16, 32, 8)
+
+
+def _unlanes(v: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_lanes`."""
+    rt, ks = v.shape[:2]
+    t = v.reshape(rt, ks, 8, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 3, 6)
+    return t.reshape(rt * 16, ks * 16)
+
+
+def compress(weight: torch.Tensor, meta_layout: str = "paired"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, meta) of a 2:4 weight (N, K) in the fragment-ordered format (module
+    docstring); ValueError for a shape, dtype or pattern the format does not take."""
+    if meta_layout not in META_LAYOUTS:
+        raise ValueError(f"2:4 mma format: meta_layout must be one of {META_LAYOUTS}, got "
+                         f"{meta_layout!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"2:4 mma format: the weight must be 2-D, got {tuple(weight.shape)}")
+    reason = check_shape(*weight.shape)
+    if reason:
+        raise ValueError(f"2:4 mma format: {reason}")
+    if weight.dtype not in DTYPES:
+        raise ValueError(f"2:4 mma format: weight dtype must be one of {DTYPES}, got "
+                         f"{weight.dtype}")
+    vals, idx = _kept(weight)
+    values = _lanes(vals).contiguous()
+    # per row and half step: 8 positions of 2 bits, compressed column 8h + j at bits 2j
+    n, half = idx.shape
+    shifts = 2 * torch.arange(8, device=idx.device, dtype=torch.int64)
+    h16 = (idx.reshape(n, half // 8, 8) << shifts).sum(-1)  # (N, K/16): (row, step*2 + h)
+    h16 = h16.reshape(n // 16, 2, 8, half // 16, 2)  # (rt, rh, q, ks, h)
+    word = h16[:, 0] | (h16[:, 1] << 16)  # (rt, q, ks, h)
+    word = word.permute(0, 2, 1, 3)  # (rt, ks, q, p)
+    if meta_layout == "single":
+        lanes = torch.cat([word, word], -1)  # p = 0, 1, then again for lanes 4q+2, 4q+3
+        meta = lanes.reshape(n // 16, half // 16, 32)
+    else:
+        ks = half // 16
+        pairs = word.reshape(n // 16, ks // 2, 2, 8, 2).permute(0, 1, 3, 2, 4)  # (rt,s,q,par,p)
+        meta = pairs.reshape(n // 16, ks // 2, 32)
+    meta = torch.where(meta >= 2**31, meta - 2**32, meta).to(torch.int32).contiguous()
+    return values, meta
+
+
+def decompress(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The dense weight (N, K) in ``values``' dtype: the inverse of :func:`compress` (either
+    metadata layout)."""
+    rt, ks = values.shape[:2]
+    n, k = rt * 16, ks * 32
+    vals = _unlanes(values).float()  # (N, K/2)
+    m = meta.to(torch.int64) & 0xFFFFFFFF
+    if meta.shape[1] == ks:  # single
+        word = m.reshape(rt, ks, 8, 2, 2)[:, :, :, 0]  # (rt, ks, q, p)
+    else:  # paired: (rt, ks/2, q, parity, p)
+        word = m.reshape(rt, ks // 2, 8, 2, 2).permute(0, 1, 3, 2, 4).reshape(rt, ks, 8, 2)
+    h16 = torch.stack([word & 0xFFFF, word >> 16], 1)  # (rt, rh, ks, q, p)
+    h16 = h16.permute(0, 1, 3, 2, 4).reshape(n, 2 * ks)  # (row, step*2 + h)
+    shifts = 2 * torch.arange(8, device=meta.device, dtype=torch.int64)
+    idx = ((h16[..., None] >> shifts) & 3).reshape(n, k // 4, 2)
+    dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
+    dense.scatter_(-1, idx, vals.reshape(n, k // 4, 2))
+    return dense.reshape(n, k).to(values.dtype)
+
+
+def reference(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+              x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in plain torch (float32 products of the dense weight)."""
+    y = x.float() @ decompress(values, meta).float().t()
+    if x_scale is not None:
+        y = y * x_scale.float().reshape(-1, 1)
+    if w_scale is not None:
+        y = y * w_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
+def enabled() -> bool:
+    """False when ``SPARSEKIT_SK24_MMA=0``."""
+    return os.environ.get("SPARSEKIT_SK24_MMA", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPARSEKIT_CACHE") or os.path.join(Path.home(), ".cache", "sparsekit")
+    return Path(root)
+
+
+def library_path() -> Path:
+    """Where the built library lives: named by a hash of the source (a changed kernel builds
+    anew)."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return _cache_dir() / f"sk24_mma_{digest}.so"
+
+
+def build(path: Path | None = None) -> Path:
+    """Compile ``csrc/sk24_mma.cu`` for sm_90 with nvcc into ``path`` (atomically: a temporary
+    file renamed into place); RuntimeError with nvcc's message on failure."""
+    path = path or library_path()
+    nvcc = shutil.which("nvcc") or next(
+        (str(p) for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc",)
+         if p.exists()), None)
+    if nvcc is None:
+        raise RuntimeError("no nvcc on PATH or in $CUDA_HOME/bin (the CUDA toolkit builds the "
+                           "mma.sp kernel)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [nvcc, "-O3", "-arch=sm_90", "-DSK24_ORDERED", "-shared", "-Xcompiler", "-fPIC",
+           "-o", tmp, str(SOURCE)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        os.unlink(tmp)
+        lines = [ln for ln in res.stderr.splitlines() if "error" in ln.lower()]
+        raise RuntimeError(f"nvcc failed: {(lines or res.stderr.splitlines() or ['?'])[0][:300]}")
+    os.replace(tmp, path)
+    return path
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built library (``sk24_mma_launch``), or None (:func:`reason` says why)."""
+    if not enabled():
+        _why.append("turned off (SPARSEKIT_SK24_MMA=0)")
+        return None
+    if not torch.cuda.is_available():
+        _why.append("no CUDA device")
+        return None
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        _why.append(f"compute capability {major}.x: the kernel is built for sm_90")
+        return None
+    try:
+        path = Path(os.environ["SPARSEKIT_SK24_MMA_LIB"]) if \
+            os.environ.get("SPARSEKIT_SK24_MMA_LIB") else library_path()
+        if not path.exists():
+            build(path)
+        lib = ctypes.CDLL(str(path))
+        lib.sk24_mma_launch.restype = ctypes.c_int
+        lib.sk24_mma_launch.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p]
+        return lib
+    except (OSError, RuntimeError) as e:
+        _why.append(str(e)[:300])
+        log.warning("sparsekit: the mma.sp 2:4 kernel is not available (%s); the Triton "
+                    "kernel runs instead", _why[-1])
+        return None
+
+
+def reason() -> str | None:
+    """Why :func:`load` returned None (after it was called), else None."""
+    return _why[-1] if _why else None
+
+
+def usable(weight: torch.Tensor) -> bool:
+    """True when the layers should put ``weight`` (N, K) in this format: a CUDA tensor of a
+    shape the kernel takes, with the library built and loaded (:func:`load`)."""
+    return (weight.is_cuda and enabled() and check_shape(*weight.shape) is None
+            and load() is not None)
+
+
+def default_config(m: int, n: int, k: int) -> tuple[int, int]:
+    """(warps, steps ahead) for a shape: enough warps over the device for the loads in flight,
+    without splitting K thinner than two rounds of loads a warp."""
+    steps = k // 32
+    return (8, 8) if steps >= 8 * 8 * 2 else ((4, 8) if steps >= 4 * 8 * 2 else (4, 4))
+
+
+def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+           x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+           bias: torch.Tensor | None, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """Run the kernel on CUDA tensors: x (M, K) bf16 with M <= 32; ``config`` (warps, steps
+    ahead) from :data:`CONFIGS`, else :func:`default_config`."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the mma.sp 2:4 kernel is not available: {reason()}")
+    m, k = x.shape
+    rt, ks = values.shape[:2]
+    n = rt * 16
+    if x.dtype != torch.bfloat16 or k != ks * 32 or not 1 <= m <= MAX_M:
+        raise ValueError(f"sk24 mma kernel: x must be bf16 (M <= {MAX_M}, {ks * 32}), got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    paired = meta.shape[1] != ks
+    cfg = config or default_config(m, n, k)
+    if cfg not in CONFIGS:
+        raise ValueError(f"sk24 mma kernel: config {cfg} is not one of {CONFIGS}")
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    xs = None if x_scale is None else x_scale.reshape(-1).float().contiguous()
+    ws = None if w_scale is None else w_scale.reshape(-1).float().contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    rc = lib.sk24_mma_launch(
+        x.data_ptr(), x.stride(0), values.data_ptr(), meta.data_ptr(),
+        None if xs is None else xs.data_ptr(), 0 if xs is None or xs.numel() == 1 else 1,
+        None if ws is None else ws.data_ptr(), None if b is None else b.data_ptr(),
+        y.data_ptr(), m, n, k, int(values.dtype == torch.float8_e4m3fn), int(paired),
+        cfg[0], cfg[1], torch.cuda.current_stream(x.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"sk24 mma kernel: launch failed (code {rc})")
+    return y
+
+
+def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
+    """Bytes the kernel must move at least: values, paired metadata, x in (bf16), y out."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return n * (k // 2) * item + n * (k // 64) * 4 * 2 + m * k * 2 + m * n * 2
+
+
+__all__ = ["CONFIGS", "DTYPES", "MAX_M", "bound_bytes", "build", "check_shape", "compress",
+           "decompress", "default_config", "launch", "library_path", "load", "reason",
+           "reference", "usable"]

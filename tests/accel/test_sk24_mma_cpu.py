@@ -1,0 +1,123 @@
+"""The mma.sp 2:4 format (sparsekit/accel/sk24_mma.py) on CPU: the round trip, the format read
+lane by lane the way mma.sp.m16n8k32 reads its registers (PTX ISA's fragment layouts for the
+A operand, its metadata and the sparsity selector) against dense matmul of the masked weight,
+the reference, the op's opcheck and the errors."""
+
+import pytest
+import torch
+
+from sparsekit.accel import ops, sk24_mma
+
+
+def masked_24(n: int, k: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w4 = w.view(n, k // 4, 4)
+    keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
+    w = (w4 * keep).view(n, k)
+    w[0, :4] = 0  # a group with no nonzero
+    w[1, 4:8] = torch.tensor([0.0, 0.0, 0.5, 0.0])  # a group with one
+    w[2, 8:12] = torch.tensor([0.0, 0.0, 0.0, -0.25])  # one, in the last position
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("layout", sk24_mma.META_LAYOUTS)
+def test_round_trip(dtype, layout):
+    w = masked_24(48, 192, dtype=dtype)
+    values, meta = sk24_mma.compress(w, layout)
+    assert values.shape == (3, 6, 32, 8) and values.dtype == dtype
+    assert meta.shape == ((3, 3, 32) if layout == "paired" else (3, 6, 32))
+    assert meta.dtype == torch.int32
+    back = sk24_mma.decompress(values, meta)
+    assert back.dtype == dtype and torch.equal(back.float(), w.float())
+
+
+def emulate(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """x @ W.T computed the way the kernel's warps compute it: per 16 x 32 step, each lane's
+    four A registers and metadata word placed by PTX's layout for mma.sp.m16n8k32 (bf16): lane
+    4q + t holds compressed columns (2t, 2t+1) of rows q, q+8, then (2t+8, 2t+9) of rows q,
+    q+8; with sparsity selector s, lane 4q + 2s + p holds the 2-bit positions of half p of row
+    q (low 16 bits) and of row q + 8 (high 16 bits), compressed column 8p + j at bits 2j."""
+    rt_n, ks_n = values.shape[:2]
+    paired = meta.shape[1] != ks_n
+    y = torch.zeros(x.shape[0], rt_n * 16, dtype=torch.float64)
+    for rt in range(rt_n):
+        for ks in range(ks_n):
+            a = torch.zeros(16, 16, dtype=torch.float64)
+            pos = torch.zeros(16, 16, dtype=torch.int64)
+            sel = ks % 2 if paired else 0
+            words = meta[rt, ks // 2] if paired else meta[rt, ks]
+            for lane in range(32):
+                q, t = divmod(lane, 4)
+                regs = values[rt, ks, lane].double().reshape(4, 2)
+                for r, (row, col) in enumerate(((q, 2 * t), (q + 8, 2 * t), (q, 2 * t + 8),
+                                                (q + 8, 2 * t + 8))):
+                    a[row, col:col + 2] = regs[r]
+                if t // 2 == sel:
+                    p = t % 2
+                    word = int(words[lane]) & 0xFFFFFFFF
+                    for row, bits in ((q, word & 0xFFFF), (q + 8, word >> 16)):
+                        for j in range(8):
+                            pos[row, 8 * p + j] = (bits >> (2 * j)) & 3
+            dense = torch.zeros(16, 32, dtype=torch.float64)
+            for row in range(16):
+                for c in range(16):
+                    dense[row, 4 * (c // 2) + pos[row, c]] += a[row, c]
+            y[:, rt * 16:(rt + 1) * 16] += x.double()[:, ks * 32:(ks + 1) * 32] @ dense.t()
+    return y
+
+
+@pytest.mark.parametrize("layout", sk24_mma.META_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_lane_layout_equals_dense_matmul(layout, dtype):
+    w = masked_24(32, 128, seed=1, dtype=dtype)
+    x = torch.randn(3, 128, dtype=torch.float64)
+    values, meta = sk24_mma.compress(w, layout)
+    want = x @ w.double().t()
+    assert torch.allclose(emulate(x, values, meta), want, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_equals_dense_matmul_every_m():
+    w = masked_24(64, 256, seed=2)
+    values, meta = sk24_mma.compress(w)
+    ws = torch.rand(64) + 0.5
+    bias = torch.randn(64).to(torch.bfloat16)
+    for m in range(1, 33):
+        x = torch.randn(m, 256).to(torch.bfloat16)
+        xs = torch.rand(m, 1) + 0.5
+        got = ops.sk24_mma_mm(x, values, meta, xs, ws, bias)
+        want = (x.double() @ w.double().t()) * xs.double() * ws.double() + bias.double()
+        assert got.dtype == torch.bfloat16 and got.shape == (m, 64)
+        assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2), m
+
+
+def test_op_passes_opcheck():
+    w = masked_24(32, 128, seed=3)
+    values, meta = sk24_mma.compress(w)
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    torch.library.opcheck(ops.sk24_mma_mm, (x, values, meta, None, None, None))
+    torch.library.opcheck(ops.sk24_mma_mm, (x, values, meta, torch.ones(4, 1),
+                                            torch.ones(32), torch.zeros(32, dtype=torch.bfloat16)))
+
+
+def test_refuses_bad_weights():
+    with pytest.raises(ValueError, match="out_features 40 is not a multiple of 16"):
+        sk24_mma.compress(masked_24(40, 128))
+    with pytest.raises(ValueError, match="in_features 96 is not a multiple of 64"):
+        sk24_mma.compress(masked_24(32, 96))
+    with pytest.raises(ValueError, match="more than 2 nonzeros"):
+        sk24_mma.compress(torch.ones(32, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        sk24_mma.compress(masked_24(32, 128).float())
+    with pytest.raises(ValueError, match="meta_layout"):
+        sk24_mma.compress(masked_24(32, 128), "rows")
+
+
+def test_load_off_the_gpu_says_why(monkeypatch):
+    monkeypatch.setenv("SPARSEKIT_SK24_MMA", "0")
+    sk24_mma.load.cache_clear()
+    try:
+        assert sk24_mma.load() is None and "SPARSEKIT_SK24_MMA=0" in sk24_mma.reason()
+    finally:
+        sk24_mma.load.cache_clear()

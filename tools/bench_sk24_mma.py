@@ -1,0 +1,199 @@
+"""The mma.sp small-M 2:4 kernel (sparsekit/accel/sk24_mma.py) on the GPU: correctness of every
+configuration and metadata layout against the float32 reference, then one decode GEMM per
+shape and M against cuBLAS bf16 and the bandwidth bound.
+
+Sections:
+- ``check``: per weight dtype (bf16, fp8 e4m3 with per-row scales, tiny values included so
+  that fp8 subnormals are exercised), metadata layout ("paired", "single"), configuration
+  (warps, steps ahead) and M in 1..32 (every M on a small shape, a few on a Llama shape): the
+  kernel's output against :func:`sk24_mma.reference` (relative error of the whole output, and
+  whether it is within bf16 rounding: 1e-2).
+- ``time``: Llama-3-8B and 70B shapes (tools/bench_generate.py's), M = 1, 2, 4, 8, 16, 32:
+  cuBLAS bf16 (``F.linear``) and the kernel in bf16 and fp8 per configuration, each call in a
+  CUDA graph with the weights cycled past the L2 (a decode step reads them from HBM). Per
+  row: microseconds, bytes moved at least, TB/s and share of the bound, the ratio to cuBLAS
+  for the best configuration; the summary gives the geo-mean over cuBLAS at M <= 16 against
+  the targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the best configuration per M.
+
+    python tools/bench_sk24_mma.py --out mma.json          # on the GPU (sm_90)
+
+The library is built by nvcc on first use (``SPARSEKIT_SK24_MMA_LIB`` names a prebuilt one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sparsekit.accel import ops, sk24_mma
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import (  # noqa: E402  (tools/bench_generate.py, beside this script)
+    SHAPES, TARGETS, bound_tbs, copies_for, masked_weight, time_rotating)
+
+MS = (1, 2, 4, 8, 16, 32)
+
+
+def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 weight, per-row float32 scales) of a bf16 weight: absmax / 448 per row."""
+    scale = (w.float().abs().amax(1) / 448).clamp_min(1e-12)
+    return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+def check_rows(device) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    cases = [(64, 256, list(range(1, 33))), (6144, 4096, [1, 5, 8, 16, 24, 32])]
+    for n, k, ms in cases:
+        w = masked_weight(n, k, "cpu", gen)
+        w[: n // 4] *= 1e-3  # small rows: fp8 values near and below e4m3's normal range
+        w = w.to(device)
+        w8, ws = fp8_weight(w)
+        w8[0, :4] = torch.tensor([0, 0x01, 0x00, 0x83], dtype=torch.uint8).view(
+            torch.float8_e4m3fn)  # two subnormals, one group (pattern still 2:4)
+        for dtype, weight, scale in (("bf16", w, None), ("fp8", w8, ws)):
+            for layout in sk24_mma.META_LAYOUTS:
+                values, meta = sk24_mma.compress(weight, layout)
+                for m in ms:
+                    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=None)
+                    bias = torch.randn(n, device=device).to(torch.bfloat16)
+                    xs = torch.rand(m, 1, device=device) + 0.5
+                    ref = sk24_mma.reference(x, values, meta, xs, scale, bias).float()
+                    for cfg in sk24_mma.CONFIGS:
+                        try:
+                            got = sk24_mma.launch(x, values, meta, xs, scale, bias, cfg).float()
+                            torch.cuda.synchronize()
+                            err = ((got - ref).norm() / ref.norm()).item()
+                            row = {"N": n, "K": k, "M": m, "dtype": dtype, "layout": layout,
+                                   "config": list(cfg), "rel_err": err, "ok": err < 1e-2}
+                        except Exception as e:  # noqa: BLE001  (recorded: the check's point)
+                            row = {"N": n, "K": k, "M": m, "dtype": dtype, "layout": layout,
+                                   "config": list(cfg), "error": f"{type(e).__name__}: {e}"[:300],
+                                   "ok": False}
+                        rows.append(row)
+            bad = [r for r in rows if not r["ok"] and r["N"] == n]
+            print(json.dumps({"check": f"{n}x{k}", "dtype": dtype, "cases": len(rows),
+                              "bad": len(bad), "first_bad": bad[:2]}), flush=True)
+    return rows
+
+
+def time_rows(device, shapes, ms, layout: str) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for name, n, k in shapes:
+        w = masked_weight(n, k, "cpu", gen).to(device)
+        w8, ws = fp8_weight(w)
+        v16, m16 = sk24_mma.compress(w, layout)
+        v8, m8 = sk24_mma.compress(w8, layout)
+        copies = copies_for(n * k * 2)
+        dense = [w] + [w.clone() for _ in range(copies - 1)]
+        c16 = [(v16, m16)] + [(v16.clone(), m16.clone()) for _ in range(copies_for(
+            n * k * 9 // 8) - 1)]
+        c8 = [(v8, m8)] + [(v8.clone(), m8.clone()) for _ in range(copies_for(n * k * 5 // 8)
+                                                                   - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            row = {"shape": name, "N": n, "K": k, "M": m}
+            dense_bytes = 2 * n * k + 2 * m * k + 2 * m * n
+            us = time_rotating([functools.partial(F.linear, x, d) for d in dense])
+            row["bf16_dense"] = {"us": us, "tb_s": dense_bytes / us / 1e6}
+            for dtype, sets, scale in (("bf16_2:4", c16, None), ("fp8_2:4", c8, ws)):
+                nbytes = sk24_mma.bound_bytes(m, n, k, sets[0][0].dtype)
+                best = None
+                per = {}
+                for cfg in sk24_mma.CONFIGS:
+                    fns = [functools.partial(sk24_mma.launch, x, v, mt, None, scale, None, cfg)
+                           for v, mt in sets]
+                    t = time_rotating(fns)
+                    per["%dx%d" % cfg] = t
+                    if best is None or t < best[1]:
+                        best = (cfg, t)
+                op_t = time_rotating([functools.partial(ops.sk24_mma_mm, x, v, mt, None, scale,
+                                                        None) for v, mt in sets])
+                row[dtype] = {"us": best[1], "config": list(best[0]), "default_us": op_t,
+                              "default_config": list(sk24_mma.default_config(m, n, k)),
+                              "bytes": nbytes, "tb_s": nbytes / best[1] / 1e6,
+                              "bound_share": nbytes / best[1] / 1e6 / bound_tbs(),
+                              "over_dense": us / best[1], "default_over_dense": us / op_t,
+                              "configs_us": per}
+            rows.append(row)
+            print(json.dumps({"shape": name, "M": m, "dense_us": round(us, 2),
+                              **{d: {kk: (round(v, 3) if isinstance(v, float) else v)
+                                     for kk, v in row[d].items() if kk != "configs_us"}
+                                 for d in ("bf16_2:4", "fp8_2:4")}}), flush=True)
+        del dense, c16, c8
+        torch.cuda.empty_cache()
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for d in ("bf16_2:4", "fp8_2:4"):
+        for key in ("over_dense", "default_over_dense"):
+            small = [r[d][key] for r in rows if r["M"] <= 16]
+            if small:
+                out[f"{d}_{key}_geo_m_le_16"] = math.exp(sum(map(math.log, small)) / len(small))
+        out[f"{d}_target"] = TARGETS[d]
+        out[f"{d}_rows_under_80pct"] = sum(r[d]["bound_share"] < 0.8 for r in rows)
+        by_m = {}
+        for r in rows:
+            by_m.setdefault(r["M"], []).append(r[d]["over_dense"])
+        out[f"{d}_geo_by_m"] = {m: math.exp(sum(map(math.log, v)) / len(v))
+                                for m, v in sorted(by_m.items())}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="check,time")
+    ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--layout", default="paired", choices=sk24_mma.META_LAYOUTS,
+                    help="time: the metadata layout")
+    ap.add_argument("--out", default="bench_sk24_mma.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.exit(2, "bench_sk24_mma: needs a CUDA GPU (sm_90)\n")
+    device = torch.device("cuda")
+    t0 = time.perf_counter()
+    lib = sk24_mma.load()
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "load_s": time.perf_counter() - t0, "library": str(sk24_mma.library_path()),
+                 "available": lib is not None, "reason": sk24_mma.reason()}
+    print(json.dumps(out), flush=True)
+    if lib is None:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        return out
+    sections = args.sections.split(",")
+    if "check" in sections:
+        out["check"] = check_rows(device)
+        out["check_ok"] = {f"{d}_{lay}": all(r["ok"] for r in out["check"]
+                                             if r["dtype"] == d and r["layout"] == lay)
+                           for d in ("bf16", "fp8") for lay in sk24_mma.META_LAYOUTS}
+        print(json.dumps({"check_ok": out["check_ok"]}), flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    if "time" in sections:
+        shapes = SHAPES if args.shapes == "all" else [s for s in SHAPES
+                                                      if s[0] in args.shapes.split(",")]
+        rows: list = []
+        out["time"] = rows
+        ms = [int(m) for m in args.ms.split(",")]
+        for shape in shapes:
+            rows += time_rows(device, [shape], ms, args.layout)
+            out["summary"] = summary(rows)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        print(json.dumps({"summary": out["summary"]}), flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
