@@ -1,0 +1,38 @@
+"""tools/bench_sk24_mma.py off the GPU: it says it needs one (exit 2, one line), and its summary
+forms the geo-means and bound counts from rows as the timing section writes them."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import bench_sk24_mma  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message")
+def test_without_a_gpu_exits_with_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_sk24_mma.py"), "--out",
+                          str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == \
+        "bench_sk24_mma: needs a CUDA GPU (sm_90)"
+
+
+def test_summary_geo_means_and_bound_counts():
+    def row(m, bf, fp, share):
+        cell = lambda r: {"over_dense": r, "default_over_dense": r / 2, "bound_share": share}
+        return {"M": m, "bf16_2:4": cell(bf), "fp8_2:4": cell(fp)}
+    rows = [row(1, 2.0, 4.0, 0.9), row(16, 0.5, 1.0, 0.5), row(32, 8.0, 8.0, 0.7)]
+    s = bench_sk24_mma.summary(rows)
+    assert math.isclose(s["bf16_2:4_over_dense_geo_m_le_16"], 1.0)
+    assert math.isclose(s["fp8_2:4_over_dense_geo_m_le_16"], 2.0)
+    assert math.isclose(s["fp8_2:4_default_over_dense_geo_m_le_16"], 1.0)
+    assert s["bf16_2:4_rows_under_80pct"] == 2 and s["bf16_2:4_target"] == 1.6
+    by_m = s["fp8_2:4_geo_by_m"]
+    assert sorted(by_m) == [1, 16, 32]
+    assert all(math.isclose(by_m[m], v) for m, v in ((1, 4.0), (16, 1.0), (32, 8.0)))
