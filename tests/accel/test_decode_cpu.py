@@ -161,13 +161,17 @@ def _tiny_llama():
     return model, ref.to(torch.bfloat16)
 
 
-def test_generate_equals_hf_generate_and_bounds_compiles():
+@pytest.mark.parametrize("kernel", ["triton", "mma"])
+def test_generate_equals_hf_generate_and_bounds_compiles(kernel, monkeypatch):
+    # the mma.sp format where its library loads (a CUDA GPU); here its CPU reference
+    monkeypatch.setattr(sk24_mma, "usable", lambda w: kernel == "mma")
     model, ref = _tiny_llama()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
     fast = sk.accelerate(model, {"input_ids": ids}, device="cpu",
                          compile=sk.CompileOptions(backend="eager"))
     sparse = [m for m in fast.model.modules() if type(m).__name__ == "Sparse24BF16"]
-    assert len(sparse) == 14 and all(m.dvalues is not None for m in sparse)
+    assert len(sparse) == 14 and all(m.dvalues is not None and m.dkernel == kernel
+                                     for m in sparse)
     out = fast.generate(ids, max_new_tokens=8)
     want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
