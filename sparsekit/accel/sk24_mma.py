@@ -31,8 +31,9 @@ that the products and sums are those of an fp8 x fp8 GEMM with float32 accumulat
 The kernel is a plain shared library (no torch headers), built by ``nvcc`` on first use into
 the cache directory (``$SPARSEKIT_CACHE`` or ``~/.cache/sparsekit``) and called through ctypes
 on torch's current stream (CUDA graphs capture it). Where there is no nvcc, no CUDA device or
-the build fails, :func:`load` returns None and :func:`reason` says why; the layers then keep the
-Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off.
+the build fails, or the library fails its self-check (once per process: every configuration
+against the reference on a small weight), :func:`load` returns None and :func:`reason` says
+why; the layers then keep the Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -233,12 +234,39 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_void_p]
+        _self_check(lib)
         return lib
     except (OSError, RuntimeError) as e:
         _why.append(str(e)[:300])
         log.warning("sparsekit: the mma.sp 2:4 kernel is not available (%s); the Triton "
                     "kernel runs instead", _why[-1])
         return None
+
+
+def _self_check(lib: ctypes.CDLL) -> None:
+    """Run the kernel once per weight dtype, metadata layout, configuration and M tile against
+    :func:`reference` on a small weight; RuntimeError on a mismatch (the library is then not
+    used: a kernel that computes wrong never runs in a model)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 256, generator=g)
+    w4 = w.view(32, 64, 4)
+    keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
+    w = (w4 * keep).view(32, 256).cuda()
+    scale = (w.abs().amax(1) / 448).clamp_min(1e-12)
+    for weight, ws in ((w.to(torch.bfloat16), None),
+                       ((w / scale[:, None]).to(torch.float8_e4m3fn), scale)):
+        for layout in ("paired",):  # the layers' layout
+            values, meta = compress(weight, layout)
+            for m in (1, 9, 17):
+                x = torch.randn(m, 256, generator=g).to("cuda", torch.bfloat16)
+                ref = reference(x, values, meta, None, ws, None).float()
+                for cfg in CONFIGS:
+                    got = _launch(lib, x, values, meta, None, ws, None, cfg).float()
+                    err = ((got - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:
+                        raise RuntimeError(f"self-check failed ({weight.dtype}, {layout} "
+                                           f"metadata, M={m}, config {cfg}: relative error "
+                                           f"{err:.3g})")
 
 
 def reason() -> str | None:
@@ -268,6 +296,12 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
     lib = load()
     if lib is None:
         raise RuntimeError(f"the mma.sp 2:4 kernel is not available: {reason()}")
+    return _launch(lib, x, values, meta, x_scale, w_scale, bias, config)
+
+
+def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+            bias: torch.Tensor | None, config: tuple[int, int] | None) -> torch.Tensor:
     m, k = x.shape
     rt, ks = values.shape[:2]
     n = rt * 16

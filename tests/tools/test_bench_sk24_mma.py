@@ -25,7 +25,8 @@ def test_without_a_gpu_exits_with_one_line(tmp_path):
 
 def test_summary_geo_means_and_bound_counts():
     def row(m, bf, fp, share):
-        cell = lambda r: {"over_dense": r, "default_over_dense": r / 2, "bound_share": share}
+        def cell(r):
+            return {"over_dense": r, "default_over_dense": r / 2, "bound_share": share}
         return {"M": m, "bf16_2:4": cell(bf), "fp8_2:4": cell(fp)}
     rows = [row(1, 2.0, 4.0, 0.9), row(16, 0.5, 1.0, 0.5), row(32, 8.0, 8.0, 0.7)]
     s = bench_sk24_mma.summary(rows)
