@@ -466,8 +466,8 @@ class AccelConfig(_Checked):
     """``precision``: one with dense and 2:4 accel variants registered (accel.kernels).
     ``siblings``: layers fed one tensor (q/k/v, gate/up) as one GEMM (``sk.accelerate``).
     ``decode_dense``: under sparsity auto, a bf16 copy of a 2:4 layer for the decode batch
-    sizes where dense is faster (``sk.PlanOptions``). ``capture``: sparsekit's own CUDA graphs (null: where the inputs allow; false:
-    torch.compile's reduce-overhead mode)."""
+    sizes where dense is faster (``sk.PlanOptions``). ``capture``: sparsekit's own CUDA graphs
+    (null: where the inputs allow; false: torch.compile's reduce-overhead mode)."""
 
     _key: ClassVar[str] = "accel"
     _open: ClassVar = {"precision": precisions, "sparsity": lambda: SPARSITIES}
