@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import algsearch, cslt_ext
+from sparsekit.accel import algsearch, cslt_ext, sk24_mma
 from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.kernels import VARIANTS, variant_name
 from sparsekit.accel.model import AcceleratedModel
@@ -763,6 +763,10 @@ class Planner:
         if self.device.type != "cuda":
             return
         dense = self.sparsity == "auto" and self.options.decode_dense
+        if sk24_mma.reason() and any(getattr(m, "dkernel", "") == "triton"
+                                     for m in model.modules()):
+            self.report.notes.append(f"decode: the mma.sp 2:4 kernel is not used "
+                                     f"({sk24_mma.reason()}); the Triton kernel runs")
         chosen: dict[str, dict] = {}
         copies: dict[str, list] = {}  # key -> [a module of the shape, layers with a copy]
         for mod in model.modules():
