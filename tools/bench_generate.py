@@ -20,9 +20,10 @@ Sections (``--sections``, default both):
   documented fast path),
   ``dense_sk`` (with ``--dense-sk``: sparsekit's generate on a dense accelerated model, its
   prefill buckets and graphs, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8,
-  per-token activation and per-channel weight scales), and the peers ``torchao_fp8_dense``
-  and ``torchao_int4_wo`` (weight-only int4, HF's static cache + compile) when torchao runs.
-  Each way's time is paired (alternating ABBA blocks,
+  per-token activation and per-channel weight scales), ``sk_int4_2:4`` (with ``--precisions``
+  naming int4: W4A16, int4 weights rounded to nearest in groups of 128), and the peers
+  ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
+  compile) when torchao runs. Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
   that (``--profile``: one more call per way under torch.profiler,
   :func:`bench_models.profile_shares`: kernel time by kind, the span of its kernels and its
@@ -453,7 +454,7 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
     if smoke or args.dense_sk:
         ways["dense_sk"], infos["dense_sk"], _ = sk_generate_fn(
             copy.deepcopy(master), ids, new, "bf16", "dense", device)
-    for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):
+    for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"), ("sk_int4_2:4", "int4")):
         if prec not in args.precisions.split(","):
             continue
         try:
@@ -566,7 +567,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--precisions", default="bf16,fp8")
+    ap.add_argument("--precisions", default="bf16,fp8",
+                    help="generate: sparsekit's 2:4 ways, of bf16, fp8, int4 (W4A16, RTN)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--profile", action="store_true",
