@@ -33,7 +33,9 @@ the cache directory (``$SPARSEKIT_CACHE`` or ``~/.cache/sparsekit``) and called 
 on torch's current stream (CUDA graphs capture it). Where there is no nvcc, no CUDA device or
 the build fails, or the library fails its self-check (once per process: every configuration
 against the reference on a small weight), :func:`load` returns None and :func:`reason` says
-why; the layers then keep the Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off.
+why; the layers then keep the Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off; the
+layers use it for bf16 weights, and for fp8 ones too with ``SPARSEKIT_SK24_MMA=all``
+(:func:`dtypes`).
 """
 
 from __future__ import annotations
@@ -274,11 +276,19 @@ def reason() -> str | None:
     return _why[-1] if _why else None
 
 
+def dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes the layers put in this format: bf16; fp8 too with
+    ``SPARSEKIT_SK24_MMA=all`` (widening fp8 to bf16 in registers costs more instructions per
+    byte than the Triton kernel's fp8 path spends: slower at M = 1, docs/gpu.md)."""
+    return DTYPES if os.environ.get("SPARSEKIT_SK24_MMA", "1") == "all" else (torch.bfloat16,)
+
+
 def usable(weight: torch.Tensor) -> bool:
     """True when the layers should put ``weight`` (N, K) in this format: a CUDA tensor of a
-    shape the kernel takes, with the library built and loaded (:func:`load`)."""
-    return (weight.is_cuda and enabled() and check_shape(*weight.shape) is None
-            and load() is not None)
+    shape the kernel takes and a dtype of :func:`dtypes`, with the library built and loaded
+    (:func:`load`)."""
+    return (weight.is_cuda and weight.dtype in dtypes() and enabled()
+            and check_shape(*weight.shape) is None and load() is not None)
 
 
 def default_config(m: int, n: int, k: int) -> tuple[int, int]:
@@ -337,4 +347,4 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 __all__ = ["CONFIGS", "DTYPES", "MAX_M", "bound_bytes", "build", "check_shape", "compress",
            "decompress", "default_config", "launch", "library_path", "load", "reason",
-           "reference", "usable"]
+           "dtypes", "reference", "usable"]

@@ -1,0 +1,61 @@
+"""The mma.sp small-M 2:4 kernel on a CUDA GPU (sm_90; skipped without one): every
+configuration, both metadata layouts and both weight dtypes against the float32 reference at
+every M tile, and a bf16 2:4 layer's decode path on it."""
+
+import pytest
+import torch
+from torch import nn
+
+from sparsekit.accel import ops, sk24_mma
+from sparsekit.accel.kernels import VARIANTS
+from test_decode_cpu import masked_24
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available()
+                                 or torch.cuda.get_device_capability()[0] < 9,
+                                 reason="needs an sm_90 CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    got = sk24_mma.load()
+    if got is None:
+        pytest.skip(f"the mma.sp library is not available: {sk24_mma.reason()}")
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("layout", sk24_mma.META_LAYOUTS)
+def test_every_config_equals_reference(lib, dtype, layout):
+    w = masked_24(1024, 4096).cuda()
+    scale = None
+    if dtype != torch.bfloat16:
+        scale = (w.float().abs().amax(1) / 448).clamp_min(1e-12)
+        w = (w.float() / scale[:, None]).to(dtype)
+    values, meta = sk24_mma.compress(w, layout)
+    bias = torch.randn(1024, device="cuda").to(torch.bfloat16)
+    for m in (1, 7, 8, 9, 16, 23, 32):
+        x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+        xs = torch.rand(m, 1, device="cuda") + 0.5
+        ref = sk24_mma.reference(x, values, meta, xs, scale, bias).float()
+        for cfg in sk24_mma.CONFIGS:
+            got = sk24_mma.launch(x, values, meta, xs, scale, bias, cfg).float()
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-2, (m, cfg)
+
+
+def test_bf16_layer_decodes_on_it_with_prefill_numerics(lib):
+    lin = nn.Linear(4096, 1024).cuda()
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(1024, 4096))
+    mod = VARIANTS["bf16_2:4"](lin.to(torch.bfloat16))
+    assert mod.dkernel == "mma"
+    x = torch.randn(3, 4096, device="cuda").to(torch.bfloat16)
+    decode = mod(x)
+    mod.decode_max_m = 0
+    prefill = mod(x)
+    torch.testing.assert_close(decode.float(), prefill.float(), rtol=2e-2, atol=2e-2)
+    g = torch.cuda.CUDAGraph()  # the ctypes launch is captured on torch's current stream
+    with torch.cuda.graph(g):
+        y = ops.sk24_mma_mm(x, mod.dvalues, mod.dmeta, None, None, mod.bias)
+    g.replay()
+    torch.testing.assert_close(y.float(), decode.float(), rtol=0, atol=0)
