@@ -5,7 +5,7 @@ shape and M against cuBLAS bf16 and the bandwidth bound.
 Sections:
 - ``check``: per weight dtype (bf16, fp8 e4m3 with per-row scales, tiny values included so
   that fp8 subnormals are exercised), metadata layout ("paired", "single"), configuration
-  (warps, steps ahead) and M in 1..32 (every M on a small shape, a few on a Llama shape): the
+  (warps, steps ahead, row tiles) and M in 1..32 (every M on a small shape, a few on a Llama shape): the
   kernel's output against :func:`sk24_mma.reference` (relative error of the whole output, and
   whether it is within bf16 rounding: 1e-2).
 - ``time``: Llama-3-8B and 70B shapes (tools/bench_generate.py's), M = 1, 2, 4, 8, 16, 32:
@@ -110,10 +110,12 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
                 best = None
                 per = {}
                 for cfg in sk24_mma.CONFIGS:
+                    if (n // 16) % cfg[2] or cfg in sk24_mma._failed:
+                        continue
                     fns = [functools.partial(sk24_mma.launch, x, v, mt, None, scale, None, cfg)
                            for v, mt in sets]
                     t = time_rotating(fns)
-                    per["%dx%d" % cfg] = t
+                    per["%dx%dx%d" % cfg] = t
                     if best is None or t < best[1]:
                         best = (cfg, t)
                 op_t = time_rotating([functools.partial(ops.sk24_mma_mm, x, v, mt, None, scale,

@@ -7,8 +7,9 @@
 // widened to bf16 in registers), and the 2-bit indices as its metadata. x is the B operand
 // (M rows padded to 8, 16 or 32 with zeros), accumulated in float32.
 //
-// One block of WARPS warps per 16 rows of W; warp w takes steps w*U .. w*U+U-1, then strides
-// by WARPS*U; the warps' partial sums meet in shared memory. Plain C entry point (no torch
+// One block of WARPS warps per R tiles of 16 rows of W (each x fragment loaded feeds R
+// products); warp w takes steps w*U .. w*U+U-1, then strides by WARPS*U; the warps' partial
+// sums meet in shared memory. Plain C entry point (no torch
 // headers): built by nvcc into a shared library and called through ctypes with the current
 // stream, so the launch goes into CUDA graphs like any other kernel.
 #include <cuda_bf16.h>
@@ -77,20 +78,23 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
-template <int MT, bool FP8, bool PAIRED, int WARPS, int U>
+template <int MT, bool FP8, bool PAIRED, int WARPS, int U, int R>
 __global__ void __launch_bounds__(WARPS * 32)
 sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
                 const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
                 const float* __restrict__ ws, const __nv_bfloat16* __restrict__ bias,
                 __nv_bfloat16* __restrict__ y, int M, int N, int K) {
   static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
-  const int rt = blockIdx.x;
+  // R tiles of 16 rows a block: each x fragment loaded feeds R products
+  const int rt0 = blockIdx.x * R;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q = lane >> 2, t = lane & 3;
   const int S = K >> 5;
-  float acc[MT][4];
+  float acc[R][MT][4];
 #pragma unroll
-  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.f;
   const uint32_t* xr[MT];
   bool ok[MT];
 #pragma unroll
@@ -99,29 +103,34 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
     ok[i] = m < M;
     xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
   }
-  const size_t tile = (size_t)rt * S;
   for (int base = warp * U; base < S; base += WARPS * U) {
-    uint32_t a[U][4];
-    uint32_t e[U];
+    uint32_t a[U][R][4];
+    uint32_t e[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int ks = base + u;
       if (ks < S) {
-        if (FP8) {
-          uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
-          a[u][0] = e4m3x2_to_bf16x2(v.x, 0);
-          a[u][1] = e4m3x2_to_bf16x2(v.x, 1);
-          a[u][2] = e4m3x2_to_bf16x2(v.y, 0);
-          a[u][3] = e4m3x2_to_bf16x2(v.y, 1);
-        } else {
-          uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
-          a[u][0] = v.x; a[u][1] = v.y; a[u][2] = v.z; a[u][3] = v.w;
-        }
-        if (PAIRED) {
-          if ((u & 1) == 0) e[u] = ldg32_stream(meta + ((size_t)rt * (S >> 1) + (ks >> 1)) * 32 + lane);
-          else e[u] = e[u - 1];
-        } else {
-          e[u] = ldg32_stream(meta + (tile + ks) * 32 + lane);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const size_t tile = (size_t)(rt0 + r) * S;
+          if (FP8) {
+            uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
+            a[u][r][0] = e4m3x2_to_bf16x2(v.x, 0);
+            a[u][r][1] = e4m3x2_to_bf16x2(v.x, 1);
+            a[u][r][2] = e4m3x2_to_bf16x2(v.y, 0);
+            a[u][r][3] = e4m3x2_to_bf16x2(v.y, 1);
+          } else {
+            uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
+            a[u][r][0] = v.x; a[u][r][1] = v.y; a[u][r][2] = v.z; a[u][r][3] = v.w;
+          }
+          if (PAIRED) {
+            if ((u & 1) == 0)
+              e[u][r] = ldg32_stream(meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
+            else
+              e[u][r] = e[u - 1][r];
+          } else {
+            e[u][r] = ldg32_stream(meta + (tile + ks) * 32 + lane);
+          }
         }
       }
     }
@@ -135,28 +144,34 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
           const uint32_t* p = xr[i] + ks * 16;  // 32 bf16 = 16 words a step
 #pragma unroll
           for (int j = 0; j < 4; ++j) b[j] = ok[i] ? ldg32(p + 4 * j) : 0u;
-          if (PAIRED && (u & 1)) mma_sp<1>(acc[i], a[u], b, e[u]);
-          else mma_sp<0>(acc[i], a[u], b, e[u]);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (PAIRED && (u & 1)) mma_sp<1>(acc[r][i], a[u][r], b, e[u][r]);
+            else mma_sp<0>(acc[r][i], a[u][r], b, e[u][r]);
+          }
         }
       }
     }
   }
-  // the warps' partial sums: red[warp][i*4 + c][lane]
-  __shared__ float red[WARPS][MT * 4][32];
+  // the warps' partial sums: red[warp][(r*MT + i)*4 + c][lane]
+  __shared__ float red[WARPS][R * MT * 4][32];
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) red[warp][i * 4 + c][lane] = acc[i][c];
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) red[warp][(r * MT + i) * 4 + c][lane] = acc[r][i][c];
   __syncthreads();
-  for (int idx = threadIdx.x; idx < MT * 4 * 32; idx += WARPS * 32) {
-    const int ic = idx >> 5, l = idx & 31;
+  for (int idx = threadIdx.x; idx < R * MT * 4 * 32; idx += WARPS * 32) {
+    const int ric = idx >> 5, l = idx & 31;
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) s += red[w][ic][l];
+    for (int w = 0; w < WARPS; ++w) s += red[w][ric][l];
+    const int r = ric / (MT * 4), ic = ric % (MT * 4);
     const int i = ic >> 2, c = ic & 3;
-    const int r = (l >> 2) + ((c & 2) ? 8 : 0);
+    const int row = (l >> 2) + ((c & 2) ? 8 : 0);
     const int m = i * 8 + 2 * (l & 3) + (c & 1);
-    const int n = rt * 16 + r;
+    const int n = (rt0 + r) * 16 + row;
     if (m < M) {
       if (xs) s *= xs[m * xs_stride];
       if (ws) s *= ws[n];
@@ -167,52 +182,56 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
 }
 
 template <int MT, bool FP8, bool PAIRED>
-int launch_wu(int warps, int unroll, dim3 grid, cudaStream_t st, const __nv_bfloat16* x, int sx,
-              const void* vals, const uint32_t* meta, const float* xs, int xs_stride,
-              const float* ws, const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int N,
-              int K) {
-#define SK24_GO(W, UU)                                                                      \
-  sk24_mma_kernel<MT, FP8, PAIRED, W, UU><<<grid, W * 32, 0, st>>>(x, sx, vals, meta, xs,   \
-                                                                    xs_stride, ws, bias, y, \
-                                                                    M, N, K);               \
-  return 0;
-  if (warps == 4 && unroll == 4) { SK24_GO(4, 4) }
-  if (warps == 4 && unroll == 8) { SK24_GO(4, 8) }
-  if (warps == 8 && unroll == 4) { SK24_GO(8, 4) }
-  if (warps == 8 && unroll == 8) { SK24_GO(8, 8) }
-  if (warps == 2 && unroll == 8) { SK24_GO(2, 8) }
+int launch_wu(int warps, int unroll, int rows, int N, cudaStream_t st, const __nv_bfloat16* x,
+              int sx, const void* vals, const uint32_t* meta, const float* xs, int xs_stride,
+              const float* ws, const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int K) {
+  if ((N / 16) % rows) return -2;
+  dim3 grid(N / 16 / rows);
+#define SK24_GO(W, UU, RR)                                                                   \
+  if (warps == W && unroll == UU && rows == RR) {                                            \
+    sk24_mma_kernel<MT, FP8, PAIRED, W, UU, RR><<<grid, W * 32, 0, st>>>(                    \
+        x, sx, vals, meta, xs, xs_stride, ws, bias, y, M, N, K);                             \
+    return 0;                                                                                \
+  }
+  SK24_GO(4, 4, 1)
+  SK24_GO(4, 8, 1)
+  SK24_GO(8, 4, 1)
+  SK24_GO(8, 8, 1)
+  SK24_GO(2, 8, 1)
+  SK24_GO(4, 4, 2)
+  SK24_GO(8, 4, 2)
+  SK24_GO(4, 4, 4)
 #undef SK24_GO
   return -1;
 }
 
 template <int MT>
-int launch_mt(int fp8, int paired, int warps, int unroll, dim3 grid, cudaStream_t st,
+int launch_mt(int fp8, int paired, int warps, int unroll, int rows, int N, cudaStream_t st,
               const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
               const float* xs, int xs_stride, const float* ws, const __nv_bfloat16* bias,
-              __nv_bfloat16* y, int M, int N, int K) {
+              __nv_bfloat16* y, int M, int K) {
   if (fp8 && paired)
-    return launch_wu<MT, true, true>(warps, unroll, grid, st, x, sx, vals, meta, xs, xs_stride,
-                                     ws, bias, y, M, N, K);
+    return launch_wu<MT, true, true>(warps, unroll, rows, N, st, x, sx, vals, meta, xs, xs_stride,
+                                     ws, bias, y, M, K);
   if (fp8)
-    return launch_wu<MT, true, false>(warps, unroll, grid, st, x, sx, vals, meta, xs,
-                                      xs_stride, ws, bias, y, M, N, K);
+    return launch_wu<MT, true, false>(warps, unroll, rows, N, st, x, sx, vals, meta, xs,
+                                      xs_stride, ws, bias, y, M, K);
   if (paired)
-    return launch_wu<MT, false, true>(warps, unroll, grid, st, x, sx, vals, meta, xs,
-                                      xs_stride, ws, bias, y, M, N, K);
-  return launch_wu<MT, false, false>(warps, unroll, grid, st, x, sx, vals, meta, xs, xs_stride,
-                                     ws, bias, y, M, N, K);
+    return launch_wu<MT, false, true>(warps, unroll, rows, N, st, x, sx, vals, meta, xs,
+                                      xs_stride, ws, bias, y, M, K);
+  return launch_wu<MT, false, false>(warps, unroll, rows, N, st, x, sx, vals, meta, xs, xs_stride,
+                                     ws, bias, y, M, K);
 }
 
 }  // namespace
 
-// 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take,
-// else the CUDA error of the launch
+// 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take
+// (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
                                const float* xs, int xs_stride, const float* ws,
                                const void* bias, void* y, int M, int N, int K, int fp8,
-                               int paired, int warps, int unroll, void* stream) {
-  if (M < 1 || M > 32 || N % 16 || K % 64) return -2;
-  dim3 grid(N / 16);
+                               int paired, int warps, int unroll, int rows, void* stream) {
+  if (M < 1 || M > 32 || N % 16 || K % 64 || rows < 1) return -2;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const __nv_bfloat16* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const uint32_t* mb = reinterpret_cast<const uint32_t*>(meta);
@@ -220,16 +239,16 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   __nv_bfloat16* yb = reinterpret_cast<__nv_bfloat16*>(y);
   int rc;
   if (M <= 8)
-    rc = launch_mt<1>(fp8, paired, warps, unroll, grid, st, xb, sx, vals, mb, xs, xs_stride, ws,
-                      bb, yb, M, N, K);
+    rc = launch_mt<1>(fp8, paired, warps, unroll, rows, N, st, xb, sx, vals, mb, xs, xs_stride,
+                      ws, bb, yb, M, K);
   else if (M <= 16)
-    rc = launch_mt<2>(fp8, paired, warps, unroll, grid, st, xb, sx, vals, mb, xs, xs_stride, ws,
-                      bb, yb, M, N, K);
+    rc = launch_mt<2>(fp8, paired, warps, unroll, rows, N, st, xb, sx, vals, mb, xs, xs_stride,
+                      ws, bb, yb, M, K);
   else
-    rc = launch_mt<4>(fp8, paired, warps, unroll, grid, st, xb, sx, vals, mb, xs, xs_stride, ws,
-                      bb, yb, M, N, K);
+    rc = launch_mt<4>(fp8, paired, warps, unroll, rows, N, st, xb, sx, vals, mb, xs, xs_stride,
+                      ws, bb, yb, M, K);
   if (rc) return rc;
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 1; }
+extern "C" int sk24_mma_version() { return 2; }
