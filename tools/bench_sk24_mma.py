@@ -6,8 +6,8 @@ Sections:
 - ``check``: per weight dtype (bf16, fp8 e4m3 with per-row scales, tiny values included so
   that fp8 subnormals are exercised), metadata layout ("paired", "single"), configuration
   (warps, steps ahead, row tiles) and M in 1..32 (every M on a small shape, a few on a Llama
-  shape): the kernel's output against :func:`sk24_mma.reference` (relative error of the whole output, and
-  whether it is within bf16 rounding: 1e-2).
+  shape): the kernel's output against :func:`sk24_mma.reference` (relative error of the whole
+  output, and whether it is within bf16 rounding: 1e-2).
 - ``time``: Llama-3-8B and 70B shapes (tools/bench_generate.py's), M = 1, 2, 4, 8, 16, 32:
   cuBLAS bf16 (``F.linear``) and the kernel in bf16 and fp8 per configuration, each call in a
   CUDA graph with the weights cycled past the L2 (a decode step reads them from HBM). Per
