@@ -12,8 +12,9 @@ Sections:
   cuBLAS bf16 (``F.linear``) and the kernel in bf16 and fp8 per configuration, each call in a
   CUDA graph with the weights cycled past the L2 (a decode step reads them from HBM). Per
   row: microseconds, bytes moved at least, TB/s and share of the bound, the ratio to cuBLAS
-  for the best configuration; the summary gives the geo-mean over cuBLAS at M <= 16 against
-  the targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the best configuration per M.
+  for the best configuration; ``fp8x8_2:4``: the fp8 x fp8 kernel (x quantized to fp8, the
+  "e4m3" layout) where it passed its self-check; the summary gives the geo-mean over cuBLAS
+  at M <= 16 against the targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the geo-mean per M.
 
     python tools/bench_sk24_mma.py --out mma.json          # on the GPU (sm_90)
 
@@ -79,9 +80,27 @@ def check_rows(device) -> list[dict]:
                                    "config": list(cfg), "error": f"{type(e).__name__}: {e}"[:300],
                                    "ok": False}
                         rows.append(row)
-            bad = [r for r in rows if not r["ok"] and r["N"] == n]
-            print(json.dumps({"check": f"{n}x{k}", "dtype": dtype, "cases": len(rows),
-                              "bad": len(bad), "first_bad": bad[:2]}), flush=True)
+        values, meta = sk24_mma.compress(w8, "e4m3")
+        for m in ms:
+            x = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+            xs = torch.rand(m, 1, device=device) + 0.5
+            ref = sk24_mma.reference(x, values, meta, xs, ws, None).float()
+            for cfg in sk24_mma.E4M3_CONFIGS:
+                row = {"N": n, "K": k, "M": m, "dtype": "fp8", "layout": "e4m3",
+                       "config": list(cfg)}
+                try:
+                    # the kernel itself, whether or not it passed the library's self-check
+                    got = sk24_mma._launch_e4m3(sk24_mma.load(), x, values, meta, xs, ws, None,
+                                                cfg).float()
+                    torch.cuda.synchronize()
+                    row["rel_err"] = ((got - ref).norm() / ref.norm()).item()
+                    row["ok"] = row["rel_err"] < 1e-2
+                except Exception as e:  # noqa: BLE001  (recorded: the check's point)
+                    row.update(error=f"{type(e).__name__}: {e}"[:300], ok=False)
+                rows.append(row)
+        bad = [r for r in rows if not r["ok"] and r["N"] == n]
+        print(json.dumps({"check": f"{n}x{k}", "cases": len(rows), "bad": len(bad),
+                          "first_bad": bad[:2]}), flush=True)
     return rows
 
 
@@ -99,6 +118,9 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
             n * k * 9 // 8) - 1)]
         c8 = [(v8, m8)] + [(v8.clone(), m8.clone()) for _ in range(copies_for(n * k * 5 // 8)
                                                                    - 1)]
+        v8n, m8n = sk24_mma.compress(w8, "e4m3")
+        c8n = [(v8n, m8n)] + [(v8n.clone(), m8n.clone()) for _ in range(
+            copies_for(n * k * 5 // 8) - 1)]
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             row = {"shape": name, "N": n, "K": k, "M": m}
@@ -126,27 +148,46 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
                               "bound_share": nbytes / best[1] / 1e6 / bound_tbs(),
                               "over_dense": us / best[1], "default_over_dense": us / op_t,
                               "configs_us": per}
+            if sk24_mma.e4m3_ok():  # fp8 x fp8: x quantized as an fp8 layer does
+                x8 = x.to(torch.float8_e4m3fn)
+                xs8 = torch.ones(m, 1, device=device)
+                nbytes = n * k // 2 + n * k // 8 + m * k + 2 * m * n
+                per, best = {}, None
+                for cfg in sk24_mma.E4M3_CONFIGS:
+                    t = time_rotating([functools.partial(sk24_mma.launch, x8, v, mt, xs8, ws,
+                                                         None, cfg) for v, mt in c8n])
+                    per["%dx%d" % cfg] = t
+                    if best is None or t < best[1]:
+                        best = (cfg, t)
+                row["fp8x8_2:4"] = {"us": best[1], "config": list(best[0]), "bytes": nbytes,
+                                    "tb_s": nbytes / best[1] / 1e6,
+                                    "bound_share": nbytes / best[1] / 1e6 / bound_tbs(),
+                                    "over_dense": us / best[1], "configs_us": per}
             rows.append(row)
             print(json.dumps({"shape": name, "M": m, "dense_us": round(us, 2),
                               **{d: {kk: (round(v, 3) if isinstance(v, float) else v)
                                      for kk, v in row[d].items() if kk != "configs_us"}
-                                 for d in ("bf16_2:4", "fp8_2:4")}}), flush=True)
-        del dense, c16, c8
+                                 for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4") if d in row}}),
+                  flush=True)
+        del dense, c16, c8, c8n
         torch.cuda.empty_cache()
     return rows
 
 
 def summary(rows: list[dict]) -> dict:
     out = {}
-    for d in ("bf16_2:4", "fp8_2:4"):
+    for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4"):
+        if not any(d in r for r in rows):
+            continue
+        rows_d = [r for r in rows if d in r]
         for key in ("over_dense", "default_over_dense"):
-            small = [r[d][key] for r in rows if r["M"] <= 16]
+            small = [r[d][key] for r in rows_d if r["M"] <= 16 and key in r[d]]
             if small:
                 out[f"{d}_{key}_geo_m_le_16"] = math.exp(sum(map(math.log, small)) / len(small))
-        out[f"{d}_target"] = TARGETS[d]
-        out[f"{d}_rows_under_80pct"] = sum(r[d]["bound_share"] < 0.8 for r in rows)
+        out[f"{d}_target"] = TARGETS["fp8_2:4" if d.startswith("fp8") else d]
+        out[f"{d}_rows_under_80pct"] = sum(r[d]["bound_share"] < 0.8 for r in rows_d)
         by_m = {}
-        for r in rows:
+        for r in rows_d:
             by_m.setdefault(r["M"], []).append(r[d]["over_dense"])
         out[f"{d}_geo_by_m"] = {m: math.exp(sum(map(math.log, v)) / len(v))
                                 for m, v in sorted(by_m.items())}
@@ -179,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["check"] = check_rows(device)
         out["check_ok"] = {f"{d}_{lay}": all(r["ok"] for r in out["check"]
                                              if r["dtype"] == d and r["layout"] == lay)
-                           for d in ("bf16", "fp8") for lay in sk24_mma.META_LAYOUTS}
+                           for d in ("bf16", "fp8") for lay in sk24_mma.LAYOUTS
+                           if (d, lay) != ("bf16", "e4m3")}
         print(json.dumps({"check_ok": out["check_ok"]}), flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     if "time" in sections:

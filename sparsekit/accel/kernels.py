@@ -86,8 +86,9 @@ class _AccelLinear(nn.Module):
         self.decode_max_m = 0
         self.register_buffer("dvalues", None)
         self.register_buffer("dmeta", None)
-        # which small-M kernel the format is for: "mma" (sparse tensor cores, sk24_mma) where
-        # it is built and the shape fits, else "triton" (sk24); "" without a small-M path
+        # which small-M kernel the format is for: "mma" (sparse tensor cores, sk24_mma; "mma8":
+        # its fp8 x fp8 kernel) where it is built and the shape fits, else "triton" (sk24); ""
+        # without a small-M path
         self.dkernel = ""
         # bf16 dense on a copy of the effective weight for dense_m[0] <= M <= dense_m[1]
         # (set by the planner under sparsity="auto" where dense beats both 2:4 paths)
@@ -96,8 +97,10 @@ class _AccelLinear(nn.Module):
         if self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
             if self.decodes and sk24_mma.usable(w):
-                self.dvalues, self.dmeta = sk24_mma.compress(w)
-                self.dkernel, self.decode_max_m = "mma", sk24_mma.MAX_M
+                layout = sk24_mma.layout_for(w)
+                self.dvalues, self.dmeta = sk24_mma.compress(w, layout)
+                self.dkernel = "mma8" if layout == "e4m3" else "mma"
+                self.decode_max_m = sk24_mma.MAX_M
             elif self.decodes and sk24.check_shape(*w.shape) is None:
                 self.dvalues, self.dmeta = sk24.compress(w)
                 self.dkernel, self.decode_max_m = "triton", sk24.MAX_M
@@ -111,6 +114,9 @@ class _AccelLinear(nn.Module):
         path's: the same activation quantization, scales and bias, in float32."""
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
             return None
+        if self.dkernel == "mma8":  # fp8 x fp8 on the fp8 sparse tensor cores
+            q, sx = self._quant(x2d)
+            return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias)
         if self.dkernel == "mma":  # an fp8 layer's activations widened to bf16 (exact)
             if self.fmt is None:
                 return ops.sk24_mma_mm(x2d.to(torch.bfloat16), self.dvalues, self.dmeta, None,
@@ -137,7 +143,8 @@ class _AccelLinear(nn.Module):
         if self.dvalues is None:
             raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
                              f"a dense route needs the small-M format's weight")
-        w = (sk24_mma if self.dkernel == "mma" else sk24).decompress(self.dvalues, self.dmeta)
+        w = (sk24_mma if self.dkernel.startswith("mma") else sk24).decompress(self.dvalues,
+                                                                               self.dmeta)
         if self.w_scale is not None:
             w = w.float() * self.w_scale[:, None]
         self.dense_m = (int(lo), int(hi))

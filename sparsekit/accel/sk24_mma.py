@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "sk24_mma.cu"
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 META_LAYOUTS = ("paired", "single")
+LAYOUTS = (*META_LAYOUTS, "e4m3")  # "e4m3": fp8 weights for the fp8 x fp8 kernel (below)
+# (warps, steps ahead) of the fp8 x fp8 kernel
+E4M3_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8))
 MAX_M = 32
 # (warps a block, steps a warp loads ahead, tiles of 16 rows a block): the configurations the
 # library is built with; :func:`default_config` picks among those with one tile (measured,
@@ -64,6 +67,7 @@ MAX_M = 32
 CONFIGS = ((4, 4, 1), (4, 8, 1), (8, 4, 1), (8, 8, 1), (2, 8, 1), (4, 4, 2), (8, 4, 2),
            (4, 4, 4))
 _failed: set = set()  # configurations that failed the self-check (never launched)
+_e4m3: list[bool] = []  # [whether the fp8 x fp8 kernel passed its self-check], once loaded
 _why: list[str] = []
 
 
@@ -106,13 +110,35 @@ def _unlanes(v: torch.Tensor) -> torch.Tensor:
     return t.reshape(rt * 16, ks * 16)
 
 
+def _lanes_e4m3(c: torch.Tensor) -> torch.Tensor:
+    """A compressed fp8 matrix (N, K/2) per 64-column step in lane order: (N/16, K/64, 32,
+    16); lane 4q + t holds compressed columns 4t..4t+3 of rows q, q+8, then 16+4t.. of both."""
+    n, half = c.shape
+    t = c.reshape(n // 16, 2, 8, half // 32, 2, 4, 4)  # (rt, rh, q, ks, ch, t, e)
+    return t.permute(0, 3, 2, 5, 4, 1, 6).reshape(n // 16, half // 32, 32, 16)
+
+
+def _unlanes_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_lanes_e4m3`."""
+    rt, ks = v.shape[:2]
+    t = v.reshape(rt, ks, 8, 4, 2, 2, 4).permute(0, 5, 2, 1, 4, 3, 6)
+    return t.reshape(rt * 16, ks * 32)
+
+
 def compress(weight: torch.Tensor, meta_layout: str = "paired"
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, meta) of a 2:4 weight (N, K) in the fragment-ordered format (module
-    docstring); ValueError for a shape, dtype or pattern the format does not take."""
-    if meta_layout not in META_LAYOUTS:
-        raise ValueError(f"2:4 mma format: meta_layout must be one of {META_LAYOUTS}, got "
+    docstring); ValueError for a shape, dtype or pattern the format does not take.
+    ``meta_layout`` "e4m3" (fp8 weights only): the layout of the fp8 x fp8 kernel
+    (``mma.sp.m16n8k64`` e4m3: 64 columns a step, values (N/16, K/64, 32, 16), meta (N/16,
+    K/64, 32): lane 4q + p holds quarter p (compressed columns 8p .. 8p + 7) of the positions of
+    row q in its low 16 bits, of row q + 8 in its high 16 bits)."""
+    if meta_layout not in LAYOUTS:
+        raise ValueError(f"2:4 mma format: meta_layout must be one of {LAYOUTS}, got "
                          f"{meta_layout!r}")
+    if meta_layout == "e4m3" and weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"2:4 mma format: the e4m3 layout takes float8_e4m3fn weights, got "
+                         f"{weight.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"2:4 mma format: the weight must be 2-D, got {tuple(weight.shape)}")
     reason = check_shape(*weight.shape)
@@ -122,11 +148,17 @@ def compress(weight: torch.Tensor, meta_layout: str = "paired"
         raise ValueError(f"2:4 mma format: weight dtype must be one of {DTYPES}, got "
                          f"{weight.dtype}")
     vals, idx = _kept(weight)
-    values = _lanes(vals).contiguous()
-    # per row and half step: 8 positions of 2 bits, compressed column 8h + j at bits 2j
     n, half = idx.shape
     shifts = 2 * torch.arange(8, device=idx.device, dtype=torch.int64)
-    h16 = (idx.reshape(n, half // 8, 8) << shifts).sum(-1)  # (N, K/16): (row, step*2 + h)
+    h16 = (idx.reshape(n, half // 8, 8) << shifts).sum(-1)  # (N, K/16): 8 positions a word
+    if meta_layout == "e4m3":
+        q16 = h16.reshape(n // 16, 2, 8, half // 32, 4)  # (rt, rh, q, ks, p)
+        word = (q16[:, 0] | (q16[:, 1] << 16)).permute(0, 2, 1, 3)  # (rt, ks, q, p)
+        meta = word.reshape(n // 16, half // 32, 32)
+        meta = torch.where(meta >= 2**31, meta - 2**32, meta).to(torch.int32).contiguous()
+        return _lanes_e4m3(vals).contiguous(), meta
+    values = _lanes(vals).contiguous()
+    # per row and half step: 8 positions of 2 bits, compressed column 8h + j at bits 2j
     h16 = h16.reshape(n // 16, 2, 8, half // 16, 2)  # (rt, rh, q, ks, h)
     word = h16[:, 0] | (h16[:, 1] << 16)  # (rt, q, ks, h)
     word = word.permute(0, 2, 1, 3)  # (rt, ks, q, p)
@@ -145,16 +177,26 @@ def decompress(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """The dense weight (N, K) in ``values``' dtype: the inverse of :func:`compress` (either
     metadata layout)."""
     rt, ks = values.shape[:2]
+    m = meta.to(torch.int64) & 0xFFFFFFFF
+    shifts = 2 * torch.arange(8, device=meta.device, dtype=torch.int64)
+    if values.shape[-1] == 16:  # e4m3: 64 columns a step
+        n, k = rt * 16, ks * 64
+        vals = _unlanes_e4m3(values).float()
+        word = m.reshape(rt, ks, 8, 4)  # (rt, ks, q, p)
+        q16 = torch.stack([word & 0xFFFF, word >> 16], 1)  # (rt, rh, ks, q, p)
+        q16 = q16.permute(0, 1, 3, 2, 4).reshape(n, 4 * ks)
+        idx = ((q16[..., None] >> shifts) & 3).reshape(n, k // 4, 2)
+        dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
+        dense.scatter_(-1, idx, vals.reshape(n, k // 4, 2))
+        return dense.reshape(n, k).to(values.dtype)
     n, k = rt * 16, ks * 32
     vals = _unlanes(values).float()  # (N, K/2)
-    m = meta.to(torch.int64) & 0xFFFFFFFF
     if meta.shape[1] == ks:  # single
         word = m.reshape(rt, ks, 8, 2, 2)[:, :, :, 0]  # (rt, ks, q, p)
     else:  # paired: (rt, ks/2, q, parity, p)
         word = m.reshape(rt, ks // 2, 8, 2, 2).permute(0, 1, 3, 2, 4).reshape(rt, ks, 8, 2)
     h16 = torch.stack([word & 0xFFFF, word >> 16], 1)  # (rt, rh, ks, q, p)
     h16 = h16.permute(0, 1, 3, 2, 4).reshape(n, 2 * ks)  # (row, step*2 + h)
-    shifts = 2 * torch.arange(8, device=meta.device, dtype=torch.int64)
     idx = ((h16[..., None] >> shifts) & 3).reshape(n, k // 4, 2)
     dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
     dense.scatter_(-1, idx, vals.reshape(n, k // 4, 2))
@@ -241,6 +283,11 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_int, ctypes.c_void_p]
+        lib.sk24_mma_e4m3_launch.restype = ctypes.c_int
+        lib.sk24_mma_e4m3_launch.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         _self_check(lib)
         return lib
     except (OSError, RuntimeError) as e:
@@ -283,6 +330,34 @@ def _self_check(lib: ctypes.CDLL) -> None:
                         if cfg[2] == 1:
                             raise RuntimeError(f"self-check failed ({weight.dtype}, {layout} "
                                                f"metadata, M={m}, config {cfg}: {why})")
+    _e4m3[:] = [_self_check_e4m3(lib, w, g)]
+
+
+def _self_check_e4m3(lib: ctypes.CDLL, w: torch.Tensor, g: torch.Generator) -> bool:
+    """The fp8 x fp8 kernel against :func:`reference` per configuration and M tile: False (and
+    it is never launched) on any mismatch."""
+    scale = (w.abs().amax(1) / 448).clamp_min(1e-12)
+    values, meta = compress((w / scale[:, None]).to(torch.float8_e4m3fn), "e4m3")
+    for m in (1, 9, 17):
+        x = torch.randn(m, w.shape[1], generator=g).to("cuda", torch.float8_e4m3fn)
+        ref = reference(x, values, meta, None, scale, None).float()
+        for cfg in E4M3_CONFIGS:
+            try:
+                got = _launch_e4m3(lib, x, values, meta, None, scale, None, cfg).float()
+                err = ((got - ref).norm() / ref.norm()).item()
+            except RuntimeError as e:
+                err, cfg = float("inf"), (cfg, str(e))
+            if not err < 1e-2:
+                log.warning("sparsekit: the fp8 x fp8 mma.sp kernel failed its self-check "
+                            "(M=%d, config %s: relative error %.3g); fp8 layers do not use it",
+                            m, cfg, err)
+                return False
+    return True
+
+
+def e4m3_ok() -> bool:
+    """Whether the fp8 x fp8 kernel is built and passed its self-check."""
+    return load() is not None and bool(_e4m3) and _e4m3[0]
 
 
 def reason() -> str | None:
@@ -292,9 +367,16 @@ def reason() -> str | None:
 
 def dtypes() -> tuple[torch.dtype, ...]:
     """The weight dtypes the layers put in this format: bf16; fp8 too with
-    ``SPARSEKIT_SK24_MMA=all`` (widening fp8 to bf16 in registers costs more instructions per
-    byte than the Triton kernel's fp8 path spends: slower at M = 1, docs/gpu.md)."""
+    ``SPARSEKIT_SK24_MMA=all`` (on the fp8 x fp8 kernel where it passed its self-check, else
+    widened to bf16; widened, it is slower than the Triton kernel's fp8 path at M = 1,
+    docs/gpu.md; the fp8 x fp8 kernel is not timed yet)."""
     return DTYPES if os.environ.get("SPARSEKIT_SK24_MMA", "1") == "all" else (torch.bfloat16,)
+
+
+def layout_for(weight: torch.Tensor) -> str:
+    """The layout the layers store ``weight`` in: "e4m3" for fp8 where the fp8 x fp8 kernel
+    passed its self-check, else "paired"."""
+    return "e4m3" if weight.dtype == torch.float8_e4m3fn and e4m3_ok() else "paired"
 
 
 def usable(weight: torch.Tensor) -> bool:
@@ -322,7 +404,39 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
     lib = load()
     if lib is None:
         raise RuntimeError(f"the mma.sp 2:4 kernel is not available: {reason()}")
+    if values.shape[-1] == 16:  # the e4m3 layout: x quantized to fp8 by the layer
+        if not e4m3_ok():
+            raise RuntimeError("the fp8 x fp8 mma.sp kernel failed its self-check")
+        return _launch_e4m3(lib, x, values, meta, x_scale, w_scale, bias, config)
     return _launch(lib, x, values, meta, x_scale, w_scale, bias, config)
+
+
+def _launch_e4m3(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                 x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+                 bias: torch.Tensor | None, config) -> torch.Tensor:
+    m, k = x.shape
+    rt, ks = values.shape[:2]
+    n = rt * 16
+    if x.dtype != torch.float8_e4m3fn or k != ks * 64 or not 1 <= m <= MAX_M:
+        raise ValueError(f"sk24 mma kernel (e4m3): x must be float8_e4m3fn (M <= {MAX_M}, "
+                         f"{ks * 64}), got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1 or x.stride(0) % 4:
+        x = x.contiguous()
+    cfg = config or ((8, 8) if m <= 16 else (8, 4))
+    if cfg not in E4M3_CONFIGS:
+        raise ValueError(f"sk24 mma kernel (e4m3): config {cfg} is not one of {E4M3_CONFIGS}")
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    xs = None if x_scale is None else x_scale.reshape(-1).float().contiguous()
+    ws = None if w_scale is None else w_scale.reshape(-1).float().contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    rc = lib.sk24_mma_e4m3_launch(
+        x.data_ptr(), x.stride(0), values.data_ptr(), meta.data_ptr(),
+        None if xs is None else xs.data_ptr(), 0 if xs is None or xs.numel() == 1 else 1,
+        None if ws is None else ws.data_ptr(), None if b is None else b.data_ptr(),
+        y.data_ptr(), m, n, k, cfg[0], cfg[1], torch.cuda.current_stream(x.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"sk24 mma kernel (e4m3): launch failed (code {rc})")
+    return y
 
 
 def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
@@ -365,6 +479,6 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     return n * (k // 2) * item + n * (k // 64) * 4 * 2 + m * k * 2 + m * n * 2
 
 
-__all__ = ["CONFIGS", "DTYPES", "MAX_M", "bound_bytes", "build", "check_shape", "compress",
-           "decompress", "default_config", "launch", "library_path", "load", "reason",
-           "dtypes", "reference", "usable"]
+__all__ = ["CONFIGS", "DTYPES", "E4M3_CONFIGS", "LAYOUTS", "MAX_M", "bound_bytes", "build",
+           "check_shape", "compress", "decompress", "default_config", "dtypes", "e4m3_ok",
+           "launch", "layout_for", "library_path", "load", "reason", "reference", "usable"]

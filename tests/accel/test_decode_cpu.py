@@ -114,11 +114,14 @@ def test_triton_kernel_under_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("kernel", ["triton", "mma"])
+@pytest.mark.parametrize("kernel", ["triton", "mma", "mma8"])
 @pytest.mark.parametrize("variant", ["bf16_2:4", "fp8_2:4"])
 def test_layer_decode_path_has_prefill_numerics(variant, kernel, monkeypatch):
-    # the mma.sp format where its library loads (a CUDA GPU); here its CPU reference
-    monkeypatch.setattr(sk24_mma, "usable", lambda w: kernel == "mma")
+    if kernel == "mma8" and variant != "fp8_2:4":
+        pytest.skip("the fp8 x fp8 kernel takes fp8 layers")
+    # the mma.sp formats where the library loads (a CUDA GPU); here their CPU reference
+    monkeypatch.setattr(sk24_mma, "usable", lambda w: kernel != "triton")
+    monkeypatch.setattr(sk24_mma, "e4m3_ok", lambda: kernel == "mma8")
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))

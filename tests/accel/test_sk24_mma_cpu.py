@@ -121,3 +121,49 @@ def test_load_off_the_gpu_says_why(monkeypatch):
         assert sk24_mma.load() is None and "SPARSEKIT_SK24_MMA=0" in sk24_mma.reason()
     finally:
         sk24_mma.load.cache_clear()
+
+
+def emulate_e4m3(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """x @ W.T the way mma.sp.m16n8k64 (e4m3) reads the "e4m3" layout (PTX ISA's fragment
+    layouts for 8-bit sparse A): lane 4q + t holds compressed columns 4t..4t+3 of rows q, q+8,
+    then 16+4t..16+4t+3 of rows q, q+8 (four bytes a register); lane 4q + p holds the 2-bit
+    positions of quarter p (compressed columns 8p..8p+7, column 8p + j at bits 2j) of row q in
+    its low 16 bits and of row q + 8 in its high 16 bits."""
+    rt_n, ks_n = values.shape[:2]
+    y = torch.zeros(x.shape[0], rt_n * 16, dtype=torch.float64)
+    for rt in range(rt_n):
+        for ks in range(ks_n):
+            a = torch.zeros(16, 32, dtype=torch.float64)
+            pos = torch.zeros(16, 32, dtype=torch.int64)
+            for lane in range(32):
+                q, t = divmod(lane, 4)
+                regs = values[rt, ks, lane].double().reshape(4, 4)
+                for r, (row, col) in enumerate(((q, 4 * t), (q + 8, 4 * t), (q, 16 + 4 * t),
+                                                (q + 8, 16 + 4 * t))):
+                    a[row, col:col + 4] = regs[r]
+                word = int(meta[rt, ks, lane]) & 0xFFFFFFFF
+                for row, bits in ((q, word & 0xFFFF), (q + 8, word >> 16)):
+                    for j in range(8):
+                        pos[row, 8 * t + j] = (bits >> (2 * j)) & 3
+            dense = torch.zeros(16, 64, dtype=torch.float64)
+            for row in range(16):
+                for c in range(32):
+                    dense[row, 4 * (c // 2) + pos[row, c]] += a[row, c]
+            y[:, rt * 16:(rt + 1) * 16] += x.double()[:, ks * 64:(ks + 1) * 64] @ dense.t()
+    return y
+
+
+def test_e4m3_layout_round_trip_and_lane_reading():
+    w = masked_24(32, 192, seed=4, dtype=torch.float8_e4m3fn)
+    values, meta = sk24_mma.compress(w, "e4m3")
+    assert values.shape == (2, 3, 32, 16) and meta.shape == (2, 3, 32)
+    assert torch.equal(sk24_mma.decompress(values, meta).float(), w.float())
+    x = torch.randn(3, 192, dtype=torch.float64)
+    assert torch.allclose(emulate_e4m3(x, values, meta), x @ w.double().t(), rtol=1e-12,
+                          atol=1e-12)
+    xq = torch.randn(5, 192).to(torch.float8_e4m3fn)
+    got = ops.sk24_mma_mm(xq, values, meta, torch.full((5, 1), 0.5), None, None)
+    want = (xq.double() @ w.double().t()) * 0.5
+    assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="e4m3 layout takes float8_e4m3fn"):
+        sk24_mma.compress(masked_24(32, 192), "e4m3")

@@ -59,3 +59,18 @@ def test_bf16_layer_decodes_on_it_with_prefill_numerics(lib):
         y = ops.sk24_mma_mm(x, mod.dvalues, mod.dmeta, None, None, mod.bias)
     g.replay()
     torch.testing.assert_close(y.float(), decode.float(), rtol=0, atol=0)
+
+
+def test_fp8_x_fp8_kernel_equals_reference_and_passes_its_self_check(lib):
+    w = masked_24(1024, 4096).cuda()
+    scale = (w.float().abs().amax(1) / 448).clamp_min(1e-12)
+    values, meta = sk24_mma.compress((w.float() / scale[:, None]).to(torch.float8_e4m3fn),
+                                     "e4m3")
+    for m in (1, 8, 9, 16, 17, 32):
+        x = torch.randn(m, 4096, device="cuda").to(torch.float8_e4m3fn)
+        xs = torch.rand(m, 1, device="cuda") + 0.5
+        ref = sk24_mma.reference(x, values, meta, xs, scale, None).float()
+        for cfg in sk24_mma.E4M3_CONFIGS:
+            got = sk24_mma._launch_e4m3(lib, x, values, meta, xs, scale, None, cfg).float()
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-2, (m, cfg)
+    assert sk24_mma.e4m3_ok()

@@ -223,6 +223,113 @@ int launch_mt(int fp8, int paired, int warps, int unroll, int rows, int N, cudaS
                                      ws, bias, y, M, K);
 }
 
+// fp8 e4m3 x fp8 e4m3 on the fp8 sparse tensor cores (mma.sp.m16n8k64): the weight's kept
+// values and x as the layer quantized them, 64 columns a step, no widening. A lane holds
+// compressed columns 4t..4t+3 of rows q and q + 8, then 16 + 4t.. of both (16 bytes), and
+// the 2-bit positions of quarter t of rows q (low 16 bits) and q + 8 (high 16 bits).
+__device__ __forceinline__ void mma_sp_e4m3(float (&d)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[4], uint32_t e) {
+  asm("mma.sp::ordered_metadata.sync.aligned.m16n8k64.row.col.f32.e4m3.e4m3.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
+        "r"(e));
+}
+
+template <int MT, int WARPS, int U>
+__global__ void __launch_bounds__(WARPS * 32)
+sk24_mma_e4m3_kernel(const uint8_t* __restrict__ x, int sx, const uint4* __restrict__ vals,
+                     const uint32_t* __restrict__ meta, const float* __restrict__ xs,
+                     int xs_stride, const float* __restrict__ ws,
+                     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y,
+                     int M, int N, int K) {
+  const int rt = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q = lane >> 2, t = lane & 3;
+  const int S = K >> 6;
+  float acc[MT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  const uint32_t* xr[MT];
+  bool ok[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    int m = i * 8 + q;
+    ok[i] = m < M;
+    xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
+  }
+  const size_t tile = (size_t)rt * S;
+  for (int base = warp * U; base < S; base += WARPS * U) {
+    uint32_t a[U][4];
+    uint32_t e[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ks = base + u;
+      if (ks < S) {
+        uint4 v = ldg128_stream(vals + (tile + ks) * 32 + lane);
+        a[u][0] = v.x; a[u][1] = v.y; a[u][2] = v.z; a[u][3] = v.w;
+        e[u] = ldg32_stream(meta + (tile + ks) * 32 + lane);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ks = base + u;
+      if (ks < S) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          uint32_t b[4];
+          const uint32_t* p = xr[i] + ks * 16;  // 64 bytes = 16 words a step
+#pragma unroll
+          for (int j = 0; j < 4; ++j) b[j] = ok[i] ? ldg32(p + 4 * j) : 0u;
+          mma_sp_e4m3(acc[i], a[u], b, e[u]);
+        }
+      }
+    }
+  }
+  __shared__ float red[WARPS][MT * 4][32];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[warp][i * 4 + c][lane] = acc[i][c];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < MT * 4 * 32; idx += WARPS * 32) {
+    const int ic = idx >> 5, l = idx & 31;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += red[w][ic][l];
+    const int i = ic >> 2, c = ic & 3;
+    const int r = (l >> 2) + ((c & 2) ? 8 : 0);
+    const int m = i * 8 + 2 * (l & 3) + (c & 1);
+    const int n = rt * 16 + r;
+    if (m < M) {
+      if (xs) s *= xs[m * xs_stride];
+      if (ws) s *= ws[n];
+      if (bias) s += __bfloat162float(bias[n]);
+      y[(size_t)m * N + n] = __float2bfloat16(s);
+    }
+  }
+}
+
+template <int MT>
+int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx,
+                const uint4* vals, const uint32_t* meta, const float* xs, int xs_stride,
+                const float* ws, const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int N,
+                int K) {
+  dim3 grid(N / 16);
+#define SK24_GO8(W, UU)                                                                      \
+  if (warps == W && unroll == UU) {                                                          \
+    sk24_mma_e4m3_kernel<MT, W, UU><<<grid, W * 32, 0, st>>>(x, sx, vals, meta, xs,          \
+                                                             xs_stride, ws, bias, y, M, N, K); \
+    return 0;                                                                                \
+  }
+  SK24_GO8(4, 4)
+  SK24_GO8(4, 8)
+  SK24_GO8(8, 4)
+  SK24_GO8(8, 8)
+#undef SK24_GO8
+  return -1;
+}
+
 }  // namespace
 
 // 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take
@@ -252,3 +359,26 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
 }
 
 extern "C" int sk24_mma_version() { return 2; }
+
+// the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
+extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
+                                    const float* xs, int xs_stride, const float* ws,
+                                    const void* bias, void* y, int M, int N, int K, int warps,
+                                    int unroll, void* stream) {
+  if (M < 1 || M > 32 || N % 16 || K % 64) return -2;
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
+  const uint4* vb = reinterpret_cast<const uint4*>(vals);
+  const uint32_t* mb = reinterpret_cast<const uint32_t*>(meta);
+  const __nv_bfloat16* bb = reinterpret_cast<const __nv_bfloat16*>(bias);
+  __nv_bfloat16* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  int rc;
+  if (M <= 8)
+    rc = launch_e4m3<1>(warps, unroll, st, xb, sx, vb, mb, xs, xs_stride, ws, bb, yb, M, N, K);
+  else if (M <= 16)
+    rc = launch_e4m3<2>(warps, unroll, st, xb, sx, vb, mb, xs, xs_stride, ws, bb, yb, M, N, K);
+  else
+    rc = launch_e4m3<4>(warps, unroll, st, xb, sx, vb, mb, xs, xs_stride, ws, bb, yb, M, N, K);
+  if (rc) return rc;
+  return (int)cudaGetLastError();
+}
