@@ -90,6 +90,7 @@ class _AccelLinear(nn.Module):
         # its fp8 x fp8 kernel) where it is built and the shape fits, else "triton" (sk24); ""
         # without a small-M path
         self.dkernel = ""
+        self.dconfig: tuple[int, ...] | None = None  # the mma.sp kernel's config (planner's)
         # bf16 dense on a copy of the effective weight for dense_m[0] <= M <= dense_m[1]
         # (set by the planner under sparsity="auto" where dense beats both 2:4 paths)
         self.dense_m = (0, 0)
@@ -114,16 +115,18 @@ class _AccelLinear(nn.Module):
         path's: the same activation quantization, scales and bias, in float32."""
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
             return None
+        cfg = None if self.dconfig is None else list(self.dconfig)
         if self.dkernel == "mma8":  # fp8 x fp8 on the fp8 sparse tensor cores
             q, sx = self._quant(x2d)
-            return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias)
+            return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias,
+                                   cfg)
         if self.dkernel == "mma":  # an fp8 layer's activations widened to bf16 (exact)
             if self.fmt is None:
                 return ops.sk24_mma_mm(x2d.to(torch.bfloat16), self.dvalues, self.dmeta, None,
-                                       None, self.bias)
+                                       None, self.bias, cfg)
             q, sx = self._quant(x2d)
             return ops.sk24_mma_mm(q.to(torch.bfloat16), self.dvalues, self.dmeta, sx,
-                                   self.w_scale, self.bias)
+                                   self.w_scale, self.bias, cfg)
         # x as the kernel's position planes, made by torch ops that the compiler fuses into
         # x's producer (the custom op itself is opaque to it)
         if self.fmt is None:
@@ -190,7 +193,8 @@ class _AccelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         alg = f", alg_id={self.alg_id}" if self.uses_alg else ""
-        dec = (f", decode_max_m={self.decode_max_m} ({self.dkernel})"
+        dec = (f", decode_max_m={self.decode_max_m} ({self.dkernel}"
+               + (f" {'x'.join(map(str, self.dconfig))}" if self.dconfig else "") + ")"
                if self.dvalues is not None else "")
         if self.dense_weight is not None:
             dec += f", bf16 dense for M in {list(self.dense_m)}"

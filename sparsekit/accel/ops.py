@@ -22,10 +22,11 @@ Nothing in a forward reads tensor data on the host.
   + bias`` for a 2:4 weight in sparsekit's own format (:mod:`sparsekit.accel.sk24`: values and
   2-bit indices), bf16 or float8 e4m3 ``x`` of the weight's dtype, on sparsekit's Triton kernel
   for small M (decode, M <= 32; it takes any M); the CPU reference expands the weight.
-- ``sk24_mma_mm(x, values, meta, x_scale, w_scale, bias)``: the same product for M <= 32 on the
-  sparse tensor cores (``mma.sp``; :mod:`sparsekit.accel.sk24_mma`: the fragment-ordered
-  format, bf16 or fp8 e4m3 values), x (M, K) bf16 (an fp8 layer's quantized activations
-  widened, exactly); the CPU reference expands the weight.
+- ``sk24_mma_mm(x, values, meta, x_scale, w_scale, bias, config=None)``: the same product for
+  M <= 32 on the sparse tensor cores (``mma.sp``; :mod:`sparsekit.accel.sk24_mma`: the
+  fragment-ordered format, bf16 or fp8 e4m3 values; ``config`` the kernel configuration, by
+  default per shape), x (M, K) bf16 (an fp8 layer's quantized activations widened, exactly) or
+  fp8 for the "e4m3" layout; the CPU reference expands the weight.
 - ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
   ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
 - ``quant_rows(x, dtype)``: dynamic activation quantization per token (row), with the
@@ -192,17 +193,19 @@ def _sk24_mm_fake(x, values, meta, x_scale, w_scale, bias):
 @torch.library.custom_op("sparsekit::sk24_mma_mm", mutates_args=(), device_types="cuda")
 def sk24_mma_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
                 x_scale: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
-                bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return sk24_mma.launch(x, values, meta, x_scale, w_scale, bias)
+                bias: Optional[torch.Tensor], config: Optional[list[int]] = None
+                ) -> torch.Tensor:
+    return sk24_mma.launch(x, values, meta, x_scale, w_scale, bias,
+                           None if config is None else tuple(config))
 
 
 @sk24_mma_mm.register_kernel("cpu")
-def _sk24_mma_mm_ref(x, values, meta, x_scale, w_scale, bias):
+def _sk24_mma_mm_ref(x, values, meta, x_scale, w_scale, bias, config=None):
     return sk24_mma.reference(x, values, meta, x_scale, w_scale, bias)
 
 
 @sk24_mma_mm.register_fake
-def _sk24_mma_mm_fake(x, values, meta, x_scale, w_scale, bias):
+def _sk24_mma_mm_fake(x, values, meta, x_scale, w_scale, bias, config=None):
     return x.new_empty((x.shape[0], 16 * values.shape[0]), dtype=torch.bfloat16)
 
 

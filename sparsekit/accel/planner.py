@@ -815,6 +815,8 @@ def route_decode(mod: nn.Module, entry: dict, dense: bool) -> None:
     plan ``entry`` (:func:`time_decode`'s, maybe read from the cache); the small-M format's
     copy of the weight goes where no token count is left to it."""
     mod.decode_max_m = int(entry["decode_max_m"])
+    if entry.get("config") and getattr(mod, "dkernel", "").startswith("mma"):
+        mod.dconfig = tuple(entry["config"])
     lo, hi = entry.get("dense_m", (0, 0)) if dense else (0, 0)
     mod.keep_dense(lo, hi)
     if mod.dense_weight is not None and lo <= 1 and mod.decode_max_m <= hi:
@@ -835,6 +837,7 @@ def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> di
 
     dense_w = torch.randn(mod.out_features, mod.in_features, device=device,
                           dtype=torch.bfloat16)
+    config = choose_mma_config(mod, device) if mod.dkernel.startswith("mma") else None
     limit, us, losing = 0, {}, False
     for m in DECODE_BUCKETS:
         x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
@@ -850,9 +853,40 @@ def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> di
         if not losing:
             limit = m
     entry = {"decode_max_m": limit, "us": us}
+    if config is not None:
+        entry["config"] = list(config)
     if dense:
         entry["dense_m"] = list(dense_range(us, limit))
     return entry
+
+
+MMA_CONFIG_MS = (1, 16)  # token counts at which the mma.sp kernel's configurations are timed
+
+
+def choose_mma_config(mod: nn.Module, device: torch.device) -> tuple[int, ...] | None:
+    """The mma.sp kernel configuration with the least geo-mean time over ``MMA_CONFIG_MS``
+    for ``mod``'s shape (CUDA graphs), set on ``mod`` (``dconfig``) and returned; None when
+    there is one candidate or none."""
+    from sparsekit.accel import sk24_mma
+    from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
+
+    cands = sk24_mma.candidates(mod.dvalues)
+    if len(cands) < 2:
+        return None
+    saved = mod.decode_max_m
+    mod.decode_max_m = max(MMA_CONFIG_MS)
+    best = None
+    for cfg in cands:
+        mod.dconfig = cfg
+        t = 1.0
+        for m in MMA_CONFIG_MS:
+            x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
+            t *= timing.graph_time_us(functools.partial(mod, x))
+        if best is None or t < best[1]:
+            best = (cfg, t)
+    mod.decode_max_m = saved
+    mod.dconfig = best[0]
+    return best[0]
 
 
 def decode_note(mod: nn.Module, entry: dict) -> str:
@@ -860,8 +894,11 @@ def decode_note(mod: nn.Module, entry: dict) -> str:
     where neither 2:4 path beats bf16 dense (a decode step there is slower than dense)."""
     times = entry["us"]
     slower = [m for m, t in times.items() if len(t) > 2 and min(t[:2]) > t[2]]
-    return (f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the small-M kernel "
-            f"for M <= {entry['decode_max_m']} (us small-M/large-M/bf16 dense: "
+    kernel = (f" ({getattr(mod, 'dkernel', '')}"
+              + (f" {'x'.join(map(str, entry['config']))}" if entry.get("config") else "")
+              + ")") if getattr(mod, "dkernel", "") else ""
+    return (f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the small-M "
+            f"kernel{kernel} for M <= {entry['decode_max_m']} (us small-M/large-M/bf16 dense: "
             + ", ".join(f"M={m} " + "/".join(f"{u:.1f}" for u in t) for m, t in times.items())
             + ")" + (f"; slower than bf16 dense at M = {', '.join(slower)}" if slower else ""))
 
@@ -881,9 +918,9 @@ def _reset_compiled() -> None:
 
 
 __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
-           "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
-           "PlannedLayer", "Planner", "cache_path", "choose", "choose_plan", "decode_note",
-           "dense_range", "extrapolate_ms", "layer_plan", "load", "model_key", "own_precision",
-           "plan_key", "repeated_blocks", "route_decode", "store", "time_decode",
-           "time_model_ms", "time_module", "time_paired", "truncated", "weight_bytes",
-           "whole_model_plans"]
+           "MIN_REPEATED_BLOCKS", "MMA_CONFIG_MS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN",
+           "SHORTEN_MIN_BYTES", "PlannedLayer", "Planner", "cache_path", "choose",
+           "choose_mma_config", "choose_plan", "decode_note", "dense_range", "extrapolate_ms",
+           "layer_plan", "load", "model_key", "own_precision", "plan_key", "repeated_blocks",
+           "route_decode", "store", "time_decode", "time_model_ms", "time_module", "time_paired",
+           "truncated", "weight_bytes", "whole_model_plans"]

@@ -396,6 +396,15 @@ def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     return (8, 4, 1) if k // 32 >= 8 * 4 else (4, 4, 1)
 
 
+def candidates(values: torch.Tensor) -> list[tuple[int, ...]]:
+    """The configurations the planner times for a weight in this format (its layout's, those
+    that passed the self-check and fit its row tiles)."""
+    if values.shape[-1] == 16:
+        return list(E4M3_CONFIGS)
+    tiles = values.shape[0]
+    return [c for c in CONFIGS if c not in _failed and tiles % c[2] == 0]
+
+
 def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
            bias: torch.Tensor | None, config: tuple[int, int, int] | None = None
@@ -481,5 +490,6 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["CONFIGS", "DTYPES", "E4M3_CONFIGS", "LAYOUTS", "MAX_M", "bound_bytes", "build",
-           "check_shape", "compress", "decompress", "default_config", "dtypes", "e4m3_ok",
-           "launch", "layout_for", "library_path", "load", "reason", "reference", "usable"]
+           "candidates", "check_shape", "compress", "decompress", "default_config", "dtypes",
+           "e4m3_ok", "launch", "layout_for", "library_path", "load", "reason", "reference",
+           "usable"]

@@ -433,3 +433,41 @@ def test_cache_entry_without_dense_route_is_timed_again_under_auto(monkeypatch, 
     plan.save()
     _, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4")
     assert calls == []
+
+
+def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
+    from sparsekit.accel import planner
+    from sparsekit.nn import timing
+
+    monkeypatch.setattr(sk24_mma, "usable", lambda w: True)
+    monkeypatch.setattr(sk24_mma, "candidates", lambda v: [(8, 4, 1), (4, 4, 1), (8, 8, 1)])
+    lin = nn.Linear(512, 64)
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(64, 512))
+    mod = VARIANTS["bf16_2:4"](lin)
+    assert mod.dkernel == "mma" and mod.dconfig is None
+    seen = []
+
+    def fake_time(fn):
+        if fn.func is F.linear:
+            return 6.0
+        m = fn.args[0].shape[0]
+        if fn.func.decode_max_m < m:  # the large-M path
+            return 8.0
+        seen.append(fn.func.dconfig)
+        return 3.0 if fn.func.dconfig == (4, 4, 1) else 5.0
+
+    monkeypatch.setattr(timing, "graph_time_us", fake_time)
+    entry = planner.time_decode(mod, torch.device("cpu"))
+    assert entry["config"] == [4, 4, 1] and mod.dconfig == (4, 4, 1)
+    assert {(8, 4, 1), (4, 4, 1), (8, 8, 1)} <= set(seen)
+    assert entry["decode_max_m"] == 32
+    fresh = VARIANTS["bf16_2:4"](lin)
+    planner.route_decode(fresh, entry, dense=False)
+    assert fresh.dconfig == (4, 4, 1) and "(mma 4x4x1)" in repr(fresh)
+    assert "(mma 4x4x1)" in planner.decode_note(fresh, entry)
+    x = torch.randn(3, 512).bfloat16()  # the config reaches the op (its CPU reference)
+    fresh.decode_max_m = 0
+    want = fresh(x)
+    fresh.decode_max_m = 32
+    torch.testing.assert_close(fresh(x).float(), want.float(), rtol=2e-2, atol=2e-2)
