@@ -10,8 +10,8 @@ import torch
 @pytest.mark.slow
 def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     out = tmp_path / "gen.json"
-    tool_module("bench_generate").main(["--smoke", "--batches", "2", "--profile", "--out",
-                                        str(out)])
+    tool_module("bench_generate").main(["--smoke", "--batches", "2", "--profile",
+                                        "--precisions", "bf16,fp8,int4", "--out", str(out)])
     res = json.loads(out.read_text())
     assert {r["M"] for r in res["gemm"]} == {1, 3}
     for row in res["gemm"]:
@@ -21,7 +21,7 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     assert set(res["gemm_summary"]) == {"bf16_2:4", "fp8_2:4"}
     gen = res["generate"]["2"]
     assert gen["reference"] == "dense_sk"
-    assert set(gen["ways"]) == {"dense_sk", "sk_bf16_2:4", "sk_fp8_2:4"}
+    assert set(gen["ways"]) == {"dense_sk", "sk_bf16_2:4", "sk_fp8_2:4", "sk_int4_2:4"}
     for way in gen["ways"].values():
         assert way["agreement"]["equal_fraction"] >= 0.0 and "accelerate_s" in way
     # --profile: kernel times need CUDA (bench_models.profile_shares), none on CPU
