@@ -427,11 +427,12 @@ def _launch_e4m3(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: 
     m, k = x.shape
     rt, ks = values.shape[:2]
     n = rt * 16
+    values, meta = values.contiguous(), meta.contiguous()
     if x.dtype != torch.float8_e4m3fn or k != ks * 64 or not 1 <= m <= MAX_M:
         raise ValueError(f"sk24 mma kernel (e4m3): x must be float8_e4m3fn (M <= {MAX_M}, "
                          f"{ks * 64}), got {x.dtype} {tuple(x.shape)}")
-    if x.stride(1) != 1 or x.stride(0) % 4:
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 4:
+        x = x.contiguous()  # the kernel loads x in 4-byte words: aligned rows
     cfg = config or ((8, 8) if m <= 16 else (8, 4))
     if cfg not in E4M3_CONFIGS:
         raise ValueError(f"sk24 mma kernel (e4m3): config {cfg} is not one of {E4M3_CONFIGS}")
@@ -455,11 +456,12 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     m, k = x.shape
     rt, ks = values.shape[:2]
     n = rt * 16
+    values, meta = values.contiguous(), meta.contiguous()  # no-ops for compress()'s output
     if x.dtype != torch.bfloat16 or k != ks * 32 or not 1 <= m <= MAX_M:
         raise ValueError(f"sk24 mma kernel: x must be bf16 (M <= {MAX_M}, {ks * 32}), got "
                          f"{x.dtype} {tuple(x.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()  # the kernel loads x in 4-byte words: aligned rows
     paired = meta.shape[1] != ks
     cfg = config or default_config(m, n, k)
     if cfg not in CONFIGS or cfg in _failed:
