@@ -67,7 +67,7 @@ MAX_M = 32
 CONFIGS = ((4, 4, 1), (4, 8, 1), (8, 4, 1), (8, 8, 1), (2, 8, 1), (4, 4, 2), (8, 4, 2),
            (4, 4, 4))
 _failed: set = set()  # configurations that failed the self-check (never launched)
-_e4m3: list[bool] = []  # [whether the fp8 x fp8 kernel passed its self-check], once loaded
+_e4m3: list[bool] = []  # [whether the fp8 x fp8 kernel passed its self-check], on first use
 _why: list[str] = []
 
 
@@ -330,7 +330,7 @@ def _self_check(lib: ctypes.CDLL) -> None:
                         if cfg[2] == 1:
                             raise RuntimeError(f"self-check failed ({weight.dtype}, {layout} "
                                                f"metadata, M={m}, config {cfg}: {why})")
-    _e4m3[:] = [_self_check_e4m3(lib, w, g)]
+
 
 
 def _self_check_e4m3(lib: ctypes.CDLL, w: torch.Tensor, g: torch.Generator) -> bool:
@@ -356,8 +356,18 @@ def _self_check_e4m3(lib: ctypes.CDLL, w: torch.Tensor, g: torch.Generator) -> b
 
 
 def e4m3_ok() -> bool:
-    """Whether the fp8 x fp8 kernel is built and passed its self-check."""
-    return load() is not None and bool(_e4m3) and _e4m3[0]
+    """Whether the fp8 x fp8 kernel is built and passed its self-check (run on the first
+    call, not when the library loads: bf16 layers never wait for it)."""
+    lib = load()
+    if lib is None:
+        return False
+    if not _e4m3:
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(64, 256, generator=g)
+        w4 = w.view(64, 64, 4)
+        keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
+        _e4m3.append(_self_check_e4m3(lib, (w4 * keep).view(64, 256).cuda(), g))
+    return _e4m3[0]
 
 
 def reason() -> str | None:
