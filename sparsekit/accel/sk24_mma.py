@@ -24,6 +24,11 @@ of 16 rows by 32 columns (a "step"), the 16 x 16 kept values in the order in whi
 
 Bytes per dense weight: bf16 1.125 (paired; 1.25 single), fp8 0.625.
 
+fp8 weights have a third layout, "e4m3", for the library's fp8 x fp8 kernel
+(``mma.sp.m16n8k64`` e4m3 on the fp8 sparse tensor cores: 64 columns a step, x as the fp8
+layer quantized it, no widening; :func:`compress`), self-checked on its first use and taken by
+fp8 layers under ``SPARSEKIT_SK24_MMA=all``.
+
 The kernel computes ``(x @ W.T) * x_scale * w_scale + bias`` in float32 with x (M, K) bf16 and
 returns bf16 (M, N); an fp8 layer passes its quantized activations widened to bf16 (exact), so
 that the products and sums are those of an fp8 x fp8 GEMM with float32 accumulation.
