@@ -382,8 +382,12 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
     fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
                          device=device,
                          compile=sk.CompileOptions(backend=backend, warmup=False))
+    kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
+    for mod in fast.model.modules():
+        if getattr(mod, "dkernel", ""):
+            kernels[mod.dkernel] = kernels.get(mod.dkernel, 0) + 1
     info = {"accelerate_s": time.perf_counter() - t0,
-            "report_seconds": dict(fast.report.seconds)}
+            "report_seconds": dict(fast.report.seconds), "decode_kernels": kernels}
     print(json.dumps({"way": f"{precision} {sparsity}", **info}), flush=True)
 
     def run(ids):
