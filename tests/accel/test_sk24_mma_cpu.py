@@ -3,6 +3,8 @@ lane by lane the way mma.sp.m16n8k32 reads its registers (PTX ISA's fragment lay
 A operand, its metadata and the sparsity selector) against dense matmul of the masked weight,
 the reference, the op's opcheck and the errors."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -167,3 +169,25 @@ def test_e4m3_layout_round_trip_and_lane_reading():
     assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="e4m3 layout takes float8_e4m3fn"):
         sk24_mma.compress(masked_24(32, 192), "e4m3")
+
+
+def test_source_ships_and_build_says_why_without_nvcc(monkeypatch, tmp_path):
+    root = sk24_mma.SOURCE.parents[3]
+    assert sk24_mma.SOURCE.is_file() and "mma.sp" in sk24_mma.SOURCE.read_text()
+    assert '"csrc/*.cu"' in (root / "pyproject.toml").read_text()  # package data
+    monkeypatch.setattr(sk24_mma.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    with pytest.raises(RuntimeError, match="no nvcc"):
+        sk24_mma.build(tmp_path / "x.so")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+def test_build_makes_a_library_with_both_entry_points(tmp_path):
+    import ctypes
+
+    path = sk24_mma.build(tmp_path / "lib.so")
+    assert path.is_file() and not list(tmp_path.glob("tmp*"))  # renamed into place
+    lib = ctypes.CDLL(str(path))  # static CUDA runtime: loads without a GPU
+    assert lib.sk24_mma_version() == 2
+    assert hasattr(lib, "sk24_mma_launch") and hasattr(lib, "sk24_mma_e4m3_launch")
