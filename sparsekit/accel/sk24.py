@@ -46,6 +46,23 @@ def check_shape(out_features: int, in_features: int) -> str | None:
     return None
 
 
+def kept(weight: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (N, K/4, 2) in ``weight``'s dtype, positions (N, K/4, 2) int64) of a 2:4 weight
+    (N, K): per group of 4 along K its two kept entries in column order (the nonzeros, then the
+    lowest free positions), their raw bits gathered; ValueError naming ``what`` when a group
+    holds more than two nonzeros. Shared by the small-M formats (here and :mod:`sk24_mma`)."""
+    n, k = weight.shape
+    w4 = weight.reshape(n, k // 4, 4)
+    nz = w4.float() != 0
+    if bool((nz.sum(-1) > 2).any()):
+        raise ValueError(f"{what}: the weight has a group of 4 (along in_features) with more "
+                         f"than 2 nonzeros; prune it to 2:4 first")
+    key = nz.to(torch.int32) * 8 + (3 - torch.arange(4, device=weight.device, dtype=torch.int32))
+    idx = key.topk(2, dim=-1).indices.sort(dim=-1).values
+    bits = torch.int8 if weight.element_size() == 1 else torch.int16
+    return torch.gather(w4.view(bits), -1, idx).view(weight.dtype), idx
+
+
 def compress(weight: torch.Tensor, layout: str = "slabs") -> tuple[torch.Tensor, torch.Tensor]:
     """(values (N, K/2), meta (N, K/32) int32) of a 2:4 weight (N, K); ValueError when a group
     of 4 holds more than two nonzeros or K does not fit the layout. ``layout`` "slabs" (the
@@ -61,16 +78,7 @@ def compress(weight: torch.Tensor, layout: str = "slabs") -> tuple[torch.Tensor,
     if weight.dtype not in DTYPES:
         raise ValueError(f"2:4 decode format: weight dtype must be one of {DTYPES}, "
                          f"got {weight.dtype}")
-    w4 = weight.reshape(n, k // 4, 4)
-    nz = w4.float() != 0
-    if bool((nz.sum(-1) > 2).any()):
-        raise ValueError("2:4 decode format: the weight has a group of 4 (along in_features) "
-                         "with more than 2 nonzeros; prune it to 2:4 first")
-    # kept positions: the nonzeros first, then the lowest free positions; sorted ascending
-    key = nz.to(torch.int32) * 8 + (3 - torch.arange(4, device=weight.device, dtype=torch.int32))
-    idx = key.topk(2, dim=-1).indices.sort(dim=-1).values
-    bits = torch.int8 if weight.element_size() == 1 else torch.int16  # gather the raw bits
-    values = torch.gather(w4.view(bits), -1, idx).view(weight.dtype)  # (N, K/4, 2)
+    values, idx = kept(weight, "2:4 decode format")
     if layout == "slabs":  # the first kept values of a row, then its second ones
         values = values.transpose(1, 2)
     values = values.reshape(n, k // 2).contiguous()
@@ -224,4 +232,4 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["DTYPES", "K_MULTIPLE", "MAX_M", "bound_bytes", "check_shape", "compress",
-           "decompress", "launch", "m_bucket", "planes", "reference", "unplanes"]
+           "decompress", "kept", "launch", "m_bucket", "planes", "reference", "unplanes"]

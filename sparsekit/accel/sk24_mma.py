@@ -57,6 +57,8 @@ from pathlib import Path
 
 import torch
 
+from sparsekit.accel import sk24
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "sk24_mma.cu"
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -86,18 +88,9 @@ def check_shape(out_features: int, in_features: int) -> str | None:
 
 
 def _kept(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values (N, K/2), 2-bit positions (N, K/2) int64) of a 2:4 weight: per group of 4, its
-    two kept entries in column order (the nonzeros, then the lowest free positions)."""
+    """(values (N, K/2), 2-bit positions (N, K/2) int64): :func:`sk24.kept`, flattened."""
+    vals, idx = sk24.kept(weight, "2:4 mma format")
     n, k = weight.shape
-    w4 = weight.reshape(n, k // 4, 4)
-    nz = w4.float() != 0
-    if bool((nz.sum(-1) > 2).any()):
-        raise ValueError("2:4 mma format: the weight has a group of 4 (along in_features) "
-                         "with more than 2 nonzeros; prune it to 2:4 first")
-    key = nz.to(torch.int32) * 8 + (3 - torch.arange(4, device=weight.device, dtype=torch.int32))
-    idx = key.topk(2, dim=-1).indices.sort(dim=-1).values  # (N, K/4, 2)
-    bits = torch.int8 if weight.element_size() == 1 else torch.int16
-    vals = torch.gather(w4.view(bits), -1, idx).view(weight.dtype)
     return vals.reshape(n, k // 2), idx.reshape(n, k // 2).to(torch.int64)
 
 

@@ -9,17 +9,14 @@ import pytest
 import torch
 
 from sparsekit.accel import ops, sk24_mma
+from test_decode_cpu import masked_24 as decode_masked_24
 
 
 def masked_24(n: int, k: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
-    w4 = w.view(n, k // 4, 4)
-    keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
-    w = (w4 * keep).view(n, k)
-    w[0, :4] = 0  # a group with no nonzero
-    w[1, 4:8] = torch.tensor([0.0, 0.0, 0.5, 0.0])  # a group with one
-    w[2, 8:12] = torch.tensor([0.0, 0.0, 0.0, -0.25])  # one, in the last position
+    """test_decode_cpu's 2:4 weight (empty and one-entry groups) plus a group keeping only its
+    last position, in ``dtype``."""
+    w = decode_masked_24(n, k, seed)
+    w[2, 8:12] = torch.tensor([0.0, 0.0, 0.0, -0.25])
     return w.to(dtype)
 
 
