@@ -137,7 +137,7 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
                     fns = [functools.partial(sk24_mma.launch, x, v, mt, None, scale, None, cfg)
                            for v, mt in sets]
                     t = time_rotating(fns)
-                    per["%dx%dx%d" % cfg] = t
+                    per["x".join(map(str, cfg))] = t
                     if best is None or t < best[1]:
                         best = (cfg, t)
                 op_t = time_rotating([functools.partial(ops.sk24_mma_mm, x, v, mt, None, scale,
@@ -156,7 +156,7 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
                 for cfg in sk24_mma.E4M3_CONFIGS:
                     t = time_rotating([functools.partial(sk24_mma.launch, x8, v, mt, xs8, ws,
                                                          None, cfg) for v, mt in c8n])
-                    per["%dx%d" % cfg] = t
+                    per["x".join(map(str, cfg))] = t
                     if best is None or t < best[1]:
                         best = (cfg, t)
                 row["fp8x8_2:4"] = {"us": best[1], "config": list(best[0]), "bytes": nbytes,

@@ -90,7 +90,8 @@ class _AccelLinear(nn.Module):
         # its fp8 x fp8 kernel) where it is built and the shape fits, else "triton" (sk24); ""
         # without a small-M path
         self.dkernel = ""
-        self.dconfig: tuple[int, ...] | None = None  # the mma.sp kernel's config (planner's)
+        # the mma.sp kernel's configuration per bucket of sk24_mma.BUCKETS (the planner's)
+        self.dconfig: tuple[tuple[int, ...], ...] | None = None
         # bf16 dense on a copy of the effective weight for dense_m[0] <= M <= dense_m[1]
         # (set by the planner under sparsity="auto" where dense beats both 2:4 paths)
         self.dense_m = (0, 0)
@@ -115,7 +116,7 @@ class _AccelLinear(nn.Module):
         path's: the same activation quantization, scales and bias, in float32."""
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
             return None
-        cfg = None if self.dconfig is None else list(self.dconfig)
+        cfg = None if self.dconfig is None else [v for c in self.dconfig for v in c]
         if self.dkernel == "mma8":  # fp8 x fp8 on the fp8 sparse tensor cores
             q, sx = self._quant(x2d)
             return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias,
@@ -194,7 +195,7 @@ class _AccelLinear(nn.Module):
     def extra_repr(self) -> str:
         alg = f", alg_id={self.alg_id}" if self.uses_alg else ""
         dec = (f", decode_max_m={self.decode_max_m} ({self.dkernel}"
-               + (f" {'x'.join(map(str, self.dconfig))}" if self.dconfig else "") + ")"
+               + (f" {sk24_mma.config_text(self.dconfig)}" if self.dconfig else "") + ")"
                if self.dvalues is not None else "")
         if self.dense_weight is not None:
             dec += f", bf16 dense for M in {list(self.dense_m)}"

@@ -816,7 +816,7 @@ def route_decode(mod: nn.Module, entry: dict, dense: bool) -> None:
     copy of the weight goes where no token count is left to it."""
     mod.decode_max_m = int(entry["decode_max_m"])
     if entry.get("config") and getattr(mod, "dkernel", "").startswith("mma"):
-        mod.dconfig = tuple(entry["config"])
+        mod.dconfig = valid_mma_config(entry["config"], mod.dvalues)
     lo, hi = entry.get("dense_m", (0, 0)) if dense else (0, 0)
     mod.keep_dense(lo, hi)
     if mod.dense_weight is not None and lo <= 1 and mod.decode_max_m <= hi:
@@ -854,19 +854,18 @@ def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> di
             limit = m
     entry = {"decode_max_m": limit, "us": us}
     if config is not None:
-        entry["config"] = list(config)
+        entry["config"] = [list(c) for c in config]
     if dense:
         entry["dense_m"] = list(dense_range(us, limit))
     return entry
 
 
-MMA_CONFIG_MS = (1, 16)  # token counts at which the mma.sp kernel's configurations are timed
-
-
-def choose_mma_config(mod: nn.Module, device: torch.device) -> tuple[int, ...] | None:
-    """The mma.sp kernel configuration with the least geo-mean time over ``MMA_CONFIG_MS``
-    for ``mod``'s shape (CUDA graphs), set on ``mod`` (``dconfig``) and returned; None when
-    there is one candidate or none."""
+def choose_mma_config(mod: nn.Module, device: torch.device
+                      ) -> tuple[tuple[int, ...], ...] | None:
+    """Per bucket of ``sk24_mma.BUCKETS`` (M = 1, 2..8, 9..16, 17..32), the mma.sp kernel
+    configuration with the least time at the bucket's largest M for ``mod``'s shape (CUDA
+    graphs), set on ``mod`` (``dconfig``) and returned; None when there is one candidate or
+    none."""
     from sparsekit.accel import sk24_mma
     from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
 
@@ -874,19 +873,33 @@ def choose_mma_config(mod: nn.Module, device: torch.device) -> tuple[int, ...] |
     if len(cands) < 2:
         return None
     saved = mod.decode_max_m
-    mod.decode_max_m = max(MMA_CONFIG_MS)
-    best = None
-    for cfg in cands:
-        mod.dconfig = cfg
-        t = 1.0
-        for m in MMA_CONFIG_MS:
-            x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
-            t *= timing.graph_time_us(functools.partial(mod, x))
-        if best is None or t < best[1]:
-            best = (cfg, t)
+    mod.decode_max_m = max(sk24_mma.BUCKETS)
+    chosen = []
+    for m in sk24_mma.BUCKETS:
+        x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
+        best = None
+        for cfg in cands:
+            mod.dconfig = (cfg,) * len(sk24_mma.BUCKETS)
+            t = timing.graph_time_us(functools.partial(mod, x))
+            if best is None or t < best[1]:
+                best = (cfg, t)
+        chosen.append(best[0])
     mod.decode_max_m = saved
-    mod.dconfig = best[0]
-    return best[0]
+    mod.dconfig = tuple(chosen)
+    return mod.dconfig
+
+
+def valid_mma_config(config, values: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
+    """A decode plan's "config" (one configuration per ``sk24_mma.BUCKETS``) as ``dconfig``
+    when every one is among the candidates for ``values``, else None (a plan from another
+    version of the library: the defaults run)."""
+    from sparsekit.accel import sk24_mma
+
+    if not isinstance(config, (list, tuple)) or len(config) != len(sk24_mma.BUCKETS):
+        return None
+    cands = set(sk24_mma.candidates(values))
+    got = tuple(tuple(c) if isinstance(c, (list, tuple)) else None for c in config)
+    return got if all(c in cands for c in got) else None
 
 
 def decode_note(mod: nn.Module, entry: dict) -> str:
@@ -894,8 +907,10 @@ def decode_note(mod: nn.Module, entry: dict) -> str:
     where neither 2:4 path beats bf16 dense (a decode step there is slower than dense)."""
     times = entry["us"]
     slower = [m for m, t in times.items() if len(t) > 2 and min(t[:2]) > t[2]]
+    from sparsekit.accel import sk24_mma
+
     kernel = (f" ({getattr(mod, 'dkernel', '')}"
-              + (f" {'x'.join(map(str, entry['config']))}" if entry.get("config") else "")
+              + (f" {sk24_mma.config_text(entry['config'])}" if entry.get("config") else "")
               + ")") if getattr(mod, "dkernel", "") else ""
     return (f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the small-M "
             f"kernel{kernel} for M <= {entry['decode_max_m']} (us small-M/large-M/bf16 dense: "
@@ -918,9 +933,9 @@ def _reset_compiled() -> None:
 
 
 __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
-           "MIN_REPEATED_BLOCKS", "MMA_CONFIG_MS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN",
+           "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN",
            "SHORTEN_MIN_BYTES", "PlannedLayer", "Planner", "cache_path", "choose",
            "choose_mma_config", "choose_plan", "decode_note", "dense_range", "extrapolate_ms",
            "layer_plan", "load", "model_key", "own_precision", "plan_key", "repeated_blocks",
            "route_decode", "store", "time_decode", "time_model_ms", "time_module", "time_paired",
-           "truncated", "weight_bytes", "whole_model_plans"]
+           "truncated", "valid_mma_config", "weight_bytes", "whole_model_plans"]

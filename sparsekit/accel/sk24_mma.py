@@ -67,12 +67,18 @@ LAYOUTS = (*META_LAYOUTS, "e4m3")  # "e4m3": fp8 weights for the fp8 x fp8 kerne
 # (warps, steps ahead) of the fp8 x fp8 kernel
 E4M3_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8))
 MAX_M = 32
-# (warps a block, steps a warp loads ahead, tiles of 16 rows a block): the configurations the
-# library is built with; :func:`default_config` picks among those with one tile (measured,
-# docs/gpu.md), the others (each x fragment feeding 2 or 4 tiles) are timed by
-# tools/bench_sk24_mma.py
-CONFIGS = ((4, 4, 1), (4, 8, 1), (8, 4, 1), (8, 8, 1), (2, 8, 1), (4, 4, 2), (8, 4, 2),
-           (4, 4, 4))
+# (warps a block, steps a warp loads ahead, tiles of 16 rows a block, x staged through shared
+# memory): the configurations the library is built with. x loaded straight into the B
+# fragments (0) costs the L1 about eight wavefronts per 16 bytes of a fragment once M > 1;
+# staged (1), each warp loads its steps of x with coalesced 16-byte loads and reads the
+# fragments with ldmatrix. :func:`default_config` picks among the first; the planner times
+# them all per shape and M bucket (:data:`BUCKETS`)
+CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0), (4, 4, 2, 0),
+           (8, 4, 2, 0), (4, 4, 4, 0), (4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1), (4, 4, 2, 1),
+           (8, 4, 2, 1), (4, 4, 4, 1))
+# the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
+# (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
+BUCKETS = (1, 8, 16, 32)
 _failed: set = set()  # configurations that failed the self-check (never launched)
 _e4m3: list[bool] = []  # [whether the fp8 x fp8 kernel passed its self-check], on first use
 _why: list[str] = []
@@ -280,7 +286,10 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_void_p]
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        if lib.sk24_mma_version() != 3:
+            raise RuntimeError(f"{path} is version {lib.sk24_mma_version()} of the library, "
+                               "not 3: rebuild it (or remove it)")
         lib.sk24_mma_e4m3_launch.restype = ctypes.c_int
         lib.sk24_mma_e4m3_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -325,7 +334,7 @@ def _self_check(lib: ctypes.CDLL) -> None:
                         _failed.add(cfg)
                         log.warning("sparsekit: mma.sp config %s failed its self-check (%s, "
                                     "M=%d: %s); not used", cfg, weight.dtype, m, why)
-                        if cfg[2] == 1:
+                        if cfg[2] == 1 and not cfg[3]:
                             raise RuntimeError(f"self-check failed ({weight.dtype}, {layout} "
                                                f"metadata, M={m}, config {cfg}: {why})")
 
@@ -395,13 +404,14 @@ def usable(weight: torch.Tensor) -> bool:
             and check_shape(*weight.shape) is None and load() is not None)
 
 
-def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(warps, steps ahead, row tiles) for a shape: 8 warps loading 4 steps ahead, one tile of
-    16 rows a block, where K has 8 x 4 steps of 32 columns, else 4 warps. On an H100 (the
-    eight Llama-3-8B/70B shapes, M = 1..16, docs/bench/bench_sk24_mma_2026-12-06_h100.json)
-    (8, 4, 1) ran within 4% of the best configuration per row in bf16 on geo-mean (7% in
-    fp8), the best of the fixed choices; the earlier rule by K, 6% (13%)."""
-    return (8, 4, 1) if k // 32 >= 8 * 4 else (4, 4, 1)
+def default_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(warps, steps ahead, row tiles, staged x) for a shape: 8 warps loading 4 steps ahead,
+    one tile of 16 rows a block, x loaded directly, where K has 8 x 4 steps of 32 columns,
+    else 4 warps. On an H100 (the eight Llama-3-8B/70B shapes, M = 1..16,
+    docs/bench/bench_sk24_mma_2026-12-06_h100.json) (8, 4, 1) ran within 4% of the best
+    configuration per row in bf16 on geo-mean (7% in fp8), the best of the fixed choices then
+    built; the earlier rule by K, 6% (13%)."""
+    return (8, 4, 1, 0) if k // 32 >= 8 * 4 else (4, 4, 1, 0)
 
 
 def candidates(values: torch.Tensor) -> list[tuple[int, ...]]:
@@ -413,12 +423,32 @@ def candidates(values: torch.Tensor) -> list[tuple[int, ...]]:
     return [c for c in CONFIGS if c not in _failed and tiles % c[2] == 0]
 
 
+def config_for(config, m: int) -> tuple[int, ...] | None:
+    """The configuration for M rows out of ``config``: None, one configuration, or one per
+    bucket of :data:`BUCKETS` (flattened, as the op takes it)."""
+    if config is None:
+        return None
+    config = tuple(config)
+    width = len(config) // len(BUCKETS)
+    if width and len(config) == width * len(BUCKETS) and width in (2, 4):
+        i = next(i for i, top in enumerate(BUCKETS) if m <= top or top == BUCKETS[-1])
+        return config[i * width:(i + 1) * width]
+    return config
+
+
+def config_text(config) -> str:
+    """A configuration per bucket (``dconfig``, a plan's "config") for reports: "/"-separated."""
+    return "/".join("x".join(map(str, c)) for c in config)
+
+
 def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-           bias: torch.Tensor | None, config: tuple[int, int, int] | None = None
+           bias: torch.Tensor | None, config: tuple[int, ...] | None = None
            ) -> torch.Tensor:
     """Run the kernel on CUDA tensors: x (M, K) bf16 with M <= 32; ``config`` (warps, steps
-    ahead, row tiles) from :data:`CONFIGS`, else :func:`default_config`."""
+    ahead, row tiles, staged x) from :data:`CONFIGS`, or one such per bucket of
+    :data:`BUCKETS` in a row (:func:`config_for`), else :func:`default_config`."""
+    config = config_for(config, x.shape[0])
     lib = load()
     if lib is None:
         raise RuntimeError(f"the mma.sp 2:4 kernel is not available: {reason()}")
@@ -460,7 +490,7 @@ def _launch_e4m3(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: 
 
 def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
             x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-            bias: torch.Tensor | None, config: tuple[int, int, int] | None) -> torch.Tensor:
+            bias: torch.Tensor | None, config: tuple[int, ...] | None) -> torch.Tensor:
     m, k = x.shape
     rt, ks = values.shape[:2]
     n = rt * 16
@@ -468,10 +498,12 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     if x.dtype != torch.bfloat16 or k != ks * 32 or not 1 <= m <= MAX_M:
         raise ValueError(f"sk24 mma kernel: x must be bf16 (M <= {MAX_M}, {ks * 32}), got "
                          f"{x.dtype} {tuple(x.shape)}")
+    cfg = config or default_config(m, n, k)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()  # the kernel loads x in 4-byte words: aligned rows
+    if len(cfg) > 3 and cfg[3] and (x.stride(0) % 8 or x.data_ptr() % 16):
+        x = x.clone(memory_format=torch.contiguous_format)  # staged: 16-byte loads
     paired = meta.shape[1] != ks
-    cfg = config or default_config(m, n, k)
     if cfg not in CONFIGS or cfg in _failed:
         raise ValueError(f"sk24 mma kernel: config {cfg} is not one of "
                          f"{[c for c in CONFIGS if c not in _failed]}")
@@ -487,7 +519,7 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
         None if xs is None else xs.data_ptr(), 0 if xs is None or xs.numel() == 1 else 1,
         None if ws is None else ws.data_ptr(), None if b is None else b.data_ptr(),
         y.data_ptr(), m, n, k, int(values.dtype == torch.float8_e4m3fn), int(paired),
-        cfg[0], cfg[1], cfg[2], torch.cuda.current_stream(x.device).cuda_stream)
+        cfg[0], cfg[1], cfg[2], cfg[3], torch.cuda.current_stream(x.device).cuda_stream)
     if rc:
         raise RuntimeError(f"sk24 mma kernel: launch failed (code {rc})")
     return y
@@ -499,7 +531,7 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     return n * (k // 2) * item + n * (k // 64) * 4 * 2 + m * k * 2 + m * n * 2
 
 
-__all__ = ["CONFIGS", "DTYPES", "E4M3_CONFIGS", "LAYOUTS", "MAX_M", "bound_bytes", "build",
-           "candidates", "check_shape", "compress", "decompress", "default_config", "dtypes",
-           "e4m3_ok", "launch", "layout_for", "library_path", "load", "reason", "reference",
-           "usable"]
+__all__ = ["BUCKETS", "CONFIGS", "DTYPES", "E4M3_CONFIGS", "LAYOUTS", "MAX_M", "bound_bytes",
+           "build", "candidates", "check_shape", "compress", "config_for", "config_text",
+           "decompress", "default_config", "dtypes", "e4m3_ok", "launch", "layout_for",
+           "library_path", "load", "reason", "reference", "usable"]

@@ -440,7 +440,8 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
     from sparsekit.nn import timing
 
     monkeypatch.setattr(sk24_mma, "usable", lambda w: True)
-    monkeypatch.setattr(sk24_mma, "candidates", lambda v: [(8, 4, 1), (4, 4, 1), (8, 8, 1)])
+    cands = [(8, 4, 1, 0), (4, 4, 1, 0), (8, 4, 1, 1)]
+    monkeypatch.setattr(sk24_mma, "candidates", lambda v: cands)
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
@@ -454,18 +455,26 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
         m = fn.args[0].shape[0]
         if fn.func.decode_max_m < m:  # the large-M path
             return 8.0
-        seen.append(fn.func.dconfig)
-        return 3.0 if fn.func.dconfig == (4, 4, 1) else 5.0
+        cfg = sk24_mma.config_for([v for c in fn.func.dconfig for v in c], m)
+        seen.append((m, cfg))
+        # direct loads win at M = 1, staged x from M = 2; (4, 4, 1, 0) beats (8, 4, 1, 0)
+        return {(4, 4, 1, 0): 3.0, (8, 4, 1, 0): 4.0}.get(cfg, 3.5) * (1 if m == 1 else 2) \
+            - (2.0 if m > 1 and cfg == (8, 4, 1, 1) else 0.0)
 
     monkeypatch.setattr(timing, "graph_time_us", fake_time)
     entry = planner.time_decode(mod, torch.device("cpu"))
-    assert entry["config"] == [4, 4, 1] and mod.dconfig == (4, 4, 1)
-    assert {(8, 4, 1), (4, 4, 1), (8, 8, 1)} <= set(seen)
+    want = ((4, 4, 1, 0), (8, 4, 1, 1), (8, 4, 1, 1), (8, 4, 1, 1))
+    assert mod.dconfig == want and entry["config"] == [list(c) for c in want]
+    assert {(m, c) for m in sk24_mma.BUCKETS for c in cands} <= set(seen)
     assert entry["decode_max_m"] == 32
     fresh = VARIANTS["bf16_2:4"](lin)
     planner.route_decode(fresh, entry, dense=False)
-    assert fresh.dconfig == (4, 4, 1) and "(mma 4x4x1)" in repr(fresh)
-    assert "(mma 4x4x1)" in planner.decode_note(fresh, entry)
+    text = "(mma 4x4x1x0/8x4x1x1/8x4x1x1/8x4x1x1)"
+    assert fresh.dconfig == want and text in repr(fresh)
+    assert text in planner.decode_note(fresh, entry)
+    stale = VARIANTS["bf16_2:4"](lin)  # a plan of the 3-number configurations: defaults run
+    planner.route_decode(stale, {**entry, "config": [4, 4, 1]}, dense=False)
+    assert stale.dconfig is None
     x = torch.randn(3, 512).bfloat16()  # the config reaches the op (its CPU reference)
     fresh.decode_max_m = 0
     want = fresh(x)

@@ -186,5 +186,19 @@ def test_build_makes_a_library_with_both_entry_points(tmp_path):
     path = sk24_mma.build(tmp_path / "lib.so")
     assert path.is_file() and not list(tmp_path.glob("tmp*"))  # renamed into place
     lib = ctypes.CDLL(str(path))  # static CUDA runtime: loads without a GPU
-    assert lib.sk24_mma_version() == 2
+    assert lib.sk24_mma_version() == 3
     assert hasattr(lib, "sk24_mma_launch") and hasattr(lib, "sk24_mma_e4m3_launch")
+
+
+def test_config_for_picks_the_bucket_of_m():
+    per_bucket = [(8, 4, 1, 0), (4, 4, 1, 1), (8, 4, 2, 1), (4, 4, 4, 1)]
+    flat = [v for c in per_bucket for v in c]
+    got = [sk24_mma.config_for(flat, m) for m in range(1, 33)]
+    want = [per_bucket[0]] + [per_bucket[1]] * 7 + [per_bucket[2]] * 8 + [per_bucket[3]] * 16
+    assert got == want
+    assert sk24_mma.config_for((4, 4, 2, 1), 20) == (4, 4, 2, 1)  # one for every M
+    assert sk24_mma.config_for(None, 5) is None
+    e4m3 = [8, 8, 4, 8, 8, 4, 4, 4]  # the fp8 x fp8 kernel's (warps, unroll) per bucket
+    assert sk24_mma.config_for(e4m3, 1) == (8, 8) and sk24_mma.config_for(e4m3, 32) == (4, 4)
+    assert sk24_mma.config_text(per_bucket) == "8x4x1x0/4x4x1x1/8x4x2x1/4x4x4x1"
+    assert all(len(c) == 4 and c in sk24_mma.CONFIGS for c in per_bucket)

@@ -9,7 +9,12 @@
 //
 // One block of WARPS warps per R tiles of 16 rows of W (each x fragment loaded feeds R
 // products); warp w takes steps w*U .. w*U+U-1, then strides by WARPS*U; the warps' partial
-// sums meet in shared memory. Plain C entry point (no torch
+// sums meet in shared memory. x reaches the B fragments one of two ways (XS): straight from
+// global memory (four 4-byte loads a lane, m-tile and step: 8 rows of 16 bytes each), or
+// staged by each warp through its own slice of shared memory (16-byte coalesced loads of its
+// U steps for all rows, stored with the 16-byte chunks XOR-swizzled by row, then one
+// conflict-free ldmatrix.x4 a B fragment): for M > 1 the direct loads cost the L1 four to eight
+// times the wavefronts. Plain C entry point (no torch
 // headers): built by nvcc into a shared library and called through ctypes with the current
 // stream, so the launch goes into CUDA graphs like any other kernel.
 #include <cuda_bf16.h>
@@ -29,6 +34,21 @@ __device__ __forceinline__ uint4 ldg128_stream(const uint4* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+}
+
+__device__ __forceinline__ uint4 ldg128(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// four 8 x 8 bf16 matrices from shared memory: lane l gives the row address of row l % 8 of
+// matrix l / 8 and receives, of each matrix, row l / 4's elements 2 (l % 4) and 2 (l % 4) + 1
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
 __device__ __forceinline__ uint2 ldg64_stream(const uint2* p) {
@@ -78,13 +98,23 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
-template <int MT, bool FP8, bool PAIRED, int WARPS, int U, int R>
+// shared memory of the staged-x kernel: each warp's x slice (MT * 8 rows of U * 4 chunks of
+// 16 bytes), reused for the warps' partial sums at the end
+template <int MT, int WARPS, int U, int R>
+constexpr int xs_smem_bytes() {
+  return (WARPS * MT * 8 * U * 4 * 16 > WARPS * R * MT * 4 * 32 * 4)
+             ? WARPS * MT * 8 * U * 4 * 16 : WARPS * R * MT * 4 * 32 * 4;
+}
+
+template <int MT, bool FP8, bool PAIRED, int WARPS, int U, int R, bool XS>
 __global__ void __launch_bounds__(WARPS * 32)
 sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
                 const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
                 const float* __restrict__ ws, const __nv_bfloat16* __restrict__ bias,
                 __nv_bfloat16* __restrict__ y, int M, int N, int K) {
   static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
+  static_assert(!XS || U >= 2, "the swizzle takes 8 chunks a row");
+  extern __shared__ __align__(16) unsigned char smem[];
   // R tiles of 16 rows a block: each x fragment loaded feeds R products
   const int rt0 = blockIdx.x * R;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -134,27 +164,67 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
         }
       }
     }
+    if constexpr (XS) {
+      // this warp's U steps of x, all MT * 8 rows (rows past M repeat row M - 1: their
+      // products land in outputs that are not written), 16 bytes a load, coalesced
+      constexpr int CH = U * 4, NL = MT * U;  // chunks a row; loads a lane
+      uint4* xw = reinterpret_cast<uint4*>(smem) + warp * (MT * 8 * CH);
+      uint4 xv[NL];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ks = base + u;
-      if (ks < S) {
+      for (int s = 0; s < NL; ++s) {
+        const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+        if (base + c / 4 < S)
+          xv[s] = ldg128(reinterpret_cast<const uint4*>(
+                             x + (size_t)(row < M ? row : M - 1) * sx + (size_t)base * 32) + c);
+      }
+      __syncwarp();  // every lane's ldmatrix of the last round has read the slice
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          uint32_t b[4];
-          const uint32_t* p = xr[i] + ks * 16;  // 32 bf16 = 16 words a step
+      for (int s = 0; s < NL; ++s) {
+        const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+        if (base + c / 4 < S) xw[row * CH + (c ^ (row & 7))] = xv[s];
+      }
+      __syncwarp();
 #pragma unroll
-          for (int j = 0; j < 4; ++j) b[j] = ok[i] ? ldg32(p + 4 * j) : 0u;
+      for (int u = 0; u < U; ++u) {
+        if (base + u < S) {
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            if (PAIRED && (u & 1)) mma_sp<1>(acc[r][i], a[u][r], b, e[u][r]);
-            else mma_sp<0>(acc[r][i], a[u][r], b, e[u][r]);
+          for (int i = 0; i < MT; ++i) {
+            // matrix j = chunk 4u + j of rows 8i .. 8i + 7: lane (q, t) gets x[8i + q][32 ks
+            // + 8j + 2t ..], the B fragment's word j
+            uint32_t b[4];
+            ldsm_x4(b, xw + (8 * i + (lane & 7)) * CH + ((4 * u + (lane >> 3)) ^ (lane & 7)));
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              if (PAIRED && (u & 1)) mma_sp<1>(acc[r][i], a[u][r], b, e[u][r]);
+              else mma_sp<0>(acc[r][i], a[u][r], b, e[u][r]);
+            }
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ks = base + u;
+        if (ks < S) {
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            uint32_t b[4];
+            const uint32_t* p = xr[i] + ks * 16;  // 32 bf16 = 16 words a step
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = ok[i] ? ldg32(p + 4 * j) : 0u;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              if (PAIRED && (u & 1)) mma_sp<1>(acc[r][i], a[u][r], b, e[u][r]);
+              else mma_sp<0>(acc[r][i], a[u][r], b, e[u][r]);
+            }
           }
         }
       }
     }
   }
   // the warps' partial sums: red[warp][(r*MT + i)*4 + c][lane]
-  __shared__ float red[WARPS][R * MT * 4][32];
+  __syncthreads();  // (the staged kernel's x slices become the sums' space)
+  float (*red)[R * MT * 4][32] = reinterpret_cast<float (*)[R * MT * 4][32]>(smem);
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -182,44 +252,60 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
 }
 
 template <int MT, bool FP8, bool PAIRED>
-int launch_wu(int warps, int unroll, int rows, int N, cudaStream_t st, const __nv_bfloat16* x,
-              int sx, const void* vals, const uint32_t* meta, const float* xs, int xs_stride,
-              const float* ws, const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int K) {
+int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
+              const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
+              const float* xs, int xs_stride, const float* ws, const __nv_bfloat16* bias,
+              __nv_bfloat16* y, int M, int K) {
   if ((N / 16) % rows) return -2;
   dim3 grid(N / 16 / rows);
-#define SK24_GO(W, UU, RR)                                                                   \
-  if (warps == W && unroll == UU && rows == RR) {                                            \
-    sk24_mma_kernel<MT, FP8, PAIRED, W, UU, RR><<<grid, W * 32, 0, st>>>(                    \
-        x, sx, vals, meta, xs, xs_stride, ws, bias, y, M, N, K);                             \
+  // (the attribute call is a host-side setting, made once an instantiation; no stream work)
+#define SK24_GO(W, UU, RR, X)                                                                \
+  if (warps == W && unroll == UU && rows == RR && xsm == X) {                                \
+    auto kern = sk24_mma_kernel<MT, FP8, PAIRED, W, UU, RR, X>;                              \
+    constexpr int bytes = X ? xs_smem_bytes<MT, W, UU, RR>() : W * RR * MT * 4 * 32 * 4;     \
+    static bool attr = false;                                                                \
+    if (!attr && bytes > 48 * 1024) {                                                        \
+      cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                             bytes);                                         \
+      if (err != cudaSuccess) return (int)err;                                               \
+    }                                                                                        \
+    attr = true;                                                                             \
+    kern<<<grid, W * 32, bytes, st>>>(x, sx, vals, meta, xs, xs_stride, ws, bias, y, M, N, K); \
     return 0;                                                                                \
   }
-  SK24_GO(4, 4, 1)
-  SK24_GO(4, 8, 1)
-  SK24_GO(8, 4, 1)
-  SK24_GO(8, 8, 1)
-  SK24_GO(2, 8, 1)
-  SK24_GO(4, 4, 2)
-  SK24_GO(8, 4, 2)
-  SK24_GO(4, 4, 4)
+  SK24_GO(4, 4, 1, 0)
+  SK24_GO(4, 8, 1, 0)
+  SK24_GO(8, 4, 1, 0)
+  SK24_GO(8, 8, 1, 0)
+  SK24_GO(2, 8, 1, 0)
+  SK24_GO(4, 4, 2, 0)
+  SK24_GO(8, 4, 2, 0)
+  SK24_GO(4, 4, 4, 0)
+  SK24_GO(4, 4, 1, 1)
+  SK24_GO(8, 4, 1, 1)
+  SK24_GO(8, 2, 1, 1)
+  SK24_GO(4, 4, 2, 1)
+  SK24_GO(8, 4, 2, 1)
+  SK24_GO(4, 4, 4, 1)
 #undef SK24_GO
   return -1;
 }
 
 template <int MT>
-int launch_mt(int fp8, int paired, int warps, int unroll, int rows, int N, cudaStream_t st,
+int launch_mt(int fp8, int paired, int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
               const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
               const float* xs, int xs_stride, const float* ws, const __nv_bfloat16* bias,
               __nv_bfloat16* y, int M, int K) {
   if (fp8 && paired)
-    return launch_wu<MT, true, true>(warps, unroll, rows, N, st, x, sx, vals, meta, xs, xs_stride,
+    return launch_wu<MT, true, true>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs, xs_stride,
                                      ws, bias, y, M, K);
   if (fp8)
-    return launch_wu<MT, true, false>(warps, unroll, rows, N, st, x, sx, vals, meta, xs,
+    return launch_wu<MT, true, false>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs,
                                       xs_stride, ws, bias, y, M, K);
   if (paired)
-    return launch_wu<MT, false, true>(warps, unroll, rows, N, st, x, sx, vals, meta, xs,
+    return launch_wu<MT, false, true>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs,
                                       xs_stride, ws, bias, y, M, K);
-  return launch_wu<MT, false, false>(warps, unroll, rows, N, st, x, sx, vals, meta, xs, xs_stride,
+  return launch_wu<MT, false, false>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs, xs_stride,
                                      ws, bias, y, M, K);
 }
 
@@ -333,11 +419,13 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 }  // namespace
 
 // 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take
-// (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch
+// (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch;
+// xsm: 1 stages x through shared memory (x's rows 16-byte aligned), 0 loads it directly
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
                                const float* xs, int xs_stride, const float* ws,
                                const void* bias, void* y, int M, int N, int K, int fp8,
-                               int paired, int warps, int unroll, int rows, void* stream) {
+                               int paired, int warps, int unroll, int rows, int xsm,
+                               void* stream) {
   if (M < 1 || M > 32 || N % 16 || K % 64 || rows < 1) return -2;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const __nv_bfloat16* xb = reinterpret_cast<const __nv_bfloat16*>(x);
@@ -346,19 +434,19 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   __nv_bfloat16* yb = reinterpret_cast<__nv_bfloat16*>(y);
   int rc;
   if (M <= 8)
-    rc = launch_mt<1>(fp8, paired, warps, unroll, rows, N, st, xb, sx, vals, mb, xs, xs_stride,
+    rc = launch_mt<1>(fp8, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs, xs_stride,
                       ws, bb, yb, M, K);
   else if (M <= 16)
-    rc = launch_mt<2>(fp8, paired, warps, unroll, rows, N, st, xb, sx, vals, mb, xs, xs_stride,
+    rc = launch_mt<2>(fp8, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs, xs_stride,
                       ws, bb, yb, M, K);
   else
-    rc = launch_mt<4>(fp8, paired, warps, unroll, rows, N, st, xb, sx, vals, mb, xs, xs_stride,
+    rc = launch_mt<4>(fp8, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs, xs_stride,
                       ws, bb, yb, M, K);
   if (rc) return rc;
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 2; }
+extern "C" int sk24_mma_version() { return 3; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
