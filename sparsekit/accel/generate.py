@@ -17,6 +17,11 @@ Compiles are counted in the model's report (``report.compiles``): one per prefil
 one per batch size for decode (the cache's layers are allocated before its first use, so its
 second use compiles nothing new), and a prompt that fills its bucket exactly runs without a
 mask: one more graph for that length.
+
+On CUDA, a model on HF's SDPA attention runs its decode steps' attention on sparsekit's
+kernel (:mod:`sparsekit.accel.attention`: grouped-query heads read once, unfilled cache
+positions skipped) for the duration of each generate call; ``SPARSEKIT_DECODE_ATTENTION=0``
+keeps HF's.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import graphs
+from sparsekit.accel import attention, graphs
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,10 @@ class Generator:
         self.capture = compile and device.type == "cuda"
         self.graphs: dict[tuple[int, str], graphs.GraphCache] = {}
         self.notes = notes
+        self.attention = attention_for(model, device)
+        if self.attention is not None:
+            notes.append("generate: decode attention on sparsekit's kernel (grouped-query "
+                         "heads read once, unfilled cache positions skipped)")
 
     def _cache(self, batch: int, length: int) -> Any:
         from transformers import StaticCache
@@ -153,11 +162,16 @@ class Generator:
                 self.count(_compat.compiled_graph_count() - before)
             return out
 
+        config = self.model.config
+        before = config._attn_implementation
         self.model.forward = forward
+        if self.attention is not None:
+            config._attn_implementation = self.attention
         try:
             yield
         finally:
             del self.model.forward
+            config._attn_implementation = before
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
@@ -212,6 +226,17 @@ class Generator:
         return 0
 
 
+def attention_for(model: nn.Module, device: torch.device) -> str | None:
+    """The attention implementation generate switches ``model`` to: sparsekit's
+    (:data:`sparsekit.accel.attention.NAME`) for a model on HF's SDPA on CUDA, unless
+    ``SPARSEKIT_DECODE_ATTENTION=0``; else None (the model's own)."""
+    if device.type != "cuda" or not attention.enabled():
+        return None
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return None
+    return attention.register()
+
+
 def _allocate(cache: Any, model: nn.Module, batch: int, device: torch.device) -> None:
     """Allocate the cache's layers now (HF allocates them on their first update otherwise):
     the first prefill then sees the same cache as every later one (one compile per shape, and
@@ -240,4 +265,4 @@ def _small_state(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-__all__ = ["Generator", "bucket", "cache_length", "check_generates"]
+__all__ = ["Generator", "attention_for", "bucket", "cache_length", "check_generates"]

@@ -38,6 +38,9 @@ Nothing in a forward reads tensor data on the host.
   ``x @ (q * scale).T + bias`` for int4 weights with group scales (W4A16), 2:4 or dense, in
   sparsekit's packed formats (:mod:`sparsekit.accel.w4a16`), on its Triton kernels for small M
   (decode, M <= 32; they take any M); the CPU references dequantize the weight.
+- ``decode_attention(q, k, v, mask, scale)``: attention of one query token per sequence over a
+  static KV cache, grouped-query heads read once, masked positions never loaded
+  (:mod:`sparsekit.accel.attention`); the CPU reference is plain float32 torch.
 """
 
 import functools
@@ -47,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit import _compat
-from sparsekit.accel import cslt_ext, sk24, sk24_mma
+from sparsekit.accel import attention, cslt_ext, sk24, sk24_mma
 from sparsekit.accel import w4a16
 from sparsekit.quant.formats import FP8, INT8, Format
 from sparsekit.quant.kernels import scaled_matmul
@@ -289,7 +292,24 @@ def _int4_mm_fake(x, values, scales, bias):
     return x.new_empty((x.shape[0], values.shape[0]), dtype=torch.bfloat16)
 
 
-__all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "fmt_of", "int4_24_mm", "int4_mm",
-           "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm", "sk24_mm", "sk24_mma_mm",
-           "sparse24_mm",
-           "sparse24_mm_alpha"]
+# --- decode_attention (one query token over a static KV cache) -------------------------------
+
+@torch.library.custom_op("sparsekit::decode_attention", mutates_args=(), device_types="cuda")
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    return attention.launch(q, k, v, mask, scale)
+
+
+@decode_attention.register_kernel("cpu")
+def _decode_attention_ref(q, k, v, mask, scale):
+    return attention.reference(q, k, v, mask, scale)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(q, k, v, mask, scale):
+    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
+
+
+__all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "decode_attention", "fmt_of",
+           "int4_24_mm", "int4_mm", "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm",
+           "sk24_mm", "sk24_mma_mm", "sparse24_mm", "sparse24_mm_alpha"]
