@@ -27,6 +27,10 @@ Nothing in a forward reads tensor data on the host.
   fragment-ordered format, bf16 or fp8 e4m3 values; ``config`` the kernel configuration, by
   default per shape), x (M, K) bf16 (an fp8 layer's quantized activations widened, exactly) or
   fp8 for the "e4m3" layout; the CPU reference expands the weight.
+- ``sk24_mma_int4_mm(x, values, meta, scales, bias, config=None)``: bf16
+  ``x @ (q * scale).T + bias`` for an int4 2:4 weight in the kernel's int4 format
+  (:func:`sparsekit.accel.sk24_mma.compress_int4`), M <= 32, on the same sparse tensor cores
+  (nibbles widened to bf16 in registers, group scales applied in float32).
 - ``scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)``: the dense W8A8 product
   ``(xq @ wq.T) * x_scale * w_scale + bias`` (x_scale (M, 1), w_scale (N,), float32).
 - ``quant_rows(x, dtype)``: dynamic activation quantization per token (row), with the
@@ -212,6 +216,24 @@ def _sk24_mma_mm_fake(x, values, meta, x_scale, w_scale, bias, config=None):
     return x.new_empty((x.shape[0], 16 * values.shape[0]), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("sparsekit::sk24_mma_int4_mm", mutates_args=(), device_types="cuda")
+def sk24_mma_int4_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                     scales: torch.Tensor, bias: Optional[torch.Tensor],
+                     config: Optional[list[int]] = None) -> torch.Tensor:
+    return sk24_mma.launch_int4(x, values, meta, scales, bias,
+                                None if config is None else tuple(config))
+
+
+@sk24_mma_int4_mm.register_kernel("cpu")
+def _sk24_mma_int4_mm_ref(x, values, meta, scales, bias, config=None):
+    return sk24_mma.reference_int4(x, values, meta, scales, bias)
+
+
+@sk24_mma_int4_mm.register_fake
+def _sk24_mma_int4_mm_fake(x, values, meta, scales, bias, config=None):
+    return x.new_empty((x.shape[0], 16 * values.shape[0]), dtype=torch.bfloat16)
+
+
 # --- scaled_mm (dense W8A8) ------------------------------------------------------------------
 
 @torch.library.custom_op("sparsekit::scaled_mm", mutates_args=(), device_types="cuda")
@@ -312,4 +334,4 @@ def _decode_attention_fake(q, k, v, mask, scale):
 
 __all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "decode_attention", "fmt_of",
            "int4_24_mm", "int4_mm", "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm",
-           "sk24_mm", "sk24_mma_mm", "sparse24_mm", "sparse24_mm_alpha"]
+           "sk24_mm", "sk24_mma_int4_mm", "sk24_mma_mm", "sparse24_mm", "sparse24_mm_alpha"]

@@ -22,7 +22,17 @@ of 16 rows by 32 columns (a "step"), the 16 x 16 kept values in the order in whi
   lanes 4q + 2, 4q + 3 the odd one (mma.sp's sparsity selector 0 and 1); "single"
   ((N/16, K/32, 32)): every step its own word per lane (lanes 4q + 2, 4q + 3 repeat 4q, 4q + 1).
 
-Bytes per dense weight: bf16 1.125 (paired; 1.25 single), fp8 0.625.
+Bytes per dense weight: bf16 1.125 (paired; 1.25 single), fp8 0.625, int4 0.39 (below).
+
+int4 weights (W4A16, :mod:`sparsekit.accel.w4a16`'s values ``q`` in [-8, 7] with float32
+scales per group of input columns; group a multiple of 128, or the whole row) have their own
+format (:func:`compress_int4`): each lane's 8 values of a step as nibbles ``q + 8`` of one
+32-bit word (element e in bits 4e..4e+3, the bf16 layout's order), the words of 4 steps (one
+group of 128 columns) together, ``values`` (N/16, K/128, 32, 4) int32, so that a lane loads
+4 steps with one 16-byte load; the "paired" metadata; and ``scales`` (N/16, K/128, 16) float32,
+each 128 columns' scale per row of a tile. The kernel widens the nibbles to bf16 ``q`` exactly,
+sums each group's products in float32 and multiplies them by the group's scales there:
+``x @ (q * scale).T + bias`` with the scale applied in float32, as the reference.
 
 fp8 weights have a third layout, "e4m3", for the library's fp8 x fp8 kernel
 (``mma.sp.m16n8k64`` e4m3 on the fp8 sparse tensor cores: 64 columns a step, x as the fp8
@@ -67,6 +77,7 @@ LAYOUTS = (*META_LAYOUTS, "e4m3")  # "e4m3": fp8 weights for the fp8 x fp8 kerne
 # (warps, steps ahead) of the fp8 x fp8 kernel
 E4M3_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8))
 MAX_M = 32
+INT4_COLUMNS = 128  # the columns one int4 scale covers in the format (a group or part of one)
 # (warps a block, steps a warp loads ahead, tiles of 16 rows a block, x staged through shared
 # memory): the configurations the library is built with. x loaded straight into the B
 # fragments (0) costs the L1 about eight wavefronts per 16 bytes of a fragment once M > 1;
@@ -79,7 +90,9 @@ CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0),
 # the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
+VERSION = 4  # sk24_mma_version() of the library this module calls
 _failed: set = set()  # configurations that failed the self-check (never launched)
+_failed_int4: set = set()  # the same for int4 weights
 _e4m3: list[bool] = []  # [whether the fp8 x fp8 kernel passed its self-check], on first use
 _why: list[str] = []
 
@@ -207,6 +220,74 @@ def decompress(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     return dense.reshape(n, k).to(values.dtype)
 
 
+def check_int4(out_features: int, in_features: int, group_size: int) -> str | None:
+    """None when an int4 weight (out_features, in_features) with ``group_size`` takes the int4
+    format, else why not."""
+    reason = check_shape(out_features, in_features)
+    if reason:
+        return reason
+    if in_features % INT4_COLUMNS:
+        return f"in_features {in_features} is not a multiple of {INT4_COLUMNS}"
+    if group_size % INT4_COLUMNS or in_features % group_size:
+        return (f"group_size {group_size} is not a multiple of {INT4_COLUMNS} dividing "
+                f"in_features {in_features}")
+    return None
+
+
+def compress_int4(q: torch.Tensor, scales: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, meta, scales) of a 2:4 int4 weight in the kernel's int4 format (module
+    docstring): ``q`` (N, K) int8 in [-8, 7], at most 2 nonzeros in every group of 4 along K;
+    ``scales`` (N, K / group_size) float32. ValueError naming what does not fit."""
+    if q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"2:4 mma int4 format: q must be 2-D int8, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    n, k = q.shape
+    if scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] < 1 or k % scales.shape[1]:
+        raise ValueError(f"2:4 mma int4 format: scales must be (N={n}, K / group_size), got "
+                         f"{tuple(scales.shape)}")
+    reason = check_int4(n, k, k // scales.shape[1])
+    if reason:
+        raise ValueError(f"2:4 mma int4 format: {reason}")
+    if int(q.min()) < -8 or int(q.max()) > 7:
+        raise ValueError("2:4 mma int4 format: q must lie in [-8, 7]")
+    vals, _ = _kept(q)
+    nib = (_lanes(vals).to(torch.int64) + 8)  # (N/16, K/32, 32, 8)
+    word = (nib << (4 * torch.arange(8, device=q.device, dtype=torch.int64))).sum(-1)
+    word = word.reshape(n // 16, k // 128, 4, 32).transpose(2, 3)  # (rt, group, lane, step)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
+    # the pattern's metadata, from the nonzeros as compress() takes them (exact in bf16)
+    _, meta = compress(q.to(torch.bfloat16), "paired")
+    per = scales.float().repeat_interleave(k // scales.shape[1] // INT4_COLUMNS, 1)
+    gs = per.reshape(n // 16, 16, k // 128).permute(0, 2, 1).contiguous()
+    return word, meta, gs
+
+
+def decompress_int4(values: torch.Tensor, meta: torch.Tensor, scales: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (N, K) int8, per-128-column scales (N, K / 128) float32): the inverse of
+    :func:`compress_int4`."""
+    rt, groups = values.shape[:2]
+    w = values.to(torch.int64) & 0xFFFFFFFF
+    w = w.transpose(2, 3).reshape(rt, groups * 4, 32)  # (rt, step, lane)
+    nib = (w[..., None] >> (4 * torch.arange(8, device=values.device, dtype=torch.int64))) & 15
+    kept = (nib - 8).to(torch.bfloat16)  # (rt, ks, 32, 8): the bf16 layout's values
+    q = decompress(kept, meta).to(torch.int8)
+    return q, scales.permute(0, 2, 1).reshape(rt * 16, groups)
+
+
+def reference_int4(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                   scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the int4 kernel computes, in plain torch: ``x @ (q * scale).T + bias`` in float32,
+    returned in bf16."""
+    q, per = decompress_int4(values, meta, scales)
+    w = q.float() * per.repeat_interleave(INT4_COLUMNS, 1)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
 def reference(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
               x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -284,12 +365,12 @@ def load() -> ctypes.CDLL | None:
         lib.sk24_mma_launch.restype = ctypes.c_int
         lib.sk24_mma_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-        if lib.sk24_mma_version() != 3:
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        if lib.sk24_mma_version() != VERSION:
             raise RuntimeError(f"{path} is version {lib.sk24_mma_version()} of the library, "
-                               "not 3: rebuild it (or remove it)")
+                               f"not {VERSION}: rebuild it (or remove it)")
         lib.sk24_mma_e4m3_launch.restype = ctypes.c_int
         lib.sk24_mma_e4m3_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -337,6 +418,24 @@ def _self_check(lib: ctypes.CDLL) -> None:
                         if cfg[2] == 1 and not cfg[3]:
                             raise RuntimeError(f"self-check failed ({weight.dtype}, {layout} "
                                                f"metadata, M={m}, config {cfg}: {why})")
+    # int4: a failing configuration is not used for int4 weights; bf16 and fp8 go on
+    q = torch.randint(-8, 8, (64, 256), generator=g, dtype=torch.int8) * keep.view(64, 256).to(
+        torch.int8)
+    scales = torch.rand(64, 2, generator=g) + 0.5
+    values, meta, gs = (t.cuda() for t in compress_int4(q, scales))
+    for m in (1, 9, 17):
+        x = torch.randn(m, 256, generator=g).to("cuda", torch.bfloat16)
+        ref = reference_int4(x, values, meta, gs, None).float()
+        for cfg in int4_configs():
+            try:
+                got = _launch(lib, x, values, meta, None, None, None, cfg, gs).float()
+                err = ((got - ref).norm() / ref.norm()).item()
+            except RuntimeError:
+                err = float("inf")
+            if not err < 1e-2:
+                _failed_int4.add(cfg)
+                log.warning("sparsekit: mma.sp config %s failed its int4 self-check (M=%d: "
+                            "relative error %.3g); not used for int4", cfg, m, err)
 
 
 
@@ -420,7 +519,26 @@ def candidates(values: torch.Tensor) -> list[tuple[int, ...]]:
     if values.shape[-1] == 16:
         return list(E4M3_CONFIGS)
     tiles = values.shape[0]
+    if values.dtype == torch.int32:
+        return [c for c in int4_configs() if c not in _failed_int4 and tiles % c[2] == 0]
     return [c for c in CONFIGS if c not in _failed and tiles % c[2] == 0]
+
+
+def int4_configs() -> list[tuple[int, int, int, int]]:
+    """The configurations int4 weights run with: those loading whole groups of 4 steps."""
+    return [c for c in CONFIGS if c[1] % 4 == 0]
+
+
+def int4_ok() -> bool:
+    """Whether the library loads and its default int4 configurations passed the self-check."""
+    return load() is not None and not {(8, 4, 1, 0), (4, 4, 1, 0)} & _failed_int4
+
+
+def usable_int4(q: torch.Tensor, group_size: int) -> bool:
+    """True when an int4 2:4 layer should decode on this kernel: ``q`` (N, K) on CUDA of a
+    shape and group the int4 format takes, the library loaded (:func:`int4_ok`)."""
+    return (q.is_cuda and enabled() and check_int4(*q.shape, group_size) is None
+            and int4_ok())
 
 
 def config_for(config, m: int) -> tuple[int, ...] | None:
@@ -459,6 +577,18 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
     return _launch(lib, x, values, meta, x_scale, w_scale, bias, config)
 
 
+def launch_int4(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                scales: torch.Tensor, bias: torch.Tensor | None,
+                config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Run the kernel on an int4 weight in the int4 format (:func:`compress_int4`): x (M, K)
+    bf16 with M <= 32; ``config`` as :func:`launch`'s, from :func:`int4_configs`."""
+    config = config_for(config, x.shape[0])
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the mma.sp 2:4 kernel is not available: {reason()}")
+    return _launch(lib, x, values, meta, None, None, bias, config, scales)
+
+
 def _launch_e4m3(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
                  x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
                  bias: torch.Tensor | None, config) -> torch.Tensor:
@@ -490,9 +620,11 @@ def _launch_e4m3(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: 
 
 def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
             x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-            bias: torch.Tensor | None, config: tuple[int, ...] | None) -> torch.Tensor:
+            bias: torch.Tensor | None, config: tuple[int, ...] | None,
+            scales: torch.Tensor | None = None) -> torch.Tensor:
     m, k = x.shape
-    rt, ks = values.shape[:2]
+    int4 = values.dtype == torch.int32
+    rt, ks = values.shape[0], values.shape[1] * (4 if int4 else 1)
     n = rt * 16
     values, meta = values.contiguous(), meta.contiguous()  # no-ops for compress()'s output
     if x.dtype != torch.bfloat16 or k != ks * 32 or not 1 <= m <= MAX_M:
@@ -504,9 +636,14 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     if len(cfg) > 3 and cfg[3] and (x.stride(0) % 8 or x.data_ptr() % 16):
         x = x.clone(memory_format=torch.contiguous_format)  # staged: 16-byte loads
     paired = meta.shape[1] != ks
-    if cfg not in CONFIGS or cfg in _failed:
-        raise ValueError(f"sk24 mma kernel: config {cfg} is not one of "
-                         f"{[c for c in CONFIGS if c not in _failed]}")
+    allowed = [c for c in int4_configs() if c not in _failed_int4] if int4 else \
+        [c for c in CONFIGS if c not in _failed]
+    if cfg not in allowed:
+        raise ValueError(f"sk24 mma kernel: config {cfg} is not one of {allowed}")
+    if int4 and (scales is None or not paired or scales.shape != (rt, ks // 4, 16)):
+        raise ValueError(f"sk24 mma kernel (int4): needs paired metadata and scales "
+                         f"({rt}, {ks // 4}, 16), got "
+                         f"{None if scales is None else tuple(scales.shape)}")
     if (n // 16) % cfg[2]:
         raise ValueError(f"sk24 mma kernel: config {cfg} takes {cfg[2]} tiles of 16 rows a "
                          f"block; N = {n} has {n // 16}")
@@ -514,12 +651,15 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     xs = None if x_scale is None else x_scale.reshape(-1).float().contiguous()
     ws = None if w_scale is None else w_scale.reshape(-1).float().contiguous()
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    gs = None if scales is None else scales.float().contiguous()
     rc = lib.sk24_mma_launch(
         x.data_ptr(), x.stride(0), values.data_ptr(), meta.data_ptr(),
         None if xs is None else xs.data_ptr(), 0 if xs is None or xs.numel() == 1 else 1,
-        None if ws is None else ws.data_ptr(), None if b is None else b.data_ptr(),
-        y.data_ptr(), m, n, k, int(values.dtype == torch.float8_e4m3fn), int(paired),
-        cfg[0], cfg[1], cfg[2], cfg[3], torch.cuda.current_stream(x.device).cuda_stream)
+        None if ws is None else ws.data_ptr(),
+        None if gs is None else gs.data_ptr(),
+        None if b is None else b.data_ptr(), y.data_ptr(), m, n, k,
+        2 if int4 else int(values.dtype == torch.float8_e4m3fn), int(paired), cfg[0], cfg[1],
+        cfg[2], cfg[3], torch.cuda.current_stream(x.device).cuda_stream)
     if rc:
         raise RuntimeError(f"sk24 mma kernel: launch failed (code {rc})")
     return y
@@ -531,7 +671,9 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     return n * (k // 2) * item + n * (k // 64) * 4 * 2 + m * k * 2 + m * n * 2
 
 
-__all__ = ["BUCKETS", "CONFIGS", "DTYPES", "E4M3_CONFIGS", "LAYOUTS", "MAX_M", "bound_bytes",
-           "build", "candidates", "check_shape", "compress", "config_for", "config_text",
-           "decompress", "default_config", "dtypes", "e4m3_ok", "launch", "layout_for",
-           "library_path", "load", "reason", "reference", "usable"]
+__all__ = ["BUCKETS", "CONFIGS", "DTYPES", "E4M3_CONFIGS", "INT4_COLUMNS", "LAYOUTS", "MAX_M",
+           "VERSION", "bound_bytes", "build", "candidates", "check_int4", "check_shape",
+           "compress", "compress_int4", "config_for", "config_text", "decompress",
+           "decompress_int4", "default_config", "dtypes", "e4m3_ok", "int4_configs", "int4_ok",
+           "launch", "launch_int4", "layout_for", "library_path", "load", "reason", "reference",
+           "reference_int4", "usable", "usable_int4"]

@@ -186,7 +186,7 @@ def test_build_makes_a_library_with_both_entry_points(tmp_path):
     path = sk24_mma.build(tmp_path / "lib.so")
     assert path.is_file() and not list(tmp_path.glob("tmp*"))  # renamed into place
     lib = ctypes.CDLL(str(path))  # static CUDA runtime: loads without a GPU
-    assert lib.sk24_mma_version() == 3
+    assert lib.sk24_mma_version() == sk24_mma.VERSION == 4
     assert hasattr(lib, "sk24_mma_launch") and hasattr(lib, "sk24_mma_e4m3_launch")
 
 
@@ -202,3 +202,74 @@ def test_config_for_picks_the_bucket_of_m():
     assert sk24_mma.config_for(e4m3, 1) == (8, 8) and sk24_mma.config_for(e4m3, 32) == (4, 4)
     assert sk24_mma.config_text(per_bucket) == "8x4x1x0/4x4x1x1/8x4x2x1/4x4x4x1"
     assert all(len(c) == 4 and c in sk24_mma.CONFIGS for c in per_bucket)
+
+
+def _int4_weight(n: int, k: int, group: int, seed: int = 0):
+    """(q (N, K) int8 2:4 in [-8, 7] with zeros among the kept entries, scales (N, K/group))."""
+    g = torch.Generator().manual_seed(seed)
+    keep = decode_masked_24(n, k, seed) != 0
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8) * keep.to(torch.int8)
+    return q, torch.rand(n, k // group, generator=g) + 0.1
+
+
+def _widen_int4(word: int, j: int) -> tuple[float, float]:
+    """The kernel's int4x2_to_bf16x2, bit for bit: byte j's nibbles n as the bf16 bits
+    0x4300 | n (128 + n), minus 136 in bf16."""
+    b = (word >> (8 * j)) & 0xFF
+    bits = (b & 0xF) | ((b & 0xF0) << 12) | 0x43004300
+    out = []
+    for half in (bits & 0xFFFF, bits >> 16):
+        v = torch.tensor([half - 65536 if half >= 32768 else half], dtype=torch.int16)
+        out.append((v.view(torch.bfloat16) - torch.tensor([136.0]).bfloat16()).item())
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("group", [128, 256, 512])
+def test_int4_round_trip_and_the_kernels_widening(group):
+    q, scales = _int4_weight(32, 512, group)
+    values, meta, gs = sk24_mma.compress_int4(q, scales)
+    assert values.shape == (2, 4, 32, 4) and values.dtype == torch.int32
+    assert meta.shape == (2, 8, 32) and gs.shape == (2, 4, 16)
+    back, per = sk24_mma.decompress_int4(values, meta, gs)
+    assert torch.equal(back, q)
+    assert torch.equal(per, scales.repeat_interleave(group // 128, 1))
+    # a lane's registers, widened as the kernel does, are the bf16 layout's values of q: the
+    # bf16 kernel's lane reading (test_lane_layout_equals_dense_matmul) then holds for int4
+    bf_values, bf_meta = sk24_mma.compress(q.to(torch.bfloat16), "paired")
+    assert torch.equal(bf_meta, meta)
+    for rt, grp, lane in ((0, 0, 0), (1, 3, 31), (0, 2, 13), (1, 1, 6)):
+        for step in range(4):
+            word = int(values[rt, grp, lane, step]) & 0xFFFFFFFF
+            got = [v for j in range(4) for v in _widen_int4(word, j)]
+            want = bf_values[rt, 4 * grp + step, lane].float().tolist()
+            assert got == want
+
+
+def test_int4_reference_equals_float64_every_m():
+    q, scales = _int4_weight(48, 256, 128, seed=3)
+    values, meta, gs = sk24_mma.compress_int4(q, scales)
+    w = q.double() * scales.double().repeat_interleave(128, 1)
+    bias = torch.randn(48).bfloat16()
+    for m in range(1, 33):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+        want = x.double() @ w.t() + bias.double()
+        got = ops.sk24_mma_int4_mm(x, values, meta, gs, bias).double()
+        torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+    torch.library.opcheck(ops.sk24_mma_int4_mm, (x, values, meta, gs, bias, None))
+    torch.library.opcheck(ops.sk24_mma_int4_mm, (x, values, meta, gs, None, [8, 4, 1, 0]))
+
+
+def test_int4_refuses_what_the_format_cannot_take():
+    q, scales = _int4_weight(32, 256, 128)
+    with pytest.raises(ValueError, match="group_size 64 is not a multiple of 128"):
+        sk24_mma.compress_int4(q, torch.ones(32, 4))
+    with pytest.raises(ValueError, match="in_features 192 is not a multiple of 128"):
+        sk24_mma.compress_int4(q[:, :192], torch.ones(32, 1))
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        sk24_mma.compress_int4(q * 2, scales)
+    dense = torch.ones(32, 256, dtype=torch.int8)
+    with pytest.raises(ValueError, match="more than 2 nonzeros"):
+        sk24_mma.compress_int4(dense, scales)
+    assert sk24_mma.check_int4(32, 256, 256) is None and sk24_mma.check_int4(32, 256, 32)
+    assert sk24_mma.int4_configs() and all(c[1] % 4 == 0 for c in sk24_mma.int4_configs())
+    assert not sk24_mma.usable_int4(q, 128)  # a CPU tensor

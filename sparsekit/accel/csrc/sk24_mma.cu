@@ -78,6 +78,17 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, int hi) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// byte j of w (two int4 values in offset binary, q + 8: the low nibble first) as bf16x2 q:
+// 0x4300 | n is the bf16 128 + n exactly, and 128 + n - 136 = q exactly
+__device__ __forceinline__ uint32_t int4x2_to_bf16x2(uint32_t w, int j) {
+  uint32_t b = w >> (8 * j);
+  uint32_t bits = (b & 0xFu) | ((b & 0xF0u) << 12) | 0x43004300u;
+  const uint32_t off = 0x43084308u;  // 136, 136
+  __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&bits),
+                             *reinterpret_cast<const __nv_bfloat162*>(&off));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
 template <int SEL>
 __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4],
                                        const uint32_t (&b)[4], uint32_t e) {
@@ -106,14 +117,49 @@ constexpr int xs_smem_bytes() {
              ? WARPS * MT * 8 * U * 4 * 16 : WARPS * R * MT * 4 * 32 * 4;
 }
 
-template <int MT, bool FP8, bool PAIRED, int WARPS, int U, int R, bool XS>
+// int4: step u's A registers from its nibbles (the lane's 8 values, in the bf16 order)
+template <int U, int R>
+__device__ __forceinline__ void widen_int4(uint32_t (&a)[U][R][4], const uint32_t (&nib)[U][R],
+                                           int u) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[u][r][j] = int4x2_to_bf16x2(nib[u][r], j);
+}
+
+// int4: after the last step of a group, its sums times the scales of rows q (fragment
+// elements 0, 1) and q + 8 (2, 3) go into the accumulator, and the sums start again
+template <int R, int MT, int UG>
+__device__ __forceinline__ void group_done(float (&acc)[R][MT][4], float (&tmp)[R][MT][4],
+                                           const float (&sc)[UG][R][2], int u) {
+  if ((u & 3) != 3) return;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc[r][i][c] += sc[u >> 2][r][c >> 1] * tmp[r][i][c];
+        tmp[r][i][c] = 0.f;
+      }
+}
+
+// WT, the weight's kind: BF16, FP8 (e4m3, widened to bf16) or INT4 (offset-binary nibbles,
+// one 16-byte load a lane per 4 steps, widened to bf16 q exactly; each group of 4 steps = 128
+// columns sums into its own float32 fragment, which the group's scales of the lane's two rows
+// multiply into the accumulator)
+constexpr int BF16 = 0, FP8 = 1, INT4 = 2;
+
+template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, bool XS>
 __global__ void __launch_bounds__(WARPS * 32)
 sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
                 const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
-                const float* __restrict__ ws, const __nv_bfloat16* __restrict__ bias,
-                __nv_bfloat16* __restrict__ y, int M, int N, int K) {
+                const float* __restrict__ ws, const float* __restrict__ gs,
+                const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M,
+                int N, int K) {
   static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
   static_assert(!XS || U >= 2, "the swizzle takes 8 chunks a row");
+  static_assert(WT != INT4 || U % 4 == 0, "int4 takes whole groups of 4 steps");
   extern __shared__ __align__(16) unsigned char smem[];
   // R tiles of 16 rows a block: each x fragment loaded feeds R products
   const int rt0 = blockIdx.x * R;
@@ -125,6 +171,11 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int i = 0; i < MT; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.f;
+  float tmp[R][MT][4];  // int4: the current group's sums
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) tmp[r][i][0] = tmp[r][i][1] = tmp[r][i][2] = tmp[r][i][3] = 0.f;
   const uint32_t* xr[MT];
   bool ok[MT];
 #pragma unroll
@@ -133,9 +184,12 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
     ok[i] = m < M;
     xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
   }
+  constexpr int UG = WT == INT4 ? U / 4 : 1;  // int4: groups of 4 steps a round
   for (int base = warp * U; base < S; base += WARPS * U) {
     uint32_t a[U][R][4];
     uint32_t e[U][R];
+    uint32_t nib[U][R];     // int4: a lane's 8 values of a step
+    float sc[UG][R][2];     // int4: the group's scales of rows q and q + 8
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int ks = base + u;
@@ -143,7 +197,15 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const size_t tile = (size_t)(rt0 + r) * S;
-          if (FP8) {
+          if constexpr (WT == INT4) {
+            if ((u & 3) == 0) {
+              const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
+              uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
+              nib[u][r] = v.x; nib[u + 1][r] = v.y; nib[u + 2][r] = v.z; nib[u + 3][r] = v.w;
+              sc[u >> 2][r][0] = gs[g * 16 + q];
+              sc[u >> 2][r][1] = gs[g * 16 + q + 8];
+            }
+          } else if constexpr (WT == FP8) {
             uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
             a[u][r][0] = e4m3x2_to_bf16x2(v.x, 0);
             a[u][r][1] = e4m3x2_to_bf16x2(v.x, 1);
@@ -187,6 +249,7 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (base + u < S) {
+          if constexpr (WT == INT4) widen_int4<U, R>(a, nib, u);
 #pragma unroll
           for (int i = 0; i < MT; ++i) {
             // matrix j = chunk 4u + j of rows 8i .. 8i + 7: lane (q, t) gets x[8i + q][32 ks
@@ -195,10 +258,12 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
             ldsm_x4(b, xw + (8 * i + (lane & 7)) * CH + ((4 * u + (lane >> 3)) ^ (lane & 7)));
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-              if (PAIRED && (u & 1)) mma_sp<1>(acc[r][i], a[u][r], b, e[u][r]);
-              else mma_sp<0>(acc[r][i], a[u][r], b, e[u][r]);
+              float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
+              if (PAIRED && (u & 1)) mma_sp<1>(d, a[u][r], b, e[u][r]);
+              else mma_sp<0>(d, a[u][r], b, e[u][r]);
             }
           }
+          if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, sc, u);
         }
       }
     } else {
@@ -206,6 +271,7 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
       for (int u = 0; u < U; ++u) {
         const int ks = base + u;
         if (ks < S) {
+          if constexpr (WT == INT4) widen_int4<U, R>(a, nib, u);
 #pragma unroll
           for (int i = 0; i < MT; ++i) {
             uint32_t b[4];
@@ -214,10 +280,12 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
             for (int j = 0; j < 4; ++j) b[j] = ok[i] ? ldg32(p + 4 * j) : 0u;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-              if (PAIRED && (u & 1)) mma_sp<1>(acc[r][i], a[u][r], b, e[u][r]);
-              else mma_sp<0>(acc[r][i], a[u][r], b, e[u][r]);
+              float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
+              if (PAIRED && (u & 1)) mma_sp<1>(d, a[u][r], b, e[u][r]);
+              else mma_sp<0>(d, a[u][r], b, e[u][r]);
             }
           }
+          if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, sc, u);
         }
       }
     }
@@ -251,27 +319,30 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
   }
 }
 
-template <int MT, bool FP8, bool PAIRED>
+template <int MT, int WT, bool PAIRED>
 int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
               const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
-              const float* xs, int xs_stride, const float* ws, const __nv_bfloat16* bias,
-              __nv_bfloat16* y, int M, int K) {
+              const float* xs, int xs_stride, const float* ws, const float* gs,
+              const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int K) {
   if ((N / 16) % rows) return -2;
   dim3 grid(N / 16 / rows);
   // (the attribute call is a host-side setting, made once an instantiation; no stream work)
 #define SK24_GO(W, UU, RR, X)                                                                \
-  if (warps == W && unroll == UU && rows == RR && xsm == X) {                                \
-    auto kern = sk24_mma_kernel<MT, FP8, PAIRED, W, UU, RR, X>;                              \
-    constexpr int bytes = X ? xs_smem_bytes<MT, W, UU, RR>() : W * RR * MT * 4 * 32 * 4;     \
-    static bool attr = false;                                                                \
-    if (!attr && bytes > 48 * 1024) {                                                        \
-      cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                                             bytes);                                         \
-      if (err != cudaSuccess) return (int)err;                                               \
+  if constexpr (WT != INT4 || UU % 4 == 0) {                                                 \
+    if (warps == W && unroll == UU && rows == RR && xsm == X) {                              \
+      auto kern = sk24_mma_kernel<MT, WT, PAIRED, W, UU, RR, X>;                             \
+      constexpr int bytes = X ? xs_smem_bytes<MT, W, UU, RR>() : W * RR * MT * 4 * 32 * 4;   \
+      static bool attr = false;                                                              \
+      if (!attr && bytes > 48 * 1024) {                                                      \
+        cudaError_t err = cudaFuncSetAttribute(                                              \
+            kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);                       \
+        if (err != cudaSuccess) return (int)err;                                             \
+      }                                                                                      \
+      attr = true;                                                                           \
+      kern<<<grid, W * 32, bytes, st>>>(x, sx, vals, meta, xs, xs_stride, ws, gs, bias, y, M, \
+                                        N, K);                                               \
+      return 0;                                                                              \
     }                                                                                        \
-    attr = true;                                                                             \
-    kern<<<grid, W * 32, bytes, st>>>(x, sx, vals, meta, xs, xs_stride, ws, bias, y, M, N, K); \
-    return 0;                                                                                \
   }
   SK24_GO(4, 4, 1, 0)
   SK24_GO(4, 8, 1, 0)
@@ -292,21 +363,21 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
 }
 
 template <int MT>
-int launch_mt(int fp8, int paired, int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
-              const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
-              const float* xs, int xs_stride, const float* ws, const __nv_bfloat16* bias,
-              __nv_bfloat16* y, int M, int K) {
-  if (fp8 && paired)
-    return launch_wu<MT, true, true>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs, xs_stride,
-                                     ws, bias, y, M, K);
-  if (fp8)
-    return launch_wu<MT, true, false>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs,
-                                      xs_stride, ws, bias, y, M, K);
-  if (paired)
-    return launch_wu<MT, false, true>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs,
-                                      xs_stride, ws, bias, y, M, K);
-  return launch_wu<MT, false, false>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs, xs_stride,
-                                     ws, bias, y, M, K);
+int launch_mt(int wt, int paired, int warps, int unroll, int rows, int xsm, int N,
+              cudaStream_t st, const __nv_bfloat16* x, int sx, const void* vals,
+              const uint32_t* meta, const float* xs, int xs_stride, const float* ws,
+              const float* gs, const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int K) {
+#define SK24_WT(T, P)                                                                        \
+  if (wt == T && paired == P)                                                                \
+    return launch_wu<MT, T, P>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs,       \
+                               xs_stride, ws, gs, bias, y, M, K);
+  SK24_WT(BF16, true)
+  SK24_WT(BF16, false)
+  SK24_WT(FP8, true)
+  SK24_WT(FP8, false)
+  SK24_WT(INT4, true)
+#undef SK24_WT
+  return -1;
 }
 
 // fp8 e4m3 x fp8 e4m3 on the fp8 sparse tensor cores (mma.sp.m16n8k64): the weight's kept
@@ -420,13 +491,16 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 
 // 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take
 // (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch;
-// xsm: 1 stages x through shared memory (x's rows 16-byte aligned), 0 loads it directly
+// wt: 0 bf16, 1 fp8 e4m3 (widened), 2 int4 (paired metadata only, K a multiple of 128, gs the
+// group scales (N / 16, K / 128, 16) float32); xsm: 1 stages x through shared memory (x's rows
+// 16-byte aligned), 0 loads it directly
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
-                               const float* xs, int xs_stride, const float* ws,
-                               const void* bias, void* y, int M, int N, int K, int fp8,
+                               const float* xs, int xs_stride, const float* ws, const float* gs,
+                               const void* bias, void* y, int M, int N, int K, int wt,
                                int paired, int warps, int unroll, int rows, int xsm,
                                void* stream) {
   if (M < 1 || M > 32 || N % 16 || K % 64 || rows < 1) return -2;
+  if (wt == INT4 && (K % 128 || !paired || gs == nullptr)) return -2;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const __nv_bfloat16* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const uint32_t* mb = reinterpret_cast<const uint32_t*>(meta);
@@ -434,19 +508,19 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   __nv_bfloat16* yb = reinterpret_cast<__nv_bfloat16*>(y);
   int rc;
   if (M <= 8)
-    rc = launch_mt<1>(fp8, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs, xs_stride,
-                      ws, bb, yb, M, K);
+    rc = launch_mt<1>(wt, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs,
+                      xs_stride, ws, gs, bb, yb, M, K);
   else if (M <= 16)
-    rc = launch_mt<2>(fp8, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs, xs_stride,
-                      ws, bb, yb, M, K);
+    rc = launch_mt<2>(wt, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs,
+                      xs_stride, ws, gs, bb, yb, M, K);
   else
-    rc = launch_mt<4>(fp8, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs, xs_stride,
-                      ws, bb, yb, M, K);
+    rc = launch_mt<4>(wt, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs,
+                      xs_stride, ws, gs, bb, yb, M, K);
   if (rc) return rc;
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 3; }
+extern "C" int sk24_mma_version() { return 4; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
