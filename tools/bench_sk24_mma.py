@@ -14,7 +14,9 @@ Sections:
   row: microseconds, bytes moved at least, TB/s and share of the bound, the ratio to cuBLAS
   for the best configuration; ``fp8x8_2:4``: the fp8 x fp8 kernel (x quantized to fp8, the
   "e4m3" layout) where it passed its self-check; the summary gives the geo-mean over cuBLAS
-  at M <= 16 against the targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the geo-mean per M.
+  at M <= 16 against the targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the geo-mean per M;
+  ``int4_2:4``: int4 2:4 weights (RTN, group 128) on the kernel's int4 path, with the Triton
+  int4 2:4 kernel's time beside it (``triton_us``).
 
     python tools/bench_sk24_mma.py --out mma.json          # on the GPU (sm_90)
 
@@ -34,7 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.accel import ops, sk24_mma
+from sparsekit.accel import ops, sk24_mma, w4a16
+from sparsekit.accel.int4 import rtn_int4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import (  # noqa: E402  (tools/bench_generate.py, beside this script)
@@ -98,6 +101,24 @@ def check_rows(device) -> list[dict]:
                 except Exception as e:  # noqa: BLE001  (recorded: the check's point)
                     row.update(error=f"{type(e).__name__}: {e}"[:300], ok=False)
                 rows.append(row)
+        q, scales = rtn_int4(w.float().cpu(), 128)
+        values, meta, gs = (t.to(device) for t in sk24_mma.compress_int4(q, scales))
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            bias = torch.randn(n, device=device).to(torch.bfloat16)
+            ref = sk24_mma.reference_int4(x, values, meta, gs, bias).float()
+            for cfg in sk24_mma.int4_configs():
+                row = {"N": n, "K": k, "M": m, "dtype": "int4", "layout": "paired",
+                       "config": list(cfg)}
+                try:
+                    got = sk24_mma._launch(sk24_mma.load(), x, values, meta, None, None, bias,
+                                           cfg, gs).float()
+                    torch.cuda.synchronize()
+                    row["rel_err"] = ((got - ref).norm() / ref.norm()).item()
+                    row["ok"] = row["rel_err"] < 1e-2
+                except Exception as e:  # noqa: BLE001  (recorded: the check's point)
+                    row.update(error=f"{type(e).__name__}: {e}"[:300], ok=False)
+                rows.append(row)
         bad = [r for r in rows if not r["ok"] and r["N"] == n]
         print(json.dumps({"check": f"{n}x{k}", "cases": len(rows), "bad": len(bad),
                           "first_bad": bad[:2]}), flush=True)
@@ -121,6 +142,11 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
         v8n, m8n = sk24_mma.compress(w8, "e4m3")
         c8n = [(v8n, m8n)] + [(v8n.clone(), m8n.clone()) for _ in range(
             copies_for(n * k * 5 // 8) - 1)]
+        q4, s4 = rtn_int4(w.float(), 128)
+        f4 = tuple(t.to(device) for t in sk24_mma.compress_int4(q4, s4))
+        c4 = [f4] + [tuple(t.clone() for t in f4) for _ in range(copies_for(n * k * 2 // 5) - 1)]
+        t4 = w4a16.pack_24(q4, s4)
+        c4t = [t4] + [tuple(t.clone() for t in t4) for _ in range(copies_for(n * k * 2 // 5) - 1)]
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             row = {"shape": name, "N": n, "K": k, "M": m}
@@ -163,20 +189,37 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
                                     "tb_s": nbytes / best[1] / 1e6,
                                     "bound_share": nbytes / best[1] / 1e6 / bound_tbs(),
                                     "over_dense": us / best[1], "configs_us": per}
+            if sk24_mma.int4_ok():  # W4A16 2:4, group 128, against the Triton kernel too
+                nbytes = n * k // 4 + n * k // 8 + n * (k // 128) * 4 + 2 * m * k + 2 * m * n
+                per, best = {}, None
+                for cfg in sk24_mma.candidates(c4[0][0]):
+                    t = time_rotating([functools.partial(sk24_mma.launch_int4, x, v, mt, gs,
+                                                         None, cfg) for v, mt, gs in c4])
+                    per["x".join(map(str, cfg))] = t
+                    if best is None or t < best[1]:
+                        best = (cfg, t)
+                tri = time_rotating([functools.partial(ops.int4_24_mm, x, v, mt, sc, None)
+                                     for v, mt, sc in c4t])
+                row["int4_2:4"] = {"us": best[1], "config": list(best[0]), "bytes": nbytes,
+                                   "tb_s": nbytes / best[1] / 1e6,
+                                   "bound_share": nbytes / best[1] / 1e6 / bound_tbs(),
+                                   "over_dense": us / best[1], "triton_us": tri,
+                                   "triton_over_dense": us / tri, "configs_us": per}
             rows.append(row)
             print(json.dumps({"shape": name, "M": m, "dense_us": round(us, 2),
                               **{d: {kk: (round(v, 3) if isinstance(v, float) else v)
                                      for kk, v in row[d].items() if kk != "configs_us"}
-                                 for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4") if d in row}}),
+                                 for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4", "int4_2:4")
+                                 if d in row}}),
                   flush=True)
-        del dense, c16, c8, c8n
+        del dense, c16, c8, c8n, c4, c4t
         torch.cuda.empty_cache()
     return rows
 
 
 def summary(rows: list[dict]) -> dict:
     out = {}
-    for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4"):
+    for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4", "int4_2:4"):
         if not any(d in r for r in rows):
             continue
         rows_d = [r for r in rows if d in r]
@@ -184,7 +227,7 @@ def summary(rows: list[dict]) -> dict:
             small = [r[d][key] for r in rows_d if r["M"] <= 16 and key in r[d]]
             if small:
                 out[f"{d}_{key}_geo_m_le_16"] = math.exp(sum(map(math.log, small)) / len(small))
-        out[f"{d}_target"] = TARGETS["fp8_2:4" if d.startswith("fp8") else d]
+        out[f"{d}_target"] = TARGETS.get("fp8_2:4" if d.startswith("fp8") else d)
         out[f"{d}_rows_under_80pct"] = sum(r[d]["bound_share"] < 0.8 for r in rows_d)
         by_m = {}
         for r in rows_d:

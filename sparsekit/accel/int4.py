@@ -15,7 +15,11 @@ A 2:4 layer's weight must hold at most 2 nonzeros in every group of 4 along K (r
 zeros at zero). K must be a multiple of 64 and of the group size (ValueError naming the shape).
 
 Token counts up to 32 (decode) run sparsekit's Triton kernels (``sparsekit::int4_mm``,
-``sparsekit::int4_24_mm``), which read the packed weight once. Larger ones (prefill) are
+``sparsekit::int4_24_mm``), which read the packed weight once; a 2:4 layer on CUDA whose
+shape and group the sparse tensor cores' int4 format takes
+(:func:`sparsekit.accel.sk24_mma.check_int4`: group a multiple of 128) decodes there instead
+(``sparsekit::sk24_mma_int4_mm``, ``path`` "mma"; it keeps that format beside the packed one:
+0.39 more bytes per weight). Larger token counts (prefill) are
 compute-bound and run on tensor cores in bf16, chosen at construction by ``prefill``:
 - ``"dequant"`` (the default): the layer dequantizes its weight into a bf16 (N, K) tensor on each
   call and multiplies with ``F.linear`` (cuBLAS, dense even for a 2:4 weight). It keeps only
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import ops, w4a16
+from sparsekit.accel import ops, sk24_mma, w4a16
 
 PREFILLS = ("dequant", "bf16_2:4")
 
@@ -133,7 +137,7 @@ class _Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, variant={self.variant}, "
-                f"group_size={self.group_size}, prefill={self.prefill}")
+                f"group_size={self.group_size}, prefill={self.prefill}, decode={self.path}")
 
 
 class Int4Dense(_Int4Linear):
@@ -164,10 +168,16 @@ class Int4Sparse24(_Int4Linear):
     sparse = True
 
     def _pack(self, q, scales):
-        values, meta, scales = w4a16.pack_24(q, scales)
+        values, meta, packed_scales = w4a16.pack_24(q, scales)
         self.register_buffer("values", values)
         self.register_buffer("meta", meta)
-        self.register_buffer("scales", scales)
+        self.register_buffer("scales", packed_scales)
+        # the sparse tensor cores' int4 format (sk24_mma) where it is built and fits
+        mma = sk24_mma.usable_int4(q, self.group_size)
+        formatted = sk24_mma.compress_int4(q, scales) if mma else (None, None, None)
+        for name, t in zip(("mvalues", "mmeta", "mscales"), formatted):
+            self.register_buffer(name, t, persistent=False)
+        self.path = "mma" if mma else "triton"
 
     def int_weight(self):
         return w4a16.unpack_24(self.values, self.meta)
@@ -176,6 +186,8 @@ class Int4Sparse24(_Int4Linear):
         return w4a16.dequantize_packed_24(self.values, self.meta, self.scales, dtype)
 
     def _decode(self, x2d):
+        if self.mvalues is not None:
+            return ops.sk24_mma_int4_mm(x2d, self.mvalues, self.mmeta, self.mscales, self.bias)
         return ops.int4_24_mm(x2d, self.values, self.meta, self.scales, self.bias)
 
 

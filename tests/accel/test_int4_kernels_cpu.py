@@ -338,3 +338,26 @@ def test_accelerate_precision_int4(sparsity, variant):
 
 if __name__ == "__main__":
     _check_interpreted_kernels()
+
+
+def test_2_4_layer_decodes_on_the_sparse_tensor_core_format_where_it_fits(monkeypatch):
+    # on a GPU where the mma.sp library loads (here its CPU reference): the layer keeps the
+    # int4 mma format too, and its decode equals the Triton format's for every group it takes
+    from sparsekit.accel import sk24_mma
+    monkeypatch.setattr(sk24_mma, "usable_int4",
+                        lambda q, group: sk24_mma.check_int4(*q.shape, group) is None)
+    g = torch.Generator().manual_seed(5)
+    for group, mma in ((128, True), (256, True), (64, False)):
+        lin = nn.Linear(256, 32)
+        with torch.no_grad():
+            lin.weight.copy_(_q24(32, 256, seed=group).float() * 0.01)
+        layer = int4.Int4Sparse24(lin)
+        layer.group_size = group
+        q, s = int4.rtn_int4(lin.weight, group)
+        layer._pack(q, s)
+        assert (layer.path == "mma") == mma and (layer.mvalues is not None) == mma
+        assert "mvalues" not in layer.state_dict()  # derived, not saved
+        x = torch.randn(5, 256, generator=g).bfloat16()
+        want = _ref64(x, q, s, layer.bias)
+        _close_bf16(layer(x), want)
+        assert (f"decode={'mma' if mma else 'triton'}") in repr(layer)
