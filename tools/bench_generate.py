@@ -579,8 +579,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="generate: one more call per way under torch.profiler (kernel time "
                          "by kind, kernel span and wall time; CUDA)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--dense-sk", action=argparse.BooleanOptionalAction, default=False,
-                    help="also sparsekit's generate on the dense model (one more 8B copy)")
+    ap.add_argument("--dense-sk", action=argparse.BooleanOptionalAction, default=True,
+                    help="also sparsekit's generate on the dense model (one more 8B copy; "
+                         "its decode attention is sparsekit's too, so it is a dense way the "
+                         "ratios must count)")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")
