@@ -82,7 +82,7 @@ INT4_COLUMNS = 128  # the columns one int4 scale covers in the format (a group o
 # memory): the configurations the library is built with. x loaded straight into the B
 # fragments (0) costs the L1 about eight wavefronts per 16 bytes of a fragment once M > 1;
 # staged (1), each warp loads its steps of x with coalesced 16-byte loads and reads the
-# fragments with ldmatrix. :func:`default_config` picks among the first; the planner times
+# fragments with ldmatrix. :func:`default_config` picks among the staged ones; the planner times
 # them all per shape and M bucket (:data:`BUCKETS`)
 CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0), (4, 4, 2, 0),
            (8, 4, 2, 0), (4, 4, 4, 0), (4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1), (4, 4, 2, 1),
@@ -415,7 +415,7 @@ def _self_check(lib: ctypes.CDLL) -> None:
                         _failed.add(cfg)
                         log.warning("sparsekit: mma.sp config %s failed its self-check (%s, "
                                     "M=%d: %s); not used", cfg, weight.dtype, m, why)
-                        if cfg[2] == 1 and not cfg[3]:
+                        if cfg in DEFAULTS:
                             raise RuntimeError(f"self-check failed ({weight.dtype}, {layout} "
                                                f"metadata, M={m}, config {cfg}: {why})")
     # int4: a failing configuration is not used for int4 weights; bf16 and fp8 go on
@@ -503,14 +503,24 @@ def usable(weight: torch.Tensor) -> bool:
             and check_shape(*weight.shape) is None and load() is not None)
 
 
-def default_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(warps, steps ahead, row tiles, staged x) for a shape: 8 warps loading 4 steps ahead,
-    one tile of 16 rows a block, x loaded directly, where K has 8 x 4 steps of 32 columns,
-    else 4 warps. On an H100 (the eight Llama-3-8B/70B shapes, M = 1..16,
-    docs/bench/bench_sk24_mma_2026-12-06_h100.json) (8, 4, 1) ran within 4% of the best
-    configuration per row in bf16 on geo-mean (7% in fp8), the best of the fixed choices then
-    built; the earlier rule by K, 6% (13%)."""
-    return (8, 4, 1, 0) if k // 32 >= 8 * 4 else (4, 4, 1, 0)
+def default_config(m: int, n: int, k: int, int4: bool = False) -> tuple[int, int, int, int]:
+    """(warps, steps ahead, row tiles, staged x) for a shape: x staged through shared memory,
+    8 warps, 4 steps ahead up to M = 8 and 2 beyond (int4, which loads 4 steps at once: two
+    row tiles a block beyond M = 8 where N allows), one tile of 16 rows a block; 4 warps where
+    K has fewer than 8 x 4 steps of 32 columns. On an H100 (Llama-3-8B shapes, M = 1..32,
+    docs/bench/bench_sk24_mma_2026-12-06b_h100.json) this rule ran within 0.3% of the best
+    configuration per row in bf16 on geo-mean at M <= 16 (fp8 7%, int4 4%)."""
+    if k // 32 < 8 * 4:
+        return (4, 4, 1, 1)
+    if m <= 8:
+        return (8, 4, 1, 1)
+    if int4:
+        return (8, 4, 2, 1) if (n // 16) % 2 == 0 else (8, 4, 1, 1)
+    return (8, 2, 1, 1)
+
+
+DEFAULTS = ((4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1))  # what default_config returns (bf16)
+DEFAULTS_INT4 = ((4, 4, 1, 1), (8, 4, 1, 1), (8, 4, 2, 1))
 
 
 def candidates(values: torch.Tensor) -> list[tuple[int, ...]]:
@@ -531,7 +541,7 @@ def int4_configs() -> list[tuple[int, int, int, int]]:
 
 def int4_ok() -> bool:
     """Whether the library loads and its default int4 configurations passed the self-check."""
-    return load() is not None and not {(8, 4, 1, 0), (4, 4, 1, 0)} & _failed_int4
+    return load() is not None and not set(DEFAULTS_INT4) & _failed_int4
 
 
 def usable_int4(q: torch.Tensor, group_size: int) -> bool:
@@ -630,7 +640,7 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     if x.dtype != torch.bfloat16 or k != ks * 32 or not 1 <= m <= MAX_M:
         raise ValueError(f"sk24 mma kernel: x must be bf16 (M <= {MAX_M}, {ks * 32}), got "
                          f"{x.dtype} {tuple(x.shape)}")
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, int4)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()  # the kernel loads x in 4-byte words: aligned rows
     if len(cfg) > 3 and cfg[3] and (x.stride(0) % 8 or x.data_ptr() % 16):
@@ -671,9 +681,10 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     return n * (k // 2) * item + n * (k // 64) * 4 * 2 + m * k * 2 + m * n * 2
 
 
-__all__ = ["BUCKETS", "CONFIGS", "DTYPES", "E4M3_CONFIGS", "INT4_COLUMNS", "LAYOUTS", "MAX_M",
-           "VERSION", "bound_bytes", "build", "candidates", "check_int4", "check_shape",
-           "compress", "compress_int4", "config_for", "config_text", "decompress",
-           "decompress_int4", "default_config", "dtypes", "e4m3_ok", "int4_configs", "int4_ok",
-           "launch", "launch_int4", "layout_for", "library_path", "load", "reason", "reference",
-           "reference_int4", "usable", "usable_int4"]
+__all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
+           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "VERSION", "bound_bytes", "build", "candidates",
+           "check_int4", "check_shape", "compress", "compress_int4", "config_for",
+           "config_text", "decompress", "decompress_int4", "default_config", "dtypes",
+           "e4m3_ok", "int4_configs", "int4_ok", "launch", "launch_int4", "layout_for",
+           "library_path", "load", "reason", "reference", "reference_int4", "usable",
+           "usable_int4"]
