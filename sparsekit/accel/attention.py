@@ -132,10 +132,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """The custom op ``sparsekit::decode_attention`` (CUDA: the Triton kernels; CPU:
-    :func:`reference`)."""
-    from sparsekit.accel import ops
-
-    return ops.decode_attention(q, k, v, mask, float(scale))
+    :func:`reference`), registered by :mod:`sparsekit.accel.ops` (which ``sparsekit.accel``
+    imports)."""
+    return torch.ops.sparsekit.decode_attention(q, k, v, mask, float(scale))
 
 
 def _mask_2d(mask: torch.Tensor | None, b: int, length: int) -> torch.Tensor | None | bool:
