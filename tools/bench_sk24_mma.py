@@ -15,6 +15,8 @@ Sections:
   for the best configuration; ``fp8x8_2:4``: the fp8 x fp8 kernel (x quantized to fp8, the
   "e4m3" layout) where it passed its self-check; the summary gives the geo-mean over cuBLAS
   at M <= 16 against the targets (bf16 2:4 >= 1.6x, fp8 2:4 >= 2.8x) and the geo-mean per M;
+  ``fp8h_2:4``: fp8 weights with x in f16 (the e4m3 weight converted to f16 by the hardware,
+  the f16 sparse tensor cores; the fp8 layers' way where it passed the self-check);
   ``int4_2:4``: int4 2:4 weights (RTN, group 128) on the kernel's int4 path, with the Triton
   int4 2:4 kernel's time beside it (``triton_us``).
 
@@ -63,13 +65,15 @@ def check_rows(device) -> list[dict]:
         w8, ws = fp8_weight(w)
         w8[0, :4] = torch.tensor([0, 0x01, 0x00, 0x83], dtype=torch.uint8).view(
             torch.float8_e4m3fn)  # two subnormals, one group (pattern still 2:4)
-        for dtype, weight, scale in (("bf16", w, None), ("fp8", w8, ws)):
+        for dtype, weight, scale in (("bf16", w, None), ("fp8", w8, ws), ("fp8h", w8, ws)):
             for layout in sk24_mma.META_LAYOUTS:
                 values, meta = sk24_mma.compress(weight, layout)
                 for m in ms:
                     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=None)
                     bias = torch.randn(n, device=device).to(torch.bfloat16)
                     xs = torch.rand(m, 1, device=device) + 0.5
+                    if dtype == "fp8h":  # fp8 weights with f16 x (the f16 tensor cores)
+                        x = x.to(torch.float8_e4m3fn).to(torch.float16)
                     ref = sk24_mma.reference(x, values, meta, xs, scale, bias).float()
                     for cfg in sk24_mma.CONFIGS:
                         try:
@@ -153,21 +157,27 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
             dense_bytes = 2 * n * k + 2 * m * k + 2 * m * n
             us = time_rotating([functools.partial(F.linear, x, d) for d in dense])
             row["bf16_dense"] = {"us": us, "tb_s": dense_bytes / us / 1e6}
-            for dtype, sets, scale in (("bf16_2:4", c16, None), ("fp8_2:4", c8, ws)):
+            x16 = x.to(torch.float8_e4m3fn).to(torch.float16)
+            for dtype, sets, scale in (("bf16_2:4", c16, None), ("fp8_2:4", c8, ws),
+                                       ("fp8h_2:4", c8, ws)):
+                xw = x16 if dtype == "fp8h_2:4" else x
                 nbytes = sk24_mma.bound_bytes(m, n, k, sets[0][0].dtype)
                 best = None
                 per = {}
                 for cfg in sk24_mma.CONFIGS:
-                    if (n // 16) % cfg[2] or cfg in sk24_mma._failed:
+                    failed = sk24_mma._failed_f16 if dtype == "fp8h_2:4" else sk24_mma._failed
+                    if (n // 16) % cfg[2] or cfg in failed:
                         continue
-                    fns = [functools.partial(sk24_mma.launch, x, v, mt, None, scale, None, cfg)
+                    fns = [functools.partial(sk24_mma.launch, xw, v, mt, None, scale, None, cfg)
                            for v, mt in sets]
                     t = time_rotating(fns)
                     per["x".join(map(str, cfg))] = t
                     if best is None or t < best[1]:
                         best = (cfg, t)
-                op_t = time_rotating([functools.partial(ops.sk24_mma_mm, x, v, mt, None, scale,
-                                                        None) for v, mt in sets])
+                if best is None:  # every configuration failed its self-check this way
+                    continue
+                op_t = time_rotating([functools.partial(ops.sk24_mma_mm, xw, v, mt, None,
+                                                        scale, None) for v, mt in sets])
                 row[dtype] = {"us": best[1], "config": list(best[0]), "default_us": op_t,
                               "default_config": list(sk24_mma.default_config(m, n, k)),
                               "bytes": nbytes, "tb_s": nbytes / best[1] / 1e6,
@@ -209,8 +219,8 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
             print(json.dumps({"shape": name, "M": m, "dense_us": round(us, 2),
                               **{d: {kk: (round(v, 3) if isinstance(v, float) else v)
                                      for kk, v in row[d].items() if kk != "configs_us"}
-                                 for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4", "int4_2:4")
-                                 if d in row}}),
+                                 for d in ("bf16_2:4", "fp8_2:4", "fp8h_2:4", "fp8x8_2:4",
+                                           "int4_2:4") if d in row}}),
                   flush=True)
         del dense, c16, c8, c8n, c4, c4t
         torch.cuda.empty_cache()
@@ -219,7 +229,7 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
 
 def summary(rows: list[dict]) -> dict:
     out = {}
-    for d in ("bf16_2:4", "fp8_2:4", "fp8x8_2:4", "int4_2:4"):
+    for d in ("bf16_2:4", "fp8_2:4", "fp8h_2:4", "fp8x8_2:4", "int4_2:4"):
         if not any(d in r for r in rows):
             continue
         rows_d = [r for r in rows if d in r]
@@ -263,8 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["check"] = check_rows(device)
         out["check_ok"] = {f"{d}_{lay}": all(r["ok"] for r in out["check"]
                                              if r["dtype"] == d and r["layout"] == lay)
-                           for d in ("bf16", "fp8") for lay in sk24_mma.LAYOUTS
-                           if (d, lay) != ("bf16", "e4m3")}
+                           for d in ("bf16", "fp8", "fp8h") for lay in sk24_mma.LAYOUTS
+                           if lay != "e4m3" or d == "fp8"}
         print(json.dumps({"check_ok": out["check_ok"]}), flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     if "time" in sections:

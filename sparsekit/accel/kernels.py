@@ -90,6 +90,7 @@ class _AccelLinear(nn.Module):
         # its fp8 x fp8 kernel) where it is built and the shape fits, else "triton" (sk24); ""
         # without a small-M path
         self.dkernel = ""
+        self.dwide = torch.bfloat16  # the dtype an fp8 layer widens x to for the mma kernel
         # the mma.sp kernel's configuration per bucket of sk24_mma.BUCKETS (the planner's)
         self.dconfig: tuple[tuple[int, ...], ...] | None = None
         # bf16 dense on a copy of the effective weight for dense_m[0] <= M <= dense_m[1]
@@ -102,6 +103,10 @@ class _AccelLinear(nn.Module):
                 layout = sk24_mma.layout_for(w)
                 self.dvalues, self.dmeta = sk24_mma.compress(w, layout)
                 self.dkernel = "mma8" if layout == "e4m3" else "mma"
+                # an fp8 layer's activations reach it widened, exactly: to f16 where the
+                # library runs fp8 weights on the f16 sparse tensor cores, else to bf16
+                if w.dtype == torch.float8_e4m3fn and sk24_mma.fp8_f16_ok():
+                    self.dwide = torch.float16
                 self.decode_max_m = sk24_mma.MAX_M
             elif self.decodes and sk24.check_shape(*w.shape) is None:
                 self.dvalues, self.dmeta = sk24.compress(w)
@@ -121,12 +126,12 @@ class _AccelLinear(nn.Module):
             q, sx = self._quant(x2d)
             return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias,
                                    cfg)
-        if self.dkernel == "mma":  # an fp8 layer's activations widened to bf16 (exact)
+        if self.dkernel == "mma":  # an fp8 layer's activations widened to f16 or bf16 (exact)
             if self.fmt is None:
                 return ops.sk24_mma_mm(x2d.to(torch.bfloat16), self.dvalues, self.dmeta, None,
                                        None, self.bias, cfg)
             q, sx = self._quant(x2d)
-            return ops.sk24_mma_mm(q.to(torch.bfloat16), self.dvalues, self.dmeta, sx,
+            return ops.sk24_mma_mm(q.to(self.dwide), self.dvalues, self.dmeta, sx,
                                    self.w_scale, self.bias, cfg)
         # x as the kernel's position planes, made by torch ops that the compiler fuses into
         # x's producer (the custom op itself is opaque to it)

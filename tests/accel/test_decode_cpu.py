@@ -114,22 +114,30 @@ def test_triton_kernel_under_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("kernel", ["triton", "mma", "mma8"])
+@pytest.mark.parametrize("kernel", ["triton", "mma", "mma16", "mma8"])
 @pytest.mark.parametrize("variant", ["bf16_2:4", "fp8_2:4"])
 def test_layer_decode_path_has_prefill_numerics(variant, kernel, monkeypatch):
-    if kernel == "mma8" and variant != "fp8_2:4":
-        pytest.skip("the fp8 x fp8 kernel takes fp8 layers")
+    if kernel in ("mma8", "mma16") and variant != "fp8_2:4":
+        pytest.skip("fp8 layers only: the fp8 x fp8 kernel, x widened to f16")
     # the mma.sp formats where the library loads (a CUDA GPU); here their CPU reference
     monkeypatch.setattr(sk24_mma, "usable", lambda w: kernel != "triton")
     monkeypatch.setattr(sk24_mma, "e4m3_ok", lambda: kernel == "mma8")
+    monkeypatch.setattr(sk24_mma, "fp8_f16_ok", lambda: kernel == "mma16")
+    seen = []
+    real = ops.sk24_mma_mm
+    monkeypatch.setattr(ops, "sk24_mma_mm", lambda x, *a: seen.append(x.dtype) or real(x, *a))
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS[variant](lin)
     assert mod.decode_max_m == sk24.MAX_M and mod.dvalues is not None
+    f16 = kernel == "mma16"
+    kernel = "mma" if f16 else kernel
     assert mod.dkernel == kernel and f"({kernel})" in repr(mod)
     x = torch.randn(2, 5, 512).bfloat16()
     decode = mod(x)
+    if kernel == "mma":  # an fp8 layer's x widened to f16 where the library takes it
+        assert seen == [torch.float16 if f16 else torch.bfloat16]
     mod.decode_max_m = 0  # the large-M path (cuSPARSELt's op; its reference on CPU)
     prefill = mod(x)
     assert decode.shape == prefill.shape == (2, 5, 64)

@@ -186,7 +186,7 @@ def test_build_makes_a_library_with_both_entry_points(tmp_path):
     path = sk24_mma.build(tmp_path / "lib.so")
     assert path.is_file() and not list(tmp_path.glob("tmp*"))  # renamed into place
     lib = ctypes.CDLL(str(path))  # static CUDA runtime: loads without a GPU
-    assert lib.sk24_mma_version() == sk24_mma.VERSION == 4
+    assert lib.sk24_mma_version() == sk24_mma.VERSION == 6
     assert hasattr(lib, "sk24_mma_launch") and hasattr(lib, "sk24_mma_e4m3_launch")
 
 
@@ -213,10 +213,9 @@ def _int4_weight(n: int, k: int, group: int, seed: int = 0):
 
 
 def _widen_int4(word: int, j: int) -> tuple[float, float]:
-    """The kernel's int4x2_to_bf16x2, bit for bit: byte j's nibbles n as the bf16 bits
+    """The kernel's int4x2_to_bf16x2, bit for bit: nibbles j and j + 4 as the bf16 bits
     0x4300 | n (128 + n), minus 136 in bf16."""
-    b = (word >> (8 * j)) & 0xFF
-    bits = (b & 0xF) | ((b & 0xF0) << 12) | 0x43004300
+    bits = ((word >> (4 * j)) & 0x000F000F) | 0x43004300
     out = []
     for half in (bits & 0xFFFF, bits >> 16):
         v = torch.tensor([half - 65536 if half >= 32768 else half], dtype=torch.int16)

@@ -36,13 +36,18 @@ def test_every_config_equals_reference(lib, dtype, layout):
         w = (w.float() / scale[:, None]).to(dtype)
     values, meta = sk24_mma.compress(w, layout)
     bias = torch.randn(1024, device="cuda").to(torch.bfloat16)
+    # fp8 weights take x in bf16 (widened in registers) and in f16 (converted by the hardware)
+    wides = (torch.bfloat16,) if dtype == torch.bfloat16 else (torch.bfloat16, torch.float16)
     for m in (1, 7, 8, 9, 16, 23, 32):
-        x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
-        xs = torch.rand(m, 1, device="cuda") + 0.5
-        ref = sk24_mma.reference(x, values, meta, xs, scale, bias).float()
-        for cfg in sk24_mma.CONFIGS:
-            got = sk24_mma.launch(x, values, meta, xs, scale, bias, cfg).float()
-            assert ((got - ref).norm() / ref.norm()).item() < 1e-2, (m, cfg)
+        for wide in wides:
+            x = torch.randn(m, 4096, device="cuda").to(torch.float8_e4m3fn).to(wide)
+            xs = torch.rand(m, 1, device="cuda") + 0.5
+            ref = sk24_mma.reference(x, values, meta, xs, scale, bias).float()
+            for cfg in sk24_mma.CONFIGS:
+                got = sk24_mma.launch(x, values, meta, xs, scale, bias, cfg).float()
+                assert ((got - ref).norm() / ref.norm()).item() < 1e-2, (m, cfg, wide)
+    if dtype != torch.bfloat16:
+        assert sk24_mma.fp8_f16_ok()
 
 
 def test_bf16_layer_decodes_on_it_with_prefill_numerics(lib):

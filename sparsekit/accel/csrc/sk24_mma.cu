@@ -18,6 +18,7 @@
 // headers): built by nvcc into a shared library and called through ctypes with the current
 // stream, so the launch goes into CUDA graphs like any other kernel.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -78,34 +79,56 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, int hi) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
-// byte j of w (two int4 values in offset binary, q + 8: the low nibble first) as bf16x2 q:
-// 0x4300 | n is the bf16 128 + n exactly, and 128 + n - 136 = q exactly
+// register j of a step from w, a lane's 8 int4 values in offset binary (q + 8) with element 2j
+// in nibble j and element 2j + 1 in nibble j + 4: shifted by 4j, one LOP3 puts the two nibbles
+// into bf16x2 0x4300 | n (128 + n exactly), and 128 + n - 136 = q exactly
 __device__ __forceinline__ uint32_t int4x2_to_bf16x2(uint32_t w, int j) {
-  uint32_t b = w >> (8 * j);
-  uint32_t bits = (b & 0xFu) | ((b & 0xF0u) << 12) | 0x43004300u;
+  uint32_t bits = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
   const uint32_t off = 0x43084308u;  // 136, 136
   __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&bits),
                              *reinterpret_cast<const __nv_bfloat162*>(&off));
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
-template <int SEL>
+// two e4m3 bytes (the low two of w when hi == 0, else the high two) as f16x2, exactly (one
+// cvt.rn.f16x2.e4m3x2 on sm_89 and later; the low byte becomes the low half)
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t w, int hi) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(hi ? (w >> 16) : (w & 0xFFFFu)), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+template <int SEL, bool F16>
 __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4],
                                        const uint32_t (&b)[4], uint32_t e) {
 #if defined(SK24_ORDERED)
-  asm(
-      "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
-        "r"(e), "n"(SEL));
+  if constexpr (F16) {
+    asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
+          "r"(b[3]), "r"(e), "n"(SEL));
+  } else {
+    asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
+          "r"(b[3]), "r"(e), "n"(SEL));
+  }
 #else
-  asm(
-      "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
-        "r"(e), "n"(SEL));
+  if constexpr (F16) {
+    asm("mma.sp.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
+          "r"(b[3]), "r"(e), "n"(SEL));
+  } else {
+    asm("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
+          "r"(b[3]), "r"(e), "n"(SEL));
+  }
 #endif
 }
 
@@ -144,11 +167,13 @@ __device__ __forceinline__ void group_done(float (&acc)[R][MT][4], float (&tmp)[
       }
 }
 
-// WT, the weight's kind: BF16, FP8 (e4m3, widened to bf16) or INT4 (offset-binary nibbles,
+// WT, the weight's kind: BF16, FP8 (e4m3, widened to bf16), FP8H (e4m3 converted to f16 by
+// one cvt per two values, with x in f16: the f16 sparse tensor cores; e4m3 values are exact
+// in f16, so the products are those of fp8 x fp8) or INT4 (offset-binary nibbles,
 // one 16-byte load a lane per 4 steps, widened to bf16 q exactly; each group of 4 steps = 128
 // columns sums into its own float32 fragment, which the group's scales of the lane's two rows
 // multiply into the accumulator)
-constexpr int BF16 = 0, FP8 = 1, INT4 = 2;
+constexpr int BF16 = 0, FP8 = 1, INT4 = 2, FP8H = 3;
 
 template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, bool XS>
 __global__ void __launch_bounds__(WARPS * 32)
@@ -205,6 +230,12 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
               sc[u >> 2][r][0] = gs[g * 16 + q];
               sc[u >> 2][r][1] = gs[g * 16 + q + 8];
             }
+          } else if constexpr (WT == FP8H) {
+            uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
+            a[u][r][0] = e4m3x2_to_f16x2(v.x, 0);
+            a[u][r][1] = e4m3x2_to_f16x2(v.x, 1);
+            a[u][r][2] = e4m3x2_to_f16x2(v.y, 0);
+            a[u][r][3] = e4m3x2_to_f16x2(v.y, 1);
           } else if constexpr (WT == FP8) {
             uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
             a[u][r][0] = e4m3x2_to_bf16x2(v.x, 0);
@@ -259,8 +290,8 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
 #pragma unroll
             for (int r = 0; r < R; ++r) {
               float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
-              if (PAIRED && (u & 1)) mma_sp<1>(d, a[u][r], b, e[u][r]);
-              else mma_sp<0>(d, a[u][r], b, e[u][r]);
+              if (PAIRED && (u & 1)) mma_sp<1, WT == FP8H>(d, a[u][r], b, e[u][r]);
+              else mma_sp<0, WT == FP8H>(d, a[u][r], b, e[u][r]);
             }
           }
           if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, sc, u);
@@ -281,8 +312,8 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
 #pragma unroll
             for (int r = 0; r < R; ++r) {
               float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
-              if (PAIRED && (u & 1)) mma_sp<1>(d, a[u][r], b, e[u][r]);
-              else mma_sp<0>(d, a[u][r], b, e[u][r]);
+              if (PAIRED && (u & 1)) mma_sp<1, WT == FP8H>(d, a[u][r], b, e[u][r]);
+              else mma_sp<0, WT == FP8H>(d, a[u][r], b, e[u][r]);
             }
           }
           if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, sc, u);
@@ -375,6 +406,8 @@ int launch_mt(int wt, int paired, int warps, int unroll, int rows, int xsm, int 
   SK24_WT(BF16, false)
   SK24_WT(FP8, true)
   SK24_WT(FP8, false)
+  SK24_WT(FP8H, true)
+  SK24_WT(FP8H, false)
   SK24_WT(INT4, true)
 #undef SK24_WT
   return -1;
@@ -491,7 +524,7 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 
 // 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take
 // (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch;
-// wt: 0 bf16, 1 fp8 e4m3 (widened), 2 int4 (paired metadata only, K a multiple of 128, gs the
+// wt: 0 bf16, 1 fp8 e4m3 (widened to bf16), 3 fp8 e4m3 as f16 with x f16, 2 int4 (paired metadata only, K a multiple of 128, gs the
 // group scales (N / 16, K / 128, 16) float32); xsm: 1 stages x through shared memory (x's rows
 // 16-byte aligned), 0 loads it directly
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
@@ -520,7 +553,7 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 4; }
+extern "C" int sk24_mma_version() { return 6; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
