@@ -154,8 +154,8 @@ def compress(weight: torch.Tensor, meta_layout: str = "paired"
     docstring); ValueError for a shape, dtype or pattern the format does not take.
     ``meta_layout`` "e4m3" (fp8 weights only): the layout of the fp8 x fp8 kernel
     (``mma.sp.m16n8k64`` e4m3: 64 columns a step, values (N/16, K/64, 32, 16), meta (N/16,
-    K/64, 32): lane 4q + p holds quarter p (compressed columns 8p .. 8p + 7) of the positions of
-    row q in its low 16 bits, of row q + 8 in its high 16 bits)."""
+    K/64, 32): lane 4q + p holds the positions of row q + 8 (p & 1), compressed columns
+    16 (p >> 1) .. 16 (p >> 1) + 15, column c at bits 2c of the 32)."""
     if meta_layout not in LAYOUTS:
         raise ValueError(f"2:4 mma format: meta_layout must be one of {LAYOUTS}, got "
                          f"{meta_layout!r}")
@@ -175,8 +175,10 @@ def compress(weight: torch.Tensor, meta_layout: str = "paired"
     shifts = 2 * torch.arange(8, device=idx.device, dtype=torch.int64)
     h16 = (idx.reshape(n, half // 8, 8) << shifts).sum(-1)  # (N, K/16): 8 positions a word
     if meta_layout == "e4m3":
-        q16 = h16.reshape(n // 16, 2, 8, half // 32, 4)  # (rt, rh, q, ks, p)
-        word = (q16[:, 0] | (q16[:, 1] << 16)).permute(0, 2, 1, 3)  # (rt, ks, q, p)
+        # lane 4q + p: row q + 8 (p & 1), compressed columns 16 (p >> 1) .. + 15 (32 bits)
+        q16 = h16.reshape(n // 16, 2, 8, half // 32, 2, 2)  # (rt, rh, q, ks, h, w)
+        word = q16[..., 0] | (q16[..., 1] << 16)  # (rt, rh, q, ks, h)
+        word = word.permute(0, 3, 2, 4, 1)  # (rt, ks, q, h, rh): lane 4q + 2h + rh
         meta = word.reshape(n // 16, half // 32, 32)
         meta = torch.where(meta >= 2**31, meta - 2**32, meta).to(torch.int32).contiguous()
         return _lanes_e4m3(vals).contiguous(), meta
@@ -205,9 +207,9 @@ def decompress(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     if values.shape[-1] == 16:  # e4m3: 64 columns a step
         n, k = rt * 16, ks * 64
         vals = _unlanes_e4m3(values).float()
-        word = m.reshape(rt, ks, 8, 4)  # (rt, ks, q, p)
-        q16 = torch.stack([word & 0xFFFF, word >> 16], 1)  # (rt, rh, ks, q, p)
-        q16 = q16.permute(0, 1, 3, 2, 4).reshape(n, 4 * ks)
+        word = m.reshape(rt, ks, 8, 2, 2)  # (rt, ks, q, h, rh)
+        q16 = torch.stack([word & 0xFFFF, word >> 16], -1)  # (rt, ks, q, h, rh, w)
+        q16 = q16.permute(0, 4, 2, 1, 3, 5).reshape(n, 4 * ks)  # (rt, rh, q, ks, h, w)
         idx = ((q16[..., None] >> shifts) & 3).reshape(n, k // 4, 2)
         dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
         dense.scatter_(-1, idx, vals.reshape(n, k // 4, 2))

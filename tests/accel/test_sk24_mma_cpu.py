@@ -125,9 +125,9 @@ def test_load_off_the_gpu_says_why(monkeypatch):
 def emulate_e4m3(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """x @ W.T the way mma.sp.m16n8k64 (e4m3) reads the "e4m3" layout (PTX ISA's fragment
     layouts for 8-bit sparse A): lane 4q + t holds compressed columns 4t..4t+3 of rows q, q+8,
-    then 16+4t..16+4t+3 of rows q, q+8 (four bytes a register); lane 4q + p holds the 2-bit
-    positions of quarter p (compressed columns 8p..8p+7, column 8p + j at bits 2j) of row q in
-    its low 16 bits and of row q + 8 in its high 16 bits."""
+    then 16+4t..16+4t+3 of rows q, q+8 (four bytes a register); every lane supplies metadata
+    (sparsity selector 0): lane 4q + p the 2-bit positions of row q + 8 (p & 1), compressed
+    columns 16 (p >> 1) + j at bits 2j (PTX's 8-bit m16n8k64 metadata figures)."""
     rt_n, ks_n = values.shape[:2]
     y = torch.zeros(x.shape[0], rt_n * 16, dtype=torch.float64)
     for rt in range(rt_n):
@@ -141,9 +141,9 @@ def emulate_e4m3(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor) -> t
                                                 (q + 8, 16 + 4 * t))):
                     a[row, col:col + 4] = regs[r]
                 word = int(meta[rt, ks, lane]) & 0xFFFFFFFF
-                for row, bits in ((q, word & 0xFFFF), (q + 8, word >> 16)):
-                    for j in range(8):
-                        pos[row, 8 * t + j] = (bits >> (2 * j)) & 3
+                row, first = q + 8 * (t & 1), 16 * (t >> 1)
+                for j in range(16):
+                    pos[row, first + j] = (word >> (2 * j)) & 3
             dense = torch.zeros(16, 64, dtype=torch.float64)
             for row in range(16):
                 for c in range(32):

@@ -70,8 +70,8 @@ def test_bf16_layer_decodes_on_it_with_prefill_numerics(lib):
 
 def test_fp8_x_fp8_kernel_is_used_only_where_it_equals_the_reference(lib):
     # the kernel computed wrong on an H100 (2026-12-06: relative error 0.71-0.78 for every
-    # configuration; its fragment or metadata layout for m16n8k64 e4m3 is not right yet): its
-    # self-check must then keep it off, so that fp8 layers never run it
+    # configuration, with a metadata layout since corrected): wherever it computes wrong, its
+    # self-check must keep it off, so that fp8 layers never run it
     w = masked_24(1024, 4096).cuda()
     scale = (w.float().abs().amax(1) / 448).clamp_min(1e-12)
     values, meta = sk24_mma.compress((w.float() / scale[:, None]).to(torch.float8_e4m3fn),

@@ -416,7 +416,8 @@ int launch_mt(int wt, int paired, int warps, int unroll, int rows, int xsm, int 
 // fp8 e4m3 x fp8 e4m3 on the fp8 sparse tensor cores (mma.sp.m16n8k64): the weight's kept
 // values and x as the layer quantized them, 64 columns a step, no widening. A lane holds
 // compressed columns 4t..4t+3 of rows q and q + 8, then 16 + 4t.. of both (16 bytes), and
-// the 2-bit positions of quarter t of rows q (low 16 bits) and q + 8 (high 16 bits).
+// the 2-bit positions of row q + 8 (t & 1), compressed columns 16 (t >> 1) .. + 15 (every lane
+// supplies metadata; sparsity selector 0).
 __device__ __forceinline__ void mma_sp_e4m3(float (&d)[4], const uint32_t (&a)[4],
                                             const uint32_t (&b)[4], uint32_t e) {
   asm("mma.sp::ordered_metadata.sync.aligned.m16n8k64.row.col.f32.e4m3.e4m3.f32 "
@@ -524,7 +525,8 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 
 // 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take
 // (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch;
-// wt: 0 bf16, 1 fp8 e4m3 (widened to bf16), 3 fp8 e4m3 as f16 with x f16, 2 int4 (paired metadata only, K a multiple of 128, gs the
+// wt: 0 bf16, 1 fp8 e4m3 (widened to bf16), 3 fp8 e4m3 as f16 with x f16, 2 int4 (paired
+// metadata only, K a multiple of 128, gs the
 // group scales (N / 16, K / 128, 16) float32); xsm: 1 stages x through shared memory (x's rows
 // 16-byte aligned), 0 loads it directly
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
