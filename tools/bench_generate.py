@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.accel import ops, planner, sk24
+from sparsekit.accel import generate, ops, planner, sk24
 from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
@@ -384,10 +384,14 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
                          compile=sk.CompileOptions(backend=backend, warmup=False))
     kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
     for mod in fast.model.modules():
-        if getattr(mod, "dkernel", ""):
-            kernels[mod.dkernel] = kernels.get(mod.dkernel, 0) + 1
+        kernel = getattr(mod, "dkernel", "") or (
+            f"int4_{mod.path}" if getattr(mod, "variant", "") == "int4_2:4" else "")
+        if kernel:
+            kernels[kernel] = kernels.get(kernel, 0) + 1
     info = {"accelerate_s": time.perf_counter() - t0,
-            "report_seconds": dict(fast.report.seconds), "decode_kernels": kernels}
+            "report_seconds": dict(fast.report.seconds), "decode_kernels": kernels,
+            # whether generate runs decode attention on sparsekit's kernel
+            "decode_attention": generate.attention_for(fast.model, device) is not None}
     print(json.dumps({"way": f"{precision} {sparsity}", **info}), flush=True)
 
     def run(ids):
