@@ -18,8 +18,8 @@ Sections (``--sections``, default both):
   and ``--new`` new tokens, greedy, per batch in ``--batches``. Ways: ``dense_hf`` (HF's static
   cache, its decode step compiled by HF's own ``CompileConfig(mode="reduce-overhead")``: HF's
   documented fast path),
-  ``dense_sk`` (with ``--dense-sk``: sparsekit's generate on a dense accelerated model, its
-  prefill buckets and graphs, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8,
+  ``dense_sk`` (on unless ``--no-dense-sk``: sparsekit's generate on a dense accelerated
+  model, its prefill buckets, graphs and decode attention, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8,
   per-token activation and per-channel weight scales), ``sk_int4_2:4`` (with ``--precisions``
   naming int4: W4A16, int4 weights rounded to nearest in groups of 128), and the peers
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
