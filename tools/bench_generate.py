@@ -19,9 +19,10 @@ Sections (``--sections``, default both):
   cache, its decode step compiled by HF's own ``CompileConfig(mode="reduce-overhead")``: HF's
   documented fast path),
   ``dense_sk`` (on unless ``--no-dense-sk``: sparsekit's generate on a dense accelerated
-  model, its prefill buckets, graphs and decode attention, no sparse kernels), ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8,
-  per-token activation and per-channel weight scales), ``sk_int4_2:4`` (with ``--precisions``
-  naming int4: W4A16, int4 weights rounded to nearest in groups of 128), and the peers
+  model, its prefill buckets, graphs and decode attention, no sparse kernels),
+  ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8, per-token activation and per-channel weight
+  scales), ``sk_int4_2:4`` (with ``--precisions`` naming int4: W4A16, int4 weights rounded to
+  nearest in groups of 128), and the peers
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
   compile) when torchao runs. Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to

@@ -54,6 +54,20 @@ def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale.contiguous()
 
 
+def checked(row: dict, ref: torch.Tensor, run) -> dict:
+    """``row`` with ``run()``'s relative error against ``ref`` (whole output) and whether it
+    is within bf16 rounding (1e-2), or the error it raised."""
+    try:
+        got = run().float()
+        if got.is_cuda:
+            torch.cuda.synchronize()
+        row["rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        row["ok"] = row["rel_err"] < 1e-2
+    except Exception as e:  # noqa: BLE001  (recorded: the check's point)
+        row.update(error=f"{type(e).__name__}: {e}"[:300], ok=False)
+    return row
+
+
 def check_rows(device) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -76,35 +90,23 @@ def check_rows(device) -> list[dict]:
                         x = x.to(torch.float8_e4m3fn).to(torch.float16)
                     ref = sk24_mma.reference(x, values, meta, xs, scale, bias).float()
                     for cfg in sk24_mma.CONFIGS:
-                        try:
-                            got = sk24_mma.launch(x, values, meta, xs, scale, bias, cfg).float()
-                            torch.cuda.synchronize()
-                            err = ((got - ref).norm() / ref.norm()).item()
-                            row = {"N": n, "K": k, "M": m, "dtype": dtype, "layout": layout,
-                                   "config": list(cfg), "rel_err": err, "ok": err < 1e-2}
-                        except Exception as e:  # noqa: BLE001  (recorded: the check's point)
-                            row = {"N": n, "K": k, "M": m, "dtype": dtype, "layout": layout,
-                                   "config": list(cfg), "error": f"{type(e).__name__}: {e}"[:300],
-                                   "ok": False}
-                        rows.append(row)
+                        rows.append(checked(
+                            {"N": n, "K": k, "M": m, "dtype": dtype, "layout": layout,
+                             "config": list(cfg)}, ref,
+                            functools.partial(sk24_mma.launch, x, values, meta, xs, scale,
+                                              bias, cfg)))
         values, meta = sk24_mma.compress(w8, "e4m3")
         for m in ms:
             x = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
             xs = torch.rand(m, 1, device=device) + 0.5
             ref = sk24_mma.reference(x, values, meta, xs, ws, None).float()
             for cfg in sk24_mma.E4M3_CONFIGS:
-                row = {"N": n, "K": k, "M": m, "dtype": "fp8", "layout": "e4m3",
-                       "config": list(cfg)}
-                try:
-                    # the kernel itself, whether or not it passed the library's self-check
-                    got = sk24_mma._launch_e4m3(sk24_mma.load(), x, values, meta, xs, ws, None,
-                                                cfg).float()
-                    torch.cuda.synchronize()
-                    row["rel_err"] = ((got - ref).norm() / ref.norm()).item()
-                    row["ok"] = row["rel_err"] < 1e-2
-                except Exception as e:  # noqa: BLE001  (recorded: the check's point)
-                    row.update(error=f"{type(e).__name__}: {e}"[:300], ok=False)
-                rows.append(row)
+                # the kernel itself, whether or not it passed the library's self-check
+                rows.append(checked(
+                    {"N": n, "K": k, "M": m, "dtype": "fp8", "layout": "e4m3",
+                     "config": list(cfg)}, ref,
+                    functools.partial(sk24_mma._launch_e4m3, sk24_mma.load(), x, values, meta,
+                                      xs, ws, None, cfg)))
         q, scales = rtn_int4(w.float().cpu(), 128)
         values, meta, gs = (t.to(device) for t in sk24_mma.compress_int4(q, scales))
         for m in ms:
@@ -112,17 +114,11 @@ def check_rows(device) -> list[dict]:
             bias = torch.randn(n, device=device).to(torch.bfloat16)
             ref = sk24_mma.reference_int4(x, values, meta, gs, bias).float()
             for cfg in sk24_mma.int4_configs():
-                row = {"N": n, "K": k, "M": m, "dtype": "int4", "layout": "paired",
-                       "config": list(cfg)}
-                try:
-                    got = sk24_mma._launch(sk24_mma.load(), x, values, meta, None, None, bias,
-                                           cfg, gs).float()
-                    torch.cuda.synchronize()
-                    row["rel_err"] = ((got - ref).norm() / ref.norm()).item()
-                    row["ok"] = row["rel_err"] < 1e-2
-                except Exception as e:  # noqa: BLE001  (recorded: the check's point)
-                    row.update(error=f"{type(e).__name__}: {e}"[:300], ok=False)
-                rows.append(row)
+                rows.append(checked(
+                    {"N": n, "K": k, "M": m, "dtype": "int4", "layout": "paired",
+                     "config": list(cfg)}, ref,
+                    functools.partial(sk24_mma._launch, sk24_mma.load(), x, values, meta, None,
+                                      None, bias, cfg, gs)))
         bad = [r for r in rows if not r["ok"] and r["N"] == n]
         print(json.dumps({"check": f"{n}x{k}", "cases": len(rows), "bad": len(bad),
                           "first_bad": bad[:2]}), flush=True)

@@ -396,74 +396,67 @@ def load() -> ctypes.CDLL | None:
         return None
 
 
+def _failing(lib: ctypes.CDLL, way: str, configs, x_of, values: torch.Tensor,
+             meta: torch.Tensor, ws: torch.Tensor | None = None,
+             gs: torch.Tensor | None = None) -> set:
+    """The configurations of ``configs`` whose output on x = ``x_of(m)`` (one M per M tile) is
+    not within 1e-2 of the reference (relative, whole output) or that raise, for the weight
+    ``values``, ``meta`` (per-row scales ``ws``; int4: group scales ``gs``); each one logged
+    with ``way``."""
+    failed = set()
+    for m in (1, 9, 17):
+        x = x_of(m)
+        ref = (reference(x, values, meta, None, ws, None) if gs is None else
+               reference_int4(x, values, meta, gs, None)).float()
+        for cfg in configs:
+            try:
+                got = _launch(lib, x, values, meta, None, ws, None, cfg, gs).float()
+                err = ((got - ref).norm() / ref.norm()).item()
+                why = f"relative error {err:.3g}"
+            except RuntimeError as e:
+                err, why = float("inf"), str(e)
+            if not err < 1e-2 and cfg not in failed:
+                failed.add(cfg)
+                log.warning("sparsekit: mma.sp config %s failed its self-check (%s, M=%d: %s); "
+                            "not used that way", cfg, way, m, why)
+    return failed
+
+
 def _self_check(lib: ctypes.CDLL) -> None:
-    """Run the kernel once per weight dtype, configuration and M tile against
-    :func:`reference` on a small weight: a configuration that computes wrong is never launched
+    """Run the kernel once per weight kind, configuration and M tile against the reference
+    on a small weight: a configuration that computes wrong is never launched that way
     (:func:`launch` refuses it); RuntimeError when one that :func:`default_config` picks does
-    (the library is then not used)."""
+    for bf16 or bf16-widened fp8 (the library is then not used). fp8 with f16 x and int4 that
+    fail only lose that way (:func:`fp8_f16_ok`, :func:`int4_ok`)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 256, generator=g)
     w4 = w.view(64, 64, 4)
     keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
     w = (w4 * keep).view(64, 256).cuda()
     scale = (w.abs().amax(1) / 448).clamp_min(1e-12)
-    for weight, ws in ((w.to(torch.bfloat16), None),
-                       ((w / scale[:, None]).to(torch.float8_e4m3fn), scale)):
-        for layout in ("paired",):  # the layers' layout
-            values, meta = compress(weight, layout)
-            for m in (1, 9, 17):
-                x = torch.randn(m, 256, generator=g).to("cuda", torch.bfloat16)
-                ref = reference(x, values, meta, None, ws, None).float()
-                for cfg in CONFIGS:
-                    try:
-                        got = _launch(lib, x, values, meta, None, ws, None, cfg).float()
-                        err = ((got - ref).norm() / ref.norm()).item()
-                    except RuntimeError as e:
-                        err, why = float("inf"), str(e)
-                    else:
-                        why = f"relative error {err:.3g}"
-                    if not err < 1e-2:
-                        _failed.add(cfg)
-                        log.warning("sparsekit: mma.sp config %s failed its self-check (%s, "
-                                    "M=%d: %s); not used", cfg, weight.dtype, m, why)
-                        if cfg in DEFAULTS:
-                            raise RuntimeError(f"self-check failed ({weight.dtype}, {layout} "
-                                               f"metadata, M={m}, config {cfg}: {why})")
-    # fp8 weights with f16 x: a failing configuration is not used that way (the layers then
-    # widen to bf16 where the defaults fail)
-    values, meta = compress((w / scale[:, None]).to(torch.float8_e4m3fn), "paired")
-    for m in (1, 9, 17):
-        x = torch.randn(m, 256, generator=g).to("cuda", torch.float8_e4m3fn).to(torch.float16)
-        ref = reference(x, values, meta, None, scale, None).float()
-        for cfg in CONFIGS:
-            try:
-                got = _launch(lib, x, values, meta, None, scale, None, cfg).float()
-                err = ((got - ref).norm() / ref.norm()).item()
-            except RuntimeError:
-                err = float("inf")
-            if not err < 1e-2:
-                _failed_f16.add(cfg)
-                log.warning("sparsekit: mma.sp config %s failed its fp8-as-f16 self-check "
-                            "(M=%d: relative error %.3g); not used that way", cfg, m, err)
-    # int4: a failing configuration is not used for int4 weights; bf16 and fp8 go on
+
+    def x_of(dtype, wide=None):
+        def make(m):
+            x = torch.randn(m, 256, generator=g).to("cuda", dtype)
+            return x if wide is None else x.to(wide)
+        return make
+
+    fp8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    for weight, ws in ((w.to(torch.bfloat16), None), (fp8, scale)):
+        values, meta = compress(weight, "paired")  # the layers' layout
+        bad = _failing(lib, str(weight.dtype), CONFIGS, x_of(torch.bfloat16), values, meta, ws)
+        _failed.update(bad)
+        if bad & set(DEFAULTS):
+            raise RuntimeError(f"self-check failed ({weight.dtype}, default configurations "
+                               f"{sorted(bad & set(DEFAULTS))})")
+    values, meta = compress(fp8, "paired")
+    _failed_f16.update(_failing(lib, "fp8 with f16 x", CONFIGS,
+                                x_of(torch.float8_e4m3fn, torch.float16), values, meta, scale))
     q = torch.randint(-8, 8, (64, 256), generator=g, dtype=torch.int8) * keep.view(64, 256).to(
         torch.int8)
-    scales = torch.rand(64, 2, generator=g) + 0.5
-    values, meta, gs = (t.cuda() for t in compress_int4(q, scales))
-    for m in (1, 9, 17):
-        x = torch.randn(m, 256, generator=g).to("cuda", torch.bfloat16)
-        ref = reference_int4(x, values, meta, gs, None).float()
-        for cfg in int4_configs():
-            try:
-                got = _launch(lib, x, values, meta, None, None, None, cfg, gs).float()
-                err = ((got - ref).norm() / ref.norm()).item()
-            except RuntimeError:
-                err = float("inf")
-            if not err < 1e-2:
-                _failed_int4.add(cfg)
-                log.warning("sparsekit: mma.sp config %s failed its int4 self-check (M=%d: "
-                            "relative error %.3g); not used for int4", cfg, m, err)
-
+    iv, im, gs = (t.cuda() for t in compress_int4(q, torch.rand(64, 2, generator=g) + 0.5))
+    _failed_int4.update(_failing(lib, "int4", int4_configs(), x_of(torch.bfloat16), iv, im,
+                                 gs=gs))
 
 
 def _self_check_e4m3(lib: ctypes.CDLL, w: torch.Tensor, g: torch.Generator) -> bool:

@@ -2,12 +2,10 @@
 repeated kv heads, the Triton kernels under Triton's interpreter against the reference, the op,
 the HF attention function and generate's switch to it."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 import sparsekit as sk
 from sparsekit.accel import attention, generate, ops
@@ -120,11 +118,7 @@ print("ok")
 
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    out = run_interpreted(_INTERPRETED)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 

@@ -5,12 +5,10 @@ against their large-M path, an accelerated tiny Llama generating HF's own tokens
 planner's decode routing (small-M, large-M, bf16 dense under "auto") on faked GPU timings."""
 
 import functools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 import torch.nn.functional as F
 from torch import nn
 
@@ -106,11 +104,7 @@ print("ok")
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    out = run_interpreted(_INTERPRETED)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 

@@ -272,3 +272,27 @@ def test_int4_refuses_what_the_format_cannot_take():
     assert sk24_mma.check_int4(32, 256, 256) is None and sk24_mma.check_int4(32, 256, 32)
     assert sk24_mma.int4_configs() and all(c[1] % 4 == 0 for c in sk24_mma.int4_configs())
     assert not sk24_mma.usable_int4(q, 128)  # a CPU tensor
+
+
+def test_self_check_keeps_out_the_configurations_that_compute_wrong_or_raise(monkeypatch):
+    # the library's self-check (on the GPU) by its selection logic: the kernel replaced by the
+    # reference, off by 10% for one configuration and raising for another
+    w = masked_24(32, 256)
+    values, meta = sk24_mma.compress(w, "paired")
+    bad, broken = sk24_mma.CONFIGS[1], sk24_mma.CONFIGS[2]
+
+    def fake(lib, x, values, meta, xs, ws, bias, cfg, gs=None):
+        if cfg == broken:
+            raise RuntimeError("launch failed (code 7)")
+        y = sk24_mma.reference(x, values, meta, xs, ws, bias)
+        return y * 1.1 if cfg == bad else y
+    monkeypatch.setattr(sk24_mma, "_launch", fake)
+    failed = sk24_mma._failing(None, "bf16", sk24_mma.CONFIGS,
+                               lambda m: torch.randn(m, 256).bfloat16(), values, meta)
+    assert failed == {bad, broken}
+    q, scales = _int4_weight(32, 256, 128)
+    iv, im, gs = sk24_mma.compress_int4(q, scales)
+    monkeypatch.setattr(sk24_mma, "_launch", lambda lib, x, v, m, xs, ws, b, cfg, gs=None:
+                        sk24_mma.reference_int4(x, v, m, gs, b))
+    assert sk24_mma._failing(None, "int4", sk24_mma.int4_configs(),
+                             lambda m: torch.randn(m, 256).bfloat16(), iv, im, gs=gs) == set()

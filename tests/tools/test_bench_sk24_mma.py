@@ -37,3 +37,15 @@ def test_summary_geo_means_and_bound_counts():
     by_m = s["fp8_2:4_geo_by_m"]
     assert sorted(by_m) == [1, 16, 32]
     assert all(math.isclose(by_m[m], v) for m, v in ((1, 4.0), (16, 1.0), (32, 8.0)))
+
+
+def test_checked_rows_record_the_error_or_what_was_raised():
+    ref = torch.ones(4, 8)
+    row = bench_sk24_mma.checked({"M": 4}, ref, lambda: ref * 1.001)
+    assert row["ok"] and math.isclose(row["rel_err"], 1e-3, rel_tol=1e-3)
+    assert not bench_sk24_mma.checked({}, ref, lambda: ref * 1.1)["ok"]
+
+    def broken():
+        raise RuntimeError("sk24 mma kernel: launch failed (code 7)")
+    row = bench_sk24_mma.checked({}, ref, broken)
+    assert row["ok"] is False and "code 7" in row["error"]
