@@ -234,7 +234,11 @@ def attention_for(model: nn.Module, device: torch.device) -> str | None:
         return None
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return None
-    return attention.register()
+    try:
+        return attention.register()
+    except (ImportError, AttributeError) as e:  # a transformers without the interfaces
+        log.info("generate: HF's attention kept (%s)", e)
+        return None
 
 
 def _allocate(cache: Any, model: nn.Module, batch: int, device: torch.device) -> None:

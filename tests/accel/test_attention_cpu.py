@@ -175,6 +175,12 @@ def test_generate_switches_attention_on_cuda_only(monkeypatch):
     assert generate.attention_for(_llama("eager"), torch.device("cuda")) is None
     monkeypatch.setenv("SPARSEKIT_DECODE_ATTENTION", "0")
     assert generate.attention_for(model, torch.device("cuda")) is None
+    monkeypatch.delenv("SPARSEKIT_DECODE_ATTENTION")
+
+    def old_transformers():
+        raise ImportError("cannot import name 'AttentionMaskInterface'")
+    monkeypatch.setattr(attention, "register", old_transformers)
+    assert generate.attention_for(model, torch.device("cuda")) is None
 
 
 def test_accelerated_generate_on_the_decode_attention_equals_hf(monkeypatch):
