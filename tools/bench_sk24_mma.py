@@ -161,8 +161,8 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
                 best = None
                 per = {}
                 for cfg in sk24_mma.CONFIGS:
-                    failed = sk24_mma._failed_f16 if dtype == "fp8h_2:4" else sk24_mma._failed
-                    if (n // 16) % cfg[2] or cfg in failed:
+                    way = "f16" if dtype == "fp8h_2:4" else "bf16"
+                    if (n // 16) % cfg[2] or cfg not in sk24_mma.working(way):
                         continue
                     fns = [functools.partial(sk24_mma.launch, xw, v, mt, None, scale, None, cfg)
                            for v, mt in sets]

@@ -96,9 +96,11 @@ CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0),
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
 VERSION = 6  # sk24_mma_version() of the library this module calls
-_failed: set = set()  # configurations that failed the self-check (never launched)
-_failed_int4: set = set()  # the same for int4 weights
-_failed_f16: set = set()  # the same for fp8 weights with f16 x (the f16 sparse tensor cores)
+# the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
+# (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
+WAYS = ("bf16", "f16", "int4")
+# per way, the configurations that failed the self-check (never launched that way)
+_failed: dict[str, set] = {way: set() for way in WAYS}
 _e4m3: list[bool] = []  # [whether the fp8 x fp8 kernel passed its self-check], on first use
 _why: list[str] = []
 
@@ -445,17 +447,17 @@ def _self_check(lib: ctypes.CDLL) -> None:
     for weight, ws in ((w.to(torch.bfloat16), None), (fp8, scale)):
         values, meta = compress(weight, "paired")  # the layers' layout
         bad = _failing(lib, str(weight.dtype), CONFIGS, x_of(torch.bfloat16), values, meta, ws)
-        _failed.update(bad)
+        _failed["bf16"].update(bad)
         if bad & set(DEFAULTS):
             raise RuntimeError(f"self-check failed ({weight.dtype}, default configurations "
                                f"{sorted(bad & set(DEFAULTS))})")
     values, meta = compress(fp8, "paired")
-    _failed_f16.update(_failing(lib, "fp8 with f16 x", CONFIGS,
+    _failed["f16"].update(_failing(lib, "fp8 with f16 x", CONFIGS,
                                 x_of(torch.float8_e4m3fn, torch.float16), values, meta, scale))
     q = torch.randint(-8, 8, (64, 256), generator=g, dtype=torch.int8) * keep.view(64, 256).to(
         torch.int8)
     iv, im, gs = (t.cuda() for t in compress_int4(q, torch.rand(64, 2, generator=g) + 0.5))
-    _failed_int4.update(_failing(lib, "int4", int4_configs(), x_of(torch.bfloat16), iv, im,
+    _failed["int4"].update(_failing(lib, "int4", int4_configs(), x_of(torch.bfloat16), iv, im,
                                  gs=gs))
 
 
@@ -550,9 +552,10 @@ def candidates(values: torch.Tensor) -> list[tuple[int, ...]]:
         return list(E4M3_CONFIGS)
     tiles = values.shape[0]
     if values.dtype == torch.int32:
-        return [c for c in int4_configs() if c not in _failed_int4 and tiles % c[2] == 0]
-    failed = _failed | (_failed_f16 if values.dtype == torch.float8_e4m3fn else set())
-    return [c for c in CONFIGS if c not in failed and tiles % c[2] == 0]
+        way = "int4"
+    else:  # fp8 layers pass f16 x where that way works (kernels.py)
+        way = "f16" if values.dtype == torch.float8_e4m3fn and fp8_f16_ok() else "bf16"
+    return [c for c in working(way) if tiles % c[2] == 0]
 
 
 def int4_configs() -> list[tuple[int, int, int, int]]:
@@ -560,16 +563,22 @@ def int4_configs() -> list[tuple[int, int, int, int]]:
     return [c for c in CONFIGS if c[1] % 4 == 0]
 
 
+def working(way: str) -> list[tuple[int, int, int, int]]:
+    """The configurations of ``way`` (one of :data:`WAYS`) built and not failed in the
+    self-check."""
+    return [c for c in (int4_configs() if way == "int4" else CONFIGS) if c not in _failed[way]]
+
+
 def fp8_f16_ok() -> bool:
     """Whether the library loads and runs fp8 weights with float16 x (e4m3 converted to f16
     by the hardware, the f16 sparse tensor cores) in its default configurations: the fp8
     layers' way onto it then, else bf16 widening."""
-    return load() is not None and not set(DEFAULTS) & _failed_f16
+    return load() is not None and not set(DEFAULTS) & _failed["f16"]
 
 
 def int4_ok() -> bool:
     """Whether the library loads and its default int4 configurations passed the self-check."""
-    return load() is not None and not set(DEFAULTS_INT4) & _failed_int4
+    return load() is not None and not set(DEFAULTS_INT4) & _failed["int4"]
 
 
 def usable_int4(q: torch.Tensor, group_size: int) -> bool:
@@ -675,8 +684,7 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     if len(cfg) > 3 and cfg[3] and (x.stride(0) % 8 or x.data_ptr() % 16):
         x = x.clone(memory_format=torch.contiguous_format)  # staged: 16-byte loads
     paired = meta.shape[1] != ks
-    allowed = [c for c in int4_configs() if c not in _failed_int4] if int4 else \
-        [c for c in CONFIGS if c not in (_failed_f16 if f16 else _failed)]
+    allowed = working("int4" if int4 else "f16" if f16 else "bf16")
     if cfg not in allowed:
         raise ValueError(f"sk24 mma kernel: config {cfg} is not one of {allowed}")
     if int4 and (scales is None or not paired or scales.shape != (rt, ks // 4, 16)):
@@ -698,8 +706,7 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
         None if gs is None else gs.data_ptr(),
         None if b is None else b.data_ptr(), y.data_ptr(), m, n, k,
         2 if int4 else (3 if f16 else int(values.dtype == torch.float8_e4m3fn)), int(paired),
-        cfg[0], cfg[1],
-        cfg[2], cfg[3], torch.cuda.current_stream(x.device).cuda_stream)
+        *cfg, torch.cuda.current_stream(x.device).cuda_stream)
     if rc:
         raise RuntimeError(f"sk24 mma kernel: launch failed (code {rc})")
     return y
@@ -712,9 +719,9 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
-           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "VERSION", "bound_bytes", "build", "candidates",
-           "check_int4", "check_shape", "compress", "compress_int4", "config_for",
-           "config_text", "decompress", "decompress_int4", "default_config", "dtypes",
-           "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch", "launch_int4",
-           "layout_for", "library_path", "load", "reason", "reference", "reference_int4",
-           "usable", "usable_int4"]
+           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "VERSION", "WAYS", "bound_bytes", "build",
+           "candidates", "check_int4", "check_shape", "compress", "compress_int4",
+           "config_for", "config_text", "decompress", "decompress_int4", "default_config",
+           "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",
+           "launch_int4", "layout_for", "library_path", "load", "reason", "reference",
+           "reference_int4", "usable", "usable_int4", "working"]

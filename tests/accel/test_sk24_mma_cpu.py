@@ -296,3 +296,16 @@ def test_self_check_keeps_out_the_configurations_that_compute_wrong_or_raise(mon
                         sk24_mma.reference_int4(x, v, m, gs, b))
     assert sk24_mma._failing(None, "int4", sk24_mma.int4_configs(),
                              lambda m: torch.randn(m, 256).bfloat16(), iv, im, gs=gs) == set()
+
+
+def test_a_configuration_that_failed_one_way_is_left_out_of_that_way_only(monkeypatch):
+    cfg = (8, 4, 1, 1)
+    monkeypatch.setitem(sk24_mma._failed, "f16", {cfg})
+    monkeypatch.setattr(sk24_mma, "fp8_f16_ok", lambda: True)  # fp8 layers pass f16 x
+    v16, _ = sk24_mma.compress(masked_24(64, 256), "paired")
+    v8, _ = sk24_mma.compress(masked_24(64, 256, dtype=torch.float8_e4m3fn), "paired")
+    assert cfg in sk24_mma.candidates(v16) and cfg not in sk24_mma.candidates(v8)
+    assert cfg not in sk24_mma.working("f16") and cfg in sk24_mma.working("int4")
+    q, scales = _int4_weight(64, 256, 128)
+    assert sk24_mma.candidates(sk24_mma.compress_int4(q, scales)[0]) == [
+        c for c in sk24_mma.int4_configs() if 4 % c[2] == 0]
