@@ -66,9 +66,10 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "q, k and v must be contiguous along the head dim"
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 2
-                             or mask.shape[0] not in (1, b) or mask.shape[1] != k.shape[2]):
-        return (f"mask must be None or bool (1 or B={b}, L={k.shape[2]}), got {mask.dtype} "
-                f"{tuple(mask.shape)}")
+                             or mask.shape[0] not in (1, b) or mask.shape[1] != k.shape[2]
+                             or mask.stride(1) != 1):
+        return (f"mask must be None or bool (1 or B={b}, L={k.shape[2]}) contiguous along L, "
+                f"got {mask.dtype} {tuple(mask.shape)}")
     return None
 
 

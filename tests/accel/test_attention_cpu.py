@@ -57,6 +57,8 @@ def test_check_names_what_is_allowed():
     assert "share one of" in attention.check(q.float(), k.float(), v.float(), None)
     assert "mask" in attention.check(q, k, v, torch.ones(2, 63, dtype=torch.bool))
     assert "mask" in attention.check(q, k, v, torch.zeros(2, 64))
+    assert "contiguous along L" in attention.check(
+        q, k, v, torch.ones(2, 128, dtype=torch.bool)[:, ::2])
     assert "at most 16" in attention.check(*_inputs(1, 32, 1, 8, 16), None)
     with pytest.raises(ValueError, match="decode_attention: head dim"):
         attention.launch(*_inputs(1, 2, 1, 8, 48), None, 1.0)
