@@ -15,11 +15,13 @@ Sections (``--sections``, default both):
   it).
 - ``generate``: an HF ``LlamaForCausalLM`` with Llama-3-8B shapes (``--layers`` of 32, random
   weights, 2:4 by magnitude on every Linear but the LM head), a prompt of ``--prompt`` tokens
-  and ``--new`` new tokens, greedy, per batch in ``--batches``. Ways: ``dense_hf`` (HF's static
-  cache, its decode step compiled by HF's own ``CompileConfig(mode="reduce-overhead")``: HF's
-  documented fast path),
-  ``dense_sk`` (on unless ``--no-dense-sk``: sparsekit's generate on a dense accelerated
-  model, its prefill buckets, graphs and decode attention, no sparse kernels),
+  and ``--new`` new tokens, greedy, per batch in ``--batches``. Dense ways (``--dense``):
+  ``dense_hf`` (HF's static cache, its decode step compiled by HF's own
+  ``CompileConfig(mode="reduce-overhead")``: HF's documented fast path), ``dense_hf_default``
+  (the same compiled in the default mode), ``dense_hf_eager`` (the static cache, not
+  compiled), ``dense_sk`` (sparsekit's generate on a dense accelerated model, its prefill
+  buckets, graphs and decode attention, no sparse kernels); the fastest of them is the
+  reference. Compressed ways:
   ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8, per-token activation and per-channel weight
   scales), ``sk_int4_2:4`` (with ``--precisions`` naming int4: W4A16, int4 weights rounded to
   nearest in groups of 128), and the peers
@@ -350,18 +352,25 @@ def llama(smoke: bool, layers: int, device):
     return model
 
 
-def hf_generate_fn(model, new: int):
+# HF's dense ways: {name: torch.compile mode of the decode step, None for eager}
+DENSE_HF = {"hf": "reduce-overhead", "hf_default": "default", "hf_eager": None}
+
+
+def hf_generate_fn(model, new: int, mode: str | None = "reduce-overhead"):
     """HF's documented fast path: a static cache, with which ``generate`` runs the prefill
-    eagerly and compiles the decode step itself (``CompileConfig``: inductor, reduce-overhead).
-    Compiling ``model.forward`` by hand instead also compiles the prefill, where the static
-    cache's lazily made tensors become CUDA-graph outputs that the next replay overwrites."""
+    eagerly and compiles the decode step itself (``CompileConfig``: inductor, ``mode``;
+    ``None``: no compile, the static cache eagerly). Compiling ``model.forward`` by hand
+    instead also compiles the prefill, where the static cache's lazily made tensors become
+    CUDA-graph outputs that the next replay overwrites."""
     from transformers import CompileConfig
+
+    compiled = ({"disable_compile": True} if mode is None
+                else {"compile_config": CompileConfig(mode=mode)})
 
     def run(ids):
         with torch.no_grad():
             return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                  cache_implementation="static", pad_token_id=0,
-                                  compile_config=CompileConfig(mode="reduce-overhead"))
+                                  cache_implementation="static", pad_token_id=0, **compiled)
     run.model = model
     return run
 
@@ -458,11 +467,11 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
     ways: dict = {}
     errors: dict = {}
     infos: dict = {}
-    if not smoke:
-        ways["dense_hf"] = hf_generate_fn(copy.deepcopy(master), new)
-    if smoke or args.dense_sk:
-        ways["dense_sk"], infos["dense_sk"], _ = sk_generate_fn(
-            copy.deepcopy(master), ids, new, "bf16", "dense", device)
+    dense = ["sk"] if smoke else args.dense.split(",")
+    unknown = sorted(set(dense) - {*DENSE_HF, "sk"})
+    if unknown or not dense:
+        raise SystemExit(f"--dense: unknown way(s) {unknown}; choose among "
+                         f"{', '.join([*DENSE_HF, 'sk'])}")
     for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"), ("sk_int4_2:4", "int4")):
         if prec not in args.precisions.split(","):
             continue
@@ -478,6 +487,21 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
                 ways[name] = torchao_fn(copy.deepcopy(master), new, kind)
             except Exception as e:  # noqa: BLE001
                 errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    # the dense ways last, the last of them on ``master`` itself (one 8B copy fewer)
+    owners = [w for i, w in enumerate(dense)  # the ways that take a copy of their own
+              if w in ("sk", "hf_default") or not any(DENSE_HF.get(v, 0) in (None,
+                                                      "reduce-overhead") for v in dense[:i])]
+    hf_model = None  # the eager way shares the reduce-overhead way's copy (no compile state)
+    for way in dense:
+        model = (master if way == owners[-1] else copy.deepcopy(master)) if way in owners \
+            else hf_model
+        if way == "sk":
+            ways["dense_sk"], infos["dense_sk"], _ = sk_generate_fn(model, ids, new, "bf16",
+                                                                    "dense", device)
+            continue
+        if DENSE_HF[way] in (None, "reduce-overhead"):
+            hf_model = model
+        ways[f"dense_{way}"] = hf_generate_fn(model, new, DENSE_HF[way])
     return {n: (fn, infos.get(n, {})) for n, fn in ways.items()}, errors
 
 
@@ -524,15 +548,16 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
                 functools.partial(fn, ids), device, calls=args.calls, warmup=1)
             seq[name] = ms
             res["ways"][name]["ms_sequential"] = ms
-        dense_names = [n for n in ("dense_hf", "dense_sk") if n in ways]
+        dense_names = [n for n in ways if n.startswith("dense_")]
         if not dense_names:
             res["error"] = "no dense way ran: no ratio can be formed"
             save(out)
             continue
         ref_name = min(dense_names, key=lambda n: seq[n]) if not smoke else "dense_sk"
         res["reference"] = ref_name
-        if "dense_hf" in ways:  # on random weights a greedy token flips at a rounding difference
-            control = eager_tokens(ways["dense_hf"][0].model, ids, new)
+        hf_ways = [n for n in ways if n.startswith("dense_hf")]
+        if hf_ways:  # on random weights a greedy token flips at a rounding difference
+            control = eager_tokens(ways[hf_ways[0]][0].model, ids, new)
             res["control_agreement"] = {"dense_eager_vs_" + ref_name: agreement(
                 control, outputs[ref_name], prompt)}
             print(json.dumps({"batch": batch, **res["control_agreement"]}), flush=True)
@@ -584,10 +609,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="generate: one more call per way under torch.profiler (kernel time "
                          "by kind, kernel span and wall time; CUDA)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--dense-sk", action=argparse.BooleanOptionalAction, default=True,
-                    help="also sparsekit's generate on the dense model (one more 8B copy; "
-                         "its decode attention is sparsekit's too, so it is a dense way the "
-                         "ratios must count)")
+    ap.add_argument("--dense", default="hf,hf_default,hf_eager,sk",
+                    help="generate: the dense ways, the fastest of which every ratio is "
+                         "against: hf (HF static cache, decode step compiled reduce-overhead), "
+                         "hf_default (compiled, default mode), hf_eager (not compiled), sk "
+                         "(sparsekit's generate on the dense model, its decode attention too)")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")

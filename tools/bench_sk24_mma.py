@@ -125,7 +125,8 @@ def check_rows(device) -> list[dict]:
     return rows
 
 
-def time_rows(device, shapes, ms, layout: str) -> list[dict]:
+def time_rows(device, shapes, ms, layout: str, sweep: bool = True) -> list[dict]:
+    """Timing rows; ``sweep``: every working configuration, else the default one alone."""
     gen = torch.Generator().manual_seed(1)
     rows = []
     for name, n, k in shapes:
@@ -160,7 +161,7 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
                 nbytes = sk24_mma.bound_bytes(m, n, k, sets[0][0].dtype)
                 best = None
                 per = {}
-                for cfg in sk24_mma.CONFIGS:
+                for cfg in (sk24_mma.CONFIGS if sweep else [sk24_mma.default_config(m, n, k)]):
                     way = "f16" if dtype == "fp8h_2:4" else "bf16"
                     if (n // 16) % cfg[2] or cfg not in sk24_mma.working(way):
                         continue
@@ -198,7 +199,8 @@ def time_rows(device, shapes, ms, layout: str) -> list[dict]:
             if sk24_mma.int4_ok():  # W4A16 2:4, group 128, against the Triton kernel too
                 nbytes = n * k // 4 + n * k // 8 + n * (k // 128) * 4 + 2 * m * k + 2 * m * n
                 per, best = {}, None
-                for cfg in sk24_mma.candidates(c4[0][0]):
+                for cfg in (sk24_mma.candidates(c4[0][0]) if sweep else
+                            [sk24_mma.default_config(m, n, k, int4=True)]):
                     t = time_rotating([functools.partial(sk24_mma.launch_int4, x, v, mt, gs,
                                                          None, cfg) for v, mt, gs in c4])
                     per["x".join(map(str, cfg))] = t
@@ -250,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--layout", default="paired", choices=sk24_mma.META_LAYOUTS,
                     help="time: the metadata layout")
+    ap.add_argument("--configs", default="all", choices=("all", "default"),
+                    help="time: every working configuration, or the default one alone")
     ap.add_argument("--out", default="bench_sk24_mma.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -267,10 +271,10 @@ def main(argv: list[str] | None = None) -> dict:
     sections = args.sections.split(",")
     if "check" in sections:
         out["check"] = check_rows(device)
+        ways = dict.fromkeys((r["dtype"], r["layout"]) for r in out["check"])
         out["check_ok"] = {f"{d}_{lay}": all(r["ok"] for r in out["check"]
                                              if r["dtype"] == d and r["layout"] == lay)
-                           for d in ("bf16", "fp8", "fp8h") for lay in sk24_mma.LAYOUTS
-                           if lay != "e4m3" or d == "fp8"}
+                           for d, lay in ways}
         print(json.dumps({"check_ok": out["check_ok"]}), flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     if "time" in sections:
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         out["time"] = rows
         ms = [int(m) for m in args.ms.split(",")]
         for shape in shapes:
-            rows += time_rows(device, [shape], ms, args.layout)
+            rows += time_rows(device, [shape], ms, args.layout, args.configs == "all")
             out["summary"] = summary(rows)
             Path(args.out).write_text(json.dumps(out, indent=1))
         print(json.dumps({"summary": out["summary"]}), flush=True)

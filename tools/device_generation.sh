@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The generation measurements (issues 30 and 32) on a lent GPU, one stage per device call, each
+# well inside a call's 10 minutes. Results (JSON, logs) go to $OUT (or ./device_out).
+#
+#   tools/device_generation.sh kernels      # mma.sp check + decode GEMMs (default configs,
+#                                           # 8B and 70B shapes) + the kernels' GPU tests
+#   tools/device_generation.sh gen_bf16     # generate(): bf16 and int4 2:4 at batch 1 and 16
+#                                           # against every dense way (HF compiled in both
+#                                           # modes, HF eager, sparsekit's dense generate)
+#   tools/device_generation.sh gen_fp8      # generate(): fp8 2:4 at batch 1 and 16 against
+#                                           # HF reduce-overhead and sparsekit's dense way
+#   tools/device_generation.sh gpu_tests    # the whole `pytest -m gpu` suite
+#
+# Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
+# and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library.
+set -uo pipefail
+out=${OUT:-device_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+for stage in "$@"; do
+  case $stage in
+    kernels)
+      timeout 260 python tools/bench_sk24_mma.py --configs default --out "$out/mma.json" \
+        2>&1 | tee "$out/mma.log" | grep -v '^{"shape"' | tail -n 20
+      timeout 170 python -m pytest -q -m gpu -p no:cacheprovider tests/accel/test_sk24_mma_gpu.py \
+        tests/accel/test_int4_kernels_gpu.py tests/accel/test_attention_gpu.py \
+        tests/accel/test_decode_gpu.py 2>&1 | tee "$out/pytest_kernels.log" | tail -n 25 ;;
+    gen_bf16)
+      timeout 575 python tools/bench_generate.py --sections generate --batches 1,16 \
+        --precisions bf16,int4 --no-peers --rounds 3 --out "$out/gen_bf16_int4.json" \
+        2>&1 | tee "$out/gen_bf16_int4.log" | tail -n 40 ;;
+    gen_fp8)
+      timeout 575 python tools/bench_generate.py --sections generate --batches 1,16 \
+        --precisions fp8 --dense hf,sk --no-peers --rounds 3 --out "$out/gen_fp8.json" \
+        2>&1 | tee "$out/gen_fp8.log" | tail -n 40 ;;
+    gpu_tests)
+      timeout 575 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+        | tee "$out/pytest_gpu.log" | tail -n 30 ;;
+    *) echo "device_generation.sh: unknown stage '$stage' (kernels, gen_bf16, gen_fp8," \
+         "gpu_tests)" >&2; exit 2 ;;
+  esac
+done
