@@ -24,7 +24,9 @@ Sections (``--sections``, default both):
   reference. Compressed ways:
   ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8, per-token activation and per-channel weight
   scales), ``sk_int4_2:4`` (with ``--precisions`` naming int4: W4A16, int4 weights rounded to
-  nearest in groups of 128), and the peers
+  nearest in groups of 128), ``<way>_perstep`` for the ways in ``--per-step`` (the same
+  model and graphs with HF's stop check after every token instead of sparsekit's lagged one:
+  what the lag is worth), and the peers
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
   compile) when torchao runs. Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
@@ -52,6 +54,7 @@ import copy
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -502,7 +505,28 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
         if DENSE_HF[way] in (None, "reduce-overhead"):
             hf_model = model
         ways[f"dense_{way}"] = hf_generate_fn(model, new, DENSE_HF[way])
+    for name in args.per_step.split(",") if args.per_step and not smoke else ():
+        if name in ways:  # the same model and graphs, HF's stop check after every step
+            ways[f"{name}_perstep"] = per_step(ways[name])
+            infos[f"{name}_perstep"] = {k: v for k, v in infos.get(name, {}).items()
+                                        if k != "report"}
     return {n: (fn, infos.get(n, {})) for n, fn in ways.items()}, errors
+
+
+def per_step(run):
+    """``run`` with sparsekit's lagged stop check off (``SPARSEKIT_LAGGED_STOP=0``): HF's loop
+    then waits for the GPU after every token."""
+    def wrapped(ids):
+        before = os.environ.get("SPARSEKIT_LAGGED_STOP")
+        os.environ["SPARSEKIT_LAGGED_STOP"] = "0"
+        try:
+            return run(ids)
+        finally:
+            if before is None:
+                del os.environ["SPARSEKIT_LAGGED_STOP"]
+            else:
+                os.environ["SPARSEKIT_LAGGED_STOP"] = before
+    return wrapped
 
 
 def generate_rows(args, device, save=lambda out: None) -> dict:
@@ -614,6 +638,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "against: hf (HF static cache, decode step compiled reduce-overhead), "
                          "hf_default (compiled, default mode), hf_eager (not compiled), sk "
                          "(sparsekit's generate on the dense model, its decode attention too)")
+    ap.add_argument("--per-step", default="dense_sk,sk_bf16_2:4",
+                    help="generate: sparsekit ways also timed with HF's stop check after "
+                         "every token (sparsekit's lagged check off), as <way>_perstep")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")

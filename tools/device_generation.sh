@@ -21,9 +21,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 for stage in "$@"; do
   case $stage in
     kernels)
-      timeout 260 python tools/bench_sk24_mma.py --configs default --out "$out/mma.json" \
+      timeout 240 python tools/bench_sk24_mma.py --configs default --out "$out/mma.json" \
         2>&1 | tee "$out/mma.log" | grep -v '^{"shape"' | tail -n 20
-      timeout 170 python -m pytest -q -m gpu -p no:cacheprovider tests/accel/test_sk24_mma_gpu.py \
+      timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/accel/test_sk24_mma_gpu.py \
         tests/accel/test_int4_kernels_gpu.py tests/accel/test_attention_gpu.py \
         tests/accel/test_decode_gpu.py 2>&1 | tee "$out/pytest_kernels.log" | tail -n 25 ;;
     gen_bf16)
@@ -32,7 +32,7 @@ for stage in "$@"; do
         2>&1 | tee "$out/gen_bf16_int4.log" | tail -n 40 ;;
     gen_fp8)
       timeout 575 python tools/bench_generate.py --sections generate --batches 1,16 \
-        --precisions fp8 --dense hf,sk --no-peers --rounds 3 --out "$out/gen_fp8.json" \
+        --precisions fp8 --dense hf,sk --per-step dense_sk,sk_fp8_2:4 --no-peers --rounds 3 --out "$out/gen_fp8.json" \
         2>&1 | tee "$out/gen_fp8.log" | tail -n 40 ;;
     gpu_tests)
       timeout 575 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \

@@ -18,6 +18,11 @@ one per batch size for decode (the cache's layers are allocated before its first
 second use compiles nothing new), and a prompt that fills its bucket exactly runs without a
 mask: one more graph for that length.
 
+HF's loop checks after each token whether every sequence has finished, which makes the host
+wait for the GPU every step; here that check is read a few steps late
+(:mod:`sparsekit.accel.lagged_stop`), so the host queues the next steps while the GPU runs,
+with the same returned sequences.
+
 On CUDA, a model on HF's SDPA attention runs its decode steps' attention on sparsekit's
 kernel (:mod:`sparsekit.accel.attention`: grouped-query heads read once, unfilled cache
 positions skipped) for the duration of each generate call; ``SPARSEKIT_DECODE_ATTENTION=0``
@@ -37,7 +42,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import attention, graphs
+from sparsekit.accel import attention, graphs, lagged_stop
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +211,8 @@ class Generator:
                                         attention_mask], 1)
         cache = self._cache(batch, cache_length(padded, new))
         kwargs.setdefault("pad_token_id", self._pad_id())
-        with self._routed(cache), torch.no_grad(), warnings.catch_warnings():
+        with self._routed(cache), torch.no_grad(), warnings.catch_warnings(), \
+                lagged_stop.installed(input_ids.shape[1] + new):
             # transformers >= 5.2x renamed generate's past_key_values to cache (older: no cache)
             warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated",
                                     category=FutureWarning)

@@ -170,6 +170,7 @@ def _tiny_llama():
 def test_generate_equals_hf_generate_and_bounds_compiles(kernel, monkeypatch):
     # the mma.sp format where its library loads (a CUDA GPU); here its CPU reference
     monkeypatch.setattr(sk24_mma, "usable", lambda w: kernel == "mma")
+    torch._dynamo.reset()  # another test's compile of the same shapes would be reused here
     model, ref = _tiny_llama()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
     fast = sk.accelerate(model, {"input_ids": ids}, device="cpu",
