@@ -50,6 +50,7 @@ runs. JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -475,12 +476,14 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
     if unknown or not dense:
         raise SystemExit(f"--dense: unknown way(s) {unknown}; choose among "
                          f"{', '.join([*DENSE_HF, 'sk'])}")
-    for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"), ("sk_int4_2:4", "int4")):
+    for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"), ("sk_int4_2:4", "int4"),
+                       ("sk_fp8_2:4_mma", "fp8mma")):
         if prec not in args.precisions.split(","):
             continue
         try:
-            ways[name], infos[name], fast = sk_generate_fn(copy.deepcopy(master), ids, new,
-                                                           prec, "2:4", device)
+            with mma_for_fp8(prec == "fp8mma"):
+                ways[name], infos[name], fast = sk_generate_fn(
+                    copy.deepcopy(master), ids, new, prec.removesuffix("mma"), "2:4", device)
             infos[name]["report"] = fast.report
         except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
             errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -511,6 +514,21 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
             infos[f"{name}_perstep"] = {k: v for k, v in infos.get(name, {}).items()
                                         if k != "report"}
     return {n: (fn, infos.get(n, {})) for n, fn in ways.items()}, errors
+
+
+@contextlib.contextmanager
+def mma_for_fp8(on: bool):
+    """fp8 layers built within on the mma.sp kernel (``SPARSEKIT_SK24_MMA=all``) when ``on``."""
+    before = os.environ.get("SPARSEKIT_SK24_MMA")
+    if on:
+        os.environ["SPARSEKIT_SK24_MMA"] = "all"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPARSEKIT_SK24_MMA", None)
+        else:
+            os.environ["SPARSEKIT_SK24_MMA"] = before
 
 
 def per_step(run):
@@ -626,7 +644,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--precisions", default="bf16,fp8",
-                    help="generate: sparsekit's 2:4 ways, of bf16, fp8, int4 (W4A16, RTN)")
+                    help="generate: sparsekit's 2:4 ways, of bf16, fp8, int4 (W4A16, RTN), "
+                         "fp8mma (fp8 with its layers on the mma.sp kernel: sk_fp8_2:4_mma)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--profile", action="store_true",

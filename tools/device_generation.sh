@@ -4,15 +4,18 @@
 #
 #   tools/device_generation.sh kernels      # mma.sp check + decode GEMMs (default configs,
 #                                           # 8B and 70B shapes) + the kernels' GPU tests
-#   tools/device_generation.sh gen_bf16     # generate(): bf16 and int4 2:4 at batch 1 and 16
+#   tools/device_generation.sh gen_bf16     # generate(): bf16 and int4 2:4 (bf16 alone on an
+#                                           # 80 GB card) at batch 1 and 16
 #                                           # against every dense way (HF compiled in both
 #                                           # modes, HF eager, sparsekit's dense generate)
-#   tools/device_generation.sh gen_fp8      # generate(): fp8 2:4 at batch 1 and 16 against
-#                                           # HF reduce-overhead and sparsekit's dense way
+#   tools/device_generation.sh gen_fp8      # generate(): fp8 2:4 (Triton and mma.sp kernels)
+#                                           # at batch 1 and 16 against HF reduce-overhead and
+#                                           # sparsekit's dense way
 #   tools/device_generation.sh gpu_tests    # the whole `pytest -m gpu` suite
 #
 # Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
-# and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library.
+# and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
+# 1,16) the generate stages' batch sizes.
 set -uo pipefail
 out=${OUT:-device_out}
 mkdir -p "$out"
@@ -27,12 +30,15 @@ for stage in "$@"; do
         tests/accel/test_int4_kernels_gpu.py tests/accel/test_attention_gpu.py \
         tests/accel/test_decode_gpu.py 2>&1 | tee "$out/pytest_kernels.log" | tail -n 25 ;;
     gen_bf16)
-      timeout 575 python tools/bench_generate.py --sections generate --batches 1,16 \
-        --precisions bf16,int4 --no-peers --rounds 3 --out "$out/gen_bf16_int4.json" \
+      # an 80 GB card holds three dense copies and one compressed model, not two
+      big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+      precisions=bf16,int4; [ "${big:-0}" -lt 100000 ] && precisions=bf16
+      timeout 575 python tools/bench_generate.py --sections generate --batches "${BATCHES:-1,16}" \
+        --precisions $precisions --no-peers --rounds 3 --out "$out/gen_bf16_int4.json" \
         2>&1 | tee "$out/gen_bf16_int4.log" | tail -n 40 ;;
     gen_fp8)
-      timeout 575 python tools/bench_generate.py --sections generate --batches 1,16 \
-        --precisions fp8 --dense hf,sk --per-step dense_sk,sk_fp8_2:4 --no-peers --rounds 3 --out "$out/gen_fp8.json" \
+      timeout 575 python tools/bench_generate.py --sections generate --batches "${BATCHES:-1,16}" \
+        --precisions fp8,fp8mma --dense hf,sk --per-step dense_sk,sk_fp8_2:4 --no-peers --rounds 3 --out "$out/gen_fp8.json" \
         2>&1 | tee "$out/gen_fp8.log" | tail -n 40 ;;
     gpu_tests)
       timeout 575 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
