@@ -11,6 +11,8 @@
 #   tools/device_generation.sh gen_fp8      # generate(): fp8 2:4 (Triton and mma.sp kernels)
 #                                           # at batch 1 and 16 against HF reduce-overhead and
 #                                           # sparsekit's dense way
+#   tools/device_generation.sh gen_b1       # generate(): bf16, int4, fp8 2:4 at batch 1 against
+#                                           # every dense way, in one process
 #   tools/device_generation.sh gpu_tests    # the whole `pytest -m gpu` suite
 #
 # Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
@@ -40,10 +42,18 @@ for stage in "$@"; do
       timeout 575 python tools/bench_generate.py --sections generate --batches "${BATCHES:-1,16}" \
         --precisions fp8,fp8mma --dense hf,sk --per-step dense_sk,sk_fp8_2:4 --no-peers --rounds 3 --out "$out/gen_fp8.json" \
         2>&1 | tee "$out/gen_fp8.log" | tail -n 40 ;;
+    gen_b1)
+      # every precision at batch 1 in one process; an 80 GB card: no int4, no default-mode copy
+      big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+      precisions=bf16,int4,fp8 dense=hf,hf_default,hf_eager,sk
+      [ "${big:-0}" -lt 100000 ] && precisions=bf16,fp8 dense=hf,hf_eager,sk
+      timeout 580 python tools/bench_generate.py --sections generate --batches 1 \
+        --precisions $precisions --dense $dense --per-step dense_sk,sk_bf16_2:4,sk_fp8_2:4 \
+        --no-peers --rounds 3 --out "$out/gen_b1.json" 2>&1 | tee "$out/gen_b1.log" | tail -n 40 ;;
     gpu_tests)
       timeout 575 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
         | tee "$out/pytest_gpu.log" | tail -n 30 ;;
-    *) echo "device_generation.sh: unknown stage '$stage' (kernels, gen_bf16, gen_fp8," \
+    *) echo "device_generation.sh: unknown stage '$stage' (kernels, gen_bf16, gen_fp8, gen_b1," \
          "gpu_tests)" >&2; exit 2 ;;
   esac
 done
