@@ -19,6 +19,12 @@
 # and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
 # 1,16) the generate stages' batch sizes.
 set -uo pipefail
+stages="kernels gen_bf16 gen_fp8 gen_b1 gpu_tests"
+for stage in "$@"; do
+  case " $stages " in *" $stage "*) ;; *)
+    echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
+  esac
+done
 out=${OUT:-device_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor}
@@ -53,7 +59,5 @@ for stage in "$@"; do
     gpu_tests)
       timeout 575 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
         | tee "$out/pytest_gpu.log" | tail -n 30 ;;
-    *) echo "device_generation.sh: unknown stage '$stage' (kernels, gen_bf16, gen_fp8, gen_b1," \
-         "gpu_tests)" >&2; exit 2 ;;
   esac
 done
