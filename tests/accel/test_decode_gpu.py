@@ -66,3 +66,21 @@ def test_generate_on_gpu_equals_masked_eager_model():
     # rounding differences; on this model all of them do
     assert (out == want).float().mean() > 0.9
     assert torch.equal(out[:, :11], ids)
+
+
+def test_lagged_stop_check_returns_the_per_step_sequences(monkeypatch):
+    # the same graphs with the stop flag read two steps late (pinned copies, events) or after
+    # every step: equal sequences, also where they end early at an EOS token
+    model, _ = _tiny_llama()
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    fast = sk.accelerate(model, {"input_ids": ids})
+    free = fast.generate(ids, max_new_tokens=12).cpu()
+    eos = int(free[0, 13])  # row 0 ends within its first 3 new tokens
+    got = {}
+    for lagged in ("1", "0"):
+        monkeypatch.setenv("SPARSEKIT_LAGGED_STOP", lagged)
+        got[lagged] = [fast.generate(b, max_new_tokens=12, eos_token_id=eos).cpu()
+                       for b in (ids[:1], ids)]
+    for a, b in zip(got["1"], got["0"]):
+        assert torch.equal(a, b)
+    assert got["1"][0].shape[1] <= 11 + 3
