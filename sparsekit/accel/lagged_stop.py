@@ -11,7 +11,8 @@ HF's ``_undo_generation_steps`` drops their tokens (the same mechanism as HF's o
 ``DeferredStopCheck``, which HF enables on Apple GPUs only). At ``max_length`` it reads every
 pending flag at once, so the loop never runs past the cache. The returned sequences are
 those of the per-step check: the extra steps only append pad tokens (every sequence had
-finished) that are then removed.
+finished) that are then removed; with sampling, those steps still draw from the random
+generator, so its state after the call is up to :data:`LAG` draws further on.
 
 :func:`installed` puts it in place of HF's ``StopCheck`` for the calls it wraps, in this thread
 only (another thread's ``generate`` keeps HF's); a call with a streamer keeps HF's (a
