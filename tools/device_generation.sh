@@ -17,7 +17,7 @@
 #
 # Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
 # and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
-# 1,16) the generate stages' batch sizes.
+# 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds).
 set -uo pipefail
 stages="kernels gen_bf16 gen_fp8 gen_b1 gpu_tests"
 for stage in "$@"; do
@@ -53,7 +53,8 @@ for stage in "$@"; do
       big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
       precisions=bf16,int4,fp8 dense=hf,hf_default,hf_eager,sk
       [ "${big:-0}" -lt 100000 ] && precisions=bf16,fp8 dense=hf,hf_eager,sk
-      timeout 580 python tools/bench_generate.py --sections generate --batches 1 \
+      precisions=${PRECISIONS:-$precisions} dense=${DENSE:-$dense}
+      timeout "${LIMIT:-580}" python tools/bench_generate.py --sections generate --batches 1 \
         --precisions $precisions --dense $dense --per-step dense_sk,sk_bf16_2:4,sk_fp8_2:4 \
         --no-peers --rounds 3 --out "$out/gen_b1.json" 2>&1 | tee "$out/gen_b1.log" | tail -n 40 ;;
     gpu_tests)
