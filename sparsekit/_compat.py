@@ -136,9 +136,17 @@ def compile_module(module: Any, *, mode: str | None = None, dynamic: bool | None
         raise ValueError(str(e).split(", known options")[0]) from None
 
 
-def recompile_limit(limit: int) -> Any:
-    """A context manager raising dynamo's recompile limit per frame to ``limit``."""
-    return torch._dynamo.config.patch(recompile_limit=limit)
+# graphs one compiled frame may hold across every accelerated model of a process: dynamo keys
+# its cache by code object, so all models of one class (and HF's shared forward wrappers)
+# share its default of 8, past which a frame silently runs uncompiled
+FRAME_COMPILES = 64
+
+
+def recompile_limit(limit: int = FRAME_COMPILES) -> Any:
+    """A context manager raising dynamo's recompile limit per frame to ``limit`` (never
+    lowering a higher one already set)."""
+    return torch._dynamo.config.patch(
+        recompile_limit=max(limit, int(torch._dynamo.config.recompile_limit)))
 
 
 def reset_compiled() -> None:

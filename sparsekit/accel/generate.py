@@ -212,7 +212,7 @@ class Generator:
         cache = self._cache(batch, cache_length(padded, new))
         kwargs.setdefault("pad_token_id", self._pad_id())
         with self._routed(cache), torch.no_grad(), warnings.catch_warnings(), \
-                lagged_stop.installed(input_ids.shape[1] + new):
+                lagged_stop.installed(input_ids.shape[1] + new), _compat.recompile_limit():
             # transformers >= 5.2x renamed generate's past_key_values to cache (older: no cache)
             warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated",
                                     category=FutureWarning)

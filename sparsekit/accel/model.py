@@ -28,10 +28,13 @@ class AcceleratedModel(nn.Module):
     model's device. Outputs keep their types (HF ``ModelOutput``, tuples, dataclasses).
 
     ``sparsekit_report`` (also ``report``) is the :class:`AccelReport`; ``report.compiles``
-    counts the graphs the compiler built so far (a new input shape may add one; torch's
-    ``torch._dynamo.config.recompile_limit`` bounds them, after which the frame runs eagerly;
-    a warning names more than ``max_compiles``). With ``options.capture`` (CUDA only) the model
-    is compiled in mode "default" and replayed as sparsekit's own CUDA graphs (``graphs``, a
+    counts the graphs the compiler built so far (a new input shape may add one; a warning
+    names more than ``max_compiles``). Dynamo's recompile limit is per code object, shared by
+    every model of a class in the process; calls raise it to
+    :data:`sparsekit._compat.FRAME_COMPILES` (past which a frame runs eagerly), so that a
+    process holding several accelerated models does not run the later ones uncompiled. With
+    ``options.capture`` (CUDA only) the model is compiled in mode "default" and replayed as
+    sparsekit's own CUDA graphs (``graphs``, a
     :class:`~sparsekit.accel.graphs.GraphCache`); a call that cannot be captured switches the
     model to ``mode="reduce-overhead"`` for good, with a note in the report."""
 
@@ -87,7 +90,7 @@ class AcceleratedModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._as_input, (args, kwargs))
-        with torch.no_grad():
+        with torch.no_grad(), _compat.recompile_limit():
             out = self._captured(args, kwargs) if self.graphs is not None else None
             if out is None:
                 before = _compat.compiled_graph_count() if self.compiled else 0

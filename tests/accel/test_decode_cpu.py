@@ -483,3 +483,19 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
     want = fresh(x)
     fresh.decode_max_m = 32
     torch.testing.assert_close(fresh(x).float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_several_models_of_one_class_each_compile():
+    # dynamo's recompile limit (8) is per code object, shared by every LlamaForCausalLM in the
+    # process: without sparsekit raising it, the fourth model here would run uncompiled
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(1))
+    for i in range(5):  # distinct widths: no model can reuse another's graphs
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64,
+                                       intermediate_size=128 + 64 * i, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        fast = sk.accelerate(transformers.LlamaForCausalLM(cfg).eval(), {"input_ids": ids},
+                             device="cpu", compile=sk.CompileOptions(backend="eager"))
+        fast.generate(ids, max_new_tokens=3)
+        assert fast.report.compiles >= 2, f"model {i} ran uncompiled"
