@@ -10,6 +10,7 @@ import torch
 import sparsekit as sk
 from sparsekit.accel import lagged_stop
 from sparsekit.accel.lagged_stop import LaggedStopCheck
+from test_decode_cpu import _tiny_llama
 
 
 def _run(check, finished_at: list[int], length0: int):
@@ -57,19 +58,6 @@ def test_installed_only_for_this_thread_and_restored():
         t.join()
     assert seen["other"] == original.__name__
     assert gen_utils.StopCheck is original
-
-
-def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
-                                   num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=4, max_position_embeddings=512)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
-    ref = transformers.LlamaForCausalLM(cfg).eval()
-    ref.load_state_dict(model.state_dict())
-    return model, ref.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("lagged", ["1", "0"])
