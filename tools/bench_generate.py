@@ -600,6 +600,10 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
             continue
         ref_name = min(dense_names, key=lambda n: seq[n]) if not smoke else "dense_sk"
         res["reference"] = ref_name
+        if res["ways"][ref_name].get("compiled") is False:
+            res["reference_warning"] = (f"{ref_name} compiled nothing on its first call: it ran "
+                                        "eagerly or reused another way's graphs")
+            print(json.dumps({"batch": batch, "warning": res["reference_warning"]}), flush=True)
         hf_ways = [n for n in ways if n.startswith("dense_hf")]
         if hf_ways:  # on random weights a greedy token flips at a rounding difference
             control = eager_tokens(ways[hf_ways[0]][0].model, ids, new)

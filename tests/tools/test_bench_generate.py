@@ -24,6 +24,8 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     assert set(gen["ways"]) == {"dense_sk", "sk_bf16_2:4", "sk_fp8_2:4", "sk_int4_2:4"}
     for way in gen["ways"].values():
         assert way["agreement"]["equal_fraction"] >= 0.0 and "accelerate_s" in way
+        assert way["compiled"] and way["compiles"] >= 1  # no way left uncompiled
+    assert "reference_warning" not in gen
     # which small-M kernel the layers decode on (CPU: the Triton format's reference)
     assert gen["ways"]["sk_bf16_2:4"]["decode_kernels"] == {"triton": 7}  # q k v o gate up down
     # --profile: kernel times need CUDA (bench_models.profile_shares), none on CPU
