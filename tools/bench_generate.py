@@ -30,7 +30,8 @@ Sections (``--sections``, default both):
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
   compile) when torchao runs. Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
-  that (``--profile``: one more call per way under torch.profiler,
+  that (dense ways other than the reference keep their sequential times: they only compete
+  for the reference; ``--profile``: one more call per way under torch.profiler,
   :func:`bench_models.profile_shares`: kernel time by kind, the span of its kernels and its
   wall time). Per row: tokens/s, ms per new token, the paired ratio, the
   greedy tokens' agreement with the dense run of the same (masked) weights (beside it, the
@@ -610,17 +611,23 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
             res["control_agreement"] = {"dense_eager_vs_" + ref_name: agreement(
                 control, outputs[ref_name], prompt)}
             print(json.dumps({"batch": batch, **res["control_agreement"]}), flush=True)
-        for name, (fn, _) in ways.items():
+        # the compressed ways first (the claims), the other dense ways last; those only
+        # compete for the reference, so they keep their sequential times (no pairing)
+        order = sorted(ways, key=lambda n: n.startswith("dense_"))
+        for name in order:
+            fn = ways[name][0]
             row = res["ways"][name]
+            paired = not (smoke or name.startswith("dense_"))
             if smoke:
                 ref_ms = ms = float("nan")
-            elif name == ref_name:
-                ref_ms = ms = seq[name]
+            elif not paired:
+                ref_ms, ms = seq[ref_name], seq[name]
             else:
                 ref_ms, ms = planner.time_paired(functools.partial(ways[ref_name][0], ids),
                                                  functools.partial(fn, ids), device,
                                                  rounds=args.rounds, calls=args.calls)
-            row.update(ms=ms, paired_ref_ms=ref_ms, ratio=ref_ms / ms,
+            row.update(ms=ms, paired_ref_ms=ref_ms if paired else None, paired=paired,
+                       ratio=ref_ms / ms,
                        tokens_per_s=batch * new / ms * 1e3, ms_per_token=ms / new,
                        agreement=agreement(outputs[name], outputs[ref_name], prompt))
             print(json.dumps({"batch": batch, "way": name,
