@@ -483,7 +483,8 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
         if prec not in args.precisions.split(","):
             continue
         try:
-            with mma_for_fp8(prec == "fp8mma"):
+            # fp8mma: the fp8 layers on the mma.sp kernel (SPARSEKIT_SK24_MMA=all)
+            with env("SPARSEKIT_SK24_MMA", "all" if prec == "fp8mma" else None):
                 ways[name], infos[name], fast = sk_generate_fn(
                     copy.deepcopy(master), ids, new, prec.removesuffix("mma"), "2:4", device)
             infos[name]["report"] = fast.report
@@ -495,22 +496,21 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
                 ways[name] = torchao_fn(copy.deepcopy(master), new, kind)
             except Exception as e:  # noqa: BLE001
                 errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    # the dense ways last, the last of them on ``master`` itself (one 8B copy fewer)
-    owners = [w for i, w in enumerate(dense)  # the ways that take a copy of their own
-              if w in ("sk", "hf_default") or not any(DENSE_HF.get(v, 0) in (None,
-                                                      "reduce-overhead") for v in dense[:i])]
-    hf_model = None  # the eager way shares the reduce-overhead way's copy (no compile state)
+    # the dense ways last, each on a copy of its own but hf and hf_eager on one (the eager
+    # way keeps no compile state); the last copy made is ``master`` itself (one 8B copy fewer)
+    keys = {way: "hf" if way == "hf_eager" else way for way in dense}
+    last = list(dict.fromkeys(keys.values()))[-1]
+    copies: dict = {}
     for way in dense:
-        model = (master if way == owners[-1] else copy.deepcopy(master)) if way in owners \
-            else hf_model
+        key = keys[way]
+        if key not in copies:
+            copies[key] = master if key == last else copy.deepcopy(master)
         if way == "sk":
-            ways["dense_sk"], infos["dense_sk"], fast = sk_generate_fn(model, ids, new, "bf16",
-                                                                       "dense", device)
+            ways["dense_sk"], infos["dense_sk"], fast = sk_generate_fn(
+                copies[key], ids, new, "bf16", "dense", device)
             infos["dense_sk"]["report"] = fast.report
-            continue
-        if DENSE_HF[way] in (None, "reduce-overhead"):
-            hf_model = model
-        ways[f"dense_{way}"] = hf_generate_fn(model, new, DENSE_HF[way])
+        else:
+            ways[f"dense_{way}"] = hf_generate_fn(copies[key], new, DENSE_HF[way])
     for name in args.per_step.split(",") if args.per_step and not smoke else ():
         if name in ways:  # the same model and graphs, HF's stop check after every step
             ways[f"{name}_perstep"] = per_step(ways[name])
@@ -520,33 +520,26 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
 
 
 @contextlib.contextmanager
-def mma_for_fp8(on: bool):
-    """fp8 layers built within on the mma.sp kernel (``SPARSEKIT_SK24_MMA=all``) when ``on``."""
-    before = os.environ.get("SPARSEKIT_SK24_MMA")
-    if on:
-        os.environ["SPARSEKIT_SK24_MMA"] = "all"
+def env(name: str, value: str | None):
+    """``os.environ[name] = value`` within the block (``None``: left as it is), restored after."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("SPARSEKIT_SK24_MMA", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["SPARSEKIT_SK24_MMA"] = before
+            os.environ[name] = before
 
 
 def per_step(run):
     """``run`` with sparsekit's lagged stop check off (``SPARSEKIT_LAGGED_STOP=0``): HF's loop
     then waits for the GPU after every token."""
     def wrapped(ids):
-        before = os.environ.get("SPARSEKIT_LAGGED_STOP")
-        os.environ["SPARSEKIT_LAGGED_STOP"] = "0"
-        try:
+        with env("SPARSEKIT_LAGGED_STOP", "0"):
             return run(ids)
-        finally:
-            if before is None:
-                del os.environ["SPARSEKIT_LAGGED_STOP"]
-            else:
-                os.environ["SPARSEKIT_LAGGED_STOP"] = before
     return wrapped
 
 

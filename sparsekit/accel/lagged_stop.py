@@ -51,19 +51,18 @@ class LaggedStopCheck:
             raise ValueError(f"lagged stop check: lag must be >= 0, got {lag}")
         self.max_length, self.lag = max_length, lag
         self.pending: collections.deque = collections.deque()  # (flag, event) not yet read
-        self.slots: list[torch.Tensor] = []  # pinned flags, reused once read
+        self.slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # reused once read
         self.steps = 0
         self.undo = 0
 
     def __call__(self, unfinished: torch.Tensor, tokens: torch.Tensor, length: int) -> bool:
         done = unfinished.max() == 0
-        if done.is_cuda:
+        if done.is_cuda:  # a pinned flag and its event per pending step, lag + 1 of them
             if not self.slots:
-                self.slots = [torch.zeros((), dtype=torch.bool, pin_memory=True)
-                              for _ in range(self.lag + 1)]
-            flag = self.slots[self.steps % (self.lag + 1)]
+                self.slots = [(torch.zeros((), dtype=torch.bool, pin_memory=True),
+                               torch.cuda.Event()) for _ in range(self.lag + 1)]
+            flag, event = self.slots[self.steps % (self.lag + 1)]
             flag.copy_(done, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
         else:
             flag, event = done, None
