@@ -2,8 +2,9 @@
 # The generation measurements (issues 30 and 32) on a lent GPU, one stage per device call, each
 # well inside a call's 10 minutes. Results (JSON, logs) go to $OUT (or ./device_out).
 #
-#   tools/device_generation.sh kernels      # mma.sp check + decode GEMMs (default configs,
-#                                           # 8B and 70B shapes) + the kernels' GPU tests
+#   tools/device_generation.sh kernels      # mma.sp check + decode GEMMs (every config on
+#                                           # the 8B shapes, the default one on 70B) + the
+#                                           # kernels' GPU tests
 #   tools/device_generation.sh gen_bf16     # generate(): bf16 and int4 2:4 (bf16 alone on an
 #                                           # 80 GB card) at batch 1 and 16
 #                                           # against every dense way (HF compiled in both
@@ -32,8 +33,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 for stage in "$@"; do
   case $stage in
     kernels)
-      timeout 240 python tools/bench_sk24_mma.py --configs default --out "$out/mma.json" \
-        2>&1 | tee "$out/mma.log" | grep -v '^{"shape"' | tail -n 20
+      # every configuration (the prefetching ones too) on the 8B shapes; the default one on 70B
+      timeout 270 python tools/bench_sk24_mma.py --shapes 8b_qkv,8b_o,8b_gate_up,8b_down \
+        --ms 1,4,16,32 --out "$out/mma_8b.json" 2>&1 | tee "$out/mma_8b.log" \
+        | grep -v '^{"shape"' | tail -n 20
+      timeout 100 python tools/bench_sk24_mma.py --sections time --configs default \
+        --shapes 70b_qkv,70b_o,70b_gate_up,70b_down --ms 1,4,16,32 --out "$out/mma_70b.json" \
+        2>&1 | tee "$out/mma_70b.log" | grep -v '^{"shape"' | tail -n 20
       timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/accel/test_sk24_mma_gpu.py \
         tests/accel/test_int4_kernels_gpu.py tests/accel/test_attention_gpu.py \
         tests/accel/test_decode_gpu.py 2>&1 | tee "$out/pytest_kernels.log" | tail -n 25 ;;

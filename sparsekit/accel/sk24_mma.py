@@ -83,19 +83,22 @@ LAYOUTS = (*META_LAYOUTS, "e4m3")  # "e4m3": fp8 weights for the fp8 x fp8 kerne
 E4M3_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8))
 MAX_M = 32
 INT4_COLUMNS = 128  # the columns one int4 scale covers in the format (a group or part of one)
-# (warps a block, steps a warp loads ahead, tiles of 16 rows a block, x staged through shared
-# memory): the configurations the library is built with. x loaded straight into the B
-# fragments (0) costs the L1 about eight wavefronts per 16 bytes of a fragment once M > 1;
-# staged (1), each warp loads its steps of x with coalesced 16-byte loads and reads the
-# fragments with ldmatrix. :func:`default_config` picks among the staged ones; the planner times
-# them all per shape and M bucket (:data:`BUCKETS`)
+# (warps a block, steps a warp loads ahead, tiles of 16 rows a block, x): the configurations
+# the library is built with. x loaded straight into the B fragments (0) costs the L1 about
+# eight wavefronts per 16 bytes of a fragment once M > 1; staged (1), each warp loads its steps
+# of x with coalesced 16-byte loads and reads the fragments with ldmatrix; staged and
+# prefetched (3), each warp also issues the loads of its next round (weight and x) before the
+# products of this one, so that twice the bytes are in flight (a decode GEMM of the narrow
+# formats, fp8 and int4, waits on few bytes a round otherwise). :func:`default_config` picks
+# among the staged ones; the planner times them all per shape and M bucket (:data:`BUCKETS`)
 CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0), (4, 4, 2, 0),
            (8, 4, 2, 0), (4, 4, 4, 0), (4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1), (4, 4, 2, 1),
-           (8, 4, 2, 1), (4, 4, 4, 1))
+           (8, 4, 2, 1), (4, 4, 4, 1), (4, 4, 1, 3), (8, 4, 1, 3), (8, 2, 1, 3), (8, 8, 1, 3),
+           (8, 4, 2, 3), (4, 4, 4, 3))
 # the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
-VERSION = 6  # sk24_mma_version() of the library this module calls
+VERSION = 7  # sk24_mma_version() of the library this module calls
 # the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
 # (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
 WAYS = ("bf16", "f16", "int4")
@@ -526,7 +529,7 @@ def usable(weight: torch.Tensor) -> bool:
 
 
 def default_config(m: int, n: int, k: int, int4: bool = False) -> tuple[int, int, int, int]:
-    """(warps, steps ahead, row tiles, staged x) for a shape: x staged through shared memory,
+    """(warps, steps ahead, row tiles, x mode) for a shape: x staged through shared memory,
     8 warps, 4 steps ahead up to M = 8 and 2 beyond (int4, which loads 4 steps at once: two
     row tiles a block beyond M = 8 where N allows), one tile of 16 rows a block; 4 warps where
     K has fewer than 8 x 4 steps of 32 columns. On an H100 (Llama-3-8B shapes, M = 1..32,
@@ -611,7 +614,7 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
            bias: torch.Tensor | None, config: tuple[int, ...] | None = None
            ) -> torch.Tensor:
     """Run the kernel on CUDA tensors: x (M, K) bf16 with M <= 32; ``config`` (warps, steps
-    ahead, row tiles, staged x) from :data:`CONFIGS`, or one such per bucket of
+    ahead, row tiles, x mode) from :data:`CONFIGS`, or one such per bucket of
     :data:`BUCKETS` in a row (:func:`config_for`), else :func:`default_config`."""
     config = config_for(config, x.shape[0])
     lib = load()
@@ -681,7 +684,7 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     cfg = config or default_config(m, n, k, int4)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()  # the kernel loads x in 4-byte words: aligned rows
-    if len(cfg) > 3 and cfg[3] and (x.stride(0) % 8 or x.data_ptr() % 16):
+    if len(cfg) > 3 and cfg[3] & 1 and (x.stride(0) % 8 or x.data_ptr() % 16):
         x = x.clone(memory_format=torch.contiguous_format)  # staged: 16-byte loads
     paired = meta.shape[1] != ks
     allowed = working("int4" if int4 else "f16" if f16 else "bf16")

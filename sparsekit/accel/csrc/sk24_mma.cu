@@ -9,14 +9,16 @@
 //
 // One block of WARPS warps per R tiles of 16 rows of W (each x fragment loaded feeds R
 // products); warp w takes steps w*U .. w*U+U-1, then strides by WARPS*U; the warps' partial
-// sums meet in shared memory. x reaches the B fragments one of two ways (XS): straight from
+// sums meet in shared memory. x reaches the B fragments one of two ways: straight from
 // global memory (four 4-byte loads a lane, m-tile and step: 8 rows of 16 bytes each), or
 // staged by each warp through its own slice of shared memory (16-byte coalesced loads of its
 // U steps for all rows, stored with the 16-byte chunks XOR-swizzled by row, then one
 // conflict-free ldmatrix.x4 a B fragment): for M > 1 the direct loads cost the L1 four to eight
-// times the wavefronts. Plain C entry point (no torch
-// headers): built by nvcc into a shared library and called through ctypes with the current
-// stream, so the launch goes into CUDA graphs like any other kernel.
+// times the wavefronts. XM (the configuration's x mode): bit 0 stages x, bit 1 prefetches: a
+// warp issues the loads of its next round (weight, metadata, scales, staged x) before the
+// products of this one, so that each warp has two rounds of bytes in flight. Plain C entry
+// point (no torch headers): built by nvcc into a shared library and called through ctypes with
+// the current stream, so the launch goes into CUDA graphs like any other kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -140,16 +142,6 @@ constexpr int xs_smem_bytes() {
              ? WARPS * MT * 8 * U * 4 * 16 : WARPS * R * MT * 4 * 32 * 4;
 }
 
-// int4: step u's A registers from its nibbles (the lane's 8 values, in the bf16 order)
-template <int U, int R>
-__device__ __forceinline__ void widen_int4(uint32_t (&a)[U][R][4], const uint32_t (&nib)[U][R],
-                                           int u) {
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) a[u][r][j] = int4x2_to_bf16x2(nib[u][r], j);
-}
-
 // int4: after the last step of a group, its sums times the scales of rows q (fragment
 // elements 0, 1) and q + 8 (2, 3) go into the accumulator, and the sums start again
 template <int R, int MT, int UG>
@@ -175,7 +167,106 @@ __device__ __forceinline__ void group_done(float (&acc)[R][MT][4], float (&tmp)[
 // multiply into the accumulator)
 constexpr int BF16 = 0, FP8 = 1, INT4 = 2, FP8H = 3;
 
-template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, bool XS>
+// a lane's kept values of one step as stored: 8 bf16 (16 bytes), 8 e4m3 (8 bytes) or 8 int4
+// (4 bytes, a quarter of a 16-byte load)
+template <int WT> struct RawOf { using T = uint4; };
+template <> struct RawOf<FP8> { using T = uint2; };
+template <> struct RawOf<FP8H> { using T = uint2; };
+template <> struct RawOf<INT4> { using T = uint32_t; };
+
+// one round of a warp's weight loads: U steps of R row tiles (values as stored, metadata) and,
+// for int4, the scales of the lane's rows q and q + 8 per group of 4 steps
+template <int WT, int U, int R, int UG>
+struct Round {
+  typename RawOf<WT>::T v[U][R];
+  uint32_t e[U][R];
+  float sc[UG][R][2];
+};
+
+// the loads of steps base .. base + U - 1 (those below S), streamed past the L1
+template <int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void load_round(Round<WT, U, R, UG>& w, const void* vals,
+                                           const uint32_t* meta, const float* gs, int rt0,
+                                           int S, int base, int lane, int q) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int ks = base + u;
+    if (ks < S) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const size_t tile = (size_t)(rt0 + r) * S;
+        if constexpr (WT == INT4) {
+          if ((u & 3) == 0) {
+            const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
+            uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
+            w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
+            w.sc[u >> 2][r][0] = gs[g * 16 + q];
+            w.sc[u >> 2][r][1] = gs[g * 16 + q + 8];
+          }
+        } else if constexpr (WT == BF16) {
+          w.v[u][r] = ldg128_stream(reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
+        } else {
+          w.v[u][r] = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
+        }
+        if (PAIRED) {
+          if ((u & 1) == 0)
+            w.e[u][r] = ldg32_stream(meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
+          else
+            w.e[u][r] = w.e[u - 1][r];
+        } else {
+          w.e[u][r] = ldg32_stream(meta + (tile + ks) * 32 + lane);
+        }
+      }
+    }
+  }
+}
+
+// a step's A registers from the lane's values as stored
+template <int WT>
+__device__ __forceinline__ void widen(uint32_t (&a)[4], const typename RawOf<WT>::T& v) {
+  if constexpr (WT == INT4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[j] = int4x2_to_bf16x2(v, j);
+  } else if constexpr (WT == FP8H) {
+    a[0] = e4m3x2_to_f16x2(v.x, 0); a[1] = e4m3x2_to_f16x2(v.x, 1);
+    a[2] = e4m3x2_to_f16x2(v.y, 0); a[3] = e4m3x2_to_f16x2(v.y, 1);
+  } else if constexpr (WT == FP8) {
+    a[0] = e4m3x2_to_bf16x2(v.x, 0); a[1] = e4m3x2_to_bf16x2(v.x, 1);
+    a[2] = e4m3x2_to_bf16x2(v.y, 0); a[3] = e4m3x2_to_bf16x2(v.y, 1);
+  } else {
+    a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+  }
+}
+
+// staged x: a warp's U steps of x for all MT * 8 rows (rows past M repeat row M - 1: their
+// products land in outputs that are not written), 16 bytes a load, coalesced ...
+template <int MT, int U>
+__device__ __forceinline__ void load_x(uint4 (&xv)[MT * U], const __nv_bfloat16* x, int sx,
+                                       int M, int S, int base, int lane) {
+  constexpr int CH = U * 4;  // 16-byte chunks a row
+#pragma unroll
+  for (int s = 0; s < MT * U; ++s) {
+    const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+    if (base + c / 4 < S)
+      xv[s] = ldg128(reinterpret_cast<const uint4*>(
+                         x + (size_t)(row < M ? row : M - 1) * sx + (size_t)base * 32) + c);
+  }
+}
+
+// ... stored into the warp's slice with the 16-byte chunks XOR-swizzled by row (ldmatrix then
+// reads every B fragment without bank conflicts)
+template <int MT, int U>
+__device__ __forceinline__ void store_x(uint4* xw, const uint4 (&xv)[MT * U], int S, int base,
+                                        int lane) {
+  constexpr int CH = U * 4;
+#pragma unroll
+  for (int s = 0; s < MT * U; ++s) {
+    const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+    if (base + c / 4 < S) xw[row * CH + (c ^ (row & 7))] = xv[s];
+  }
+}
+
+template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, int XM>
 __global__ void __launch_bounds__(WARPS * 32)
 sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
                 const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
@@ -183,7 +274,7 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
                 const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M,
                 int N, int K) {
   static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
-  static_assert(!XS || U >= 2, "the swizzle takes 8 chunks a row");
+  static_assert(!(XM & 1) || U >= 2, "the swizzle takes 8 chunks a row");
   static_assert(WT != INT4 || U % 4 == 0, "int4 takes whole groups of 4 steps");
   extern __shared__ __align__(16) unsigned char smem[];
   // R tiles of 16 rows a block: each x fragment loaded feeds R products
@@ -209,116 +300,66 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
     ok[i] = m < M;
     xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
   }
+  constexpr bool XS = (XM & 1) != 0, PF = (XM & 2) != 0;
   constexpr int UG = WT == INT4 ? U / 4 : 1;  // int4: groups of 4 steps a round
-  for (int base = warp * U; base < S; base += WARPS * U) {
-    uint32_t a[U][R][4];
-    uint32_t e[U][R];
-    uint32_t nib[U][R];     // int4: a lane's 8 values of a step
-    float sc[UG][R][2];     // int4: the group's scales of rows q and q + 8
+  constexpr int NL = XS ? MT * U : 1;          // staged x: 16-byte loads a lane and round
+  Round<WT, U, R, UG> w;                       // the round's weight, as loaded
+  uint4 xv[NL];                                // staged x: the round's x, as loaded
+  int base = warp * U;
+  if constexpr (PF) {  // the first round's loads; each round then loads the next one's
+    load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, base, lane, q);
+    if constexpr (XS) load_x<MT, U>(xv, x, sx, M, S, base, lane);
+  }
+  for (; base < S; base += WARPS * U) {
+    Round<WT, U, R, UG> wn;
+    uint4 xn[NL];
+    if constexpr (PF) {
+      load_round<WT, PAIRED>(wn, vals, meta, gs, rt0, S, base + WARPS * U, lane, q);
+      if constexpr (XS) load_x<MT, U>(xn, x, sx, M, S, base + WARPS * U, lane);
+    } else {
+      load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, base, lane, q);
+      if constexpr (XS) load_x<MT, U>(xv, x, sx, M, S, base, lane);
+    }
+    // this warp's slice of shared memory: its U steps of x, all MT * 8 rows
+    uint4* xw = reinterpret_cast<uint4*>(smem) + warp * (MT * 8 * U * 4);
+    if constexpr (XS) {
+      __syncwarp();  // every lane's ldmatrix of the last round has read the slice
+      store_x<MT, U>(xw, xv, S, base, lane);
+      __syncwarp();
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int ks = base + u;
       if (ks < S) {
+        uint32_t a[R][4];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const size_t tile = (size_t)(rt0 + r) * S;
-          if constexpr (WT == INT4) {
-            if ((u & 3) == 0) {
-              const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
-              uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
-              nib[u][r] = v.x; nib[u + 1][r] = v.y; nib[u + 2][r] = v.z; nib[u + 3][r] = v.w;
-              sc[u >> 2][r][0] = gs[g * 16 + q];
-              sc[u >> 2][r][1] = gs[g * 16 + q + 8];
-            }
-          } else if constexpr (WT == FP8H) {
-            uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
-            a[u][r][0] = e4m3x2_to_f16x2(v.x, 0);
-            a[u][r][1] = e4m3x2_to_f16x2(v.x, 1);
-            a[u][r][2] = e4m3x2_to_f16x2(v.y, 0);
-            a[u][r][3] = e4m3x2_to_f16x2(v.y, 1);
-          } else if constexpr (WT == FP8) {
-            uint2 v = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
-            a[u][r][0] = e4m3x2_to_bf16x2(v.x, 0);
-            a[u][r][1] = e4m3x2_to_bf16x2(v.x, 1);
-            a[u][r][2] = e4m3x2_to_bf16x2(v.y, 0);
-            a[u][r][3] = e4m3x2_to_bf16x2(v.y, 1);
-          } else {
-            uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
-            a[u][r][0] = v.x; a[u][r][1] = v.y; a[u][r][2] = v.z; a[u][r][3] = v.w;
-          }
-          if (PAIRED) {
-            if ((u & 1) == 0)
-              e[u][r] = ldg32_stream(meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
-            else
-              e[u][r] = e[u - 1][r];
-          } else {
-            e[u][r] = ldg32_stream(meta + (tile + ks) * 32 + lane);
-          }
-        }
-      }
-    }
-    if constexpr (XS) {
-      // this warp's U steps of x, all MT * 8 rows (rows past M repeat row M - 1: their
-      // products land in outputs that are not written), 16 bytes a load, coalesced
-      constexpr int CH = U * 4, NL = MT * U;  // chunks a row; loads a lane
-      uint4* xw = reinterpret_cast<uint4*>(smem) + warp * (MT * 8 * CH);
-      uint4 xv[NL];
+        for (int r = 0; r < R; ++r) widen<WT>(a[r], w.v[u][r]);
 #pragma unroll
-      for (int s = 0; s < NL; ++s) {
-        const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
-        if (base + c / 4 < S)
-          xv[s] = ldg128(reinterpret_cast<const uint4*>(
-                             x + (size_t)(row < M ? row : M - 1) * sx + (size_t)base * 32) + c);
-      }
-      __syncwarp();  // every lane's ldmatrix of the last round has read the slice
-#pragma unroll
-      for (int s = 0; s < NL; ++s) {
-        const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
-        if (base + c / 4 < S) xw[row * CH + (c ^ (row & 7))] = xv[s];
-      }
-      __syncwarp();
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (base + u < S) {
-          if constexpr (WT == INT4) widen_int4<U, R>(a, nib, u);
-#pragma unroll
-          for (int i = 0; i < MT; ++i) {
+        for (int i = 0; i < MT; ++i) {
+          uint32_t b[4];
+          if constexpr (XS) {
             // matrix j = chunk 4u + j of rows 8i .. 8i + 7: lane (q, t) gets x[8i + q][32 ks
             // + 8j + 2t ..], the B fragment's word j
-            uint32_t b[4];
-            ldsm_x4(b, xw + (8 * i + (lane & 7)) * CH + ((4 * u + (lane >> 3)) ^ (lane & 7)));
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
-              if (PAIRED && (u & 1)) mma_sp<1, WT == FP8H>(d, a[u][r], b, e[u][r]);
-              else mma_sp<0, WT == FP8H>(d, a[u][r], b, e[u][r]);
-            }
-          }
-          if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, sc, u);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int ks = base + u;
-        if (ks < S) {
-          if constexpr (WT == INT4) widen_int4<U, R>(a, nib, u);
-#pragma unroll
-          for (int i = 0; i < MT; ++i) {
-            uint32_t b[4];
+            ldsm_x4(b, xw + (8 * i + (lane & 7)) * (U * 4) + ((4 * u + (lane >> 3)) ^ (lane & 7)));
+          } else {
             const uint32_t* p = xr[i] + ks * 16;  // 32 bf16 = 16 words a step
 #pragma unroll
             for (int j = 0; j < 4; ++j) b[j] = ok[i] ? ldg32(p + 4 * j) : 0u;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
-              if (PAIRED && (u & 1)) mma_sp<1, WT == FP8H>(d, a[u][r], b, e[u][r]);
-              else mma_sp<0, WT == FP8H>(d, a[u][r], b, e[u][r]);
-            }
           }
-          if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, sc, u);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
+            if (PAIRED && (u & 1)) mma_sp<1, WT == FP8H>(d, a[r], b, w.e[u][r]);
+            else mma_sp<0, WT == FP8H>(d, a[r], b, w.e[u][r]);
+          }
         }
+        if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, w.sc, u);
       }
+    }
+    if constexpr (PF) {
+      w = wn;
+#pragma unroll
+      for (int s = 0; s < NL; ++s) xv[s] = xn[s];
     }
   }
   // the warps' partial sums: red[warp][(r*MT + i)*4 + c][lane]
@@ -362,7 +403,8 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
   if constexpr (WT != INT4 || UU % 4 == 0) {                                                 \
     if (warps == W && unroll == UU && rows == RR && xsm == X) {                              \
       auto kern = sk24_mma_kernel<MT, WT, PAIRED, W, UU, RR, X>;                             \
-      constexpr int bytes = X ? xs_smem_bytes<MT, W, UU, RR>() : W * RR * MT * 4 * 32 * 4;   \
+      constexpr int bytes =                                                                  \
+          (X & 1) ? xs_smem_bytes<MT, W, UU, RR>() : W * RR * MT * 4 * 32 * 4;               \
       static bool attr = false;                                                              \
       if (!attr && bytes > 48 * 1024) {                                                      \
         cudaError_t err = cudaFuncSetAttribute(                                              \
@@ -389,6 +431,12 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
   SK24_GO(4, 4, 2, 1)
   SK24_GO(8, 4, 2, 1)
   SK24_GO(4, 4, 4, 1)
+  SK24_GO(4, 4, 1, 3)
+  SK24_GO(8, 4, 1, 3)
+  SK24_GO(8, 2, 1, 3)
+  SK24_GO(8, 8, 1, 3)
+  SK24_GO(8, 4, 2, 3)
+  SK24_GO(4, 4, 4, 3)
 #undef SK24_GO
   return -1;
 }
@@ -527,8 +575,8 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 // (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch;
 // wt: 0 bf16, 1 fp8 e4m3 (widened to bf16), 3 fp8 e4m3 as f16 with x f16, 2 int4 (paired
 // metadata only, K a multiple of 128, gs the
-// group scales (N / 16, K / 128, 16) float32); xsm: 1 stages x through shared memory (x's rows
-// 16-byte aligned), 0 loads it directly
+// group scales (N / 16, K / 128, 16) float32); xsm: 0 loads x directly, 1 stages it through
+// shared memory (x's rows 16-byte aligned), 3 stages it and prefetches each next round
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
                                const float* xs, int xs_stride, const float* ws, const float* gs,
                                const void* bias, void* y, int M, int N, int K, int wt,
@@ -555,7 +603,7 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 6; }
+extern "C" int sk24_mma_version() { return 7; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
