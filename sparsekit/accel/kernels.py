@@ -97,23 +97,52 @@ class _AccelLinear(nn.Module):
         # (set by the planner under sparsity="auto" where dense beats both 2:4 paths)
         self.dense_m = (0, 0)
         self.register_buffer("dense_weight", None)
+        # an fp8 layer on the Triton kernel that the mma.sp kernel takes too: the decode plan
+        # times both and keeps the faster (use_decode_kernel)
+        self.dchoice = False
         if self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
             if self.decodes and sk24_mma.usable(w):
-                layout = sk24_mma.layout_for(w)
-                self.dvalues, self.dmeta = sk24_mma.compress(w, layout)
-                self.dkernel = "mma8" if layout == "e4m3" else "mma"
-                # an fp8 layer's activations reach it widened, exactly: to f16 where the
-                # library runs fp8 weights on the f16 sparse tensor cores, else to bf16
-                if w.dtype == torch.float8_e4m3fn and sk24_mma.fp8_f16_ok():
-                    self.dwide = torch.float16
-                self.decode_max_m = sk24_mma.MAX_M
+                self._decode_format("mma", w)
             elif self.decodes and sk24.check_shape(*w.shape) is None:
-                self.dvalues, self.dmeta = sk24.compress(w)
-                self.dkernel, self.decode_max_m = "triton", sk24.MAX_M
+                self._decode_format("triton", w)
+                self.dchoice = sk24_mma.choosable(w)
         else:
             self.register_buffer("weight", w)
         self.register_buffer("w_scale", scale)
+
+    def _decode_format(self, kernel: str, w: torch.Tensor) -> None:
+        """The small-M copy of the 2:4 weight ``w`` (the layer's values dtype) in the format
+        of ``kernel``: "mma" (the mma.sp kernel, "mma8" where an fp8 weight goes to its fp8 x
+        fp8 kernel) or "triton"; the kernel's configurations are reset to its defaults."""
+        self.dconfig, self.dwide = None, torch.bfloat16
+        if kernel == "triton":
+            self.dvalues, self.dmeta = sk24.compress(w)
+            self.dkernel, self.decode_max_m = "triton", sk24.MAX_M
+            return
+        layout = sk24_mma.layout_for(w)
+        self.dvalues, self.dmeta = sk24_mma.compress(w, layout)
+        self.dkernel = "mma8" if layout == "e4m3" else "mma"
+        # an fp8 layer's activations reach it widened, exactly: to f16 where the library runs
+        # fp8 weights on the f16 sparse tensor cores, else to bf16
+        if w.dtype == torch.float8_e4m3fn and sk24_mma.fp8_f16_ok():
+            self.dwide = torch.float16
+        self.decode_max_m = sk24_mma.MAX_M
+
+    def use_decode_kernel(self, kernel: str) -> None:
+        """Move this layer's small-M path to ``kernel`` ("mma" or "triton"; a layer with
+        ``dchoice``), its weight copy re-encoded from the current one (exactly: the same kept
+        values and positions)."""
+        if kernel not in ("mma", "triton"):
+            raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
+                             f"decode kernel must be 'mma' or 'triton', got {kernel!r}")
+        if self.dvalues is None:
+            raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
+                             f"no small-M weight to move to the {kernel} kernel")
+        if self.dkernel.startswith(kernel):
+            return
+        old = sk24_mma if self.dkernel.startswith("mma") else sk24
+        self._decode_format(kernel, old.decompress(self.dvalues, self.dmeta))
 
     def _decode(self, x2d: torch.Tensor) -> torch.Tensor | None:
         """The product on the small-M kernel (:func:`ops.sk24_mm`) when this layer has it and

@@ -758,8 +758,9 @@ class Planner:
         (:meth:`~sparsekit.accel.kernels._AccelLinear.keep_dense`). A layer drops the small-M
         format's copy of its weight where no count uses it. The choice is cached on disk with
         the per-layer timings (an entry without ``dense_m`` is timed again when a dense route
-        is wanted). On CPU the reference paths keep the small-M path for every M <= 32 and no
-        dense route (numerics, not speed)."""
+        is wanted). An fp8 layer that either small-M kernel takes (``dchoice``) is timed on
+        both and keeps the faster (:func:`time_decode_choice`). On CPU the reference paths
+        keep the small-M path for every M <= 32 and no dense route (numerics, not speed)."""
         if self.device.type != "cuda":
             return
         dense = self.sparsity == "auto" and self.options.decode_dense
@@ -772,14 +773,16 @@ class Planner:
         for mod in model.modules():
             if getattr(mod, "dvalues", None) is None:
                 continue
-            numerics = (f"{mod.variant}|decode|{mod.dkernel}|{mod.path}|"
-                        f"{'dynamic' if mod.act_scale is None else 'static'}")
+            choice = getattr(mod, "dchoice", False)
+            numerics = (f"{mod.variant}|decode|{'triton/mma' if choice else mod.dkernel}|"
+                        f"{mod.path}|{'dynamic' if mod.act_scale is None else 'static'}")
             key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
                            mod.in_features, 0, inductor=self.inductor)
             if key not in chosen:
                 hit = self.cache.get(key)
                 if hit is None or (dense and "dense_m" not in hit):
-                    hit = time_decode(mod, self.device, dense=dense)
+                    hit = (time_decode_choice if choice else time_decode)(mod, self.device,
+                                                                          dense=dense)
                 chosen[key] = self.cache[key] = self.new[key] = hit
                 self.report.notes.append(decode_note(mod, hit))
             route_decode(mod, chosen[key], dense)
@@ -814,6 +817,8 @@ def route_decode(mod: nn.Module, entry: dict, dense: bool) -> None:
     """Set 2:4 layer ``mod``'s small-M limit and (``dense``) its bf16 dense route from a decode
     plan ``entry`` (:func:`time_decode`'s, maybe read from the cache); the small-M format's
     copy of the weight goes where no token count is left to it."""
+    if entry.get("kernel") in ("mma", "triton") and getattr(mod, "dchoice", False):
+        mod.use_decode_kernel(entry["kernel"])
     mod.decode_max_m = int(entry["decode_max_m"])
     if entry.get("config") and getattr(mod, "dkernel", "").startswith("mma"):
         mod.dconfig = valid_mma_config(entry["config"], mod.dvalues)
@@ -858,6 +863,33 @@ def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> di
     if dense:
         entry["dense_m"] = list(dense_range(us, limit))
     return entry
+
+
+def decode_cost_us(entry: dict, buckets) -> float:
+    """What a layer planned by ``entry`` (:func:`time_decode`'s) takes over ``buckets`` (token
+    counts it timed): at each, the small-M kernel's time up to its ``decode_max_m``, the
+    large-M path's above. Pure."""
+    limit = int(entry["decode_max_m"])
+    return sum(entry["us"][str(m)][0 if m <= limit else 1] for m in buckets)
+
+
+def time_decode_choice(mod: nn.Module, device: torch.device, dense: bool = False) -> dict:
+    """:func:`time_decode` of an fp8 layer that either small-M kernel takes (``dchoice``): once
+    on the Triton kernel and once on the mma.sp kernel (its configurations chosen), keeping the
+    one whose path costs less over the token counts both timed (:func:`decode_cost_us`; a tie
+    keeps Triton). The entry says which ("kernel") and has both kernels' timings
+    ("kernels_us"); ``mod`` is left on the chosen kernel."""
+    mod.use_decode_kernel("triton")
+    entries = {"triton": time_decode(mod, device, dense=dense)}
+    mod.use_decode_kernel("mma")
+    entries["mma"] = time_decode(mod, device, dense=dense)
+    common = [m for m in DECODE_BUCKETS
+              if str(m) in entries["triton"]["us"] and str(m) in entries["mma"]["us"]]
+    cost = {k: decode_cost_us(e, common) for k, e in entries.items()}
+    kernel = "mma" if cost["mma"] < cost["triton"] else "triton"
+    mod.use_decode_kernel(kernel)
+    return {**entries[kernel], "kernel": kernel,
+            "kernels_us": {k: e["us"] for k, e in entries.items()}}
 
 
 def choose_mma_config(mod: nn.Module, device: torch.device
@@ -912,10 +944,19 @@ def decode_note(mod: nn.Module, entry: dict) -> str:
     kernel = (f" ({getattr(mod, 'dkernel', '')}"
               + (f" {sk24_mma.config_text(entry['config'])}" if entry.get("config") else "")
               + ")") if getattr(mod, "dkernel", "") else ""
+    both = entry.get("kernels_us") or {}
+    chose = ""
+    if len(both) == 2 and entry.get("kernel") in both:
+        other = next(k for k in both if k != entry["kernel"])
+        chose = (f"; {entry['kernel']} chosen over {other} (small-M us: "
+                 + ", ".join(f"M={m} {t[0]:.1f} vs {both[other][m][0]:.1f}"
+                             for m, t in both[entry["kernel"]].items() if m in both[other])
+                 + ")")
     return (f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the small-M "
             f"kernel{kernel} for M <= {entry['decode_max_m']} (us small-M/large-M/bf16 dense: "
             + ", ".join(f"M={m} " + "/".join(f"{u:.1f}" for u in t) for m, t in times.items())
-            + ")" + (f"; slower than bf16 dense at M = {', '.join(slower)}" if slower else ""))
+            + ")" + (f"; slower than bf16 dense at M = {', '.join(slower)}" if slower else "")
+            + chose)
 
 
 def _shell_copy(model: nn.Module) -> nn.Module:
@@ -933,9 +974,9 @@ def _reset_compiled() -> None:
 
 
 __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
-           "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN",
-           "SHORTEN_MIN_BYTES", "PlannedLayer", "Planner", "cache_path", "choose",
-           "choose_mma_config", "choose_plan", "decode_note", "dense_range", "extrapolate_ms",
-           "layer_plan", "load", "model_key", "own_precision", "plan_key", "repeated_blocks",
-           "route_decode", "store", "time_decode", "time_model_ms", "time_module", "time_paired",
+           "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
+           "PlannedLayer", "Planner", "cache_path", "choose", "choose_mma_config", "choose_plan",
+           "decode_cost_us", "decode_note", "dense_range", "extrapolate_ms", "layer_plan", "load",
+           "model_key", "own_precision", "plan_key", "repeated_blocks", "route_decode", "store",
+           "time_decode", "time_decode_choice", "time_model_ms", "time_module", "time_paired",
            "truncated", "valid_mma_config", "weight_bytes", "whole_model_plans"]

@@ -39,7 +39,7 @@ sums each group's products in float32 and multiplies them by the group's scales 
 fp8 weights have a third layout, "e4m3", for the library's fp8 x fp8 kernel
 (``mma.sp.m16n8k64`` e4m3 on the fp8 sparse tensor cores: 64 columns a step, x as the fp8
 layer quantized it, no widening; :func:`compress`), self-checked on its first use and taken by
-fp8 layers under ``SPARSEKIT_SK24_MMA=all``.
+fp8 layers that run on this kernel (below) where it passed that self-check.
 
 The kernel computes ``(x @ W.T) * x_scale * w_scale + bias`` in float32 with x (M, K) bf16 and
 returns bf16 (M, N); an fp8 layer passes its quantized activations widened to float16 (exact;
@@ -53,9 +53,11 @@ the cache directory (``$SPARSEKIT_CACHE`` or ``~/.cache/sparsekit``) and called 
 on torch's current stream (CUDA graphs capture it). Where there is no nvcc, no CUDA device or
 the build fails, or the library fails its self-check (once per process: every configuration
 against the reference on a small weight), :func:`load` returns None and :func:`reason` says
-why; the layers then keep the Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off; the
-layers use it for bf16 weights, and for fp8 ones too with ``SPARSEKIT_SK24_MMA=all``
-(:func:`dtypes`).
+why; the layers then keep the Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off. bf16
+layers always take it; an fp8 layer starts on the Triton kernel and, where the library runs fp8
+weights with f16 x (:func:`choosable`), the decode plan times both kernels on the layer's shape
+and keeps the faster (:func:`sparsekit.accel.planner.time_decode_choice`);
+``SPARSEKIT_SK24_MMA=all`` puts every fp8 layer on this kernel untimed (:func:`dtypes`).
 """
 
 from __future__ import annotations
@@ -520,6 +522,15 @@ def layout_for(weight: torch.Tensor) -> str:
     return "e4m3" if weight.dtype == torch.float8_e4m3fn and e4m3_ok() else "paired"
 
 
+def choosable(weight: torch.Tensor) -> bool:
+    """True when an fp8 layer on the Triton kernel may move to this one (the decode plan
+    times both): ``weight`` (N, K) float8_e4m3fn on CUDA of a shape the kernel takes, the
+    library loaded and its fp8-with-f16-x way self-checked (:func:`fp8_f16_ok`), and the kernel
+    not turned off."""
+    return (weight.is_cuda and weight.dtype == torch.float8_e4m3fn and enabled()
+            and check_shape(*weight.shape) is None and fp8_f16_ok())
+
+
 def usable(weight: torch.Tensor) -> bool:
     """True when the layers should put ``weight`` (N, K) in this format: a CUDA tensor of a
     shape the kernel takes and a dtype of :func:`dtypes`, with the library built and loaded
@@ -723,7 +734,7 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
            "INT4_COLUMNS", "LAYOUTS", "MAX_M", "VERSION", "WAYS", "bound_bytes", "build",
-           "candidates", "check_int4", "check_shape", "compress", "compress_int4",
+           "candidates", "check_int4", "choosable", "check_shape", "compress", "compress_int4",
            "config_for", "config_text", "decompress", "decompress_int4", "default_config",
            "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",
            "launch_int4", "layout_for", "library_path", "load", "reason", "reference",

@@ -485,6 +485,90 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
     torch.testing.assert_close(fresh(x).float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+def _fp8_choice_timer(faster: str):
+    """Fake ``graph_time_us``: the small-M kernel ``faster`` ("mma" or "triton") takes 3 us at
+    every M, the other 5; the large-M path 8, dense 9."""
+    def fake(fn):
+        if fn.func is F.linear:
+            return 9.0
+        mod, m = fn.func, fn.args[0].shape[0]
+        if mod.decode_max_m < m:
+            return 8.0
+        return 3.0 if mod.dkernel.startswith(faster) else 5.0
+    return fake
+
+
+@pytest.mark.parametrize("faster", ["mma", "triton"])
+def test_fp8_layer_times_both_small_m_kernels_and_keeps_the_faster(monkeypatch, tmp_path,
+                                                                    faster):
+    monkeypatch.setattr(sk24_mma, "choosable", lambda w: w.dtype == torch.float8_e4m3fn)
+    monkeypatch.setattr(sk24_mma, "candidates", lambda v: [(8, 4, 1, 1), (8, 4, 1, 3)])
+    model, plan, calls = _decode_planned(monkeypatch, tmp_path, "2:4", "fp8_2:4",
+                                         timer=_fp8_choice_timer(faster))
+    assert calls == [False, False]  # one shape: once per kernel
+    for seed, mod in enumerate(model):
+        assert mod.dchoice and mod.dkernel == faster and mod.decode_max_m == 32
+        # the copy holds exactly the layer's 2:4 weight, whichever format it is in
+        got = (sk24_mma if faster == "mma" else sk24).decompress(mod.dvalues, mod.dmeta)
+        lin = nn.Linear(512, 64)
+        with torch.no_grad():
+            lin.weight.copy_(masked_24(64, 512, seed))
+        fresh = VARIANTS["fp8_2:4"](lin)  # the same weight, in the Triton format
+        assert got.dtype == torch.float8_e4m3fn
+        assert torch.equal(got.float(), sk24.decompress(fresh.dvalues, fresh.dmeta).float())
+        # the decode path keeps the large-M path's numerics (W8A8: same quantized products)
+        x = torch.randn(3, 512).bfloat16()
+        y = mod(x)
+        limit, mod.decode_max_m = mod.decode_max_m, 0
+        torch.testing.assert_close(y.float(), mod(x).float(), rtol=2e-2, atol=2e-2)
+        mod.decode_max_m = limit
+    other = "triton" if faster == "mma" else "mma"
+    assert any(f"{faster} chosen over {other} (small-M us: M=1 3.0 vs 5.0" in n
+               for n in plan.report.notes)
+    if faster == "mma":
+        assert model[0].dconfig is not None  # the mma configurations were chosen too
+    plan.save()
+
+    def never(fn):
+        raise AssertionError("a cached decode plan was timed again")
+
+    again, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4", "fp8_2:4", timer=never)
+    assert calls == [] and all(m.dkernel == faster for m in again)
+    for a, b in zip(model, again):
+        assert torch.equal(a.dvalues.view(torch.uint8), b.dvalues.view(torch.uint8))
+        assert torch.equal(a.dmeta, b.dmeta) and a.dconfig == b.dconfig
+
+
+def test_decode_kernel_moves_exactly_and_refuses_what_it_cannot_do():
+    lin = nn.Linear(512, 64)
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(64, 512))
+    mod = VARIANTS["fp8_2:4"](lin)
+    assert mod.dkernel == "triton" and not mod.dchoice  # CPU: the mma library is not there
+    values, meta = mod.dvalues.clone(), mod.dmeta.clone()
+    mod.use_decode_kernel("mma")
+    assert mod.dkernel == "mma" and mod.dvalues.dim() == 4  # the fragment-ordered format
+    assert torch.equal(sk24_mma.decompress(mod.dvalues, mod.dmeta).float(),
+                       sk24.decompress(values, meta).float())
+    mod.use_decode_kernel("triton")  # and back, to the very same encoding
+    assert torch.equal(mod.dvalues.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(mod.dmeta, meta)
+    with pytest.raises(ValueError, match=r"fp8_2:4 layer \(64x512\): decode kernel must be "
+                                         r"'mma' or 'triton', got 'cuda'"):
+        mod.use_decode_kernel("cuda")
+    mod.dvalues = mod.dmeta = None
+    with pytest.raises(ValueError, match="no small-M weight"):
+        mod.use_decode_kernel("mma")
+
+
+def test_decode_cost_counts_the_path_each_count_runs():
+    from sparsekit.accel.planner import decode_cost_us
+
+    entry = {"decode_max_m": 4, "us": {"1": [2, 9, 5], "4": [3, 9, 5], "16": [9, 6, 5]}}
+    assert decode_cost_us(entry, [1, 4, 16]) == 2 + 3 + 6
+    assert decode_cost_us(entry, [1]) == 2
+
+
 def test_several_models_of_one_class_each_compile():
     # dynamo's recompile limit (8) is per code object, shared by every LlamaForCausalLM in the
     # process: without sparsekit raising it, the fourth model here would run uncompiled
