@@ -23,10 +23,11 @@ Sections (``--sections``, default both):
   buckets, graphs and decode attention, no sparse kernels); the fastest of them is the
   reference. Compressed ways:
   ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8, per-token activation and per-channel weight
-  scales), ``sk_int4_2:4`` (with ``--precisions`` naming int4: W4A16, int4 weights rounded to
-  nearest in groups of 128), ``<way>_perstep`` for the ways in ``--per-step`` (the same
-  model and graphs with HF's stop check after every token instead of sparsekit's lagged one:
-  what the lag is worth), and the peers
+  scales), ``sk_fp8w_2:4`` (with ``--precisions`` naming fp8w: W8A16, per-channel fp8 weights,
+  activations not quantized), ``sk_int4_2:4`` (with ``--precisions`` naming int4: W4A16,
+  int4 weights rounded to nearest in groups of 128), ``<way>_perstep`` for the ways in
+  ``--per-step`` (the same model and graphs with HF's stop check after every token instead of
+  sparsekit's lagged one: what the lag is worth), and the peers
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
   compile) when torchao runs. Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
@@ -479,7 +480,7 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
         raise SystemExit(f"--dense: unknown way(s) {unknown}; choose among "
                          f"{', '.join([*DENSE_HF, 'sk'])}")
     for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"), ("sk_int4_2:4", "int4"),
-                       ("sk_fp8_2:4_mma", "fp8mma")):
+                       ("sk_fp8_2:4_mma", "fp8mma"), ("sk_fp8w_2:4", "fp8w")):
         if prec not in args.precisions.split(","):
             continue
         try:
@@ -652,7 +653,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--precisions", default="bf16,fp8",
                     help="generate: sparsekit's 2:4 ways, of bf16, fp8, int4 (W4A16, RTN), "
-                         "fp8mma (fp8 with its layers on the mma.sp kernel: sk_fp8_2:4_mma)")
+                         "fp8mma (fp8 with its layers on the mma.sp kernel: sk_fp8_2:4_mma), "
+                         "fp8w (W8A16: fp8 weights, bf16 activations)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--profile", action="store_true",

@@ -9,8 +9,9 @@
 #                                           # 80 GB card) at batch 1 and 16
 #                                           # against every dense way (HF compiled in both
 #                                           # modes, HF eager, sparsekit's dense generate)
-#   tools/device_generation.sh gen_fp8      # generate(): fp8 2:4 (Triton and mma.sp kernels)
-#                                           # at batch 1 and 16 against HF reduce-overhead and
+#   tools/device_generation.sh gen_fp8      # generate(): fp8 2:4 W8A8 and W8A16 (each layer
+#                                           # on the kernel its plan timed faster) at batch 1
+#                                           # and 16 against HF reduce-overhead and
 #                                           # sparsekit's dense way
 #   tools/device_generation.sh gen_b1       # generate(): bf16, int4, fp8 2:4 at batch 1 against
 #                                           # every dense way, in one process
@@ -52,7 +53,7 @@ for stage in "$@"; do
         2>&1 | tee "$out/gen_bf16_int4.log" | tail -n 40 ;;
     gen_fp8)
       timeout 575 python tools/bench_generate.py --sections generate --batches "${BATCHES:-1,16}" \
-        --precisions fp8,fp8mma --dense hf,sk --per-step dense_sk,sk_fp8_2:4 --no-peers --rounds 3 --out "$out/gen_fp8.json" \
+        --precisions fp8,fp8w --dense hf,sk --per-step dense_sk,sk_fp8_2:4 --no-peers --rounds 3 --out "$out/gen_fp8.json" \
         2>&1 | tee "$out/gen_fp8.log" | tail -n 40 ;;
     gen_b1)
       # every precision at batch 1 in one process; an 80 GB card: no int4, no default-mode copy

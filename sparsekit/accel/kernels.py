@@ -62,6 +62,8 @@ class _AccelLinear(nn.Module):
     uses_alg = False
     decodes = False  # has the small-M path (sparsekit::sk24_mm) for M <= decode_max_m
     fmt: Format | None = None
+    # weights in ``fmt``, activations left in bf16 (W8A16): the weight is widened, exactly
+    weight_only = False
 
     def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True):
         super().__init__()
@@ -100,7 +102,20 @@ class _AccelLinear(nn.Module):
         # an fp8 layer on the Triton kernel that the mma.sp kernel takes too: the decode plan
         # times both and keeps the faster (use_decode_kernel)
         self.dchoice = False
-        if self.sparse:
+        if self.sparse and self.weight_only:
+            # bf16 x cannot go to cuSPARSELt with an fp8 weight: the weight's one copy is in
+            # sparsekit's own 2:4 format, which the Triton kernel reads and the large-M path
+            # widens (_mm)
+            reason = sk24.check_shape(*w.shape)
+            if reason:
+                raise ValueError(f"{self.variant} layer ({self.out_features}x"
+                                 f"{self.in_features}): {reason}")
+            values, meta = sk24.compress(w)
+            self.register_buffer("values", values)
+            self.register_buffer("meta", meta)
+            self._decode_format("triton", w)
+            self.dchoice = sk24_mma.choosable(w, torch.bfloat16)
+        elif self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
             if self.decodes and sk24_mma.usable(w):
                 self._decode_format("mma", w)
@@ -116,16 +131,19 @@ class _AccelLinear(nn.Module):
         of ``kernel``: "mma" (the mma.sp kernel, "mma8" where an fp8 weight goes to its fp8 x
         fp8 kernel) or "triton"; the kernel's configurations are reset to its defaults."""
         self.dconfig, self.dwide = None, torch.bfloat16
-        if kernel == "triton":
-            self.dvalues, self.dmeta = sk24.compress(w)
+        if kernel == "triton":  # a weight-only layer's own copy is already in this format
+            self.dvalues, self.dmeta = ((self.values, self.meta) if self.weight_only
+                                        else sk24.compress(w))
             self.dkernel, self.decode_max_m = "triton", sk24.MAX_M
             return
-        layout = sk24_mma.layout_for(w)
+        layout = "paired" if self.weight_only else sk24_mma.layout_for(w)
         self.dvalues, self.dmeta = sk24_mma.compress(w, layout)
         self.dkernel = "mma8" if layout == "e4m3" else "mma"
-        # an fp8 layer's activations reach it widened, exactly: to f16 where the library runs
-        # fp8 weights on the f16 sparse tensor cores, else to bf16
-        if w.dtype == torch.float8_e4m3fn and sk24_mma.fp8_f16_ok():
+        # a W8A8 fp8 layer's quantized activations reach it widened, exactly: to f16 where the
+        # library runs fp8 weights on the f16 sparse tensor cores, else to bf16 (a weight-only
+        # layer's bf16 activations as they are)
+        if (w.dtype == torch.float8_e4m3fn and not self.weight_only
+                and sk24_mma.fp8_f16_ok()):
             self.dwide = torch.float16
         self.decode_max_m = sk24_mma.MAX_M
 
@@ -151,6 +169,13 @@ class _AccelLinear(nn.Module):
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
             return None
         cfg = None if self.dconfig is None else [v for c in self.dconfig for v in c]
+        if self.weight_only:  # bf16 x, the fp8 weight widened in the kernel; its scales after
+            x2d = x2d.to(torch.bfloat16)
+            if self.dkernel == "mma":
+                return ops.sk24_mma_mm(x2d, self.dvalues, self.dmeta, None, self.w_scale,
+                                       self.bias, cfg)
+            return ops.sk24_mm(sk24.planes(x2d), self.dvalues, self.dmeta, None, self.w_scale,
+                               self.bias)
         if self.dkernel == "mma8":  # fp8 x fp8 on the fp8 sparse tensor cores
             q, sx = self._quant(x2d)
             return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias,
@@ -310,6 +335,57 @@ class FP8Sparse24(_AccelLinear):
         return self._epilogue(acc, sx)
 
 
+def _widened_mm(x2d: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """A weight-only fp8 layer's large-M product: bf16 x times the e4m3 values widened to bf16
+    (exact), then the per-channel scales and the bias in float32, as the decode kernels apply
+    them (after the sums, never folded into the weight, which would round it a second time)."""
+    acc = F.linear(x2d.to(torch.bfloat16), q.to(torch.bfloat16))
+    y = acc.float() * w_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
+class FP8WDense(_AccelLinear):
+    """W8A16 float8 e4m3 weight-only dense: per-channel e4m3 weights, bf16 activations; the
+    weight widened to bf16 on each call and multiplied by ``F.linear`` (cuBLAS), its scales
+    applied after. It keeps 1 byte a weight; no kernel reads it narrower (under ``sparsity="auto"``
+    the planner times it against bf16 dense)."""
+
+    variant = "fp8w_dense"
+    fmt = FP8
+    weight_only = True
+
+    def _mm(self, x2d):
+        return _widened_mm(x2d, self.weight, self.w_scale, self.bias)
+
+
+class FP8WSparse24(_AccelLinear):
+    """W8A16 float8 e4m3 2:4 weight-only: the kept e4m3 values with per-channel scales in
+    sparsekit's 2:4 format (``values``, ``meta``: 0.625 bytes a weight), activations in bf16,
+    never quantized. Up to 32 tokens (decode) the weight is read once by a small-M kernel that
+    widens it exactly in registers: the Triton kernel, or the mma.sp kernel (bf16 x, the e4m3
+    values widened to bf16) where the library loads, the decode plan timing both per shape
+    (``dchoice``; the mma.sp format is then a second copy, 0.625 bytes a weight more). Larger
+    token counts (prefill, compute-bound) widen the weight to bf16 on each call and multiply
+    with ``F.linear``, the scales applied after the sums as the decode kernels do."""
+
+    variant = "fp8w_2:4"
+    sparse = True
+    decodes = True
+    fmt = FP8
+    weight_only = True
+
+    @property
+    def path(self) -> str:
+        return "widen"
+
+    def _mm(self, x2d):
+        return _widened_mm(x2d, sk24.decompress(self.values, self.meta), self.w_scale,
+                           self.bias)
+
+
 class Int8Dense(_AccelLinear):
     """W8A8 int8 dense (``torch._int_mm``), activations quantized per token."""
 
@@ -344,8 +420,8 @@ class Int8Sparse24(_AccelLinear):
 
 VARIANTS: Registry[type[nn.Module]] = Registry("accel variant")
 # the W4A16 layers (int4 weights, bf16 activations) live in sparsekit.accel.int4
-for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, Int8Dense, Int8Sparse24, Int4Dense,
-             Int4Sparse24):
+for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, FP8WDense, FP8WSparse24, Int8Dense,
+             Int8Sparse24, Int4Dense, Int4Sparse24):
     VARIANTS.register(_cls.variant, _cls)
 # what accelerate(sparsity=...) may ask for: the 2:4 variant, the planner's choice, dense only
 SPARSITIES = ("2:4", "auto", "dense")

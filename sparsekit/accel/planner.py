@@ -340,12 +340,15 @@ DECODE_BUCKETS = (1, 4, 16, 32)  # token counts at which the small-M kernel is t
 
 
 def own_precision(layer: nn.Module) -> str | None:
-    """The accel precision that keeps a W8A8 ``QuantLinear``'s numerics (its activation format:
-    "fp8" for fp8 and fp8_static, "int8" for int8 and int8_static); None for other layers."""
+    """The accel precision that keeps a ``QuantLinear``'s numerics: a W8A8 layer's activation
+    format ("fp8" for fp8 and fp8_static, "int8" for int8 and int8_static), "fp8w" for
+    fp8_weight_only; None for other layers."""
     if not isinstance(layer, QuantLinear):
         return None
-    act = get_scheme(layer.scheme).activation
-    return None if act is None else act.name
+    scheme = get_scheme(layer.scheme)
+    if scheme.activation is None:
+        return "fp8w" if scheme.weight.name == "fp8" else None
+    return scheme.activation.name
 
 
 def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,
@@ -821,7 +824,8 @@ def route_decode(mod: nn.Module, entry: dict, dense: bool) -> None:
         mod.use_decode_kernel(entry["kernel"])
     mod.decode_max_m = int(entry["decode_max_m"])
     if entry.get("config") and getattr(mod, "dkernel", "").startswith("mma"):
-        mod.dconfig = valid_mma_config(entry["config"], mod.dvalues)
+        mod.dconfig = valid_mma_config(entry["config"], mod.dvalues,
+                                       getattr(mod, "dwide", None))
     lo, hi = entry.get("dense_m", (0, 0)) if dense else (0, 0)
     mod.keep_dense(lo, hi)
     if mod.dense_weight is not None and lo <= 1 and mod.decode_max_m <= hi:
@@ -901,7 +905,7 @@ def choose_mma_config(mod: nn.Module, device: torch.device
     from sparsekit.accel import sk24_mma
     from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
 
-    cands = sk24_mma.candidates(mod.dvalues)
+    cands = sk24_mma.candidates(mod.dvalues, getattr(mod, "dwide", None))
     if len(cands) < 2:
         return None
     saved = mod.decode_max_m
@@ -921,7 +925,8 @@ def choose_mma_config(mod: nn.Module, device: torch.device
     return mod.dconfig
 
 
-def valid_mma_config(config, values: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
+def valid_mma_config(config, values: torch.Tensor, wide: torch.dtype | None = None
+                     ) -> tuple[tuple[int, ...], ...] | None:
     """A decode plan's "config" (one configuration per ``sk24_mma.BUCKETS``) as ``dconfig``
     when every one is among the candidates for ``values``, else None (a plan from another
     version of the library: the defaults run)."""
@@ -929,7 +934,7 @@ def valid_mma_config(config, values: torch.Tensor) -> tuple[tuple[int, ...], ...
 
     if not isinstance(config, (list, tuple)) or len(config) != len(sk24_mma.BUCKETS):
         return None
-    cands = set(sk24_mma.candidates(values))
+    cands = set(sk24_mma.candidates(values, wide))
     got = tuple(tuple(c) if isinstance(c, (list, tuple)) else None for c in config)
     return got if all(c in cands for c in got) else None
 

@@ -15,7 +15,8 @@ The format (per weight W (N, K) with at most 2 nonzeros in every group of 4 alon
 Bytes per dense weight: bf16 1.125 (values 1, metadata 0.125), fp8 0.625.
 
 ``matmul(x, values, meta, x_scale, w_scale, bias)`` computes, in float32,
-``(x @ W.T) * x_scale * w_scale + bias`` in bfloat16, with x (M, K) of ``values``' dtype (or
+``(x @ W.T) * x_scale * w_scale + bias`` in bfloat16, with x (M, K) of ``values``' dtype
+(bfloat16 x with an fp8 weight too: weight-only layers, the weight widened exactly) (or
 its position planes, :func:`planes`: what the model passes, so that no extra kernel runs),
 ``x_scale`` (M, 1) or (1, 1) float32 or None, ``w_scale`` (N,) float32 or None, ``bias`` (N,)
 bfloat16 or None. Up to 8 rows it multiplies on CUDA cores, from 2 on tensor cores
@@ -186,8 +187,10 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
     if xp.shape[1] != 4 or k != 2 * values.shape[1]:
         raise ValueError(f"sk24 kernel: x must be (M, {2 * values.shape[1]}) or its planes "
                          f"(M, 4, {values.shape[1] // 2}), got {tuple(x.shape)}")
-    if xp.dtype != values.dtype:
-        raise ValueError(f"sk24 kernel: x is {xp.dtype}, the weight {values.dtype}")
+    if xp.dtype != values.dtype and not (xp.dtype == torch.bfloat16
+                                         and values.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"sk24 kernel: x is {xp.dtype}, the weight {values.dtype} (x must be "
+                         f"the weight's dtype, or bfloat16 for a float8_e4m3fn weight)")
     if config is None and not xp.is_cuda:
         mode = sk24_triton.SELECT if m <= 2 else (sk24_triton.PLANES if m <= 8 else
                                                    sk24_triton.DOT)

@@ -522,13 +522,17 @@ def layout_for(weight: torch.Tensor) -> str:
     return "e4m3" if weight.dtype == torch.float8_e4m3fn and e4m3_ok() else "paired"
 
 
-def choosable(weight: torch.Tensor) -> bool:
+def choosable(weight: torch.Tensor, wide: torch.dtype = torch.float16) -> bool:
     """True when an fp8 layer on the Triton kernel may move to this one (the decode plan
     times both): ``weight`` (N, K) float8_e4m3fn on CUDA of a shape the kernel takes, the
-    library loaded and its fp8-with-f16-x way self-checked (:func:`fp8_f16_ok`), and the kernel
-    not turned off."""
-    return (weight.is_cuda and weight.dtype == torch.float8_e4m3fn and enabled()
-            and check_shape(*weight.shape) is None and fp8_f16_ok())
+    kernel not turned off and the library loaded with the way x would reach it self-checked:
+    ``wide`` float16 (a W8A8 layer's quantized x widened to f16: :func:`fp8_f16_ok`; the bf16
+    widening is slower than the Triton kernel, so not a candidate) or bfloat16 (a weight-only
+    layer's x: the bf16 way, which the library checks before it loads)."""
+    if not (weight.is_cuda and weight.dtype == torch.float8_e4m3fn and enabled()
+            and check_shape(*weight.shape) is None):
+        return False
+    return fp8_f16_ok() if wide == torch.float16 else load() is not None
 
 
 def usable(weight: torch.Tensor) -> bool:
@@ -559,16 +563,22 @@ DEFAULTS = ((4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1))  # what default_config ret
 DEFAULTS_INT4 = ((4, 4, 1, 1), (8, 4, 1, 1), (8, 4, 2, 1))
 
 
-def candidates(values: torch.Tensor) -> list[tuple[int, ...]]:
+def candidates(values: torch.Tensor, wide: torch.dtype | None = None
+               ) -> list[tuple[int, ...]]:
     """The configurations the planner times for a weight in this format (its layout's, those
-    that passed the self-check and fit its row tiles)."""
+    that passed the self-check and fit its row tiles); ``wide``: the dtype x reaches the kernel
+    in (an fp8 weight: float16 or bfloat16; None: float16 where that way works, as W8A8 fp8
+    layers pass it)."""
     if values.shape[-1] == 16:
         return list(E4M3_CONFIGS)
     tiles = values.shape[0]
     if values.dtype == torch.int32:
         way = "int4"
-    else:  # fp8 layers pass f16 x where that way works (kernels.py)
-        way = "f16" if values.dtype == torch.float8_e4m3fn and fp8_f16_ok() else "bf16"
+    elif values.dtype == torch.float8_e4m3fn:
+        f16 = fp8_f16_ok() if wide is None else wide == torch.float16
+        way = "f16" if f16 else "bf16"
+    else:
+        way = "bf16"
     return [c for c in working(way) if tiles % c[2] == 0]
 
 

@@ -132,9 +132,11 @@ def _step(acc, v0, v1, code, x_ptr, rm, m_ok, stride_xm, Q, g, MODE: tl.constexp
     """acc + the products of one slab step."""
     if MODE == 2:  # tensor cores: acc (BLOCK_N, BLOCK_M) += plane_p @ x_p.T
         # fp8 planes and x go to the tensor cores as they are (e4m3 x e4m3, float32 sums) in
-        # steps 32 deep; a shallower step takes them as float16 (exact)
-        DT: tl.constexpr = tl.float32 if DOT_F32 else (
-            tl.float16 if v0.dtype == tl.float8e4nv and v0.shape[1] < 32 else v0.dtype)
+        # steps 32 deep; a shallower step takes them as float16 (exact); fp8 planes with bf16
+        # x (a weight-only layer) are widened to bf16 (exact)
+        XT: tl.constexpr = x_ptr.dtype.element_ty
+        DT: tl.constexpr = tl.float32 if DOT_F32 else (XT if XT != v0.dtype else (
+            tl.float16 if v0.dtype == tl.float8e4nv and v0.shape[1] < 32 else v0.dtype))
         v0 = v0.to(DT)
         v1 = v1.to(DT)
         for p in tl.static_range(4):

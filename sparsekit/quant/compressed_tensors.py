@@ -3,13 +3,13 @@ package is installed (``pip install 'sparsekit[compressed]'``).
 
 What compressed-tensors can write decides what this writes. Its 0.20 releases compress
 *quantized* weights only (``naive_quantized``: ``float-quantized`` for fp8, ``int-quantized`` for
-int8 W8A8; ``pack_quantized`` for int weight-only); its sparse compressors (bitmask, 2:4 bitmask,
-marlin-24) are gone, only their config classes are left, and ``ModelCompressor.update_config``
-writes an empty ``sparsity_config``. So:
+int8 W8A8, ``naive-quantized`` for fp8 weight-only; ``pack_quantized`` for int weight-only);
+its sparse compressors (bitmask, 2:4 bitmask, marlin-24) are gone, only their config classes
+are left, and ``ModelCompressor.update_config`` writes an empty ``sparsity_config``. So:
 
-- a model sparsekit quantized with ``fp8``, ``int8``, ``int8_weight_only``, a static scheme or
-  an int4 scheme (Linear layers) is written with the format compressed-tensors infers for that
-  scheme (int4 weight-only: ``pack-quantized``, eight 4-bit values per int32 in
+- a model sparsekit quantized with ``fp8``, ``int8``, a weight-only 8-bit scheme, a static
+  scheme or an int4 scheme (Linear layers) is written with the format compressed-tensors
+  infers for that scheme (int4 weight-only: ``pack-quantized``, eight 4-bit values per int32 in
   ``weight_packed``, beside ``weight_scale`` (out, in // 128), or (out, 1) per channel, and
   ``weight_shape``; what vLLM and llm-compressor read for W4A16), through
   its own API: a :class:`~compressed_tensors.quantization.QuantizationScheme` per the sparsekit

@@ -4,7 +4,9 @@ A *format* is a storage dtype plus the largest magnitude it represents; symmetri
 tensor's absolute maximum onto that magnitude. A *scheme* says which format the weights use,
 whether (and in which format) activations are quantized, and how their scales are found.
 
-Weights have one scale per output channel, except in ``fp8_static_tensor``: one scale for the
+``int8_weight_only`` and ``fp8_weight_only`` (W8A16) quantize the weights alone; activations
+stay in the model's dtype. Weights have one scale per output channel, except in
+``fp8_static_tensor``: one scale for the
 whole weight (``max |W| / 448``, torchao's default fp8 granularity). With its static activation
 scale the GEMM's whole rescale is then one scalar, which a kernel taking only a scalar in its
 epilogue (cuSPARSELt's fp8 ``alpha``) applies inside the GEMM. The 4-bit weight-only schemes
@@ -160,7 +162,8 @@ def register_scheme(scheme: Scheme) -> None:
     SCHEMES.register(scheme.name, scheme)
 
 
-for _scheme in (Scheme("int8_weight_only", INT8, None), Scheme("int8", INT8, INT8),
+for _scheme in (Scheme("int8_weight_only", INT8, None), Scheme("fp8_weight_only", FP8, None),
+                Scheme("int8", INT8, INT8),
                 Scheme("fp8", FP8, FP8), Scheme("int8_static", INT8, INT8, static=True),
                 Scheme("fp8_static", FP8, FP8, static=True),
                 Scheme("fp8_static_tensor", FP8, FP8, static=True,

@@ -4,6 +4,7 @@ in 1..32, the Triton kernel itself under Triton's interpreter, the layers' decod
 against their large-M path, an accelerated tiny Llama generating HF's own tokens, and the
 planner's decode routing (small-M, large-M, bf16 dense under "auto") on faked GPU timings."""
 
+import copy
 import functools
 
 import pytest
@@ -91,6 +92,23 @@ for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         assert err < 1e-2, (dtype, m, k, err)
         # every split-K launch leaves its tile counters at zero
         assert int(sk24.counters(x.device).abs().sum()) == 0
+# bf16 x with an fp8 weight (weight-only layers): every way to multiply widens the weight
+for m, config in ((1, None), (5, {**split, "MODE": 1}), (3, {**split, "MODE": 0}),
+                  (20, {**split, "MODE": 2})):
+    w = masked_24(48, 2048, seed=m).to(torch.float8_e4m3fn)
+    values, meta = sk24.compress(w)
+    x = torch.randn(m, 2048).bfloat16()
+    ws = torch.rand(48) + 0.5
+    ref = sk24.reference(x, values, meta, None, ws, None).float()
+    y = sk24.launch(x, values, meta, None, ws, None, config=config).float()
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, ("bf16 x, fp8 weight", m, err)
+try:
+    sk24.launch(x.half(), values, meta, None, None, None)
+except ValueError as e:
+    assert "bfloat16 for a float8_e4m3fn weight" in str(e)
+else:
+    raise AssertionError("float16 x with an fp8 weight ran")
 try:
     sk24.launch(x[:, :1024], values[:, :512], meta[:, :32], None, None, None,
                 config={**split, "MODE": 0, "SPLIT_K": 4})
@@ -137,6 +155,76 @@ def test_layer_decode_path_has_prefill_numerics(variant, kernel, monkeypatch):
     assert decode.shape == prefill.shape == (2, 5, 64)
     # the same quantization and scales; only where bf16 rounding happens differs
     torch.testing.assert_close(decode.float(), prefill.float(), rtol=2e-2, atol=2e-2)
+
+
+def _fp8w_reference(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ (q * scale).T + b`` of ``lin``'s weight quantized per channel to e4m3."""
+    from sparsekit.quant.formats import FP8
+    from sparsekit.quant.numerics import channel_scales, quantize
+
+    w = lin.weight.detach().float()
+    scale = channel_scales(w, FP8)
+    q = quantize(w, scale[:, None], FP8).double() * scale.double()[:, None]
+    return x.double() @ q.t() + lin.bias.detach().double()
+
+
+@pytest.mark.parametrize("kernel", ["triton", "mma"])
+def test_fp8_weight_only_layers_against_float64(kernel, monkeypatch):
+    seen = []
+    for op in ("sk24_mm", "sk24_mma_mm"):
+        monkeypatch.setattr(ops, op, functools.partial(
+            lambda real, name, x, *a: seen.append((name, x.dtype)) or real(x, *a),
+            getattr(ops, op), op))
+    lin = nn.Linear(512, 64)
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(64, 512))
+    mod = VARIANTS["fp8w_2:4"](lin)
+    assert mod.weight_only and mod.dkernel == "triton" and mod.act_scale is None
+    assert mod.dvalues is mod.values and mod.values.dtype == torch.float8_e4m3fn  # one copy
+    assert "packed" not in dict(mod.named_buffers())  # no cuSPARSELt copy: bf16 x cannot go
+    if kernel == "mma":
+        mod.use_decode_kernel("mma")
+        assert mod.dwide == torch.bfloat16 and mod.dvalues.dim() == 4
+    x = torch.randn(2, 5, 512).bfloat16()
+    ref = _fp8w_reference(lin, x)
+    decode = mod(x)  # 10 tokens: the small-M kernel, x never quantized
+    name = "sk24_mma_mm" if kernel == "mma" else "sk24_mm"
+    assert seen == [(name, torch.bfloat16)]
+    mod.decode_max_m = 0
+    prefill = mod(x)  # the weight widened, F.linear
+    assert len(seen) == 1
+    for y in (decode, prefill):
+        assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 64)
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < 5e-3, err  # bf16 output rounding: activations are not quantized
+    dense = VARIANTS["fp8w_dense"](lin)  # the dense weight, widened per call
+    assert dense.weight.dtype == torch.float8_e4m3fn
+    y = dense(x)
+    # 2:4 kept the same values: dense and 2:4 layers agree to bf16 rounding
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3
+    with pytest.raises(ValueError, match=r"fp8w_2:4 layer \(64x96\): .*multiple of 512"):
+        VARIANTS["fp8w_2:4"](nn.Linear(96, 64))
+
+
+def test_fp8_weight_only_quantlinear_keeps_its_values_through_accelerate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 512))
+    with torch.no_grad():
+        model[0].weight.copy_(masked_24(64, 512))
+    sk.quantize_(model, scheme="fp8_weight_only")
+    x = torch.randn(4, 512)
+    want = model(x)
+    values = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"accelerate it with precision='fp8w'"):
+        sk.accelerate(copy.deepcopy(model), x, device="cpu", precision="fp8", compile=False)
+    fast = sk.accelerate(model, x, device="cpu", precision="fp8w", sparsity="2:4",
+                         compile=False)
+    layer = fast.model[0]
+    assert type(layer).__name__ == "FP8WSparse24"
+    assert torch.equal(sk24.decompress(layer.values, layer.meta).float(),
+                       values.float())  # the QuantLinear's own e4m3 values
+    got = fast(x)
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
 def test_layer_without_decode_shape_keeps_large_m_path():
@@ -444,7 +532,7 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
 
     monkeypatch.setattr(sk24_mma, "usable", lambda w: True)
     cands = [(8, 4, 1, 0), (4, 4, 1, 0), (8, 4, 1, 1)]
-    monkeypatch.setattr(sk24_mma, "candidates", lambda v: cands)
+    monkeypatch.setattr(sk24_mma, "candidates", lambda v, wide=None: cands)
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
@@ -498,14 +586,20 @@ def _fp8_choice_timer(faster: str):
     return fake
 
 
+@pytest.mark.parametrize("variant", ["fp8_2:4", "fp8w_2:4"])
 @pytest.mark.parametrize("faster", ["mma", "triton"])
 def test_fp8_layer_times_both_small_m_kernels_and_keeps_the_faster(monkeypatch, tmp_path,
-                                                                    faster):
-    monkeypatch.setattr(sk24_mma, "choosable", lambda w: w.dtype == torch.float8_e4m3fn)
-    monkeypatch.setattr(sk24_mma, "candidates", lambda v: [(8, 4, 1, 1), (8, 4, 1, 3)])
-    model, plan, calls = _decode_planned(monkeypatch, tmp_path, "2:4", "fp8_2:4",
+                                                                    faster, variant):
+    wides = []
+    monkeypatch.setattr(sk24_mma, "choosable",
+                        lambda w, wide=torch.float16: w.dtype == torch.float8_e4m3fn)
+    monkeypatch.setattr(sk24_mma, "candidates",
+                        lambda v, wide=None: wides.append(wide) or [(8, 4, 1, 1), (8, 4, 1, 3)])
+    model, plan, calls = _decode_planned(monkeypatch, tmp_path, "2:4", variant,
                                          timer=_fp8_choice_timer(faster))
     assert calls == [False, False]  # one shape: once per kernel
+    if faster == "mma":  # the configurations of the way x reaches the kernel (CPU: bf16)
+        assert wides and set(wides) == {torch.bfloat16}
     for seed, mod in enumerate(model):
         assert mod.dchoice and mod.dkernel == faster and mod.decode_max_m == 32
         # the copy holds exactly the layer's 2:4 weight, whichever format it is in
@@ -513,7 +607,7 @@ def test_fp8_layer_times_both_small_m_kernels_and_keeps_the_faster(monkeypatch, 
         lin = nn.Linear(512, 64)
         with torch.no_grad():
             lin.weight.copy_(masked_24(64, 512, seed))
-        fresh = VARIANTS["fp8_2:4"](lin)  # the same weight, in the Triton format
+        fresh = VARIANTS[variant](lin)  # the same weight, in the Triton format
         assert got.dtype == torch.float8_e4m3fn
         assert torch.equal(got.float(), sk24.decompress(fresh.dvalues, fresh.dmeta).float())
         # the decode path keeps the large-M path's numerics (W8A8: same quantized products)
@@ -532,7 +626,7 @@ def test_fp8_layer_times_both_small_m_kernels_and_keeps_the_faster(monkeypatch, 
     def never(fn):
         raise AssertionError("a cached decode plan was timed again")
 
-    again, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4", "fp8_2:4", timer=never)
+    again, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4", variant, timer=never)
     assert calls == [] and all(m.dkernel == faster for m in again)
     for a, b in zip(model, again):
         assert torch.equal(a.dvalues.view(torch.uint8), b.dvalues.view(torch.uint8))

@@ -24,8 +24,9 @@ needs_ct = pytest.mark.skipif(
     reason="compressed-tensors is not installed (pip install 'sparsekit[compressed]')")
 
 FORMATS = {"fp8": "float-quantized", "int8": "int-quantized",
-           "int8_weight_only": "pack-quantized", "fp8_static": "float-quantized",
-           "fp8_static_tensor": "float-quantized"}
+           "int8_weight_only": "pack-quantized", "fp8_weight_only": "naive-quantized",
+           "fp8_static": "float-quantized", "fp8_static_tensor": "float-quantized"}
+WEIGHT_ONLY = ("int8_weight_only", "fp8_weight_only")
 
 
 def pruned_quantized(path, scheme):
@@ -72,7 +73,7 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
     per_tensor = get_scheme(scheme).weight_granularity == "tensor"
     assert group.weights.strategy == ("tensor" if per_tensor else "channel")
     assert group.weights.num_bits == 8
-    assert (group.input_activations is None) == (scheme == "int8_weight_only")
+    assert (group.input_activations is None) == (scheme in WEIGHT_ONLY)
     static = get_scheme(scheme).static
     if group.input_activations is not None:
         assert group.input_activations.dynamic is not static
@@ -110,7 +111,7 @@ def test_export_round_trips_through_compressed_tensors(scheme, hf_dirs, tmp_path
         for name, layer in layers.items():
             assert torch.equal(back.get_submodule(name).weight,
                                layer.dequantized_weight(torch.float32)), name
-        if scheme == "int8_weight_only":  # float activations: the same ops, exactly
+        if scheme in WEIGHT_ONLY:  # float activations: the same ops, exactly
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         elif scheme in ("fp8", "fp8_static", "fp8_static_tensor"):
             # the same activation scales (absmax/448 per token, or the one static scale, values

@@ -112,7 +112,7 @@ def test_fake_quantize_is_exact_forward_and_identity_backward(fmt):
 
 
 def test_unknown_scheme_names_the_allowed_ones():
-    with pytest.raises(ValueError, match="'int8_weight_only', 'int8', 'fp8'"):
+    with pytest.raises(ValueError, match="'int8_weight_only', 'fp8_weight_only', 'int8', 'fp8'"):
         get_scheme("int4")
 
 
