@@ -123,7 +123,9 @@ def test_validate_names_the_option(change, option):
 
 @pytest.mark.parametrize("scheme,precision,ok", [
     ("fp8_static", "bf16", False), ("fp8_static", "fp8", True), ("int8", "fp8", False),
-    ("int8", "int8", True), ("int8_weight_only", "bf16", True), ("none", "int8", True)])
+    ("int8", "int8", True), ("int8_weight_only", "bf16", True), ("none", "int8", True),
+    ("fp8_weight_only", "fp8w", True), ("fp8_weight_only", "fp8", False),
+    ("fp8", "fp8w", False)])
 def test_accel_precision_must_keep_the_quant_schemes_numerics(scheme, precision, ok):
     """A W8A8-quantized model runs accelerated only at its own activation format: caught
     before the run starts, not at the accel stage after training."""
@@ -159,11 +161,11 @@ def test_enum_fields_take_strings_and_give_plain_values():
     listed = choices()
     assert listed["prune.scope"] == ("layer", "global")
     assert listed["schedule.kind"] == ("oneshot", "linear", "cubic")
-    assert listed["quant.scheme"] == ("none", "int8_weight_only", "int8", "fp8", "int8_static",
-                                      "fp8_static", "fp8_static_tensor", "int4_weight",
-                                      "int4_weight_channel")
+    assert listed["quant.scheme"] == ("none", "int8_weight_only", "fp8_weight_only", "int8",
+                                      "fp8", "int8_static", "fp8_static", "fp8_static_tensor",
+                                      "int4_weight", "int4_weight_channel")
     assert listed["quant.method"] == ("rtn", "gptq")
-    assert listed["accel.precision"] == ("bf16", "fp8", "int8", "int4")
+    assert listed["accel.precision"] == ("bf16", "fp8", "fp8w", "int8", "int4")
     for key, values in listed.items():  # each value is accepted, and nothing else
         section, _, name = key.rpartition(".")
         node = cfg

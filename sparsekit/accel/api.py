@@ -60,7 +60,8 @@ def accelerate(
     tanh GELU inside the GEMM on sparsekit's cuSPARSELt binding, :mod:`sparsekit.accel.cslt_ext`).
     ``example_inputs``: a tensor, tuple (``model(*x)``) or dict (``model(**x)``) of the shape you
     will serve, run several times (an input with state, e.g. an HF ``StaticCache``, advances).
-    ``precision``: "bf16" | "fp8" | "int8" (W8A8; per-token or a static scheme's own scales).
+    ``precision``: "bf16" | "fp8" | "int8" (W8A8; per-token or a static scheme's own scales) |
+    "fp8w" (W8A16: fp8 weights, bf16 activations) | "int4" (W4A16).
     ``sparsity``: "2:4", "dense", or "auto": per GEMM shape the fastest of bf16 dense, precision
     dense, bf16 2:4, precision 2:4, each timed as it will run, then (``plan.whole_model``) a few
     whole-model plans (:mod:`sparsekit.accel.planner`). ``include``/``exclude``: the modules it

@@ -655,12 +655,16 @@ class Config(_Checked):
         if joint_gptq(self) and self.quant.act_order:
             raise ConfigError("quant.act_order=true cannot go with a joint SparseGPT + GPTQ "
                               "sweep (N:M groups must stay consecutive columns)")
-        act = None if self.quant.scheme == "none" else SCHEMES[self.quant.scheme].activation
-        if self.accel.enabled and act is not None and self.accel.precision != act.name:
+        scheme = None if self.quant.scheme == "none" else SCHEMES[self.quant.scheme]
+        # the accel precision keeping the scheme's numerics: W8A8's activation format, fp8w for
+        # fp8 weight-only (other weight-only schemes run under any precision)
+        own = (None if scheme is None else scheme.activation.name if scheme.activation
+               else "fp8w" if scheme.weight.name == "fp8" else None)
+        if self.accel.enabled and own is not None and self.accel.precision != own:
             raise ConfigError(
                 f"accel.precision={self.accel.precision} cannot run quant.scheme="
-                f"{self.quant.scheme} layers: set accel.precision={act.name} (the scheme's "
-                "activation numerics)"
+                f"{self.quant.scheme} layers: set accel.precision={own} (the scheme's "
+                "numerics)"
             )
         if sens.enabled and p.pattern == "none":
             raise ConfigError("sensitivity.enabled=true needs a prune.pattern (not none)")
