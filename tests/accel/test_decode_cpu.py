@@ -126,6 +126,38 @@ def test_triton_kernel_under_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_triton_kernel_compiles_for_sm90_with_bf16_x_and_an_fp8_weight(mode):
+    """The weight-only layers' operand mix reaches the GPU compiler (no GPU needed: Triton
+    compiles for an sm_90 target here): every way to multiply builds, and the tensor-core way
+    runs Hopper's wgmma on the widened weight."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sparsekit.accel import sk24_triton
+
+    consts = {"HAS_XS": False, "HAS_WS": True, "HAS_BIAS": True, "DOT_F32": False,
+              "SMALL_M": 8, "DOT_M": 16, "MODE": mode, "BLOCK_N": 64, "BLOCK_W": 16,
+              "SPLIT_K": 2}
+    sig = {"x_ptr": "*bf16", "v_ptr": "*fp8e4nv", "m_ptr": "*i32", "xs_ptr": "*fp32",
+           "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
+           "cnt_ptr": "*i32", **dict.fromkeys(("M", "N", "K", "stride_xm", "stride_xs",
+                                               "M_BUCKET"), "i32"),
+           **dict.fromkeys(consts, "constexpr")}
+    try:
+        kernel = triton.compile(ASTSource(sk24_triton.sk24_kernel, sig, consts),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except RuntimeError as e:  # a Triton without its CUDA toolchain (ptxas)
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert ("wgmma.mma_async" in ptx) == (mode == 2)
+    if mode == 2:  # bf16 operands: the e4m3 weight widened, not x narrowed
+        assert "bf16" in next(line for line in ptx.splitlines() if "wgmma.mma_async" in line)
+
+
 @pytest.mark.parametrize("kernel", ["triton", "mma", "mma16", "mma8"])
 @pytest.mark.parametrize("variant", ["bf16_2:4", "fp8_2:4"])
 def test_layer_decode_path_has_prefill_numerics(variant, kernel, monkeypatch):
