@@ -15,13 +15,17 @@
 #                                           # sparsekit's dense way
 #   tools/device_generation.sh gen_b1       # generate(): bf16, int4, fp8 2:4 at batch 1 against
 #                                           # every dense way, in one process
+#   tools/device_generation.sh sparsegpt    # joint SparseGPT 2:4 + GPTQ int4 on 8 blocks of
+#                                           # the 8B shapes, 128 x 2048 calibration tokens
+#                                           # (issue 32's 15-minute target, scaled to 32)
 #   tools/device_generation.sh gpu_tests    # the whole `pytest -m gpu` suite
 #
 # Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
 # and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
-# 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds).
+# 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
+# sparsegpt takes LAYERS (default 8).
 set -uo pipefail
-stages="kernels gen_bf16 gen_fp8 gen_b1 gpu_tests"
+stages="kernels gen_bf16 gen_fp8 gen_b1 sparsegpt gpu_tests"
 for stage in "$@"; do
   case " $stages " in *" $stage "*) ;; *)
     echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
@@ -64,6 +68,9 @@ for stage in "$@"; do
       timeout "${LIMIT:-580}" python tools/bench_generate.py --sections generate --batches 1 \
         --precisions $precisions --dense $dense --per-step dense_sk,sk_bf16_2:4,sk_fp8_2:4 \
         --no-peers --rounds 3 --out "$out/gen_b1.json" 2>&1 | tee "$out/gen_b1.log" | tail -n 40 ;;
+    sparsegpt)
+      timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \
+        --out "$out/sparsegpt_gptq.json" 2>&1 | tee "$out/sparsegpt_gptq.log" | tail -n 20 ;;
     gpu_tests)
       timeout 575 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
         | tee "$out/pytest_gpu.log" | tail -n 30 ;;
