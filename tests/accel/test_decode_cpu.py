@@ -311,6 +311,26 @@ def test_generate_equals_hf_generate_and_bounds_compiles(kernel, monkeypatch):
     assert fast.report.compiles == before
 
 
+def test_fp8_weight_only_model_generates_the_float64_models_tokens():
+    """An fp8_weight_only-quantized 2:4 Llama accelerated as fp8w generates (prefill on the
+    widened weight, decode on the small-M kernel's reference here) the greedy tokens of the same
+    quantized model run in float64, and its logits stay within bf16 rounding of it."""
+    model, _ = _tiny_llama()
+    sk.quantize_(model, "fp8_weight_only", exclude=["lm_head"])
+    ref = copy.deepcopy(model).double()
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", precision="fp8w",
+                         sparsity="2:4", compile=sk.CompileOptions(backend="eager"))
+    layers = [m for m in fast.model.modules() if type(m).__name__ == "FP8WSparse24"]
+    assert len(layers) == 14 and all(m.dkernel == "triton" for m in layers)
+    out = fast.generate(ids, max_new_tokens=8)
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want)
+    with torch.no_grad():
+        got, exact = fast.model(ids).logits[:, -1].double(), ref(ids).logits[:, -1]
+    assert ((got - exact).norm() / exact.norm()).item() < 2e-2
+
+
 def test_generate_sampling_and_errors():
     model, _ = _tiny_llama()
     ids = torch.randint(0, 256, (1, 5))
