@@ -55,6 +55,47 @@ def test_every_tensor_core_config_equals_reference(dtype):
         assert tried >= 3
 
 
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 14336)])
+def test_kernel_takes_bf16_x_with_an_fp8_weight(shape):
+    """The weight-only (W8A16) operand mix on the Triton kernel, autotuned, at every M: the e4m3
+    values widened exactly, bf16 x as it is, per-channel scales after the sums."""
+    n, k = shape
+    values, meta = sk24.compress(masked_24(n, k).to("cuda", torch.float8_e4m3fn))
+    ws = torch.rand(n, device="cuda") + 0.5
+    for m in range(1, 33):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        y = ops.sk24_mm(sk24.planes(x), values, meta, None, ws, None).float()
+        ref = sk24.reference(x, values, meta, None, ws, None).float()
+        assert ((y - ref).norm() / ref.norm()).item() < 5e-3, m
+
+
+@pytest.mark.parametrize("variant", ["fp8_2:4", "fp8w_2:4"])
+def test_fp8_layers_decode_on_either_kernel_with_prefill_numerics(variant):
+    """Each fp8 2:4 layer the decode plan may move (W8A8 and W8A16): on the Triton kernel and,
+    where the library takes it, on the mma.sp kernel, its decode equals its large-M path."""
+    from torch import nn
+
+    from sparsekit.accel import sk24_mma
+    from sparsekit.accel.kernels import VARIANTS
+
+    lin = nn.Linear(4096, 1024).cuda()
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(1024, 4096).cuda())
+    mod = VARIANTS[variant](lin)
+    kernels = ["triton"] + (["mma"] if mod.dchoice else [])
+    for kernel in kernels:
+        mod.use_decode_kernel(kernel)
+        for m in (1, 7, 16, 32):
+            x = torch.randn(m, 4096, device="cuda").bfloat16()
+            mod.decode_max_m = 32
+            y = mod(x).float()
+            mod.decode_max_m = 0
+            ref = mod(x).float()
+            assert ((y - ref).norm() / ref.norm()).item() < 1e-2, (kernel, m)
+    if sk24_mma.load() is not None and variant == "fp8w_2:4":
+        assert mod.dchoice  # the library's bf16 way takes every weight-only layer
+
+
 def test_generate_on_gpu_equals_masked_eager_model():
     model, ref = _tiny_llama()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
