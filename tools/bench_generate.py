@@ -75,6 +75,7 @@ from sparsekit.prune.patterns import nm_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_models  # noqa: E402  (tools/bench_models.py, beside this script: profile_shares)
+from llm_common import llama3_8b_shapes  # noqa: E402
 
 BOUNDS_TBS = {"H200": 4.8, "H100": 3.35}  # HBM peak (H200 HBM3e, H100 SXM HBM3)
 BOUND_TBS = 4.8
@@ -344,10 +345,7 @@ def llama(smoke: bool, layers: int, device):
                                        num_hidden_layers=1, num_attention_heads=8,
                                        num_key_value_heads=4, max_position_embeddings=1024)
     else:
-        cfg = transformers.LlamaConfig(
-            vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-            max_position_embeddings=8192, rope_theta=500000.0)
+        cfg = transformers.LlamaConfig(**llama3_8b_shapes(layers))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):

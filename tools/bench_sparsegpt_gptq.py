@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from llm_common import llama3_8b_shapes
 from torch import nn
 
 import sparsekit as sk
@@ -45,10 +46,7 @@ def model_of(smoke: bool, layers: int, device: torch.device) -> nn.Module:
                                        num_hidden_layers=layers, num_attention_heads=4,
                                        num_key_value_heads=2, max_position_embeddings=256)
     else:
-        cfg = transformers.LlamaConfig(
-            vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-            max_position_embeddings=8192, rope_theta=500000.0)
+        cfg = transformers.LlamaConfig(**llama3_8b_shapes(layers))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):

@@ -45,6 +45,14 @@ def llama_config(vocab: int, hidden: int, layers: int, intermediate: int, heads:
             "tie_word_embeddings": False}
 
 
+def llama3_8b_shapes(layers: int) -> dict:
+    """``transformers.LlamaConfig`` keyword arguments of Llama-3-8B's shapes with ``layers``
+    decoder blocks (the speed tools' model, built with random weights)."""
+    return {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
 def run_recipe(args: list[str], run_dir: Path) -> dict:
     """``python -m sparsekit ARGS`` into ``run_dir``; its summary.json."""
     env = {**os.environ, "SPARSEKIT_QUIET": "1"}
