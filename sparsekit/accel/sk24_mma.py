@@ -509,10 +509,10 @@ def reason() -> str | None:
 
 
 def dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes the layers put in this format: bf16; fp8 too with
+    """The weight dtypes the layers put in this format untimed: bf16; fp8 too with
     ``SPARSEKIT_SK24_MMA=all`` (on the fp8 x fp8 kernel where it passed its self-check, else
-    widened to bf16; widened, it is slower than the Triton kernel's fp8 path at M = 1,
-    docs/gpu.md; the fp8 x fp8 kernel is not timed yet)."""
+    with f16 or bf16 x). Otherwise an fp8 layer goes there only where its decode plan timed
+    it faster than the Triton kernel (:func:`choosable`)."""
     return DTYPES if os.environ.get("SPARSEKIT_SK24_MMA", "1") == "all" else (torch.bfloat16,)
 
 
