@@ -26,7 +26,8 @@ TINY = ["data.seq_len=32", "prune.calibration_batches=2", "data.eval_batches=2",
 @pytest.mark.parametrize("model", ["llama", "bert"])
 @pytest.mark.parametrize("recipe", ["llm_sparsegpt_24", "llm_sparsegpt_24_fp8",
                                     "llm_wanda_24_distill", "llm_sparsegpt_24_fp8_static",
-                                    "llm_sparsegpt_24_fp8_static_tensor"])
+                                    "llm_sparsegpt_24_fp8_static_tensor",
+                                    "llm_sparsegpt_24_fp8w"])
 def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
     code, out, err = run_cli([f"recipe={recipe}", f"model.path={hf_dirs[model]}",
                               f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
@@ -40,8 +41,11 @@ def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
     assert s["finetune_steps"] == (3 if "distill" in recipe else 0)
     ct = s["hf"]["compressed_tensors"]
     if "fp8" in recipe and compressed_tensors_available():
-        scheme = recipe.removeprefix("llm_sparsegpt_24_")  # fp8, fp8_static, fp8_static_tensor
-        assert ct.startswith(f"written: float-quantized ({scheme}, ") and ct.endswith(
+        # fp8, fp8_static, fp8_static_tensor (W8A8: float-quantized) or fp8_weight_only (the
+        # format compressed-tensors infers for W8A16 fp8: naive-quantized)
+        scheme = recipe.removeprefix("llm_sparsegpt_24_").replace("fp8w", "fp8_weight_only")
+        fmt = "naive-quantized" if scheme == "fp8_weight_only" else "float-quantized"
+        assert ct.startswith(f"written: {fmt} ({scheme}, ") and ct.endswith(
             "sparsity_config dense 2:4 (0.500)"), ct
         assert s["hf"]["compressed_tensors_dir"] == str(run_dir / "hf-compressed-tensors")
     else:
@@ -68,7 +72,8 @@ def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
             name = next(iter(select_modules(exported, exclude=[HEAD])))
             torch.testing.assert_close(exported.get_submodule(name).weight,
                                        layer.dequantized_weight(torch.float32), rtol=0, atol=0)
-            if compressed_tensors_available():  # the same fp8 values and scales, run as W8A8
+            if compressed_tensors_available():  # the same fp8 values and scales, the same
+                # activation numerics (W8A8, or W8A16 for fp8w)
                 ct = cls.from_pretrained(run_dir / "hf-compressed-tensors",
                                          local_files_only=True).eval()
                 torch.testing.assert_close(ct(ids).logits, pruned(ids).logits,
