@@ -6,7 +6,8 @@ For a model directory and its corpus: every Linear but the LM head is masked 2:4
 (the "eager masked model", bfloat16, HF's own ``generate`` with its dynamic cache, no compile);
 prompts are cut from the end of the corpus (the recipes' held-out part). Then, per batch in
 ``--batches`` (batch 1 runs the decode kernels at M = 1, larger batches at M = batch):
-- ``sk_bf16_2:4`` and ``sk_fp8_2:4``: ``sk.accelerate`` then ``fast.generate``, greedy: the
+- ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8) and ``sk_fp8w_2:4`` (W8A16, fp8 weights alone):
+  ``sk.accelerate`` then ``fast.generate``, greedy: the
   fraction of new tokens equal to the eager masked model's, per prompt the first position that
   differs, whether all of the first ``--new`` tokens are equal (the target for bf16 2:4), and
   at each first divergence the reference's own logit margin and whether it is a bfloat16 tie
@@ -15,7 +16,8 @@ prompts are cut from the end of the corpus (the recipes' held-out part). Then, p
 - the logits error of a teacher-forced forward over the reference's tokens (prompt + new):
   ``||logits - ref|| / ||ref||`` against the eager masked model in float32; for fp8 beside the
   same error of torchao's fp8 (dynamic per-row activations, per-row weights) on the masked
-  model, when torchao runs (target: sparsekit's fp8 within 10% of torchao's).
+  model, when torchao runs (target: sparsekit's fp8 within 10% of torchao's); the summary
+  also gives fp8 weight-only's error over W8A8's (what quantizing the activations costs).
 
     python tools/train_small_llama.py --device cpu --minutes 15 --hidden 512 --layers 2 \\
         --intermediate 1024 --heads 8 --vocab 2048 --seq-len 128 --recipes "" --out-dir sl
@@ -109,7 +111,8 @@ def run(args, save=lambda res: None) -> dict:
             peers["torchao_fp8_dense"] = torchao_quantize_(copy.deepcopy(master), "fp8")
         except Exception as e:  # noqa: BLE001  (a peer that does not run is recorded)
             res["torchao_fp8_dense"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    for name, precision in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8")):
+    for name, precision in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"),
+                            ("sk_fp8w_2:4", "fp8w")):
         t0 = time.perf_counter()
         fast = sk.accelerate(copy.deepcopy(master), {"input_ids": refs[batches[0]][0]},
                              precision=precision, sparsity="2:4", device=device,
@@ -150,6 +153,9 @@ def summary(rows: dict) -> dict:
         if "sk_bf16_2:4" in ways:
             s["bf16_greedy_all_equal"] = ways["sk_bf16_2:4"]["agreement"]["all_equal"]
             s["bf16_greedy_equal_but_ties"] = ways["sk_bf16_2:4"]["agreement"]["equal_but_ties"]
+        if "sk_fp8w_2:4" in ways and "sk_fp8_2:4" in ways:
+            s["fp8w_error_over_fp8"] = (ways["sk_fp8w_2:4"]["logits_error"]
+                                        / ways["sk_fp8_2:4"]["logits_error"])
         if "sk_fp8_2:4" in ways and "torchao_fp8_dense" in ways:
             ratio = ways["sk_fp8_2:4"]["logits_error"] / ways["torchao_fp8_dense"]["logits_error"]
             s["fp8_error_over_torchao"] = ratio

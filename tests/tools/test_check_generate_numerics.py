@@ -20,4 +20,10 @@ def test_smoke_bf16_equals_eager_masked_model_and_fp8_is_quantized(tmp_path, too
         assert bf16["logits_error"] < 5e-3
         # fp8 quantizes: its logits are off by more than bf16 rounding, by less than 15%
         assert 5 * bf16["logits_error"] < fp8["logits_error"] < 0.15
+        # fp8 weights alone: off by more than bf16 rounding, by less than W8A8 (activations
+        # stay bf16)
+        fp8w = ways["sk_fp8w_2:4"]
+        assert bf16["logits_error"] < fp8w["logits_error"] < fp8["logits_error"]
+        assert res["summary"][batch]["fp8w_error_over_fp8"] == fp8w["logits_error"] / fp8[
+            "logits_error"]
         assert res["summary"][batch]["bf16_greedy_all_equal"]
