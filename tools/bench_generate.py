@@ -579,6 +579,9 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
             if "report" in info:  # sparsekit's ways: a first call that compiled nothing ran
                 compiles = info["report"].compiles  # eagerly (or reused another's graphs)
                 res["ways"][name].update(compiles=compiles, compiled=compiles > 0)
+                # the decode plan per layer shape: kernel, configurations, timings per M
+                res["ways"][name]["decode_notes"] = list(dict.fromkeys(
+                    n for n in info["report"].notes if n.startswith("decode")))
             print(json.dumps({"batch": batch, "way": name, "first_call_s": first}), flush=True)
         seq = {}
         for name, (fn, _) in ways.items():

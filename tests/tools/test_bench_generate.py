@@ -11,7 +11,8 @@ import torch
 def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     out = tmp_path / "gen.json"
     tool_module("bench_generate").main(["--smoke", "--batches", "2", "--profile",
-                                        "--precisions", "bf16,fp8,int4", "--out", str(out)])
+                                        "--precisions", "bf16,fp8,int4,fp8w", "--out",
+                                        str(out)])
     res = json.loads(out.read_text())
     assert {r["M"] for r in res["gemm"]} == {1, 3}
     for row in res["gemm"]:
@@ -21,13 +22,16 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     assert set(res["gemm_summary"]) == {"bf16_2:4", "fp8_2:4"}
     gen = res["generate"]["2"]
     assert gen["reference"] == "dense_sk"
-    assert set(gen["ways"]) == {"dense_sk", "sk_bf16_2:4", "sk_fp8_2:4", "sk_int4_2:4"}
+    assert set(gen["ways"]) == {"dense_sk", "sk_bf16_2:4", "sk_fp8_2:4", "sk_int4_2:4",
+                                "sk_fp8w_2:4"}
     for way in gen["ways"].values():
         assert way["agreement"]["equal_fraction"] >= 0.0 and "accelerate_s" in way
         assert way["compiled"] and way["compiles"] >= 1  # no way left uncompiled
     assert "reference_warning" not in gen
     # which small-M kernel the layers decode on (CPU: the Triton format's reference)
     assert gen["ways"]["sk_bf16_2:4"]["decode_kernels"] == {"triton": 7}  # q k v o gate up down
+    # the decode plan's notes per way (its timings need CUDA: none on CPU)
+    assert all(w["decode_notes"] == [] for n, w in gen["ways"].items() if n.startswith("sk_"))
     # --profile: kernel times need CUDA (bench_models.profile_shares), none on CPU
     assert all(way["profile"] is None for way in gen["ways"].values())
     # the bf16 2:4 model generates the dense run's tokens of the same weights on CPU
