@@ -159,8 +159,12 @@ class _AccelLinear(nn.Module):
                              f"no small-M weight to move to the {kernel} kernel")
         if self.dkernel.startswith(kernel):
             return
-        old = sk24_mma if self.dkernel.startswith("mma") else sk24
-        self._decode_format(kernel, old.decompress(self.dvalues, self.dmeta))
+        self._decode_format(kernel, self._small_m_weight())
+
+    def _small_m_weight(self) -> torch.Tensor:
+        """The 2:4 weight (N, K) in the values' dtype, decoded from the small-M copy."""
+        fmt = sk24_mma if self.dkernel.startswith("mma") else sk24
+        return fmt.decompress(self.dvalues, self.dmeta)
 
     def _decode(self, x2d: torch.Tensor) -> torch.Tensor | None:
         """The product on the small-M kernel (:func:`ops.sk24_mm`) when this layer has it and
@@ -169,13 +173,6 @@ class _AccelLinear(nn.Module):
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
             return None
         cfg = None if self.dconfig is None else [v for c in self.dconfig for v in c]
-        if self.weight_only:  # bf16 x, the fp8 weight widened in the kernel; its scales after
-            x2d = x2d.to(torch.bfloat16)
-            if self.dkernel == "mma":
-                return ops.sk24_mma_mm(x2d, self.dvalues, self.dmeta, None, self.w_scale,
-                                       self.bias, cfg)
-            return ops.sk24_mm(sk24.planes(x2d), self.dvalues, self.dmeta, None, self.w_scale,
-                               self.bias)
         if self.dkernel == "mma8":  # fp8 x fp8 on the fp8 sparse tensor cores
             q, sx = self._quant(x2d)
             return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias,
@@ -206,8 +203,7 @@ class _AccelLinear(nn.Module):
         if self.dvalues is None:
             raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
                              f"a dense route needs the small-M format's weight")
-        w = (sk24_mma if self.dkernel.startswith("mma") else sk24).decompress(self.dvalues,
-                                                                               self.dmeta)
+        w = self._small_m_weight()
         if self.w_scale is not None:
             w = w.float() * self.w_scale[:, None]
         self.dense_m = (int(lo), int(hi))
@@ -220,7 +216,9 @@ class _AccelLinear(nn.Module):
             return None
         return F.linear(x2d, self.dense_weight, self.bias)
 
-    def _quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.weight_only:  # W8A16: x stays bf16, no activation scale
+            return x2d.to(torch.bfloat16), None
         if self.act_scale is not None:  # static: elementwise, fused into the producer
             return quantize(x2d, self.act_scale, self.fmt), self.act_scale.expand(len(x2d), 1)
         if self.fused_quant:
@@ -433,6 +431,17 @@ def precisions() -> tuple[str, ...]:
     names = VARIANTS.names()
     found = dict.fromkeys(n.rsplit("_", 1)[0] for n in names)
     return tuple(p for p in found if f"{p}_dense" in names and f"{p}_2:4" in names)
+
+
+def scheme_precision(scheme: str) -> str | None:
+    """The accel precision that keeps quantization scheme ``scheme``'s numerics: a W8A8
+    scheme's activation format ("fp8" for fp8 and the static fp8 schemes, "int8" for int8 and
+    int8_static), "fp8w" for fp8_weight_only; None for the others (int8 and int4 weight-only
+    layers run under any precision)."""
+    s = get_scheme(scheme)
+    if s.activation is not None:
+        return s.activation.name
+    return "fp8w" if s.weight == FP8 else None
 
 
 def check_precision(key: str, precision: object) -> str:

@@ -66,7 +66,7 @@ from torch import nn
 from sparsekit import _compat
 from sparsekit.accel import algsearch, cslt_ext, sk24_mma
 from sparsekit.accel import siblings as siblings_
-from sparsekit.accel.kernels import VARIANTS, variant_name
+from sparsekit.accel.kernels import VARIANTS, scheme_precision, variant_name
 from sparsekit.accel.model import AcceleratedModel
 from sparsekit.accel.options import CompileOptions, PlanOptions
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision, decide
@@ -343,12 +343,7 @@ def own_precision(layer: nn.Module) -> str | None:
     """The accel precision that keeps a ``QuantLinear``'s numerics: a W8A8 layer's activation
     format ("fp8" for fp8 and fp8_static, "int8" for int8 and int8_static), "fp8w" for
     fp8_weight_only; None for other layers."""
-    if not isinstance(layer, QuantLinear):
-        return None
-    scheme = get_scheme(layer.scheme)
-    if scheme.activation is None:
-        return "fp8w" if scheme.weight.name == "fp8" else None
-    return scheme.activation.name
+    return scheme_precision(layer.scheme) if isinstance(layer, QuantLinear) else None
 
 
 def layer_plan(has_2to4: bool, precision: str, sparsity: str, in_features: int,

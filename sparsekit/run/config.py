@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from sparsekit.accel.kernels import SPARSITIES, precisions
+from sparsekit.accel.kernels import SPARSITIES, precisions, scheme_precision
 from sparsekit.prune import distill, pruner, schedules
 from sparsekit.prune.channels import CHANNEL_CRITERIA
 from sparsekit.prune.criteria import CRITERIA, get_criterion, is_solver
@@ -655,11 +655,7 @@ class Config(_Checked):
         if joint_gptq(self) and self.quant.act_order:
             raise ConfigError("quant.act_order=true cannot go with a joint SparseGPT + GPTQ "
                               "sweep (N:M groups must stay consecutive columns)")
-        scheme = None if self.quant.scheme == "none" else SCHEMES[self.quant.scheme]
-        # the accel precision keeping the scheme's numerics: W8A8's activation format, fp8w for
-        # fp8 weight-only (other weight-only schemes run under any precision)
-        own = (None if scheme is None else scheme.activation.name if scheme.activation
-               else "fp8w" if scheme.weight.name == "fp8" else None)
+        own = None if self.quant.scheme == "none" else scheme_precision(self.quant.scheme)
         if self.accel.enabled and own is not None and self.accel.precision != own:
             raise ConfigError(
                 f"accel.precision={self.accel.precision} cannot run quant.scheme="
