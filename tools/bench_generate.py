@@ -388,15 +388,18 @@ def eager_tokens(model, ids, new: int) -> torch.Tensor:
                               pad_token_id=0)
 
 
-def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device):
+def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device,
+                   siblings: bool = False):
     """sparsekit's way: ``accelerate`` (timed; without the example's warm-up compile, a graph
-    generate never runs), then ``fast.generate``."""
+    generate never runs; ``siblings``: q/k/v and gate/up as one GEMM each, under inductor),
+    then ``fast.generate``."""
     t0 = time.perf_counter()
     # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
     backend = "inductor" if device.type == "cuda" else "eager"
     fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
                          device=device,
-                         compile=sk.CompileOptions(backend=backend, warmup=False))
+                         compile=sk.CompileOptions(backend=backend, warmup=False),
+                         plan=sk.PlanOptions(siblings=siblings and backend == "inductor"))
     kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
     for mod in fast.model.modules():
         kernel = getattr(mod, "dkernel", "") or (
@@ -485,7 +488,8 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
             # fp8mma: the fp8 layers on the mma.sp kernel (SPARSEKIT_SK24_MMA=all)
             with env("SPARSEKIT_SK24_MMA", "all" if prec == "fp8mma" else None):
                 ways[name], infos[name], fast = sk_generate_fn(
-                    copy.deepcopy(master), ids, new, prec.removesuffix("mma"), "2:4", device)
+                    copy.deepcopy(master), ids, new, prec.removesuffix("mma"), "2:4", device,
+                    args.siblings)
             infos[name]["report"] = fast.report
         except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
             errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -506,7 +510,7 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
             copies[key] = master if key == last else copy.deepcopy(master)
         if way == "sk":
             ways["dense_sk"], infos["dense_sk"], fast = sk_generate_fn(
-                copies[key], ids, new, "bf16", "dense", device)
+                copies[key], ids, new, "bf16", "dense", device, args.siblings)
             infos["dense_sk"]["report"] = fast.report
         else:
             ways[f"dense_{way}"] = hf_generate_fn(copies[key], new, DENSE_HF[way])
@@ -670,6 +674,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--per-step", default="dense_sk,sk_bf16_2:4",
                     help="generate: sparsekit ways also timed with HF's stop check after "
                          "every token (sparsekit's lagged check off), as <way>_perstep")
+    ap.add_argument("--siblings", action=argparse.BooleanOptionalAction, default=True,
+                    help="generate: sparsekit's ways (dense_sk too) with "
+                         "PlanOptions(siblings=True): q/k/v and gate/up one GEMM each")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")

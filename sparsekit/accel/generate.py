@@ -74,7 +74,8 @@ class Generator:
     """The runners and caches behind :meth:`AcceleratedModel.generate` for one model."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, compile: bool,
-                 backend: str, count: Callable[[int], None], notes: list[str]):
+                 backend: str, count: Callable[[int], None], notes: list[str],
+                 inductor: dict | None = None):
         check_generates(model)
         self.model = model
         self.device = device
@@ -84,8 +85,12 @@ class Generator:
         self.forward = forward
         # generate reads the last position's logits only: the prefill asks for just those
         self.last_logits = "logits_to_keep" in inspect.signature(forward).parameters
-        # one compiled forward: prefill and decode are its graphs for their input shapes
-        self.run = torch.compile(forward, backend=backend, dynamic=False) if compile else forward
+        # one compiled forward: prefill and decode are its graphs for their input shapes; the
+        # model's inductor options (siblings' MergeSameCalls pass: without it each member of a
+        # fused group would run the group's whole GEMM)
+        self.run = _compat.compile_module(
+            forward, dynamic=False, backend=backend,
+            options=inductor if backend == "inductor" else None) if compile else forward
         self.compiled = compile
         self.capture = compile and device.type == "cuda"
         self.graphs: dict[tuple[int, str], graphs.GraphCache] = {}

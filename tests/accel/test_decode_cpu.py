@@ -729,3 +729,29 @@ def test_several_models_of_one_class_each_compile():
                              device="cpu", compile=sk.CompileOptions(backend="eager"))
         fast.generate(ids, max_new_tokens=3)
         assert fast.report.compiles >= 2, f"model {i} ran uncompiled"
+
+
+def test_generate_runs_sibling_groups_as_one_decode_gemm():
+    """PlanOptions(siblings=True) under inductor: generate's compiled runners take the model's
+    inductor options (the MergeSameCalls pass), so each decode step runs q/k/v and gate/up as
+    one small-M GEMM each (4 a layer, not 7) and the tokens are HF's generate of the masked
+    model."""
+    torch._dynamo.reset()
+    model, ref = _tiny_llama()
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu",
+                         compile=sk.CompileOptions(warmup=False),
+                         plan=sk.PlanOptions(siblings=True))
+    assert sum(n.startswith("siblings fused") for n in fast.report.notes) == 4  # 2 a layer
+    groups = {id(m.group) for m in fast.model.modules() if type(m).__name__ == "SiblingSlice"}
+    assert len(groups) == 4
+    new = 4
+    fast.generate(ids, max_new_tokens=new)  # compiles (tracing runs the ops too)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fast.generate(ids, max_new_tokens=new)
+    decode_gemms = sum(e.name == "sparsekit::sk24_mm" for e in prof.events())
+    # forwards (the prefill's 2 x 16 rows are within the small-M limit too, then new - 1
+    # decode steps) x layers x (qkv, o, gate_up, down); unfused it would be 7 a layer
+    assert decode_gemms == new * 2 * 4
+    want = ref.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want)
