@@ -731,15 +731,19 @@ def test_several_models_of_one_class_each_compile():
         assert fast.report.compiles >= 2, f"model {i} ran uncompiled"
 
 
-def test_generate_runs_sibling_groups_as_one_decode_gemm():
+@pytest.mark.parametrize("precision", ["bf16", "fp8w"])
+def test_generate_runs_sibling_groups_as_one_decode_gemm(precision):
     """PlanOptions(siblings=True) under inductor: generate's compiled runners take the model's
     inductor options (the MergeSameCalls pass), so each decode step runs q/k/v and gate/up as
     one small-M GEMM each (4 a layer, not 7) and the tokens are HF's generate of the masked
-    model."""
+    model (fp8w: of the fp8_weight_only model run in float64)."""
     torch._dynamo.reset()
     model, ref = _tiny_llama()
+    if precision == "fp8w":  # QuantLinear members: weights and per-channel scales concatenated
+        sk.quantize_(model, "fp8_weight_only", exclude=["lm_head"])
+        ref = copy.deepcopy(model).double()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
-    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu",
+    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", precision=precision,
                          compile=sk.CompileOptions(warmup=False),
                          plan=sk.PlanOptions(siblings=True))
     assert sum(n.startswith("siblings fused") for n in fast.report.notes) == 4  # 2 a layer
