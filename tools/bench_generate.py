@@ -75,7 +75,7 @@ from sparsekit.prune.patterns import nm_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_models  # noqa: E402  (tools/bench_models.py, beside this script: profile_shares)
-from llm_common import llama3_8b_shapes  # noqa: E402
+from llm_common import llama3_8b_shapes, random_llama  # noqa: E402
 
 BOUNDS_TBS = {"H200": 4.8, "H100": 3.35}  # HBM peak (H200 HBM3e, H100 SXM HBM3)
 BOUND_TBS = 4.8
@@ -337,19 +337,11 @@ def gemm_summary(rows: list[dict]) -> dict:
 # --- generate ----------------------------------------------------------------------------------
 
 def llama(smoke: bool, layers: int, device):
-    import transformers
-
-    if smoke:
-        # widths that are multiples of 512: the 2:4 layers take the small-M kernel
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
-                                       num_hidden_layers=1, num_attention_heads=8,
-                                       num_key_value_heads=4, max_position_embeddings=1024)
-    else:
-        cfg = transformers.LlamaConfig(**llama3_8b_shapes(layers))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    # smoke: widths that are multiples of 512, so the 2:4 layers take the small-M kernel
+    config = llama3_8b_shapes(layers) if not smoke else dict(
+        vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+    model = random_llama(config, device, torch.bfloat16)
     with torch.no_grad():
         for name, mod in model.named_modules():
             if isinstance(mod, nn.Linear) and name != "lm_head":

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from llm_common import llama3_8b_shapes
+from llm_common import llama3_8b_shapes, random_llama
 from torch import nn
 
 import sparsekit as sk
@@ -39,19 +39,11 @@ def model_of(smoke: bool, layers: int, device: torch.device) -> nn.Module:
     """A LlamaForCausalLM of Llama-3-8B's shapes (``layers`` decoder blocks; ``smoke``: a tiny
     one whose widths are multiples of the 128-input scale groups), random weights, bf16 on
     CUDA (float32 on CPU)."""
-    import transformers
-
-    if smoke:
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                       num_hidden_layers=layers, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=256)
-    else:
-        cfg = transformers.LlamaConfig(**llama3_8b_shapes(layers))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(cfg)
-    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    config = llama3_8b_shapes(layers) if not smoke else dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return random_llama(config, device,
+                        torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def calibration(vocab: int, sequences: int, length: int, batch: int, device: torch.device

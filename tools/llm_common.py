@@ -53,6 +53,20 @@ def llama3_8b_shapes(layers: int) -> dict:
             "max_position_embeddings": 8192, "rope_theta": 500000.0}
 
 
+def random_llama(config: dict, device, dtype):
+    """A ``LlamaForCausalLM`` of ``config`` (``LlamaConfig`` keyword arguments) with random
+    weights (seed 0), built on ``device``, on SDPA attention, in ``dtype``, in eval mode."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**config)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
 def run_recipe(args: list[str], run_dir: Path) -> dict:
     """``python -m sparsekit ARGS`` into ``run_dir``; its summary.json."""
     env = {**os.environ, "SPARSEKIT_QUIET": "1"}

@@ -88,9 +88,8 @@ class Generator:
         # one compiled forward: prefill and decode are its graphs for their input shapes; the
         # model's inductor options (siblings' MergeSameCalls pass: without it each member of a
         # fused group would run the group's whole GEMM)
-        self.run = _compat.compile_module(
-            forward, dynamic=False, backend=backend,
-            options=inductor if backend == "inductor" else None) if compile else forward
+        self.run = _compat.compile_module(forward, dynamic=False, backend=backend,
+                                          options=inductor) if compile else forward
         self.compiled = compile
         self.capture = compile and device.type == "cuda"
         self.graphs: dict[tuple[int, str], graphs.GraphCache] = {}
