@@ -25,7 +25,9 @@ Sections (``--sections``, default both):
   ``sk_bf16_2:4``, ``sk_fp8_2:4`` (W8A8, per-token activation and per-channel weight
   scales), ``sk_fp8w_2:4`` (with ``--precisions`` naming fp8w: W8A16, per-channel fp8 weights,
   activations not quantized), ``sk_int4_2:4`` (with ``--precisions`` naming int4: W4A16,
-  int4 weights rounded to nearest in groups of 128), ``<way>_perstep`` for the ways in
+  int4 weights rounded to nearest in groups of 128), ``sk_int4_dense`` (with ``--precisions``
+  naming int4dense: the same int4 weights without 2:4, on sparsekit's int4 dense kernel: the
+  comparison issue 32 asks for where torchao's int4 does not run), ``<way>_perstep`` for the ways in
   ``--per-step`` (the same model and graphs with HF's stop check after every token instead of
   sparsekit's lagged one: what the lag is worth), and the peers
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
@@ -381,21 +383,22 @@ def eager_tokens(model, ids, new: int) -> torch.Tensor:
 
 
 def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device,
-                   siblings: bool = False):
+                   siblings: bool = False, exclude: tuple[str, ...] = ()):
     """sparsekit's way: ``accelerate`` (timed; without the example's warm-up compile, a graph
-    generate never runs; ``siblings``: q/k/v and gate/up as one GEMM each, under inductor),
-    then ``fast.generate``."""
+    generate never runs; ``siblings``: q/k/v and gate/up as one GEMM each, under inductor;
+    ``exclude``: modules left as they are), then ``fast.generate``."""
     t0 = time.perf_counter()
     # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
     backend = "inductor" if device.type == "cuda" else "eager"
     fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
-                         device=device,
+                         device=device, exclude=exclude,
                          compile=sk.CompileOptions(backend=backend, warmup=False),
                          plan=sk.PlanOptions(siblings=siblings and backend == "inductor"))
     kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
     for mod in fast.model.modules():
+        variant = getattr(mod, "variant", "")
         kernel = getattr(mod, "dkernel", "") or (
-            f"int4_{mod.path}" if getattr(mod, "variant", "") == "int4_2:4" else "")
+            f"{variant.removesuffix('_2:4')}_{mod.path}" if variant.startswith("int4") else "")
         if kernel:
             kernels[kernel] = kernels.get(kernel, 0) + 1
     info = {"accelerate_s": time.perf_counter() - t0,
@@ -473,15 +476,20 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
         raise SystemExit(f"--dense: unknown way(s) {unknown}; choose among "
                          f"{', '.join([*DENSE_HF, 'sk'])}")
     for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"), ("sk_int4_2:4", "int4"),
-                       ("sk_fp8_2:4_mma", "fp8mma"), ("sk_fp8w_2:4", "fp8w")):
+                       ("sk_fp8_2:4_mma", "fp8mma"), ("sk_fp8w_2:4", "fp8w"),
+                       ("sk_int4_dense", "int4dense")):
         if prec not in args.precisions.split(","):
             continue
         try:
             # fp8mma: the fp8 layers on the mma.sp kernel (SPARSEKIT_SK24_MMA=all)
             with env("SPARSEKIT_SK24_MMA", "all" if prec == "fp8mma" else None):
+                # int4dense: every Linear but the LM head, as the 2:4 ways (whose LM head,
+                # without 2:4 zeros, stays bf16)
+                no24 = prec.endswith("dense")
                 ways[name], infos[name], fast = sk_generate_fn(
-                    copy.deepcopy(master), ids, new, prec.removesuffix("mma"), "2:4", device,
-                    args.siblings)
+                    copy.deepcopy(master), ids, new,
+                    prec.removesuffix("mma").removesuffix("dense"), "dense" if no24 else "2:4",
+                    device, args.siblings, exclude=("lm_head",) if no24 else ())
             infos[name]["report"] = fast.report
         except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
             errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -651,7 +659,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--precisions", default="bf16,fp8",
                     help="generate: sparsekit's 2:4 ways, of bf16, fp8, int4 (W4A16, RTN), "
                          "fp8mma (fp8 with its layers on the mma.sp kernel: sk_fp8_2:4_mma), "
-                         "fp8w (W8A16: fp8 weights, bf16 activations)")
+                         "fp8w (W8A16: fp8 weights, bf16 activations), int4dense (int4 W4A16 "
+                         "without 2:4: sk_int4_dense)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--profile", action="store_true",

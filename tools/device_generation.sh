@@ -18,6 +18,9 @@
 #   tools/device_generation.sh gen_core     # generate(): bf16 and fp8w 2:4 at batch 16, then 1,
 #                                           # against HF reduce-overhead and sparsekit's dense
 #                                           # way (the most a single call can hold)
+#   tools/device_generation.sh gen_int4     # generate(): int4 2:4 and int4 dense (issue 32's
+#                                           # own-kernel comparison) at batch 16, then 1,
+#                                           # against HF reduce-overhead and sparsekit's dense
 #   tools/device_generation.sh sparsegpt    # joint SparseGPT 2:4 + GPTQ int4 on 8 blocks of
 #                                           # the 8B shapes, 128 x 2048 calibration tokens
 #                                           # (issue 32's 15-minute target, scaled to 32)
@@ -28,7 +31,7 @@
 # 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
 # sparsegpt takes LAYERS (default 8).
 set -uo pipefail
-stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core sparsegpt gpu_tests"
+stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 sparsegpt gpu_tests"
 for stage in "$@"; do
   case " $stages " in *" $stage "*) ;; *)
     echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
@@ -75,6 +78,10 @@ for stage in "$@"; do
       timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate --batches 16,1 \
         --precisions bf16,fp8w --dense hf,sk --per-step "" --no-peers --rounds 3 \
         --out "$out/gen_core.json" 2>&1 | tee "$out/gen_core.log" | tail -n 40 ;;
+    gen_int4)
+      timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate --batches 16,1 \
+        --precisions int4,int4dense --dense hf,sk --per-step "" --no-peers --rounds 3 \
+        --out "$out/gen_int4.json" 2>&1 | tee "$out/gen_int4.log" | tail -n 40 ;;
     sparsegpt)
       timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \
         --out "$out/sparsegpt_gptq.json" 2>&1 | tee "$out/sparsegpt_gptq.log" | tail -n 20 ;;

@@ -11,7 +11,7 @@ import torch
 def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     out = tmp_path / "gen.json"
     tool_module("bench_generate").main(["--smoke", "--batches", "2", "--profile",
-                                        "--precisions", "bf16,fp8,int4,fp8w", "--out",
+                                        "--precisions", "bf16,fp8,int4,fp8w,int4dense", "--out",
                                         str(out)])
     res = json.loads(out.read_text())
     assert {r["M"] for r in res["gemm"]} == {1, 3}
@@ -23,13 +23,16 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     gen = res["generate"]["2"]
     assert gen["reference"] == "dense_sk"
     assert set(gen["ways"]) == {"dense_sk", "sk_bf16_2:4", "sk_fp8_2:4", "sk_int4_2:4",
-                                "sk_fp8w_2:4"}
+                                "sk_fp8w_2:4", "sk_int4_dense"}
     for way in gen["ways"].values():
         assert way["agreement"]["equal_fraction"] >= 0.0 and "accelerate_s" in way
         assert way["compiled"] and way["compiles"] >= 1  # no way left uncompiled
     assert "reference_warning" not in gen
     # which small-M kernel the layers decode on (CPU: the Triton format's reference)
     assert gen["ways"]["sk_bf16_2:4"]["decode_kernels"] == {"triton": 7}  # q k v o gate up down
+    # int4dense: the same int4 weights on the dense int4 kernel, no layer on a 2:4 one
+    int4_dense = gen["ways"]["sk_int4_dense"]["decode_kernels"]
+    assert sum(int4_dense.values()) == 7 and all(k.startswith("int4_dense_") for k in int4_dense)
     # the decode plan's notes per way (its timings need CUDA: none on CPU)
     assert all(w["decode_notes"] == [] for n, w in gen["ways"].items() if n.startswith("sk_"))
     # --profile: kernel times need CUDA (bench_models.profile_shares), none on CPU
