@@ -27,9 +27,10 @@ Sections (``--sections``, default both):
   activations not quantized), ``sk_int4_2:4`` (with ``--precisions`` naming int4: W4A16,
   int4 weights rounded to nearest in groups of 128), ``sk_int4_dense`` (with ``--precisions``
   naming int4dense: the same int4 weights without 2:4, on sparsekit's int4 dense kernel: the
-  comparison issue 32 asks for where torchao's int4 does not run), ``<way>_perstep`` for the ways in
-  ``--per-step`` (the same model and graphs with HF's stop check after every token instead of
-  sparsekit's lagged one: what the lag is worth), and the peers
+  comparison issue 32 asks for where torchao's int4 does not run; ``--head``: the LM head's
+  precision in the compressed ways, bf16 by default as in the dense ways), ``<way>_perstep``
+  for the ways in ``--per-step`` (the same model and graphs with HF's stop check after every
+  token instead of sparsekit's lagged one: what the lag is worth), and the peers
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
   compile) when torchao runs. Each way's time is paired (alternating ABBA blocks,
   :func:`sparsekit.accel.planner.time_paired`) with the fastest dense way, and its ratio is to
@@ -383,17 +384,19 @@ def eager_tokens(model, ids, new: int) -> torch.Tensor:
 
 
 def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device,
-                   siblings: bool = False, exclude: tuple[str, ...] = ()):
+                   siblings: bool = False, exclude: tuple[str, ...] = (), head: str = "bf16"):
     """sparsekit's way: ``accelerate`` (timed; without the example's warm-up compile, a graph
     generate never runs; ``siblings``: q/k/v and gate/up as one GEMM each, under inductor;
-    ``exclude``: modules left as they are), then ``fast.generate``."""
+    ``exclude``: modules left as they are; ``head``: the precision of the layers without 2:4
+    zeros, the LM head, ``PlanOptions.dense_precision``), then ``fast.generate``."""
     t0 = time.perf_counter()
     # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
     backend = "inductor" if device.type == "cuda" else "eager"
     fast = sk.accelerate(model, {"input_ids": ids}, precision=precision, sparsity=sparsity,
                          device=device, exclude=exclude,
                          compile=sk.CompileOptions(backend=backend, warmup=False),
-                         plan=sk.PlanOptions(siblings=siblings and backend == "inductor"))
+                         plan=sk.PlanOptions(siblings=siblings and backend == "inductor",
+                                             dense_precision=head))
     kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
     for mod in fast.model.modules():
         variant = getattr(mod, "variant", "")
@@ -489,7 +492,8 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
                 ways[name], infos[name], fast = sk_generate_fn(
                     copy.deepcopy(master), ids, new,
                     prec.removesuffix("mma").removesuffix("dense"), "dense" if no24 else "2:4",
-                    device, args.siblings, exclude=("lm_head",) if no24 else ())
+                    device, args.siblings, head=args.head,
+                    exclude=("lm_head",) if no24 and args.head == "bf16" else ())
             infos[name]["report"] = fast.report
         except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
             errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -678,6 +682,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--siblings", action=argparse.BooleanOptionalAction, default=True,
                     help="generate: sparsekit's ways (dense_sk too) with "
                          "PlanOptions(siblings=True): q/k/v and gate/up one GEMM each")
+    ap.add_argument("--head", default="bf16", choices=("bf16", "fp8", "int4"),
+                    help="generate: the precision of the LM head (no 2:4 zeros) in sparsekit's "
+                         "compressed ways (PlanOptions.dense_precision; int4dense: the LM head "
+                         "bf16, else int4); the dense ways keep it bf16")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")

@@ -41,6 +41,22 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     assert gen["ways"]["sk_bf16_2:4"]["agreement"]["equal_fraction"] == 1.0
 
 
+@pytest.mark.slow
+def test_smoke_head_precision_puts_the_lm_head_on_int4(tmp_path, tool_module):
+    """--head int4: the LM head (no 2:4 zeros) of each compressed way runs on the int4 dense
+    kernel, the dense reference keeps it bf16; the default leaves it bf16."""
+    def kernels(*extra):
+        out = tmp_path / "gen.json"
+        tool_module("bench_generate").main(["--smoke", "--sections", "generate", "--batches", "1",
+                                            "--precisions", "bf16", *extra, "--out", str(out)])
+        ways = json.loads(out.read_text())["generate"]["1"]["ways"]
+        return {name: way["decode_kernels"] for name, way in ways.items()}
+
+    assert kernels("--head", "int4") == {"sk_bf16_2:4": {"triton": 7, "int4_dense_triton": 1},
+                                         "dense_sk": {}}
+    assert kernels() == {"sk_bf16_2:4": {"triton": 7}, "dense_sk": {}}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemm_rows_on_gpu(tmp_path, run_tool):
