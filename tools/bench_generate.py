@@ -466,6 +466,16 @@ def agreement(out: torch.Tensor, ref: torch.Tensor, prompt: int,
     return res
 
 
+# --precisions tokens: (way, accelerate's precision, sparsity, every fp8 layer on the mma.sp
+# kernel: SPARSEKIT_SK24_MMA=all)
+SK_WAYS = {"bf16": ("sk_bf16_2:4", "bf16", "2:4", False),
+           "fp8": ("sk_fp8_2:4", "fp8", "2:4", False),
+           "int4": ("sk_int4_2:4", "int4", "2:4", False),
+           "fp8mma": ("sk_fp8_2:4_mma", "fp8", "2:4", True),
+           "fp8w": ("sk_fp8w_2:4", "fp8w", "2:4", False),
+           "int4dense": ("sk_int4_dense", "int4", "dense", False)}
+
+
 def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
     """{way: run(ids)} and {way: error} for the dense and compressed ways (each built once and
     used for every batch; each is a copy of ``master``)."""
@@ -478,22 +488,17 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
     if unknown or not dense:
         raise SystemExit(f"--dense: unknown way(s) {unknown}; choose among "
                          f"{', '.join([*DENSE_HF, 'sk'])}")
-    for name, prec in (("sk_bf16_2:4", "bf16"), ("sk_fp8_2:4", "fp8"), ("sk_int4_2:4", "int4"),
-                       ("sk_fp8_2:4_mma", "fp8mma"), ("sk_fp8w_2:4", "fp8w"),
-                       ("sk_int4_dense", "int4dense")):
-        if prec not in args.precisions.split(","):
+    for token, (name, precision, sparsity, mma) in SK_WAYS.items():
+        if token not in args.precisions.split(","):
             continue
         try:
-            # fp8mma: the fp8 layers on the mma.sp kernel (SPARSEKIT_SK24_MMA=all)
-            with env("SPARSEKIT_SK24_MMA", "all" if prec == "fp8mma" else None):
-                # int4dense: every Linear but the LM head, as the 2:4 ways (whose LM head,
-                # without 2:4 zeros, stays bf16)
-                no24 = prec.endswith("dense")
+            # the dense int4 way: every Linear but the LM head, as the 2:4 ways (whose LM
+            # head, without 2:4 zeros, runs as --head), unless --head quantizes it too
+            exclude = ("lm_head",) if sparsity == "dense" and args.head == "bf16" else ()
+            with env("SPARSEKIT_SK24_MMA", "all" if mma else None):
                 ways[name], infos[name], fast = sk_generate_fn(
-                    copy.deepcopy(master), ids, new,
-                    prec.removesuffix("mma").removesuffix("dense"), "dense" if no24 else "2:4",
-                    device, args.siblings, head=args.head,
-                    exclude=("lm_head",) if no24 and args.head == "bf16" else ())
+                    copy.deepcopy(master), ids, new, precision, sparsity, device,
+                    args.siblings, exclude=exclude, head=args.head)
             infos[name]["report"] = fast.report
         except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
             errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -690,6 +695,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.precisions.split(",")) - set(SK_WAYS))
+    if unknown:  # before an 8B model is built
+        ap.exit(2, f"bench_generate: --precisions: unknown way(s) {unknown}; choose among "
+                   f"{', '.join(SK_WAYS)}\n")
     device = torch.device("cpu" if args.smoke else "cuda")
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU (--smoke runs on CPU)")

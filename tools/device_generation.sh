@@ -41,6 +41,12 @@ out=${OUT:-device_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+# STAGE PRECISIONS: those ways at batch 16, then 1, against HF reduce-overhead and dense_sk
+pair_16_1() {
+  timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate --batches 16,1 \
+    --precisions "$2" --dense hf,sk --per-step "" --no-peers --rounds 3 \
+    --out "$out/$1.json" 2>&1 | tee "$out/$1.log" | tail -n 40
+}
 for stage in "$@"; do
   case $stage in
     kernels)
@@ -74,14 +80,8 @@ for stage in "$@"; do
       timeout "${LIMIT:-580}" python tools/bench_generate.py --sections generate --batches 1 \
         --precisions $precisions --dense $dense --per-step dense_sk,sk_bf16_2:4,sk_fp8_2:4 \
         --no-peers --rounds 3 --out "$out/gen_b1.json" 2>&1 | tee "$out/gen_b1.log" | tail -n 40 ;;
-    gen_core)
-      timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate --batches 16,1 \
-        --precisions bf16,fp8w --dense hf,sk --per-step "" --no-peers --rounds 3 \
-        --out "$out/gen_core.json" 2>&1 | tee "$out/gen_core.log" | tail -n 40 ;;
-    gen_int4)
-      timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate --batches 16,1 \
-        --precisions int4,int4dense --dense hf,sk --per-step "" --no-peers --rounds 3 \
-        --out "$out/gen_int4.json" 2>&1 | tee "$out/gen_int4.log" | tail -n 40 ;;
+    gen_core) pair_16_1 gen_core bf16,fp8w ;;
+    gen_int4) pair_16_1 gen_int4 int4,int4dense ;;
     sparsegpt)
       timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \
         --out "$out/sparsegpt_gptq.json" 2>&1 | tee "$out/sparsegpt_gptq.log" | tail -n 20 ;;

@@ -57,6 +57,16 @@ def test_smoke_head_precision_puts_the_lm_head_on_int4(tmp_path, tool_module):
     assert kernels() == {"sk_bf16_2:4": {"triton": 7}, "dense_sk": {}}
 
 
+def test_unknown_precision_is_one_line_naming_the_choices(tmp_path, tool_module, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool_module("bench_generate").main(["--smoke", "--sections", "generate",
+                                            "--precisions", "bf16,int3", "--out",
+                                            str(tmp_path / "g.json")])
+    assert e.value.code == 2 and not (tmp_path / "g.json").exists()
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--precisions" in err and "int3" in err and "int4dense" in err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemm_rows_on_gpu(tmp_path, run_tool):
