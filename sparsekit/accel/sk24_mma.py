@@ -91,16 +91,21 @@ INT4_COLUMNS = 128  # the columns one int4 scale covers in the format (a group o
 # of x with coalesced 16-byte loads and reads the fragments with ldmatrix; staged and
 # prefetched (3), each warp also issues the loads of its next round (weight and x) before the
 # products of this one, so that twice the bytes are in flight (a decode GEMM of the narrow
-# formats, fp8 and int4, waits on few bytes a round otherwise). :func:`default_config` picks
-# among the staged ones; the planner times them all per shape and M bucket (:data:`BUCKETS`)
+# formats, fp8 and int4, waits on few bytes a round otherwise); 7, as 3 and launched as a
+# programmatic dependent of the kernel before it (Hopper's PDL, kept by CUDA graphs): its blocks
+# start while that kernel ends and issue their first round's weight loads before they wait for
+# it, so that a decode step's many short kernels overlap their ends and starts.
+# :func:`default_config` picks among the staged ones; the planner times them all per shape and
+# M bucket (:data:`BUCKETS`)
 CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0), (4, 4, 2, 0),
            (8, 4, 2, 0), (4, 4, 4, 0), (4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1), (4, 4, 2, 1),
            (8, 4, 2, 1), (4, 4, 4, 1), (4, 4, 1, 3), (8, 4, 1, 3), (8, 2, 1, 3), (8, 8, 1, 3),
-           (8, 4, 2, 3), (4, 4, 4, 3))
+           (8, 4, 2, 3), (4, 4, 4, 3), (4, 4, 1, 7), (8, 4, 1, 7), (8, 2, 1, 7), (8, 4, 2, 7))
+PDL_CONFIGS = tuple(c for c in CONFIGS if c[3] & 4)  # launched as programmatic dependents
 # the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
-VERSION = 7  # sk24_mma_version() of the library this module calls
+VERSION = 8  # sk24_mma_version() of the library this module calls
 # the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
 # (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
 WAYS = ("bf16", "f16", "int4")
@@ -429,6 +434,34 @@ def _failing(lib: ctypes.CDLL, way: str, configs, x_of, values: torch.Tensor,
     return failed
 
 
+def _graph_failing(lib: ctypes.CDLL, values: torch.Tensor, meta: torch.Tensor) -> set:
+    """The configurations of :data:`PDL_CONFIGS` that fail in a CUDA graph (as a decode step
+    runs them): each captured right after a kernel that writes its x, replayed, against the
+    reference; those whose capture or launch raises fail too."""
+    failed = set()
+    for m in (1, 9):
+        x = torch.randn(m, values.shape[1] * 32, device=values.device).to(torch.bfloat16)
+        ref = reference(x * 2, values, meta, None, None, None).float()
+        for cfg in PDL_CONFIGS:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = _launch(lib, x * 2, values, meta, None, None, None, cfg)
+                for _ in range(3):
+                    graph.replay()
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                why = f"relative error {err:.3g}"
+                del graph
+            except RuntimeError as e:
+                err, why = float("inf"), str(e)
+            if not err < 1e-2 and cfg not in failed:
+                failed.add(cfg)
+                log.warning("sparsekit: mma.sp config %s failed its CUDA-graph self-check "
+                            "(M=%d: %s); not used", cfg, m, why)
+    return failed
+
+
 def _self_check(lib: ctypes.CDLL) -> None:
     """Run the kernel once per weight kind, configuration and M tile against the reference
     on a small weight: a configuration that computes wrong is never launched that way
@@ -453,6 +486,10 @@ def _self_check(lib: ctypes.CDLL) -> None:
         values, meta = compress(weight, "paired")  # the layers' layout
         bad = _failing(lib, str(weight.dtype), CONFIGS, x_of(torch.bfloat16), values, meta, ws)
         _failed["bf16"].update(bad)
+        if weight.dtype == torch.bfloat16:  # programmatic launches in a graph: every way
+            in_graph = _graph_failing(lib, values, meta)
+            for way in WAYS:
+                _failed[way].update(in_graph)
         if bad & set(DEFAULTS):
             raise RuntimeError(f"self-check failed ({weight.dtype}, default configurations "
                                f"{sorted(bad & set(DEFAULTS))})")
@@ -743,9 +780,9 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
-           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "VERSION", "WAYS", "bound_bytes", "build",
-           "candidates", "check_int4", "choosable", "check_shape", "compress", "compress_int4",
-           "config_for", "config_text", "decompress", "decompress_int4", "default_config",
-           "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",
+           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "PDL_CONFIGS", "VERSION", "WAYS", "bound_bytes",
+           "build", "candidates", "check_int4", "choosable", "check_shape", "compress",
+           "compress_int4", "config_for", "config_text", "decompress", "decompress_int4",
+           "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",
            "launch_int4", "layout_for", "library_path", "load", "reason", "reference",
            "reference_int4", "usable", "usable_int4", "working"]

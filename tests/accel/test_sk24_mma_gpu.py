@@ -68,6 +68,34 @@ def test_bf16_layer_decodes_on_it_with_prefill_numerics(lib):
     torch.testing.assert_close(y.float(), decode.float(), rtol=0, atol=0)
 
 
+def test_programmatic_launches_chain_in_a_graph_as_the_reference(lib):
+    # x mode 7 starts a kernel before the one that writes its x has ended and lets the next
+    # one start at once: two of them in a row, the second reading the first's output, eager
+    # and in a CUDA graph, must give the reference's chain (a missing wait reads a stale x)
+    assert set(sk24_mma.PDL_CONFIGS) <= set(sk24_mma.working("bf16"))  # kept on Hopper
+    ws = [masked_24(4096, 4096, seed).cuda().to(torch.bfloat16) for seed in (1, 2)]
+    (v1, m1), (v2, m2) = (sk24_mma.compress(w, "paired") for w in ws)
+    s1 = torch.full((4096,), 0.01, device="cuda")  # keeps the second input's scale near 1
+    for m in (1, 9, 32):
+        x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+        ref = sk24_mma.reference(sk24_mma.reference(x, v1, m1, None, s1, None),
+                                 v2, m2, None, None, None).float()
+        for cfg in sk24_mma.PDL_CONFIGS:
+            def chain(x=x, cfg=cfg):
+                y = sk24_mma.launch(x, v1, m1, None, s1, None, cfg)
+                return sk24_mma.launch(y, v2, m2, None, None, None, cfg)
+            eager = chain()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                graphed = chain()
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            for got in (eager, graphed):
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+                assert err < 2e-2, (m, cfg, err)
+
+
 def test_fp8_x_fp8_kernel_is_used_only_where_it_equals_the_reference(lib):
     # the kernel computed wrong on an H100 (2026-12-06: relative error 0.71-0.78 for every
     # configuration, with a metadata layout since corrected): wherever it computes wrong, its

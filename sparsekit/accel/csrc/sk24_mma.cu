@@ -16,7 +16,13 @@
 // conflict-free ldmatrix.x4 a B fragment): for M > 1 the direct loads cost the L1 four to eight
 // times the wavefronts. XM (the configuration's x mode): bit 0 stages x, bit 1 prefetches: a
 // warp issues the loads of its next round (weight, metadata, scales, staged x) before the
-// products of this one, so that each warp has two rounds of bytes in flight. Plain C entry
+// products of this one, so that each warp has two rounds of bytes in flight; bit 2 (with bits
+// 0 and 1) launches the kernel as a programmatic dependent of the kernel before it in the
+// stream (Hopper's PDL; CUDA graphs keep the edge): its blocks may start while that kernel's
+// last blocks run, issue their first round's weight loads (the weights are constants of the
+// model), then wait (griddepcontrol.wait: that kernel complete, its writes visible) before
+// they read x or write y; each block also lets the next programmatic dependent start at once.
+// Plain C entry
 // point (no torch headers): built by nvcc into a shared library and called through ctypes with
 // the current stream, so the launch goes into CUDA graphs like any other kernel.
 #include <cuda_bf16.h>
@@ -132,6 +138,17 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4],
           "r"(b[3]), "r"(e), "n"(SEL));
   }
 #endif
+}
+
+// Hopper's programmatic dependent launch: wait until the grids this one depends on are
+// complete and their memory is visible (a no-op when the kernel was launched without the
+// attribute); let the grids that depend on this one start launching
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // shared memory of the staged-x kernel: each warp's x slice (MT * 8 rows of U * 4 chunks of
@@ -300,7 +317,8 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
     ok[i] = m < M;
     xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
   }
-  constexpr bool XS = (XM & 1) != 0, PF = (XM & 2) != 0;
+  constexpr bool XS = (XM & 1) != 0, PF = (XM & 2) != 0, PDL = (XM & 4) != 0;
+  static_assert(!PDL || (XS && PF), "a programmatic launch prefetches its first round");
   constexpr int UG = WT == INT4 ? U / 4 : 1;  // int4: groups of 4 steps a round
   constexpr int NL = XS ? MT * U : 1;          // staged x: 16-byte loads a lane and round
   Round<WT, U, R, UG> w;                       // the round's weight, as loaded
@@ -308,6 +326,10 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
   int base = warp * U;
   if constexpr (PF) {  // the first round's loads; each round then loads the next one's
     load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, base, lane, q);
+    if constexpr (PDL) {  // weights only above: x and y belong to the kernels around this one
+      launch_dependents();
+      grid_dependency_wait();
+    }
     if constexpr (XS) load_x<MT, U>(xv, x, sx, M, S, base, lane);
   }
   for (; base < S; base += WARPS * U) {
@@ -391,6 +413,28 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
   }
 }
 
+// one launch of ``kern``: as a programmatic dependent of the kernel before it in the stream
+// (``pdl``) or plainly; 0 or the CUDA error
+template <typename... Params, typename... Args>
+int go(void (*kern)(Params...), dim3 grid, int threads, int bytes, bool pdl, cudaStream_t st,
+       Args... args) {
+  if (!pdl) {
+    kern<<<grid, threads, bytes, st>>>(args...);
+    return 0;
+  }
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = grid;
+  lc.blockDim = dim3(threads);
+  lc.dynamicSmemBytes = bytes;
+  lc.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&lc, kern, static_cast<Params>(args)...);
+}
+
 template <int MT, int WT, bool PAIRED>
 int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
               const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
@@ -412,9 +456,8 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
         if (err != cudaSuccess) return (int)err;                                             \
       }                                                                                      \
       attr = true;                                                                           \
-      kern<<<grid, W * 32, bytes, st>>>(x, sx, vals, meta, xs, xs_stride, ws, gs, bias, y, M, \
-                                        N, K);                                               \
-      return 0;                                                                              \
+      return go(kern, grid, W * 32, bytes, (X & 4) != 0, st, x, sx, vals, meta, xs,          \
+                xs_stride, ws, gs, bias, y, M, N, K);                                        \
     }                                                                                        \
   }
   SK24_GO(4, 4, 1, 0)
@@ -437,6 +480,10 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
   SK24_GO(8, 8, 1, 3)
   SK24_GO(8, 4, 2, 3)
   SK24_GO(4, 4, 4, 3)
+  SK24_GO(4, 4, 1, 7)
+  SK24_GO(8, 4, 1, 7)
+  SK24_GO(8, 2, 1, 7)
+  SK24_GO(8, 4, 2, 7)
 #undef SK24_GO
   return -1;
 }
@@ -576,7 +623,8 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 // wt: 0 bf16, 1 fp8 e4m3 (widened to bf16), 3 fp8 e4m3 as f16 with x f16, 2 int4 (paired
 // metadata only, K a multiple of 128, gs the
 // group scales (N / 16, K / 128, 16) float32); xsm: 0 loads x directly, 1 stages it through
-// shared memory (x's rows 16-byte aligned), 3 stages it and prefetches each next round
+// shared memory (x's rows 16-byte aligned), 3 stages it and prefetches each next round, 7 also
+// launches as a programmatic dependent of the kernel before it
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
                                const float* xs, int xs_stride, const float* ws, const float* gs,
                                const void* bias, void* y, int M, int N, int K, int wt,
@@ -603,7 +651,7 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 7; }
+extern "C" int sk24_mma_version() { return 8; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
