@@ -72,7 +72,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit import _compat
-from sparsekit.accel import generate, ops, planner, sk24
+from sparsekit.accel import generate, ops, planner, sk24, sk24_mma
 from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
@@ -398,14 +398,19 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device,
                          plan=sk.PlanOptions(siblings=siblings and backend == "inductor",
                                              dense_precision=head))
     kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
+    configs: dict[str, int] = {}  # layers per mma.sp configuration (per M bucket)
     for mod in fast.model.modules():
         variant = getattr(mod, "variant", "")
         kernel = getattr(mod, "dkernel", "") or (
             f"{variant.removesuffix('_2:4')}_{mod.path}" if variant.startswith("int4") else "")
         if kernel:
             kernels[kernel] = kernels.get(kernel, 0) + 1
+        if getattr(mod, "dconfig", None):  # the mma.sp configuration per M bucket, as planned
+            text = sk24_mma.config_text(mod.dconfig)
+            configs[text] = configs.get(text, 0) + 1
     info = {"accelerate_s": time.perf_counter() - t0,
             "report_seconds": dict(fast.report.seconds), "decode_kernels": kernels,
+            "decode_configs": configs,
             # whether generate runs decode attention on sparsekit's kernel
             "decode_attention": generate.attention_for(fast.model, device) is not None}
     print(json.dumps({"way": f"{precision} {sparsity}", **info}), flush=True)
