@@ -696,6 +696,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="generate: the precision of the LM head (no 2:4 zeros) in sparsekit's "
                          "compressed ways (PlanOptions.dense_precision; int4dense: the LM head "
                          "bf16, else int4); the dense ways keep it bf16")
+    ap.add_argument("--inductor-pdl", action="store_true",
+                    help="inductor's Triton kernels launched as programmatic dependents "
+                         "(torch._inductor.config.triton.enable_pdl, Hopper) in every way, the "
+                         "dense ones too")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")
@@ -704,6 +708,13 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:  # before an 8B model is built
         ap.exit(2, f"bench_generate: --precisions: unknown way(s) {unknown}; choose among "
                    f"{', '.join(SK_WAYS)}\n")
+    if args.inductor_pdl:
+        import torch._inductor.config as inductor_config
+
+        if not hasattr(inductor_config.triton, "enable_pdl"):
+            ap.exit(2, f"bench_generate: --inductor-pdl: torch {torch.__version__}'s inductor "
+                       f"has no triton.enable_pdl\n")
+        inductor_config.triton.enable_pdl = True
     device = torch.device("cpu" if args.smoke else "cuda")
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU (--smoke runs on CPU)")

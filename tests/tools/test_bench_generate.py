@@ -67,6 +67,17 @@ def test_unknown_precision_is_one_line_naming_the_choices(tmp_path, tool_module,
     assert "\n" not in err and "--precisions" in err and "int3" in err and "int4dense" in err
 
 
+def test_inductor_pdl_turns_on_inductors_option_for_the_run(tmp_path, tool_module,
+                                                            monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)  # restored afterwards
+    res = tool_module("bench_generate").main(["--smoke", "--sections", "none", "--inductor-pdl",
+                                              "--out", str(tmp_path / "g.json")])
+    assert inductor_config.triton.enable_pdl is True and res["args"]["inductor_pdl"] is True
+    assert json.loads((tmp_path / "g.json").read_text())["args"]["inductor_pdl"] is True
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemm_rows_on_gpu(tmp_path, run_tool):
