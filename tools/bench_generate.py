@@ -504,7 +504,7 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
                 ways[name], infos[name], fast = sk_generate_fn(
                     copy.deepcopy(master), ids, new, precision, sparsity, device,
                     args.siblings, exclude=exclude, head=args.head)
-            infos[name]["report"] = fast.report
+            infos[name].update(report=fast.report, fast=fast)
         except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
             errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     if not smoke and args.peers:
@@ -525,15 +525,40 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
         if way == "sk":
             ways["dense_sk"], infos["dense_sk"], fast = sk_generate_fn(
                 copies[key], ids, new, "bf16", "dense", device, args.siblings)
-            infos["dense_sk"]["report"] = fast.report
+            infos["dense_sk"].update(report=fast.report, fast=fast)
         else:
             ways[f"dense_{way}"] = hf_generate_fn(copies[key], new, DENSE_HF[way])
     for name in args.per_step.split(",") if args.per_step and not smoke else ():
         if name in ways:  # the same model and graphs, HF's stop check after every step
             ways[f"{name}_perstep"] = per_step(ways[name])
             infos[f"{name}_perstep"] = {k: v for k, v in infos.get(name, {}).items()
-                                        if k != "report"}
+                                        if k not in OBJECTS}
     return {n: (fn, infos.get(n, {})) for n, fn in ways.items()}, errors
+
+
+OBJECTS = ("report", "fast")  # a way's info entries that are objects, not JSON
+
+
+def decode_step_ms(fast, batch: int, replays: int = 50) -> float | None:
+    """GPU time of one decode step of ``fast``'s generate at ``batch`` rows: its captured
+    decode graph replayed back to back (no host work between steps), in ms; None where no
+    decode graph of that batch was captured. Against a generated token's whole share of a
+    call (ms / new tokens) the difference is what a token costs outside the step's graph: the
+    prompt's prefill spread over the tokens, HF generate's host work and eager kernels."""
+    gen = fast.__dict__.get("generator")
+    for (_, kind), cache in ({} if gen is None else gen.graphs).items():
+        for call in cache.graphs.values() if kind == "decode" else ():
+            if any(t.dim() == 2 and tuple(t.shape) == (batch, 1) for t in call.inputs):
+                for _ in range(3):
+                    call.graph.replay()
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                for _ in range(replays):
+                    call.graph.replay()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / replays
+    return None
 
 
 @contextlib.contextmanager
@@ -593,7 +618,7 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
                 continue
             first = time.perf_counter() - t0
             res["ways"][name] = {"first_call_s": first,
-                                 **{k: v for k, v in info.items() if k != "report"}}
+                                 **{k: v for k, v in info.items() if k not in OBJECTS}}
             if "report" in info:  # sparsekit's ways: a first call that compiled nothing ran
                 compiles = info["report"].compiles  # eagerly (or reused another's graphs)
                 res["ways"][name].update(compiles=compiles, compiled=compiles > 0)
@@ -607,6 +632,11 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
                 functools.partial(fn, ids), device, calls=args.calls, warmup=1)
             seq[name] = ms
             res["ways"][name]["ms_sequential"] = ms
+            fast = ways[name][1].get("fast")
+            step = None if smoke or fast is None else decode_step_ms(fast, batch)
+            if step is not None:  # the decode graph alone against a token of the whole call
+                res["ways"][name].update(decode_step_ms=step,
+                                         outside_step_ms=ms / new - step)
         dense_names = [n for n in ways if n.startswith("dense_")]
         if not dense_names:
             res["error"] = "no dense way ran: no ratio can be formed"

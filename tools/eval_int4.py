@@ -5,9 +5,11 @@ joint sweep), and of dense int4 RTN vs GPTQ, on a small Llama and on the stdlib 
         --intermediate 512 --vocab 1024 --seq-len 128 --minutes 6 --recipes ""
     python tools/eval_int4.py --llama-dir small_llama           # both models, minutes on CPU
     python tools/eval_int4.py --smoke --out /tmp/int4.json      # seconds (CI)
+    python tools/eval_int4.py --llama-dir small_llama --no-stdlib --head  # + LM head variants
 
 Every figure comes from a run of the command line's pipeline (in this process, composed as
-``sparsekit OVERRIDES`` composes it): its summary.json ``variants`` (``quant.compare=true``).
+``sparsekit OVERRIDES`` composes it): its summary.json ``variants`` (``quant.compare=true``),
+or (``--head``) its ``dense`` and ``compressed`` figures.
 
 - small Llama (``--llama-dir``: the ``model/`` and ``corpus.txt`` that train_small_llama.py
   writes): ``recipe=llm_sparsegpt_24_int4``, then the same with ``prune.pattern=none`` (GPTQ
@@ -20,9 +22,20 @@ Every figure comes from a run of the command line's pipeline (in this process, c
   ``prune.pattern=none``.
 
 The targets checked (``targets`` in the JSON): joint 2:4 + GPTQ int4 perplexity <= 1.05x of
-SparseGPT 2:4 unquantized, and GPTQ strictly below RTN, with and without 2:4. ``--smoke``: a
-tiny random Llama and a tiny stdlib LM with one int4 scale per output channel (their inputs
-are narrower than 128), a few steps: the shape of the result, not its values.
+SparseGPT 2:4 unquantized, and GPTQ strictly below RTN, with and without 2:4.
+
+``--head`` (the small Llama): the LM head, which the recipe leaves unquantized, rounded to
+nearest as ``tools/bench_generate.py --head int4|fp8`` runs it in generation: int4 (the run's
+scheme, ``int4_weight``: group 128) and fp8 (W8A8: per-channel weight and per-token
+activation scales), each by a run with ``prune.pattern=none quant.method=rtn
+quant.include=[lm_head]``: on the dense model, and on the joint 2:4 + GPTQ model (``model.path``
+the 2:4 run's ``hf/`` export, its dequantized weights: that run's dense figure is the joint
+model's, which is checked). ``head`` in the JSON: each variant's perplexity and runs (with the
+layers each quantized: ``lm_head`` alone).
+
+``--smoke``: a tiny random Llama and a tiny stdlib LM with one int4 scale per output
+channel (their inputs are narrower than 128), a few steps: the shape of the result, not its
+values.
 """
 
 from __future__ import annotations
@@ -44,12 +57,15 @@ from sparsekit.run.pipeline import run
 from sparsekit.run.resources import conf_dir
 
 TARGET_RATIO = 1.05
+#: ``--head``'s LM head variants: name -> scheme (None: the run's int4 scheme); fp8 is W8A8 as
+#: bench_generate's ``--head fp8`` (``PlanOptions.dense_precision="fp8"``)
+HEAD_SCHEMES = {"int4_head": None, "fp8_head": "fp8"}
 
 
-def run_variants(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
-    """One pipeline run of ``overrides`` into ``run_dir``: its variants and seconds. ``reuse``:
-    read the summary.json a finished run left in ``run_dir`` instead (its resolved config must
-    be the one ``overrides`` compose)."""
+def run_summary(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
+    """The summary.json of one pipeline run of ``overrides`` into ``run_dir``. ``reuse``: read
+    the one a finished run left in ``run_dir`` instead (its resolved config must be the one
+    ``overrides`` compose)."""
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = to_config(compose("config", overrides=overrides))
     if reuse and (run_dir / "summary.json").exists():
@@ -60,6 +76,13 @@ def run_variants(overrides: list[str], run_dir: Path, reuse: bool = False) -> di
         summary = json.loads((run_dir / "summary.json").read_text())
     else:
         summary = run(cfg, run_dir)
+    return summary
+
+
+def run_variants(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
+    """One pipeline run of ``overrides`` into ``run_dir`` (:func:`run_summary`): its variants
+    and seconds."""
+    summary = run_summary(overrides, run_dir, reuse)
     return {"overrides": overrides, "started_utc": summary["started_utc"],
             "variants": summary["variants"], "sparsity": summary["sparsity"],
             "seconds": summary["seconds"]}
@@ -87,6 +110,34 @@ def evaluate_model(name: str, base: list[str], scheme: str, out: Path, reuse: bo
     }
 
 
+def evaluate_head(name: str, base: list[str], scheme: str, out: Path, reuse: bool,
+                  joint: float) -> dict:
+    """``--head``: the LM head alone rounded to nearest (:data:`HEAD_SCHEMES`) on the dense
+    model and on the joint 2:4 + GPTQ model of :func:`evaluate_model`'s 2:4 run (its ``hf/``
+    export, whose perplexity must be ``joint``)."""
+    runs, perplexity = {}, {}
+    for model, source in (("dense", []),
+                          ("2:4+int4_gptq", [f"model.path={out / name / '2_4' / 'hf'}"])):
+        for head, head_scheme in HEAD_SCHEMES.items():
+            overrides = [*base, *source, "prune.pattern=none", "quant.method=rtn",
+                         "quant.compare=false", f"quant.scheme={head_scheme or scheme}",
+                         "quant.include=[lm_head]", "quant.exclude=[]"]
+            key = f"{model}+{head}"
+            s = run_summary(overrides, out / name / key.replace(":", "_"), reuse)
+            metric = s["metric"]
+            runs[key] = {"overrides": overrides, "started_utc": s["started_utc"],
+                         "base": s["dense"][metric], "perplexity": s["compressed"][metric],
+                         "quantized": [ly["name"] for ly in s["quant"]["layers"]
+                                       if ly["status"] == "quantized"],
+                         "seconds": s["seconds"]}
+            perplexity[key] = s["compressed"][metric]
+    for key, r in runs.items():  # the exported joint model is the one the 2:4 run measured
+        if key.startswith("2:4") and abs(r["base"] / joint - 1) > 1e-4:
+            raise SystemExit(f"{name}: {key}'s model (the 2:4 run's hf/) has perplexity "
+                             f"{r['base']}, the joint model {joint}")
+    return {"perplexity": perplexity, "runs": runs}
+
+
 def smoke_llama(out: Path) -> Path:
     """A tiny random Llama with a tokenizer and corpus in ``out`` (train_small_llama's layout)."""
     corpus = stdlib_corpus(out / "corpus.txt", 60_000)
@@ -111,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="the JSON (default docs/bench/int4_<date>.json)")
     ap.add_argument("--reuse", action="store_true",
                     help="take finished runs' summary.json from --work-dir instead of rerunning")
+    ap.add_argument("--head", action="store_true",
+                    help="the small Llama also with its LM head int4 and fp8 (round to "
+                         "nearest), dense and joint 2:4 + GPTQ")
     ap.add_argument("--smoke", action="store_true", help="tiny models, seconds")
     a = ap.parse_args(argv)
     work = a.work_dir.resolve()
@@ -135,8 +189,11 @@ def main(argv: list[str] | None = None) -> None:
         llama = a.llama_dir.resolve()
         base = ["recipe=llm_sparsegpt_24_int4", f"model.path={llama / 'model'}",
                 f"data.path={llama / 'corpus.txt'}", f"data.seq_len={a.seq_len}", *common]
-        result["models"]["small_llama"] = evaluate_model("small_llama", base, scheme, work,
-                                                         a.reuse)
+        r = evaluate_model("small_llama", base, scheme, work, a.reuse)
+        if a.head:
+            r["head"] = evaluate_head("small_llama", base, scheme, work, a.reuse,
+                                      r["perplexity"]["2:4+int4_gptq"])
+        result["models"]["small_llama"] = r
     if not a.no_stdlib:
         base = ["recipe=stdlib_lm_24", "prune.criterion=sparsegpt", "prune.fine_tune=false",
                 "schedule=oneshot", "quant=int4_weight", "quant.method=gptq",
@@ -148,8 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         f"int4_{date.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({m: r["perplexity"] | r["targets"] for m, r in result["models"].items()},
-                     indent=2))
+    print(json.dumps({m: r["perplexity"] | r.get("head", {}).get("perplexity", {}) | r["targets"]
+                      for m, r in result["models"].items()}, indent=2))
 
 
 if __name__ == "__main__":
