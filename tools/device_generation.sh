@@ -30,7 +30,8 @@
 # and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
 # 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
 # sparsegpt takes LAYERS (default 8); gen_core and gen_int4 take BATCHES (default 16,1) and
-# PDL (set: inductor's kernels launched as programmatic dependents in every way).
+# PDL (set: inductor's kernels launched as programmatic dependents in every way) and PROFILE
+# (set: one more call per way under torch.profiler, kernel time by kind).
 set -uo pipefail
 stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 sparsegpt gpu_tests"
 for stage in "$@"; do
@@ -46,7 +47,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 pair_16_1() {
   timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate \
     --batches "${BATCHES:-16,1}" --precisions "$2" --dense hf,sk --per-step "" --no-peers \
-    --rounds 3 ${PDL:+--inductor-pdl} \
+    --rounds 3 ${PDL:+--inductor-pdl} ${PROFILE:+--profile} \
     --out "$out/$1.json" 2>&1 | tee "$out/$1.log" | tail -n 40
 }
 for stage in "$@"; do
