@@ -380,8 +380,8 @@ class FP8WSparse24(_AccelLinear):
         return "widen"
 
     def _mm(self, x2d):
-        return _widened_mm(x2d, sk24.decompress(self.values, self.meta), self.w_scale,
-                           self.bias)
+        w = sk24.decompress(self.values, self.meta, dtype=torch.bfloat16)  # exact widening
+        return _widened_mm(x2d, w, self.w_scale, self.bias)
 
 
 class Int8Dense(_AccelLinear):

@@ -95,22 +95,28 @@ def compress(weight: torch.Tensor, layout: str = "slabs") -> tuple[torch.Tensor,
     return values, words.to(torch.int32).contiguous()
 
 
-def decompress(values: torch.Tensor, meta: torch.Tensor, layout: str = "slabs") -> torch.Tensor:
-    """The dense weight (N, K) in ``values``' dtype: the inverse of :func:`compress`."""
+def decompress(values: torch.Tensor, meta: torch.Tensor, layout: str = "slabs",
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense weight (N, K) in ``dtype`` (default ``values``' dtype; a wider float widens
+    exactly): the inverse of :func:`compress`, in elementwise ops (the kept values placed by
+    where-selects, no scatter) that a compiler fuses into one pass over the weight (the
+    weight-only fp8 layers' prefill widens their weight this way on each call)."""
     n, half = values.shape
     k = 2 * half
-    shifts = 4 * torch.arange(GROUPS_PER_WORD, device=meta.device, dtype=torch.int64)
+    shifts = 4 * torch.arange(GROUPS_PER_WORD, device=meta.device, dtype=torch.int32)
     if layout == "slabs":
-        code = (meta.to(torch.int64)[:, None, :] >> shifts[:, None]) & 0xF  # (N, 8, K/32)
+        code = (meta[:, None, :] >> shifts[:, None]) & 0xF  # (N, 8, K/32)
     else:
-        code = (meta.to(torch.int64)[..., None] >> shifts) & 0xF  # (N, K/32, 8)
+        code = (meta[..., None] >> shifts) & 0xF  # (N, K/32, 8)
     code = code.reshape(n, k // 4)
-    idx = torch.stack([code & 3, code >> 2], dim=-1)  # (N, K/4, 2)
-    pairs = (values.float().reshape(n, 2, k // 4).transpose(1, 2) if layout == "slabs" else
-             values.float().reshape(n, k // 4, 2))
-    dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=values.device)
-    dense.scatter_(-1, idx, pairs)
-    return dense.reshape(n, k).to(values.dtype)
+    i0, i1 = code & 3, code >> 2
+    pairs = (values.reshape(n, 2, k // 4).transpose(1, 2) if layout == "slabs" else
+             values.reshape(n, k // 4, 2))
+    out = dtype or values.dtype
+    work = torch.float32 if out.itemsize == 1 else out  # no where-select on float8 everywhere
+    v0, v1 = pairs[..., 0].to(work), pairs[..., 1].to(work)
+    cols = [torch.where(i0 == j, v0, torch.where(i1 == j, v1, 0.0)) for j in range(4)]
+    return torch.stack(cols, dim=-1).reshape(n, k).to(out)
 
 
 def reference(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,

@@ -36,6 +36,12 @@ def test_format_round_trip(dtype):
     values, meta = sk24.compress(w)
     assert values.shape == (48, 512) and meta.shape == (48, 32) and meta.dtype == torch.int32
     assert torch.equal(sk24.decompress(values, meta).float(), w.float())
+    assert sk24.decompress(values, meta).dtype == dtype
+    widened = sk24.decompress(values, meta, dtype=torch.bfloat16)  # the fp8w prefill's weight
+    assert widened.dtype == torch.bfloat16 and torch.equal(widened, w.to(torch.bfloat16))
+    for layout in ("interleaved", "slabs"):  # the int4 kernels' layout too
+        values, meta = sk24.compress(w, layout=layout)
+        assert torch.equal(sk24.decompress(values, meta, layout).float(), w.float())
 
 
 def test_format_refuses_bad_weights():
