@@ -287,27 +287,49 @@ def _launch(kernel, raw, x, weight_args, n, k, scales, bias, config):
 ROWS_MAX_M = 4  # the M up to which the word-tile kernels run (CUDA cores)
 
 
+_FACTORS: dict = {}
+
+
+def _factors(sparse: bool, device: torch.device) -> torch.Tensor:
+    """The eight float32 factors ``16**-j`` of :func:`x_planes_24` (``sparse``) or
+    :func:`x_planes` on ``device``: made once per device and kept, so that a call launches one
+    kernel (the planes); inside a CUDA graph capture that finds none yet, made on the device
+    and not kept (a tensor made during a capture holds its value only when the graph runs)."""
+    f = _FACTORS.get((sparse, device))
+    if f is not None:
+        return f
+    j = torch.arange(8, device=device)  # made on the device: no copy, capturable
+    if sparse:
+        t = j % 4
+        f = torch.exp2(-4.0 * (2 * t - 3 * (t // 2)))
+    else:
+        f = torch.exp2(-4.0 * torch.where(j < 4, j, j - 3))
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _FACTORS[(sparse, device)] = f
+    return f
+
+
 def x_planes_24(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as the 2:4 word-tile kernel reads it: (M, K/64, 8, 2, 4) float32,
     ``[:, b, s, i, p]`` holding ``x[:, 32w + 4s + p]`` for word ``w = 2b + i`` (position p of
     group s of metadata word w) times ``16**-j``, j = 0, 2, 1, 3 for s % 4 = 0..3 (the kernel
     reads group s's first kept nibble 16**j times too large): one step's x is one contiguous
-    block, a group's positions in both words one 32-byte vector."""
+    block, a group's positions in both words one 32-byte vector. One kernel a call."""
     m, k = x.shape
-    t = torch.arange(8, device=x.device) % 4  # made on the device: no copy, capturable
-    f = torch.exp2(-4.0 * (2 * t - 3 * (t // 2)))
-    xs = x.float().reshape(m, k // 64, 2, 8, 4) * f[:, None]
-    return xs.transpose(2, 3).contiguous()
+    out = torch.empty((m, k // 64, 8, 2, 4), dtype=torch.float32, device=x.device)
+    f = _factors(True, x.device)[:, None, None]
+    return torch.mul(x.reshape(m, k // 64, 2, 8, 4).transpose(2, 3), f, out=out)
 
 
 def x_planes(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as the dense word-tile kernel reads it: (M, K/32, 8, 4) float32, [:, b, j, i]
     holding ``x[:, 8w + j]`` times ``16**-j`` (j < 4) or ``16**-(j - 3)`` for word
-    ``w = 4b + i`` (the kernel reads nibble j of a word that many times too large)."""
+    ``w = 4b + i`` (the kernel reads nibble j of a word that many times too large). One kernel
+    a call."""
     m, k = x.shape
-    j = torch.arange(8, device=x.device)  # made on the device: no copy, capturable
-    f = torch.exp2(-4.0 * torch.where(j < 4, j, j - 3))
-    return (x.float().reshape(m, k // 32, 4, 8) * f).transpose(2, 3).contiguous()
+    out = torch.empty((m, k // 32, 8, 4), dtype=torch.float32, device=x.device)
+    f = _factors(False, x.device)[:, None]
+    return torch.mul(x.reshape(m, k // 32, 4, 8).transpose(2, 3), f, out=out)
 
 
 def rows_fit(k: int, group: int, sparse: bool) -> bool:

@@ -202,6 +202,23 @@ def test_triton_kernels_interpreted_equal_reference():
     assert run.stdout.count("ok ") == 2 * (2 * len(CASES) + 1) + 2 * 3 * len(ROW_CASES)
 
 
+def test_x_planes_are_x_times_the_nibble_factors():
+    """The word-tile kernels' x layouts against their formulas in float64: dense [:, b, j, i] =
+    x[:, 8(4b + i) + j] * 16**-(j if j < 4 else j - 3); 2:4 [:, b, s, i, p] =
+    x[:, 32(2b + i) + 4s + p] * 16**-(0, 2, 1, 3)[s % 4]; the second call reuses the factors."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for _ in range(2):
+        dense, sparse = w4a16.x_planes(x), w4a16.x_planes_24(x)
+        assert dense.dtype == sparse.dtype == torch.float32
+        assert dense.is_contiguous() and sparse.is_contiguous()
+        for b, j, i in [(0, 0, 0), (1, 3, 2), (7, 4, 3), (5, 7, 1)]:
+            want = x[:, 8 * (4 * b + i) + j].double() * 16.0 ** -(j if j < 4 else j - 3)
+            assert torch.equal(dense[:, b, j, i].double(), want)
+        for b, s_, i, p in [(0, 0, 0, 0), (1, 2, 1, 3), (3, 5, 0, 2), (2, 7, 1, 1)]:
+            want = x[:, 32 * (2 * b + i) + 4 * s_ + p].double() * 16.0 ** -(0, 2, 1, 3)[s_ % 4]
+            assert torch.equal(sparse[:, b, s_, i, p].double(), want)
+
+
 def test_metadata_codes_every_pair():
     """The 2:4 codes P | Q << 1 | R << 2 of every kept pair (i0, i1), decoded back by
     ``positions`` and by the kernels' selects ``x[i0] = x0 if P else (x1 if Q else x2)``,
