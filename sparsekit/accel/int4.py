@@ -137,7 +137,9 @@ class _Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, variant={self.variant}, "
-                f"group_size={self.group_size}, prefill={self.prefill}, decode={self.path}")
+                f"group_size={self.group_size}, prefill={self.prefill}, decode={self.path}"
+                + (f" {sk24_mma.config_text(cfg)}" if (cfg := getattr(self, "dconfig", None))
+                   else ""))
 
 
 class Int4Dense(_Int4Linear):
@@ -178,6 +180,9 @@ class Int4Sparse24(_Int4Linear):
         for name, t in zip(("mvalues", "mmeta", "mscales"), formatted):
             self.register_buffer(name, t, persistent=False)
         self.path = "mma" if mma else "triton"
+        # the mma.sp configuration per M bucket (sk24_mma.BUCKETS), as the planner chose it
+        # (Planner.plan_decode); None: the kernel's defaults
+        self.dconfig: tuple[tuple[int, ...], ...] | None = None
 
     def int_weight(self):
         return w4a16.unpack_24(self.values, self.meta)
@@ -187,7 +192,9 @@ class Int4Sparse24(_Int4Linear):
 
     def _decode(self, x2d):
         if self.mvalues is not None:
-            return ops.sk24_mma_int4_mm(x2d, self.mvalues, self.mmeta, self.mscales, self.bias)
+            cfg = None if self.dconfig is None else [v for c in self.dconfig for v in c]
+            return ops.sk24_mma_int4_mm(x2d, self.mvalues, self.mmeta, self.mscales, self.bias,
+                                        cfg)
         return ops.int4_24_mm(x2d, self.values, self.meta, self.scales, self.bias)
 
 

@@ -786,6 +786,7 @@ class Planner:
             route_decode(mod, chosen[key], dense)
             if mod.dense_weight is not None:
                 copies.setdefault(key, [mod, 0])[1] += 1
+        self._plan_int4_configs(model, chosen)
         for mod, count in copies.values():
             lo, hi = mod.dense_m
             extra = 2 * mod.out_features * mod.in_features * count
@@ -793,6 +794,28 @@ class Planner:
                 f"decode: {mod.variant} {mod.out_features}x{mod.in_features} runs bf16 dense "
                 f"for M = {lo}..{hi} (faster there than its 2:4 paths): a bf16 copy of the "
                 f"weight in {count} layer(s), {extra / 2**20:.1f} MiB extra")
+
+
+    def _plan_int4_configs(self, model: nn.Module, chosen: dict[str, dict]) -> None:
+        """The mma.sp kernel's int4 configurations per int4 2:4 layer shape and token bucket
+        (:func:`plan_int4_config`, cached like the other decode plans), set on each layer."""
+        for mod in model.modules():
+            if getattr(mod, "mvalues", None) is None:
+                continue
+            numerics = f"{mod.variant}|decode|int4_mma|g{mod.group_size}"
+            key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
+                           mod.in_features, 0, inductor=self.inductor)
+            if key not in chosen:
+                hit = self.cache.get(key)
+                if hit is None or "config" not in hit:
+                    hit = plan_int4_config(mod, self.device)
+                chosen[key] = self.cache[key] = self.new[key] = hit
+                if hit["config"]:
+                    self.report.notes.append(
+                        f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the "
+                        f"mma.sp int4 kernel ({sk24_mma.config_text(hit['config'])})")
+            config = chosen[key]["config"]
+            mod.dconfig = valid_mma_config(config, mod.mvalues) if config else None
 
 
 def dense_range(us: dict[str, list[float]], decode_max_m: int) -> tuple[int, int]:
@@ -891,20 +914,23 @@ def time_decode_choice(mod: nn.Module, device: torch.device, dense: bool = False
             "kernels_us": {k: e["us"] for k, e in entries.items()}}
 
 
-def choose_mma_config(mod: nn.Module, device: torch.device
+def choose_mma_config(mod: nn.Module, device: torch.device, values: torch.Tensor | None = None
                       ) -> tuple[tuple[int, ...], ...] | None:
     """Per bucket of ``sk24_mma.BUCKETS`` (M = 1, 2..8, 9..16, 17..32), the mma.sp kernel
     configuration with the least time at the bucket's largest M for ``mod``'s shape (CUDA
     graphs), set on ``mod`` (``dconfig``) and returned; None when there is one candidate or
-    none."""
+    none. ``values``: the weight in the kernel's format (default ``mod.dvalues``; an int4 2:4
+    layer's ``mvalues``: the int4 way's configurations)."""
     from sparsekit.accel import sk24_mma
     from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
 
-    cands = sk24_mma.candidates(mod.dvalues, getattr(mod, "dwide", None))
+    values = mod.dvalues if values is None else values
+    cands = sk24_mma.candidates(values, getattr(mod, "dwide", None))
     if len(cands) < 2:
         return None
-    saved = mod.decode_max_m
-    mod.decode_max_m = max(sk24_mma.BUCKETS)
+    saved = getattr(mod, "decode_max_m", None)  # int4 layers decode up to w4a16.MAX_M always
+    if saved is not None:
+        mod.decode_max_m = max(sk24_mma.BUCKETS)
     chosen = []
     for m in sk24_mma.BUCKETS:
         x = torch.randn(m, mod.in_features, device=device, dtype=torch.bfloat16)
@@ -915,9 +941,18 @@ def choose_mma_config(mod: nn.Module, device: torch.device
             if best is None or t < best[1]:
                 best = (cfg, t)
         chosen.append(best[0])
-    mod.decode_max_m = saved
+    if saved is not None:
+        mod.decode_max_m = saved
     mod.dconfig = tuple(chosen)
     return mod.dconfig
+
+
+def plan_int4_config(mod: nn.Module, device: torch.device) -> dict:
+    """The decode plan entry of an int4 2:4 layer on the mma.sp kernel's int4 way:
+    {"config": one configuration per ``sk24_mma.BUCKETS`` (:func:`choose_mma_config` on its
+    ``mvalues``), or None where there is one candidate}; ``mod.dconfig`` is set."""
+    config = choose_mma_config(mod, device, mod.mvalues)
+    return {"config": None if config is None else [list(c) for c in config]}
 
 
 def valid_mma_config(config, values: torch.Tensor, wide: torch.dtype | None = None
@@ -976,6 +1011,7 @@ def _reset_compiled() -> None:
 __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
            "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
            "PlannedLayer", "Planner", "cache_path", "choose", "choose_mma_config", "choose_plan",
+           "plan_int4_config",
            "decode_cost_us", "decode_note", "dense_range", "extrapolate_ms", "layer_plan", "load",
            "model_key", "own_precision", "plan_key", "repeated_blocks", "route_decode", "store",
            "time_decode", "time_decode_choice", "time_model_ms", "time_module", "time_paired",

@@ -378,3 +378,71 @@ def test_2_4_layer_decodes_on_the_sparse_tensor_core_format_where_it_fits(monkey
         want = _ref64(x, q, s, layer.bias)
         _close_bf16(layer(x), want)
         assert (f"decode={'mma' if mma else 'triton'}") in repr(layer)
+
+
+def test_planner_chooses_the_int4_mma_configuration_per_bucket(monkeypatch, tmp_path):
+    """On a GPU the decode plan times the mma.sp kernel's int4 configurations per M bucket
+    (here with a fake timer, the CPU reference running), keeps the fastest in each, hands
+    them to the op on every call and reads them back from the plan cache."""
+    from sparsekit.accel import planner, sk24_mma
+    from sparsekit.accel.options import CompileOptions, PlanOptions
+    from sparsekit.accel.report import AccelReport
+    from sparsekit.nn import timing
+
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(sk24_mma, "usable_int4",
+                        lambda q, group: sk24_mma.check_int4(*q.shape, group) is None)
+    cands = [(8, 4, 1, 1), (8, 4, 1, 7), (4, 4, 1, 3)]
+    monkeypatch.setattr(sk24_mma, "candidates",
+                        lambda values, wide=None: list(cands) if values.dtype == torch.int32
+                        else [])
+    # (8, 4, 1, 7) fastest at M = 1 and 2..8, (4, 4, 1, 3) from 9
+    fastest = {1: (8, 4, 1, 7), 8: (8, 4, 1, 7), 16: (4, 4, 1, 3), 32: (4, 4, 1, 3)}
+
+    def fake_time(fn):
+        mod, m = fn.func, fn.args[0].shape[0]
+        assert isinstance(mod, int4.Int4Sparse24) and m in fastest
+        return 1.0 if mod.dconfig[0] == fastest[m] else 2.0
+
+    real_plan = planner.plan_int4_config
+    monkeypatch.setattr(planner, "plan_int4_config",  # timed on the CPU, planned as on a GPU
+                        lambda mod, device: real_plan(mod, torch.device("cpu")))
+
+    def plan_two_layers(timer):
+        monkeypatch.setattr(timing, "graph_time_us", timer)
+        plan = planner.Planner(torch.device("cpu"), "int4", "2:4", PlanOptions(),
+                               CompileOptions(), False, AccelReport("int4", "2:4", 1.0, "cpu"))
+        plan.device = torch.device("cuda")  # plan as on a GPU
+        layers = []
+        for seed in (0, 1):
+            lin = nn.Linear(256, 32)
+            with torch.no_grad():
+                lin.weight.copy_(_q24(32, 256, seed=seed).float() * 0.01)
+            layers.append(int4.Int4Sparse24(lin))
+        model = nn.Sequential(*layers)
+        assert all(m.mvalues is not None and m.dconfig is None for m in model)
+        plan.plan_decode(model)
+        return model, plan
+
+    model, plan = plan_two_layers(fake_time)
+    want = tuple(fastest[m] for m in sk24_mma.BUCKETS)
+    assert all(m.dconfig == want for m in model)
+    text = sk24_mma.config_text(want)
+    assert any("on the mma.sp int4 kernel" in n and text in n for n in plan.report.notes)
+    assert text in repr(model[0])
+    seen = []
+    real = ops.sk24_mma_int4_mm
+    monkeypatch.setattr(ops, "sk24_mma_int4_mm",
+                        lambda *a: seen.append(a[-1]) or real(*a))
+    x = torch.randn(3, 256).bfloat16()
+    y = model[0](x)
+    assert seen == [[v for c in want for v in c]]  # the op gets the plan's configurations
+    model[0].dconfig = None
+    assert torch.equal(y, model[0](x)) and seen[-1] is None
+    plan.save()
+
+    def never(fn):
+        raise AssertionError("a cached int4 plan was timed again")
+
+    again, _ = plan_two_layers(never)
+    assert all(m.dconfig == want for m in again)
