@@ -434,19 +434,23 @@ def _failing(lib: ctypes.CDLL, way: str, configs, x_of, values: torch.Tensor,
     return failed
 
 
-def _graph_failing(lib: ctypes.CDLL, values: torch.Tensor, meta: torch.Tensor) -> set:
-    """The configurations of :data:`PDL_CONFIGS` that fail in a CUDA graph (as a decode step
-    runs them): each captured right after a kernel that writes its x, replayed, against the
+def _graph_failing(lib: ctypes.CDLL, values: torch.Tensor, meta: torch.Tensor, k: int,
+                   gs: torch.Tensor | None = None) -> set:
+    """The configurations of :data:`PDL_CONFIGS` (int4, with group scales ``gs``: those of
+    :func:`int4_configs`) that fail in a CUDA graph (as a decode step runs them): each captured
+    right after a kernel that writes its x (K = ``k`` columns), replayed, against the
     reference; those whose capture or launch raises fail too."""
     failed = set()
+    configs = [c for c in PDL_CONFIGS if gs is None or c in int4_configs()]
     for m in (1, 9):
-        x = torch.randn(m, values.shape[1] * 32, device=values.device).to(torch.bfloat16)
-        ref = reference(x * 2, values, meta, None, None, None).float()
-        for cfg in PDL_CONFIGS:
+        x = torch.randn(m, k, device=values.device).to(torch.bfloat16)
+        ref = (reference(x * 2, values, meta, None, None, None) if gs is None else
+               reference_int4(x * 2, values, meta, gs, None)).float()
+        for cfg in configs:
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    y = _launch(lib, x * 2, values, meta, None, None, None, cfg)
+                    y = _launch(lib, x * 2, values, meta, None, None, None, cfg, gs)
                 for _ in range(3):
                     graph.replay()
                 torch.cuda.synchronize()
@@ -458,7 +462,8 @@ def _graph_failing(lib: ctypes.CDLL, values: torch.Tensor, meta: torch.Tensor) -
             if not err < 1e-2 and cfg not in failed:
                 failed.add(cfg)
                 log.warning("sparsekit: mma.sp config %s failed its CUDA-graph self-check "
-                            "(M=%d: %s); not used", cfg, m, why)
+                            "(%s, M=%d: %s); not used", cfg, "bf16" if gs is None else "int4",
+                            m, why)
     return failed
 
 
@@ -487,7 +492,7 @@ def _self_check(lib: ctypes.CDLL) -> None:
         bad = _failing(lib, str(weight.dtype), CONFIGS, x_of(torch.bfloat16), values, meta, ws)
         _failed["bf16"].update(bad)
         if weight.dtype == torch.bfloat16:  # programmatic launches in a graph: every way
-            in_graph = _graph_failing(lib, values, meta)
+            in_graph = _graph_failing(lib, values, meta, w.shape[1])
             for way in WAYS:
                 _failed[way].update(in_graph)
         if bad & set(DEFAULTS):
@@ -501,6 +506,7 @@ def _self_check(lib: ctypes.CDLL) -> None:
     iv, im, gs = (t.cuda() for t in compress_int4(q, torch.rand(64, 2, generator=g) + 0.5))
     _failed["int4"].update(_failing(lib, "int4", int4_configs(), x_of(torch.bfloat16), iv, im,
                                  gs=gs))
+    _failed["int4"].update(_graph_failing(lib, iv, im, q.shape[1], gs))  # the plan times these
 
 
 def _self_check_e4m3(lib: ctypes.CDLL, w: torch.Tensor, g: torch.Generator) -> bool:

@@ -3,6 +3,7 @@ lane by lane the way mma.sp.m16n8k32 reads its registers (PTX ISA's fragment lay
 A operand, its metadata and the sparsity selector) against dense matmul of the masked weight,
 the reference, the op's opcheck and the errors."""
 
+import contextlib
 import shutil
 
 import pytest
@@ -296,6 +297,36 @@ def test_self_check_keeps_out_the_configurations_that_compute_wrong_or_raise(mon
                         sk24_mma.reference_int4(x, v, m, gs, b))
     assert sk24_mma._failing(None, "int4", sk24_mma.int4_configs(),
                              lambda m: torch.randn(m, 256).bfloat16(), iv, im, gs=gs) == set()
+
+
+def test_graph_self_check_covers_the_int4_programmatic_configurations(monkeypatch):
+    # the CUDA-graph self-check's selection logic (capture and replay faked, the kernel
+    # replaced by the reference): an int4 PDL configuration that computes wrong in a graph is
+    # kept out; only int4's own configurations are tried for an int4 weight
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    int4_pdl = [c for c in sk24_mma.PDL_CONFIGS if c in sk24_mma.int4_configs()]
+    assert int4_pdl and len(int4_pdl) < len(sk24_mma.PDL_CONFIGS)
+    bad, tried = int4_pdl[0], []
+
+    def fake(lib, x, v, m, xs, ws, b, cfg, gs=None):
+        tried.append(cfg)
+        y = sk24_mma.reference_int4(x, v, m, gs, b)
+        return y * 1.1 if cfg == bad else y
+    monkeypatch.setattr(sk24_mma, "_launch", fake)
+    q, scales = _int4_weight(32, 256, 128)
+    iv, im, gs = sk24_mma.compress_int4(q, scales)
+    assert sk24_mma._graph_failing(None, iv, im, 256, gs) == {bad}
+    assert set(tried) == set(int4_pdl)
+    values, meta = sk24_mma.compress(masked_24(32, 256), "paired")
+    monkeypatch.setattr(sk24_mma, "_launch", lambda lib, x, v, m, xs, ws, b, cfg, gs=None:
+                        sk24_mma.reference(x, v, m, xs, ws, b))
+    assert sk24_mma._graph_failing(None, values, meta, 256) == set()
 
 
 def test_a_configuration_that_failed_one_way_is_left_out_of_that_way_only(monkeypatch):
