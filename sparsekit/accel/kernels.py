@@ -113,8 +113,11 @@ class _AccelLinear(nn.Module):
             values, meta = sk24.compress(w)
             self.register_buffer("values", values)
             self.register_buffer("meta", meta)
-            self._decode_format("triton", w)
-            self.dchoice = sk24_mma.choosable(w, torch.bfloat16)
+            # the mma.sp kernel where the library takes the weight (bf16 x): it decoded every
+            # Llama-3-8B shape faster than the Triton kernel at every M on an H100
+            # (docs/gpu.md), so the plan does not time both (the Triton kernel's autotuning
+            # was most of a first accelerate)
+            self._decode_format("mma" if sk24_mma.choosable(w, torch.bfloat16) else "triton", w)
         elif self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
             if self.decodes and sk24_mma.usable(w):
@@ -363,11 +366,11 @@ class FP8WSparse24(_AccelLinear):
     """W8A16 float8 e4m3 2:4 weight-only: the kept e4m3 values with per-channel scales in
     sparsekit's 2:4 format (``values``, ``meta``: 0.625 bytes a weight), activations in bf16,
     never quantized. Up to 32 tokens (decode) the weight is read once by a small-M kernel that
-    widens it exactly in registers: the Triton kernel, or the mma.sp kernel (bf16 x, the e4m3
-    values widened to bf16) where the library loads, the decode plan timing both per shape
-    (``dchoice``; the mma.sp format is then a second copy, 0.625 bytes a weight more). Larger
-    token counts (prefill, compute-bound) widen the weight to bf16 on each call and multiply
-    with ``F.linear``, the scales applied after the sums as the decode kernels do."""
+    widens it exactly in registers: the mma.sp kernel (bf16 x, the e4m3 values widened to
+    bf16) where the library loads (its format a second copy, 0.625 bytes a weight more), else
+    the Triton kernel. Larger token counts (prefill, compute-bound) widen the weight to bf16
+    on each call and multiply with ``F.linear``, the scales applied after the sums as the
+    decode kernels do."""
 
     variant = "fp8w_2:4"
     sparse = True

@@ -644,7 +644,36 @@ def _fp8_choice_timer(faster: str):
     return fake
 
 
-@pytest.mark.parametrize("variant", ["fp8_2:4", "fp8w_2:4"])
+def test_fp8_weight_only_layer_decodes_on_the_mma_kernel_where_it_loads(monkeypatch, tmp_path):
+    """W8A16 2:4 layers go straight to the mma.sp kernel where the library takes them (bf16
+    x): the plan times that kernel's configurations, never the Triton kernel's."""
+    monkeypatch.setattr(sk24_mma, "choosable",
+                        lambda w, wide=torch.float16: w.dtype == torch.float8_e4m3fn
+                        and wide == torch.bfloat16)
+    monkeypatch.setattr(sk24_mma, "candidates",
+                        lambda v, wide=None: [(8, 4, 1, 1), (8, 4, 1, 3)])
+    timed = []
+
+    def timer(fn):
+        if fn.func is F.linear:
+            return 9.0
+        timed.append(fn.func.dkernel)
+        return 8.0 if fn.func.decode_max_m < fn.args[0].shape[0] else 3.0
+    model, plan, calls = _decode_planned(monkeypatch, tmp_path, "2:4", "fp8w_2:4", timer=timer)
+    assert calls == [False]  # one shape, one kernel
+    assert timed and set(timed) == {"mma"}
+    for mod in model:
+        assert mod.dkernel == "mma" and not mod.dchoice and mod.decode_max_m == 32
+        assert mod.dconfig is not None
+        assert torch.equal(sk24_mma.decompress(mod.dvalues, mod.dmeta).float(),
+                           sk24.decompress(mod.values, mod.meta).float())
+        x = torch.randn(3, 512).bfloat16()
+        y = mod(x)
+        mod.decode_max_m = 0
+        torch.testing.assert_close(y.float(), mod(x).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("variant", ["fp8_2:4"])
 @pytest.mark.parametrize("faster", ["mma", "triton"])
 def test_fp8_layer_times_both_small_m_kernels_and_keeps_the_faster(monkeypatch, tmp_path,
                                                                     faster, variant):
