@@ -113,10 +113,7 @@ class _AccelLinear(nn.Module):
             values, meta = sk24.compress(w)
             self.register_buffer("values", values)
             self.register_buffer("meta", meta)
-            # the mma.sp kernel where the library takes the weight (bf16 x): it decoded every
-            # Llama-3-8B shape faster than the Triton kernel at every M on an H100
-            # (docs/gpu.md), so the plan does not time both (the Triton kernel's autotuning
-            # was most of a first accelerate)
+            # mma.sp where the library takes it: faster at every M and 8B shape (docs/gpu.md)
             self._decode_format("mma" if sk24_mma.choosable(w, torch.bfloat16) else "triton", w)
         elif self.sparse:
             self.register_buffer("packed", ops.pack_24(w))
