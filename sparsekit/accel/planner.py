@@ -795,7 +795,6 @@ class Planner:
                 f"for M = {lo}..{hi} (faster there than its 2:4 paths): a bf16 copy of the "
                 f"weight in {count} layer(s), {extra / 2**20:.1f} MiB extra")
 
-
     def _plan_int4_configs(self, model: nn.Module, chosen: dict[str, dict]) -> None:
         """The mma.sp kernel's int4 configurations per int4 2:4 layer shape and token bucket
         (:func:`plan_int4_config`, cached like the other decode plans), set on each layer."""
@@ -1011,8 +1010,8 @@ def _reset_compiled() -> None:
 __all__ = ["CONFIRM_BELOW", "CONFIRM_ROUNDS", "DECODE_BUCKETS", "DECODE_TOKENS",
            "MIN_REPEATED_BLOCKS", "PLAN_BLOCKS_TIMED", "PLAN_MARGIN", "SHORTEN_MIN_BYTES",
            "PlannedLayer", "Planner", "cache_path", "choose", "choose_mma_config", "choose_plan",
-           "plan_int4_config",
            "decode_cost_us", "decode_note", "dense_range", "extrapolate_ms", "layer_plan", "load",
-           "model_key", "own_precision", "plan_key", "repeated_blocks", "route_decode", "store",
-           "time_decode", "time_decode_choice", "time_model_ms", "time_module", "time_paired",
-           "truncated", "valid_mma_config", "weight_bytes", "whole_model_plans"]
+           "model_key", "own_precision", "plan_int4_config", "plan_key", "repeated_blocks",
+           "route_decode", "store", "time_decode", "time_decode_choice", "time_model_ms",
+           "time_module", "time_paired", "truncated", "valid_mma_config", "weight_bytes",
+           "whole_model_plans"]
