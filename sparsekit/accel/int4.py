@@ -87,6 +87,9 @@ class _Int4Linear(nn.Module):
     uses_alg = False
     fmt = None
     path = "triton"  # the decode route (part of the algorithm cache's key)
+    # on the mma.sp kernel (int4 2:4): its configuration per M bucket (sk24_mma.BUCKETS), as
+    # the decode plan chose it (Planner.plan_decode); None: the kernel's defaults
+    dconfig: tuple[tuple[int, ...], ...] | None = None
 
     def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True,
                  prefill: str = "dequant"):
@@ -138,8 +141,7 @@ class _Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, variant={self.variant}, "
                 f"group_size={self.group_size}, prefill={self.prefill}, decode={self.path}"
-                + (f" {sk24_mma.config_text(cfg)}" if (cfg := getattr(self, "dconfig", None))
-                   else ""))
+                + (f" {sk24_mma.config_text(self.dconfig)}" if self.dconfig else ""))
 
 
 class Int4Dense(_Int4Linear):
@@ -180,9 +182,6 @@ class Int4Sparse24(_Int4Linear):
         for name, t in zip(("mvalues", "mmeta", "mscales"), formatted):
             self.register_buffer(name, t, persistent=False)
         self.path = "mma" if mma else "triton"
-        # the mma.sp configuration per M bucket (sk24_mma.BUCKETS), as the planner chose it
-        # (Planner.plan_decode); None: the kernel's defaults
-        self.dconfig: tuple[tuple[int, ...], ...] | None = None
 
     def int_weight(self):
         return w4a16.unpack_24(self.values, self.meta)

@@ -774,16 +774,13 @@ class Planner:
             choice = getattr(mod, "dchoice", False)
             numerics = (f"{mod.variant}|decode|{'triton/mma' if choice else mod.dkernel}|"
                         f"{mod.path}|{'dynamic' if mod.act_scale is None else 'static'}")
-            key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
-                           mod.in_features, 0, inductor=self.inductor)
-            if key not in chosen:
-                hit = self.cache.get(key)
-                if hit is None or (dense and "dense_m" not in hit):
-                    hit = (time_decode_choice if choice else time_decode)(mod, self.device,
-                                                                          dense=dense)
-                chosen[key] = self.cache[key] = self.new[key] = hit
-                self.report.notes.append(decode_note(mod, hit))
-            route_decode(mod, chosen[key], dense)
+            key, entry, new = self._decode_entry(
+                mod, numerics, chosen, functools.partial(
+                    time_decode_choice if choice else time_decode, mod, self.device, dense=dense),
+                fresh=lambda e: not dense or "dense_m" in e)
+            if new:
+                self.report.notes.append(decode_note(mod, entry))
+            route_decode(mod, entry, dense)
             if mod.dense_weight is not None:
                 copies.setdefault(key, [mod, 0])[1] += 1
         self._plan_int4_configs(model, chosen)
@@ -795,25 +792,37 @@ class Planner:
                 f"for M = {lo}..{hi} (faster there than its 2:4 paths): a bf16 copy of the "
                 f"weight in {count} layer(s), {extra / 2**20:.1f} MiB extra")
 
+    def _decode_entry(self, mod: nn.Module, numerics: str, chosen: dict[str, dict],
+                      plan: Callable[[], dict], fresh: Callable[[dict], bool]
+                      ) -> tuple[str, dict, bool]:
+        """(key, entry, whether this call made it) of the decode plan of ``mod``'s shape with
+        ``numerics``: the one ``chosen`` earlier in this call, else the cached one where
+        ``fresh(entry)``, else ``plan()`` (then cached)."""
+        key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
+                       mod.in_features, 0, inductor=self.inductor)
+        if key in chosen:
+            return key, chosen[key], False
+        hit = self.cache.get(key)
+        if hit is None or not fresh(hit):
+            hit = plan()
+        chosen[key] = self.cache[key] = self.new[key] = hit
+        return key, hit, True
+
     def _plan_int4_configs(self, model: nn.Module, chosen: dict[str, dict]) -> None:
         """The mma.sp kernel's int4 configurations per int4 2:4 layer shape and token bucket
         (:func:`plan_int4_config`, cached like the other decode plans), set on each layer."""
         for mod in model.modules():
             if getattr(mod, "mvalues", None) is None:
                 continue
-            numerics = f"{mod.variant}|decode|int4_mma|g{mod.group_size}"
-            key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
-                           mod.in_features, 0, inductor=self.inductor)
-            if key not in chosen:
-                hit = self.cache.get(key)
-                if hit is None or "config" not in hit:
-                    hit = plan_int4_config(mod, self.device)
-                chosen[key] = self.cache[key] = self.new[key] = hit
-                if hit["config"]:
-                    self.report.notes.append(
-                        f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the "
-                        f"mma.sp int4 kernel ({sk24_mma.config_text(hit['config'])})")
-            config = chosen[key]["config"]
+            _, entry, new = self._decode_entry(
+                mod, f"{mod.variant}|decode|int4_mma|g{mod.group_size}", chosen,
+                functools.partial(plan_int4_config, mod, self.device),
+                fresh=lambda e: "config" in e)
+            config = entry["config"]
+            if new and config:
+                self.report.notes.append(
+                    f"decode: {mod.variant} {mod.out_features}x{mod.in_features} on the "
+                    f"mma.sp int4 kernel ({sk24_mma.config_text(config)})")
             mod.dconfig = valid_mma_config(config, mod.mvalues) if config else None
 
 
