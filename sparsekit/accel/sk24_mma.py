@@ -825,8 +825,8 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
            "INT4_COLUMNS", "LAYOUTS", "MAX_M", "PDL_CONFIGS", "SEM_TILES", "VERSION", "WAYS",
-           "bound_bytes", "build", "candidates", "check_int4", "choosable", "check_shape", "compress",
-           "compress_int4", "config_for", "config_text", "decompress", "decompress_int4",
-           "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",
-           "launch_int4", "layout_for", "library_path", "load", "reason", "reference",
-           "reference_int4", "split_of", "usable", "usable_int4", "working"]
+           "bound_bytes", "build", "candidates", "check_int4", "choosable", "check_shape",
+           "compress", "compress_int4", "config_for", "config_text", "decompress",
+           "decompress_int4", "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs",
+           "int4_ok", "launch", "launch_int4", "layout_for", "library_path", "load", "reason",
+           "reference", "reference_int4", "split_of", "usable", "usable_int4", "working"]
