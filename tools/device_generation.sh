@@ -21,6 +21,9 @@
 #   tools/device_generation.sh gen_int4     # generate(): int4 2:4 and int4 dense (issue 32's
 #                                           # own-kernel comparison) at batch 16, then 1,
 #                                           # against HF reduce-overhead and sparsekit's dense
+#   tools/device_generation.sh gen_narrow   # generate(): fp8w and int4 2:4 (the narrow formats)
+#                                           # at batch 16, then 1, against HF reduce-overhead
+#                                           # and sparsekit's dense way
 #   tools/device_generation.sh sparsegpt    # joint SparseGPT 2:4 + GPTQ int4 on 8 blocks of
 #                                           # the 8B shapes, 128 x 2048 calibration tokens
 #                                           # (issue 32's 15-minute target, scaled to 32)
@@ -29,11 +32,12 @@
 # Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
 # and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
 # 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
-# sparsegpt takes LAYERS (default 8); gen_core and gen_int4 take BATCHES (default 16,1) and
+# sparsegpt takes LAYERS (default 8); gen_core, gen_int4 and gen_narrow take BATCHES (default
+# 16,1) and
 # PDL (set: inductor's kernels launched as programmatic dependents in every way) and PROFILE
 # (set: one more call per way under torch.profiler, kernel time by kind).
 set -uo pipefail
-stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 sparsegpt gpu_tests"
+stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_narrow sparsegpt gpu_tests"
 for stage in "$@"; do
   case " $stages " in *" $stage "*) ;; *)
     echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
@@ -85,6 +89,7 @@ for stage in "$@"; do
         --no-peers --rounds 3 --out "$out/gen_b1.json" 2>&1 | tee "$out/gen_b1.log" | tail -n 40 ;;
     gen_core) pair_16_1 gen_core bf16,fp8w ;;
     gen_int4) pair_16_1 gen_int4 int4,int4dense ;;
+    gen_narrow) pair_16_1 gen_narrow fp8w,int4 ;;
     sparsegpt)
       timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \
         --out "$out/sparsegpt_gptq.json" 2>&1 | tee "$out/sparsegpt_gptq.log" | tail -n 20 ;;
