@@ -94,23 +94,18 @@ INT4_COLUMNS = 128  # the columns one int4 scale covers in the format (a group o
 # formats, fp8 and int4, waits on few bytes a round otherwise); 7, as 3 and launched as a
 # programmatic dependent of the kernel before it (Hopper's PDL, kept by CUDA graphs): its blocks
 # start while that kernel ends and issue their first round's weight loads before they wait for
-# it, so that a decode step's many short kernels overlap their ends and starts. Plus 8 (s - 1):
-# split-K, each row tile's steps shared out among s blocks whose float32 sums the last of them
-# adds up (a layer with few row tiles and long rows, an MLP down projection, has too few warps
-# loading at once otherwise).
+# it, so that a decode step's many short kernels overlap their ends and starts.
 # :func:`default_config` picks among the staged ones; the planner times them all per shape and
 # M bucket (:data:`BUCKETS`)
 CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0), (4, 4, 2, 0),
            (8, 4, 2, 0), (4, 4, 4, 0), (4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1), (4, 4, 2, 1),
            (8, 4, 2, 1), (4, 4, 4, 1), (4, 4, 1, 3), (8, 4, 1, 3), (8, 2, 1, 3), (8, 8, 1, 3),
-           (8, 4, 2, 3), (4, 4, 4, 3), (4, 4, 1, 7), (8, 4, 1, 7), (8, 2, 1, 7), (8, 4, 2, 7),
-           (8, 4, 1, 11), (8, 4, 1, 15), (8, 4, 1, 19), (8, 4, 1, 23), (8, 4, 1, 27),
-           (8, 4, 1, 31))
+           (8, 4, 2, 3), (4, 4, 4, 3), (4, 4, 1, 7), (8, 4, 1, 7), (8, 2, 1, 7), (8, 4, 2, 7))
 PDL_CONFIGS = tuple(c for c in CONFIGS if c[3] & 4)  # launched as programmatic dependents
 # the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
-VERSION = 9  # sk24_mma_version() of the library this module calls
+VERSION = 8  # sk24_mma_version() of the library this module calls
 # the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
 # (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
 WAYS = ("bf16", "f16", "int4")
@@ -394,7 +389,6 @@ def load() -> ctypes.CDLL | None:
         lib.sk24_mma_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         if lib.sk24_mma_version() != VERSION:
@@ -772,49 +766,17 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     ws = None if w_scale is None else w_scale.reshape(-1).float().contiguous()
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     gs = None if scales is None else scales.float().contiguous()
-    cfg, part, sem = _split_buffers(cfg, m, n, x.device)
     rc = lib.sk24_mma_launch(
         x.data_ptr(), x.stride(0), values.data_ptr(), meta.data_ptr(),
         None if xs is None else xs.data_ptr(), 0 if xs is None or xs.numel() == 1 else 1,
         None if ws is None else ws.data_ptr(),
         None if gs is None else gs.data_ptr(),
-        None if b is None else b.data_ptr(), y.data_ptr(),
-        None if part is None else part.data_ptr(), None if sem is None else sem.data_ptr(),
-        m, n, k,
+        None if b is None else b.data_ptr(), y.data_ptr(), m, n, k,
         2 if int4 else (3 if f16 else int(values.dtype == torch.float8_e4m3fn)), int(paired),
         *cfg, torch.cuda.current_stream(x.device).cuda_stream)
     if rc:
         raise RuntimeError(f"sk24 mma kernel: launch failed (code {rc})")
     return y
-
-
-SEM_TILES = 1 << 16  # row-tile counters a device's split-K launches share (N <= 2^20)
-_sems: dict[int, torch.Tensor] = {}  # device index -> its counters (zero between launches)
-
-
-def split_of(config) -> int:
-    """The blocks a split-K configuration shares each row tile's steps out among (1: none)."""
-    return (config[3] >> 3) + 1 if len(config) > 3 else 1
-
-
-def _split_buffers(cfg, m: int, n: int, device: torch.device):
-    """(config, workspace, counters) for a launch: a split-K configuration's float32 partial
-    sums (split, M, N) and the device's row-tile counters, which every launch leaves zero. The
-    counters are made once a device, outside CUDA-graph capture (a zero fill captured into a
-    graph would not have run before an eager launch): a split configuration first met while
-    capturing runs unsplit, the same kernel without bits 3-4."""
-    split = split_of(cfg)
-    if split == 1:
-        return cfg, None, None
-    sem = _sems.get(device.index)
-    if sem is None:
-        if torch.cuda.is_current_stream_capturing():
-            return (*cfg[:3], cfg[3] & 7), None, None
-        sem = _sems[device.index] = torch.zeros(SEM_TILES, dtype=torch.int32, device=device)
-    if n // 16 // cfg[2] > SEM_TILES:
-        raise ValueError(f"sk24 mma kernel: split-K config {cfg} takes N <= {SEM_TILES * 16}, "
-                         f"got N = {n}")
-    return cfg, torch.empty((split, m, n), dtype=torch.float32, device=device), sem
 
 
 def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
@@ -824,9 +786,9 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
-           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "PDL_CONFIGS", "SEM_TILES", "VERSION", "WAYS",
-           "bound_bytes", "build", "candidates", "check_int4", "choosable", "check_shape",
-           "compress", "compress_int4", "config_for", "config_text", "decompress",
-           "decompress_int4", "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs",
-           "int4_ok", "launch", "launch_int4", "layout_for", "library_path", "load", "reason",
-           "reference", "reference_int4", "split_of", "usable", "usable_int4", "working"]
+           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "PDL_CONFIGS", "VERSION", "WAYS", "bound_bytes",
+           "build", "candidates", "check_int4", "choosable", "check_shape", "compress",
+           "compress_int4", "config_for", "config_text", "decompress", "decompress_int4",
+           "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",
+           "launch_int4", "layout_for", "library_path", "load", "reason", "reference",
+           "reference_int4", "usable", "usable_int4", "working"]

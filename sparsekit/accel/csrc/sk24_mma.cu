@@ -22,12 +22,6 @@
 // last blocks run, issue their first round's weight loads (the weights are constants of the
 // model), then wait (griddepcontrol.wait: that kernel complete, its writes visible) before
 // they read x or write y; each block also lets the next programmatic dependent start at once.
-// Bits 3 and 4 (split - 1): split-K, the steps of each row tile shared out among `split` blocks
-// (blockIdx.y, 4-step aligned slices), so that a layer with few row tiles and long rows (an
-// MLP down projection: 256 tiles, 448 steps) has enough warps with loads in flight; each
-// block writes its float32 sums to a workspace, and the last block of a row tile to finish
-// (a per-tile counter, reset by that block, so the next launch finds it zero) adds them up
-// and writes y.
 // Plain C entry
 // point (no torch headers): built by nvcc into a shared library and called through ctypes with
 // the current stream, so the launch goes into CUDA graphs like any other kernel.
@@ -206,16 +200,15 @@ struct Round {
   float sc[UG][R][2];
 };
 
-// the loads of steps base .. base + U - 1 (those below lim; S steps a row tile), streamed
-// past the L1
+// the loads of steps base .. base + U - 1 (those below S), streamed past the L1
 template <int WT, bool PAIRED, int U, int R, int UG>
 __device__ __forceinline__ void load_round(Round<WT, U, R, UG>& w, const void* vals,
                                            const uint32_t* meta, const float* gs, int rt0,
-                                           int S, int lim, int base, int lane, int q) {
+                                           int S, int base, int lane, int q) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int ks = base + u;
-    if (ks < lim) {
+    if (ks < S) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const size_t tile = (size_t)(rt0 + r) * S;
@@ -290,36 +283,13 @@ __device__ __forceinline__ void store_x(uint4* xw, const uint4 (&xv)[MT * U], in
   }
 }
 
-// the output (m, n) that sum ric = (r * MT + i) * 4 + c of lane l's fragments is (the mma's
-// accumulator layout: rows q and q + 8 of tile r, columns 2t and 2t + 1 of m tile i)
-template <int MT>
-__device__ __forceinline__ int out_m(int ric, int l) {
-  const int ic = ric % (MT * 4);
-  return (ic >> 2) * 8 + 2 * (l & 3) + (ic & 1);
-}
-template <int MT>
-__device__ __forceinline__ int out_n(int ric, int l, int rt0) {
-  const int r = ric / (MT * 4), c = ric % (MT * 4) & 3;
-  return (rt0 + r) * 16 + (l >> 2) + ((c & 2) ? 8 : 0);
-}
-
-// y[m, n] from its float32 sum: x's and the weight's scales, the bias, rounded to bf16
-__device__ __forceinline__ void store_y(float s, int m, int n, const float* xs, int xs_stride,
-                                        const float* ws, const __nv_bfloat16* bias,
-                                        __nv_bfloat16* y, int N) {
-  if (xs) s *= xs[m * xs_stride];
-  if (ws) s *= ws[n];
-  if (bias) s += __bfloat162float(bias[n]);
-  y[(size_t)m * N + n] = __float2bfloat16(s);
-}
-
 template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, int XM>
 __global__ void __launch_bounds__(WARPS * 32)
 sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
                 const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
                 const float* __restrict__ ws, const float* __restrict__ gs,
-                const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y,
-                float* __restrict__ part, int* __restrict__ sem, int M, int N, int K) {
+                const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M,
+                int N, int K) {
   static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
   static_assert(!(XM & 1) || U >= 2, "the swizzle takes 8 chunks a row");
   static_assert(WT != INT4 || U % 4 == 0, "int4 takes whole groups of 4 steps");
@@ -329,10 +299,6 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q = lane >> 2, t = lane & 3;
   const int S = K >> 5;
-  constexpr int SPLIT = ((XM >> 3) & 3) + 1;  // blocks a row tile's steps are shared out among
-  // this block's steps: s0 .. s1 - 1 (slices of whole groups of 4 steps)
-  const int SL = SPLIT == 1 ? S : (((S + SPLIT - 1) / SPLIT + 3) & ~3);
-  const int s0 = SPLIT == 1 ? 0 : blockIdx.y * SL, s1 = SPLIT == 1 ? S : min(S, s0 + SL);
   float acc[R][MT][4];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -357,36 +323,36 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
   constexpr int NL = XS ? MT * U : 1;          // staged x: 16-byte loads a lane and round
   Round<WT, U, R, UG> w;                       // the round's weight, as loaded
   uint4 xv[NL];                                // staged x: the round's x, as loaded
-  int base = s0 + warp * U;
+  int base = warp * U;
   if constexpr (PF) {  // the first round's loads; each round then loads the next one's
-    load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, s1, base, lane, q);
+    load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, base, lane, q);
     if constexpr (PDL) {  // weights only above: x and y belong to the kernels around this one
       launch_dependents();
       grid_dependency_wait();
     }
-    if constexpr (XS) load_x<MT, U>(xv, x, sx, M, s1, base, lane);
+    if constexpr (XS) load_x<MT, U>(xv, x, sx, M, S, base, lane);
   }
-  for (; base < s1; base += WARPS * U) {
+  for (; base < S; base += WARPS * U) {
     Round<WT, U, R, UG> wn;
     uint4 xn[NL];
     if constexpr (PF) {
-      load_round<WT, PAIRED>(wn, vals, meta, gs, rt0, S, s1, base + WARPS * U, lane, q);
-      if constexpr (XS) load_x<MT, U>(xn, x, sx, M, s1, base + WARPS * U, lane);
+      load_round<WT, PAIRED>(wn, vals, meta, gs, rt0, S, base + WARPS * U, lane, q);
+      if constexpr (XS) load_x<MT, U>(xn, x, sx, M, S, base + WARPS * U, lane);
     } else {
-      load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, s1, base, lane, q);
-      if constexpr (XS) load_x<MT, U>(xv, x, sx, M, s1, base, lane);
+      load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, base, lane, q);
+      if constexpr (XS) load_x<MT, U>(xv, x, sx, M, S, base, lane);
     }
     // this warp's slice of shared memory: its U steps of x, all MT * 8 rows
     uint4* xw = reinterpret_cast<uint4*>(smem) + warp * (MT * 8 * U * 4);
     if constexpr (XS) {
       __syncwarp();  // every lane's ldmatrix of the last round has read the slice
-      store_x<MT, U>(xw, xv, s1, base, lane);
+      store_x<MT, U>(xw, xv, S, base, lane);
       __syncwarp();
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int ks = base + u;
-      if (ks < s1) {
+      if (ks < S) {
         uint32_t a[R][4];
 #pragma unroll
         for (int r = 0; r < R; ++r) widen<WT>(a[r], w.v[u][r]);
@@ -433,32 +399,16 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) s += red[w][ric][l];
-    const int m = out_m<MT>(ric, l), n = out_n<MT>(ric, l, rt0);
+    const int r = ric / (MT * 4), ic = ric % (MT * 4);
+    const int i = ic >> 2, c = ic & 3;
+    const int row = (l >> 2) + ((c & 2) ? 8 : 0);
+    const int m = i * 8 + 2 * (l & 3) + (c & 1);
+    const int n = (rt0 + r) * 16 + row;
     if (m < M) {
-      if constexpr (SPLIT == 1) store_y(s, m, n, xs, xs_stride, ws, bias, y, N);
-      else part[((size_t)blockIdx.y * M + m) * N + n] = s;
-    }
-  }
-  if constexpr (SPLIT > 1) {
-    // the last of the row tile's blocks to get here adds the blocks' sums up
-    __shared__ int last;
-    __threadfence();  // this block's sums are visible to every block ...
-    __syncthreads();
-    if (threadIdx.x == 0) {  // ... before it counts itself in
-      last = atomicAdd(&sem[blockIdx.x], 1) == SPLIT - 1;
-      if (last) sem[blockIdx.x] = 0;  // every block of the tile has counted: the next launch's
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int idx = threadIdx.x; idx < R * MT * 4 * 32; idx += WARPS * 32) {
-      const int ric = idx >> 5, l = idx & 31;
-      const int m = out_m<MT>(ric, l), n = out_n<MT>(ric, l, rt0);
-      if (m < M) {
-        float s = 0.f;
-        for (int j = 0; j < SPLIT; ++j) s += __ldcg(part + ((size_t)j * M + m) * N + n);
-        store_y(s, m, n, xs, xs_stride, ws, bias, y, N);
-      }
+      if (xs) s *= xs[m * xs_stride];
+      if (ws) s *= ws[n];
+      if (bias) s += __bfloat162float(bias[n]);
+      y[(size_t)m * N + n] = __float2bfloat16(s);
     }
   }
 }
@@ -489,11 +439,9 @@ template <int MT, int WT, bool PAIRED>
 int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
               const __nv_bfloat16* x, int sx, const void* vals, const uint32_t* meta,
               const float* xs, int xs_stride, const float* ws, const float* gs,
-              const __nv_bfloat16* bias, __nv_bfloat16* y, float* part, int* sem, int M,
-              int K) {
+              const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int K) {
   if ((N / 16) % rows) return -2;
-  if ((xsm >> 3) && (part == nullptr || sem == nullptr)) return -2;
-  dim3 grid(N / 16 / rows, ((xsm >> 3) & 3) + 1);
+  dim3 grid(N / 16 / rows);
   // (the attribute call is a host-side setting, made once an instantiation; no stream work)
 #define SK24_GO(W, UU, RR, X)                                                                \
   if constexpr (WT != INT4 || UU % 4 == 0) {                                                 \
@@ -509,7 +457,7 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
       }                                                                                      \
       attr = true;                                                                           \
       return go(kern, grid, W * 32, bytes, (X & 4) != 0, st, x, sx, vals, meta, xs,          \
-                xs_stride, ws, gs, bias, y, part, sem, M, N, K);                             \
+                xs_stride, ws, gs, bias, y, M, N, K);                                        \
     }                                                                                        \
   }
   SK24_GO(4, 4, 1, 0)
@@ -536,12 +484,6 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
   SK24_GO(8, 4, 1, 7)
   SK24_GO(8, 2, 1, 7)
   SK24_GO(8, 4, 2, 7)
-  SK24_GO(8, 4, 1, 11)
-  SK24_GO(8, 4, 1, 15)
-  SK24_GO(8, 4, 1, 19)
-  SK24_GO(8, 4, 1, 23)
-  SK24_GO(8, 4, 1, 27)
-  SK24_GO(8, 4, 1, 31)
 #undef SK24_GO
   return -1;
 }
@@ -550,12 +492,11 @@ template <int MT>
 int launch_mt(int wt, int paired, int warps, int unroll, int rows, int xsm, int N,
               cudaStream_t st, const __nv_bfloat16* x, int sx, const void* vals,
               const uint32_t* meta, const float* xs, int xs_stride, const float* ws,
-              const float* gs, const __nv_bfloat16* bias, __nv_bfloat16* y, float* part,
-              int* sem, int M, int K) {
+              const float* gs, const __nv_bfloat16* bias, __nv_bfloat16* y, int M, int K) {
 #define SK24_WT(T, P)                                                                        \
   if (wt == T && paired == P)                                                                \
     return launch_wu<MT, T, P>(warps, unroll, rows, xsm, N, st, x, sx, vals, meta, xs,       \
-                               xs_stride, ws, gs, bias, y, part, sem, M, K);
+                               xs_stride, ws, gs, bias, y, M, K);
   SK24_WT(BF16, true)
   SK24_WT(BF16, false)
   SK24_WT(FP8, true)
@@ -683,14 +624,12 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 // metadata only, K a multiple of 128, gs the
 // group scales (N / 16, K / 128, 16) float32); xsm: 0 loads x directly, 1 stages it through
 // shared memory (x's rows 16-byte aligned), 3 stages it and prefetches each next round, 7 also
-// launches as a programmatic dependent of the kernel before it; plus 8 (split - 1) for split-K
-// over `split` blocks a row tile: part a float32 workspace of (split, M, N), sem N / 16 / rows
-// int32 counters, zero before the first such launch (each launch leaves them zero)
+// launches as a programmatic dependent of the kernel before it
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
                                const float* xs, int xs_stride, const float* ws, const float* gs,
-                               const void* bias, void* y, float* part, int* sem, int M, int N,
-                               int K, int wt, int paired, int warps, int unroll, int rows,
-                               int xsm, void* stream) {
+                               const void* bias, void* y, int M, int N, int K, int wt,
+                               int paired, int warps, int unroll, int rows, int xsm,
+                               void* stream) {
   if (M < 1 || M > 32 || N % 16 || K % 64 || rows < 1) return -2;
   if (wt == INT4 && (K % 128 || !paired || gs == nullptr)) return -2;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
@@ -701,18 +640,18 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   int rc;
   if (M <= 8)
     rc = launch_mt<1>(wt, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs,
-                      xs_stride, ws, gs, bb, yb, part, sem, M, K);
+                      xs_stride, ws, gs, bb, yb, M, K);
   else if (M <= 16)
     rc = launch_mt<2>(wt, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs,
-                      xs_stride, ws, gs, bb, yb, part, sem, M, K);
+                      xs_stride, ws, gs, bb, yb, M, K);
   else
     rc = launch_mt<4>(wt, paired, warps, unroll, rows, xsm, N, st, xb, sx, vals, mb, xs,
-                      xs_stride, ws, gs, bb, yb, part, sem, M, K);
+                      xs_stride, ws, gs, bb, yb, M, K);
   if (rc) return rc;
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 9; }
+extern "C" int sk24_mma_version() { return 8; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
