@@ -33,9 +33,8 @@
 # and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
 # 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
 # sparsegpt takes LAYERS (default 8); gen_core, gen_int4 and gen_narrow take BATCHES (default
-# 16,1) and
-# PDL (set: inductor's kernels launched as programmatic dependents in every way) and PROFILE
-# (set: one more call per way under torch.profiler, kernel time by kind).
+# 16,1), PDL (set: inductor's kernels launched as programmatic dependents in every way) and
+# PROFILE (set: one more call per way under torch.profiler, kernel time by kind).
 set -uo pipefail
 stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_narrow sparsegpt gpu_tests"
 for stage in "$@"; do
