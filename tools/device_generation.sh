@@ -21,9 +21,10 @@
 #   tools/device_generation.sh gen_int4     # generate(): int4 2:4 and int4 dense (issue 32's
 #                                           # own-kernel comparison) at batch 16, then 1,
 #                                           # against HF reduce-overhead and sparsekit's dense
-#   tools/device_generation.sh gen_narrow   # generate(): fp8w and int4 2:4 (the narrow formats)
-#                                           # at batch 16, then 1, against HF reduce-overhead
-#                                           # and sparsekit's dense way
+#   tools/device_generation.sh gen_way      # generate(): the ways PRECISIONS names (one fits a
+#                                           # call; fp8w and int4 together did not, 520 s at
+#                                           # batch 1 with PROFILE on an H100) at batch 16, then
+#                                           # 1, against the dense ways DENSE names
 #   tools/device_generation.sh sparsegpt    # joint SparseGPT 2:4 + GPTQ int4 on 8 blocks of
 #                                           # the 8B shapes, 128 x 2048 calibration tokens
 #                                           # (issue 32's 15-minute target, scaled to 32)
@@ -32,11 +33,13 @@
 # Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
 # and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
 # 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
-# sparsegpt takes LAYERS (default 8); gen_core, gen_int4 and gen_narrow take BATCHES (default
-# 16,1), PDL (set: inductor's kernels launched as programmatic dependents in every way) and
-# PROFILE (set: one more call per way under torch.profiler, kernel time by kind).
+# sparsegpt takes LAYERS (default 8); gen_core, gen_int4 and gen_way take BATCHES (default
+# 16,1), DENSE (default hf,sk: HF static cache + reduce-overhead, sparsekit's dense generate),
+# PDL (set: inductor's kernels launched as programmatic dependents in every way) and PROFILE
+# (set: one more call per way under torch.profiler, kernel time by kind); gen_way takes
+# PRECISIONS (default fp8w).
 set -uo pipefail
-stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_narrow sparsegpt gpu_tests"
+stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_way sparsegpt gpu_tests"
 for stage in "$@"; do
   case " $stages " in *" $stage "*) ;; *)
     echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
@@ -46,10 +49,10 @@ out=${OUT:-device_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-# STAGE PRECISIONS: those ways at batch 16, then 1, against HF reduce-overhead and dense_sk
+# STAGE PRECISIONS: those ways at batch 16, then 1, against the DENSE ways
 pair_16_1() {
   timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate \
-    --batches "${BATCHES:-16,1}" --precisions "$2" --dense hf,sk --per-step "" --no-peers \
+    --batches "${BATCHES:-16,1}" --precisions "$2" --dense "${DENSE:-hf,sk}" --per-step "" --no-peers \
     --rounds 3 ${PDL:+--inductor-pdl} ${PROFILE:+--profile} \
     --out "$out/$1.json" 2>&1 | tee "$out/$1.log" | tail -n 40
 }
@@ -88,7 +91,7 @@ for stage in "$@"; do
         --no-peers --rounds 3 --out "$out/gen_b1.json" 2>&1 | tee "$out/gen_b1.log" | tail -n 40 ;;
     gen_core) pair_16_1 gen_core bf16,fp8w ;;
     gen_int4) pair_16_1 gen_int4 int4,int4dense ;;
-    gen_narrow) pair_16_1 gen_narrow fp8w,int4 ;;
+    gen_way) p=${PRECISIONS:-fp8w}; pair_16_1 "gen_${p//,/_}" "$p" ;;
     sparsegpt)
       timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \
         --out "$out/sparsegpt_gptq.json" 2>&1 | tee "$out/sparsegpt_gptq.log" | tail -n 20 ;;
