@@ -52,8 +52,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 # STAGE PRECISIONS: those ways at batch 16, then 1, against the DENSE ways
 pair_16_1() {
   timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate \
-    --batches "${BATCHES:-16,1}" --precisions "$2" --dense "${DENSE:-hf,sk}" --per-step "" --no-peers \
-    --rounds 3 ${PDL:+--inductor-pdl} ${PROFILE:+--profile} \
+    --batches "${BATCHES:-16,1}" --precisions "$2" --dense "${DENSE:-hf,sk}" --per-step "" \
+    --no-peers --rounds 3 ${PDL:+--inductor-pdl} ${PROFILE:+--profile} \
     --out "$out/$1.json" 2>&1 | tee "$out/$1.log" | tail -n 40
 }
 for stage in "$@"; do
