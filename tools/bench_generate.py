@@ -42,7 +42,8 @@ Sections (``--sections``, default both):
   agreement of HF's eager generate with that dense run: random weights have small logit
   margins, so greedy tokens part at rounding differences; tools/check_generate_numerics.py
   checks agreement on a trained model), the seconds of each way's first call per batch
-  (compiles) and of ``accelerate``. Each way is built once and
+  (compiles; for sparsekit's ways also those of its calls that built a prefill or decode graph,
+  ``first_call_graphs_s``) and of ``accelerate``. Each way is built once and
   serves every batch; on an 80 GB GPU, run one precision per call (``--precisions``).
 
 ``--smoke`` runs a one-layer tiny model on CPU (reference kernels, no timing claims): what CI
@@ -608,6 +609,7 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
         out[str(batch)] = res
         outputs = {}
         for name, (fn, info) in list(ways.items()):
+            spent = dict(info["report"].seconds) if "report" in info else {}
             t0 = time.perf_counter()
             try:
                 outputs[name] = fn(ids)  # compiles this batch's shapes
@@ -622,6 +624,10 @@ def generate_rows(args, device, save=lambda out: None) -> dict:
             if "report" in info:  # sparsekit's ways: a first call that compiled nothing ran
                 compiles = info["report"].compiles  # eagerly (or reused another's graphs)
                 res["ways"][name].update(compiles=compiles, compiled=compiles > 0)
+                # where the first call went: its graph-building prefill and decode calls
+                res["ways"][name]["first_call_graphs_s"] = {
+                    k.removeprefix("generate_"): v - spent.get(k, 0.0)
+                    for k, v in info["report"].seconds.items() if k.startswith("generate_")}
                 # the decode plan per layer shape: kernel, configurations, timings per M
                 res["ways"][name]["decode_notes"] = list(dict.fromkeys(
                     n for n in info["report"].notes if n.startswith("decode")))

@@ -16,7 +16,9 @@ and the graphs stay valid; the prefill computes the logits of the last position 
 Compiles are counted in the model's report (``report.compiles``): one per prefill bucket and
 one per batch size for decode (the cache's layers are allocated before its first use, so its
 second use compiles nothing new), and a prompt that fills its bucket exactly runs without a
-mask: one more graph for that length.
+mask: one more graph for that length. The host seconds of the calls that built a graph
+(compiled, warmed up and captured it) add up per kind in ``report.seconds``
+(``generate_prefill``, ``generate_decode``): where a first generate's time goes.
 
 HF's loop checks after each token whether every sequence has finished, which makes the host
 wait for the GPU every step; here that check is read a few steps late
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -75,7 +78,7 @@ class Generator:
 
     def __init__(self, model: nn.Module, device: torch.device, *, compile: bool,
                  backend: str, count: Callable[[int], None], notes: list[str],
-                 inductor: dict | None = None):
+                 inductor: dict | None = None, seconds: dict[str, float] | None = None):
         check_generates(model)
         self.model = model
         self.device = device
@@ -94,6 +97,7 @@ class Generator:
         self.capture = compile and device.type == "cuda"
         self.graphs: dict[tuple[int, str], graphs.GraphCache] = {}
         self.notes = notes
+        self.seconds = {} if seconds is None else seconds  # report.seconds: graph-building calls
         self.attention = attention_for(model, device)
         if self.attention is not None:
             notes.append("generate: decode attention on sparsekit's kernel (grouped-query "
@@ -140,8 +144,9 @@ class Generator:
                 dst.copy_(src)
 
         gc.reset = reset
-        before = gc.compiled
-        out = gc.run(args, kwargs)
+        before, t0 = gc.compiled, time.perf_counter()
+        out = gc.run(args, kwargs)  # a new signature: compiled if new, warmed up, captured
+        self._spent(kind, t0)
         self.count(gc.compiled - before)
         if out is None:
             reset()
@@ -166,9 +171,13 @@ class Generator:
                 if out is not None:
                     return out
             before = _compat.compiled_graph_count() if self.compiled else 0
+            t0 = time.perf_counter()
             out = self.run(*args, past_key_values=cache, **kwargs)
             if self.compiled:
-                self.count(_compat.compiled_graph_count() - before)
+                new = _compat.compiled_graph_count() - before
+                if new:
+                    self._spent("decode" if decode else "prefill", t0)
+                self.count(new)
             return out
 
         config = self.model.config
@@ -181,6 +190,11 @@ class Generator:
         finally:
             del self.model.forward
             config._attn_implementation = before
+
+    def _spent(self, kind: str, t0: float) -> None:
+        """Add the seconds since ``t0`` (a call that built a ``kind`` graph) to the report."""
+        key = f"generate_{kind}"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:

@@ -134,7 +134,8 @@ class AcceleratedModel(nn.Module):
             from sparsekit.accel.generate import Generator
             gen = Generator(self.model, self.device, compile=self.compiled,
                             backend=self.options.backend, count=self._count,
-                            notes=self.report.notes, inductor=self.options.inductor)
+                            notes=self.report.notes, inductor=self.options.inductor,
+                            seconds=self.report.seconds)
             self.__dict__["generator"] = gen
         return gen.generate(input_ids, attention_mask, max_new_tokens, **kwargs)
 

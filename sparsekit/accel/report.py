@@ -76,7 +76,8 @@ class AccelReport(Report):
     model_us: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # "plan" (all of it; of which "plan_layers": per-GEMM timing, "plan_model": whole-model
-    # plans), "compile" (the first call)
+    # plans), "compile" (the first call), "generate_prefill" / "generate_decode" (generate()'s
+    # calls that built a graph of that kind: compile, warm-up, capture)
     seconds: dict[str, float] = field(default_factory=dict)
     compiles: int = 0  # graphs torch.compile built for this model (1 + recompiles)
     plan: str = ""  # auto, whole-model planning: the plan kept ("dense", "per_layer", a variant)

@@ -309,12 +309,15 @@ def test_generate_equals_hf_generate_and_bounds_compiles(kernel, monkeypatch):
     assert torch.equal(out, want)
     before = fast.report.compiles
     assert before >= 2  # the prefill bucket and the decode step
+    spent = {k: v for k, v in fast.report.seconds.items() if k.startswith("generate_")}
+    assert set(spent) == {"generate_prefill", "generate_decode"} and min(spent.values()) > 0
     fast.generate(ids[:, :9], max_new_tokens=8)  # the cache's second use: nothing new
     for length in (10, 15):  # one bucket (16): no new graph
         got = fast.generate(ids[:, :length] if length <= 11 else
                             torch.cat([ids, ids[:, :length - 11]], 1), max_new_tokens=8)
         assert got.shape == (2, length + 8)
     assert fast.report.compiles == before
+    assert all(fast.report.seconds[k] == v for k, v in spent.items())  # no graph built since
 
 
 def test_fp8_weight_only_model_generates_the_float64_models_tokens():

@@ -27,6 +27,10 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
     for way in gen["ways"].values():
         assert way["agreement"]["equal_fraction"] >= 0.0 and "accelerate_s" in way
         assert way["compiled"] and way["compiles"] >= 1  # no way left uncompiled
+        # the first call's graph-building calls, within the first call's time
+        graphs = way["first_call_graphs_s"]
+        assert graphs.keys() == {"prefill", "decode"} and min(graphs.values()) > 0
+        assert sum(graphs.values()) <= way["first_call_s"]
     assert "reference_warning" not in gen
     # which small-M kernel the layers decode on (CPU: the Triton format's reference)
     assert gen["ways"]["sk_bf16_2:4"]["decode_kernels"] == {"triton": 7}  # q k v o gate up down
