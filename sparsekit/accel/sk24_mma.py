@@ -94,18 +94,22 @@ INT4_COLUMNS = 128  # the columns one int4 scale covers in the format (a group o
 # formats, fp8 and int4, waits on few bytes a round otherwise); 7, as 3 and launched as a
 # programmatic dependent of the kernel before it (Hopper's PDL, kept by CUDA graphs): its blocks
 # start while that kernel ends and issue their first round's weight loads before they wait for
-# it, so that a decode step's many short kernels overlap their ends and starts.
+# it, so that a decode step's many short kernels overlap their ends and starts. Plus 8 (with
+# 1): each warp brings its weights through a ring of three rounds in shared memory, copied
+# (cp.async) two rounds ahead, so that more weight bytes are in flight without the registers
+# that prefetching into registers costs (bit 1 then prefetches x alone).
 # :func:`default_config` picks among the staged ones; the planner times them all per shape and
 # M bucket (:data:`BUCKETS`)
 CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0), (4, 4, 2, 0),
            (8, 4, 2, 0), (4, 4, 4, 0), (4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1), (4, 4, 2, 1),
            (8, 4, 2, 1), (4, 4, 4, 1), (4, 4, 1, 3), (8, 4, 1, 3), (8, 2, 1, 3), (8, 8, 1, 3),
-           (8, 4, 2, 3), (4, 4, 4, 3), (4, 4, 1, 7), (8, 4, 1, 7), (8, 2, 1, 7), (8, 4, 2, 7))
+           (8, 4, 2, 3), (4, 4, 4, 3), (4, 4, 1, 7), (8, 4, 1, 7), (8, 2, 1, 7), (8, 4, 2, 7),
+           (8, 4, 1, 9), (8, 4, 1, 11), (8, 4, 1, 15), (8, 4, 2, 15))
 PDL_CONFIGS = tuple(c for c in CONFIGS if c[3] & 4)  # launched as programmatic dependents
 # the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
-VERSION = 8  # sk24_mma_version() of the library this module calls
+VERSION = 9  # sk24_mma_version() of the library this module calls
 # the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
 # (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
 WAYS = ("bf16", "f16", "int4")

@@ -22,6 +22,10 @@
 // last blocks run, issue their first round's weight loads (the weights are constants of the
 // model), then wait (griddepcontrol.wait: that kernel complete, its writes visible) before
 // they read x or write y; each block also lets the next programmatic dependent start at once.
+// Bit 3 (with bit 0): the weights reach the registers through a ring of NS rounds in shared
+// memory that each warp fills with cp.async NS - 1 rounds ahead (each lane copies, and later
+// reads, its own bytes only: no barrier), so that a warp has NS - 1 rounds of weight bytes in
+// flight without holding them in registers (bit 1 then prefetches x alone).
 // Plain C entry
 // point (no torch headers): built by nvcc into a shared library and called through ctypes with
 // the current stream, so the launch goes into CUDA graphs like any other kernel.
@@ -65,6 +69,28 @@ __device__ __forceinline__ uint2 ldg64_stream(const uint2* p) {
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
                : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
+}
+
+// an asynchronous copy of B bytes (4, 8 or 16) from global to shared memory, in the current
+// group (16 bytes past the L1, smaller ones through it: cp.async.cg takes 16 only)
+template <int B>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if constexpr (B == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(B)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// wait until at most N of this thread's groups are pending (its older copies have landed)
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ uint32_t ldg32_stream(const uint32_t* p) {
@@ -154,7 +180,7 @@ __device__ __forceinline__ void launch_dependents() {
 // shared memory of the staged-x kernel: each warp's x slice (MT * 8 rows of U * 4 chunks of
 // 16 bytes), reused for the warps' partial sums at the end
 template <int MT, int WARPS, int U, int R>
-constexpr int xs_smem_bytes() {
+__host__ __device__ constexpr int xs_smem_bytes() {
   return (WARPS * MT * 8 * U * 4 * 16 > WARPS * R * MT * 4 * 32 * 4)
              ? WARPS * MT * 8 * U * 4 * 16 : WARPS * R * MT * 4 * 32 * 4;
 }
@@ -238,6 +264,79 @@ __device__ __forceinline__ void load_round(Round<WT, U, R, UG>& w, const void* v
   }
 }
 
+// x mode bit 3: a warp's round of weights in shared memory, lane-minor (each lane's words
+// contiguous with its neighbours': conflict-free): int4 one 16-byte word a lane per group of 4
+// steps, the other kinds one RawOf a step; metadata one word a step (paired: even steps only);
+// int4 the scales of rows q and q + 8 per group
+template <int WT> struct RingRawOf { using T = typename RawOf<WT>::T; };
+template <> struct RingRawOf<INT4> { using T = uint4; };
+constexpr int NS = 3;  // rounds in a warp's ring: NS - 1 in flight while one is computed
+
+template <int WT, int U, int R, int UG>
+struct RingStage {
+  typename RingRawOf<WT>::T v[WT == INT4 ? UG : U][R][32];
+  uint32_t e[U][R][32];
+  float sc[UG][R][2][32];
+};
+
+// load_round's loads as cp.async copies into a ring stage (the current group)
+template <int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void copy_round(RingStage<WT, U, R, UG>* st, const void* vals,
+                                           const uint32_t* meta, const float* gs, int rt0,
+                                           int S, int base, int lane, int q) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int ks = base + u;
+    if (ks < S) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const size_t tile = (size_t)(rt0 + r) * S;
+        if constexpr (WT == INT4) {
+          if ((u & 3) == 0) {
+            const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
+            cp_async<16>(&st->v[u >> 2][r][lane], reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
+            cp_async<4>(&st->sc[u >> 2][r][0][lane], gs + g * 16 + q);
+            cp_async<4>(&st->sc[u >> 2][r][1][lane], gs + g * 16 + q + 8);
+          }
+        } else if constexpr (WT == BF16) {
+          cp_async<16>(&st->v[u][r][lane], reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
+        } else {
+          cp_async<8>(&st->v[u][r][lane], reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
+        }
+        if (PAIRED) {
+          if ((u & 1) == 0)
+            cp_async<4>(&st->e[u][r][lane],
+                        meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
+        } else {
+          cp_async<4>(&st->e[u][r][lane], meta + (tile + ks) * 32 + lane);
+        }
+      }
+    }
+  }
+}
+
+// a round's registers from its ring stage (the lane's own copies, landed)
+template <int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void read_round(Round<WT, U, R, UG>& w,
+                                           const RingStage<WT, U, R, UG>* st, int lane) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if constexpr (WT == INT4) {
+        if ((u & 3) == 0) {
+          const uint4 v = st->v[u >> 2][r][lane];
+          w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
+          w.sc[u >> 2][r][0] = st->sc[u >> 2][r][0][lane];
+          w.sc[u >> 2][r][1] = st->sc[u >> 2][r][1][lane];
+        }
+      } else {
+        w.v[u][r] = st->v[u][r][lane];
+      }
+      w.e[u][r] = (PAIRED && (u & 1)) ? w.e[u - 1][r] : st->e[u][r][lane];
+    }
+}
+
 // a step's A registers from the lane's values as stored
 template <int WT>
 __device__ __forceinline__ void widen(uint32_t (&a)[4], const typename RawOf<WT>::T& v) {
@@ -318,13 +417,30 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
     xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
   }
   constexpr bool XS = (XM & 1) != 0, PF = (XM & 2) != 0, PDL = (XM & 4) != 0;
+  constexpr bool RING = (XM & 8) != 0;
   static_assert(!PDL || (XS && PF), "a programmatic launch prefetches its first round");
+  static_assert(!RING || XS, "the weights' ring sits beside the staged x");
   constexpr int UG = WT == INT4 ? U / 4 : 1;  // int4: groups of 4 steps a round
   constexpr int NL = XS ? MT * U : 1;          // staged x: 16-byte loads a lane and round
   Round<WT, U, R, UG> w;                       // the round's weight, as loaded
   uint4 xv[NL];                                // staged x: the round's x, as loaded
   int base = warp * U;
-  if constexpr (PF) {  // the first round's loads; each round then loads the next one's
+  // the ring: this warp's NS stages, after every warp's x slice
+  RingStage<WT, U, R, UG>* ring = reinterpret_cast<RingStage<WT, U, R, UG>*>(
+                                      smem + xs_smem_bytes<MT, WARPS, U, R>()) + warp * NS;
+  int round = 0;
+  if constexpr (RING) {  // the first NS - 1 rounds' copies, one group each
+#pragma unroll
+    for (int p = 0; p < NS - 1; ++p) {
+      copy_round<WT, PAIRED>(ring + p, vals, meta, gs, rt0, S, base + p * WARPS * U, lane, q);
+      cp_async_commit();
+    }
+    if constexpr (PDL) {
+      launch_dependents();
+      grid_dependency_wait();
+    }
+    if constexpr (PF) load_x<MT, U>(xv, x, sx, M, S, base, lane);
+  } else if constexpr (PF) {  // the first round's loads; each round then loads the next one's
     load_round<WT, PAIRED>(w, vals, meta, gs, rt0, S, base, lane, q);
     if constexpr (PDL) {  // weights only above: x and y belong to the kernels around this one
       launch_dependents();
@@ -335,7 +451,16 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
   for (; base < S; base += WARPS * U) {
     Round<WT, U, R, UG> wn;
     uint4 xn[NL];
-    if constexpr (PF) {
+    if constexpr (RING) {  // round + NS - 1's copies; then this round's, landed, to registers
+      copy_round<WT, PAIRED>(ring + (round + NS - 1) % NS, vals, meta, gs, rt0, S,
+                             base + (NS - 1) * WARPS * U, lane, q);
+      cp_async_commit();
+      if constexpr (PF) load_x<MT, U>(xn, x, sx, M, S, base + WARPS * U, lane);
+      else load_x<MT, U>(xv, x, sx, M, S, base, lane);
+      cp_async_wait<NS - 1>();
+      read_round<WT, PAIRED>(w, ring + round % NS, lane);
+      ++round;
+    } else if constexpr (PF) {
       load_round<WT, PAIRED>(wn, vals, meta, gs, rt0, S, base + WARPS * U, lane, q);
       if constexpr (XS) load_x<MT, U>(xn, x, sx, M, S, base + WARPS * U, lane);
     } else {
@@ -379,11 +504,12 @@ sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restr
       }
     }
     if constexpr (PF) {
-      w = wn;
+      if constexpr (!RING) w = wn;
 #pragma unroll
       for (int s = 0; s < NL; ++s) xv[s] = xn[s];
     }
   }
+  if constexpr (RING) cp_async_wait<0>();  // (the groups left are empty: rounds past S)
   // the warps' partial sums: red[warp][(r*MT + i)*4 + c][lane]
   __syncthreads();  // (the staged kernel's x slices become the sums' space)
   float (*red)[R * MT * 4][32] = reinterpret_cast<float (*)[R * MT * 4][32]>(smem);
@@ -448,7 +574,9 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
     if (warps == W && unroll == UU && rows == RR && xsm == X) {                              \
       auto kern = sk24_mma_kernel<MT, WT, PAIRED, W, UU, RR, X>;                             \
       constexpr int bytes =                                                                  \
-          (X & 1) ? xs_smem_bytes<MT, W, UU, RR>() : W * RR * MT * 4 * 32 * 4;               \
+          ((X & 1) ? xs_smem_bytes<MT, W, UU, RR>() : W * RR * MT * 4 * 32 * 4) +            \
+          ((X & 8) ? W * NS * (int)sizeof(RingStage<WT, UU, RR, WT == INT4 ? UU / 4 : 1>)    \
+                   : 0);                                                                     \
       static bool attr = false;                                                              \
       if (!attr && bytes > 48 * 1024) {                                                      \
         cudaError_t err = cudaFuncSetAttribute(                                              \
@@ -484,6 +612,10 @@ int launch_wu(int warps, int unroll, int rows, int xsm, int N, cudaStream_t st,
   SK24_GO(8, 4, 1, 7)
   SK24_GO(8, 2, 1, 7)
   SK24_GO(8, 4, 2, 7)
+  SK24_GO(8, 4, 1, 9)
+  SK24_GO(8, 4, 1, 11)
+  SK24_GO(8, 4, 1, 15)
+  SK24_GO(8, 4, 2, 15)
 #undef SK24_GO
   return -1;
 }
@@ -624,7 +756,8 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 // metadata only, K a multiple of 128, gs the
 // group scales (N / 16, K / 128, 16) float32); xsm: 0 loads x directly, 1 stages it through
 // shared memory (x's rows 16-byte aligned), 3 stages it and prefetches each next round, 7 also
-// launches as a programmatic dependent of the kernel before it
+// launches as a programmatic dependent of the kernel before it; plus 8 (with 1): the weights
+// through a cp.async ring in shared memory (2 then prefetches x alone)
 extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const void* meta,
                                const float* xs, int xs_stride, const float* ws, const float* gs,
                                const void* bias, void* y, int M, int N, int K, int wt,
@@ -651,7 +784,7 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 8; }
+extern "C" int sk24_mma_version() { return 9; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
