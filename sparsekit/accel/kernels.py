@@ -380,7 +380,9 @@ class FP8WSparse24(_AccelLinear):
         return "widen"
 
     def _mm(self, x2d):
-        w = sk24.decompress(self.values, self.meta, dtype=torch.bfloat16)  # exact widening
+        # exact widening behind one op: a compiler traces one call, not decompress's twenty-odd
+        # elementwise ops a layer (the first generate's compile time)
+        w = ops.sk24_widen(self.values, self.meta)
         return _widened_mm(x2d, w, self.w_scale, self.bias)
 
 

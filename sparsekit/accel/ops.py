@@ -195,6 +195,23 @@ def _sk24_mm_fake(x, values, meta, x_scale, w_scale, bias):
     return x.new_empty((x.shape[0], values.shape[0]), dtype=torch.bfloat16)
 
 
+# --- sk24_widen (the format's weight widened to dense bf16: the weight-only fp8 prefill) -----
+
+@torch.library.custom_op("sparsekit::sk24_widen", mutates_args=(), device_types="cuda")
+def sk24_widen(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    return sk24.widen(values, meta)
+
+
+@sk24_widen.register_kernel("cpu")
+def _sk24_widen_ref(values, meta):
+    return sk24.decompress(values, meta, dtype=torch.bfloat16)
+
+
+@sk24_widen.register_fake
+def _sk24_widen_fake(values, meta):
+    return values.new_empty((values.shape[0], 2 * values.shape[1]), dtype=torch.bfloat16)
+
+
 # --- sk24_mma_mm (small-M 2:4 on the sparse tensor cores, the fragment-ordered format) ------
 
 @torch.library.custom_op("sparsekit::sk24_mma_mm", mutates_args=(), device_types="cuda")
@@ -334,4 +351,5 @@ def _decode_attention_fake(q, k, v, mask, scale):
 
 __all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "decode_attention", "fmt_of",
            "int4_24_mm", "int4_mm", "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm",
-           "sk24_mm", "sk24_mma_int4_mm", "sk24_mma_mm", "sparse24_mm", "sparse24_mm_alpha"]
+           "sk24_mm", "sk24_mma_int4_mm", "sk24_mma_mm", "sk24_widen", "sparse24_mm",
+           "sparse24_mm_alpha"]

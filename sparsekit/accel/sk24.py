@@ -119,6 +119,31 @@ def decompress(values: torch.Tensor, meta: torch.Tensor, layout: str = "slabs",
     return torch.stack(cols, dim=-1).reshape(n, k).to(out)
 
 
+WIDEN_BLOCK = (16, 128)  # (rows, groups) a program of the widening kernel
+
+
+def widen(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """:func:`decompress` of the "slabs" layout to bfloat16 (exact), as one Triton kernel on
+    CUDA (on CPU tensors under ``TRITON_INTERPRET=1`` too), else as :func:`decompress`'s
+    elementwise ops. The weight-only fp8 layers' prefill widens its weight this way on each
+    call, behind an op (:func:`sparsekit.accel.ops.sk24_widen`): a compiler then traces one
+    call, not some twenty elementwise ops a layer (compile time)."""
+    import os
+
+    if not (values.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return decompress(values, meta, dtype=torch.bfloat16)
+    from sparsekit.accel import sk24_triton
+
+    n, half = values.shape
+    k = 2 * half
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=values.device)
+    bn, bg = WIDEN_BLOCK
+    grid = (-(-n // bn), -(-(k // 4) // bg))
+    sk24_triton.widen_kernel[grid](values.contiguous(), meta.contiguous(), out, n, k,
+                                   BLOCK_N=bn, BLOCK_G=bg)
+    return out
+
+
 def reference(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
               x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
               bias: torch.Tensor | None) -> torch.Tensor:

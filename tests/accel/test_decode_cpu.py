@@ -132,6 +132,74 @@ def test_triton_kernel_under_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+_WIDEN = """
+import torch
+from sparsekit.accel import sk24
+from test_decode_cpu import masked_24
+for n, k in ((5, 512), (17, 1024), (40, 2048)):  # row and group tails of a program's block
+    w = masked_24(n, k, seed=n)
+    w[0, :4] = torch.tensor([0.0, 0.0, 0.0, 1.5])  # one kept value, at the last position
+    w[1, :8] = 0.0  # groups with none
+    w8 = w.to(torch.float8_e4m3fn)
+    values, meta = sk24.compress(w8)
+    got = sk24.widen(values, meta)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, w8.to(torch.bfloat16)), (n, k)
+print("ok")
+"""
+
+
+def test_widen_kernel_under_interpreter_is_the_exact_widening():
+    # the weight-only fp8 prefill's one-pass widening against the weight it stores, bitwise
+    pytest.importorskip("triton")
+    out = run_interpreted(_WIDEN)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_widen_op_is_decompress_behind_one_op():
+    w = masked_24(48, 1024, seed=3).to(torch.float8_e4m3fn)
+    values, meta = sk24.compress(w)
+    got = ops.sk24_widen(values, meta)
+    assert torch.equal(got, sk24.decompress(values, meta, dtype=torch.bfloat16))
+    assert torch.equal(got, w.to(torch.bfloat16))
+    # (opcheck's schema check cannot multiply float8 tensors on CPU: bf16 values, same path)
+    torch.library.opcheck(ops.sk24_widen, sk24.compress(masked_24(48, 1024).bfloat16()))
+    # the layer's prefill calls it: one op in its graph, not decompress's elementwise ops
+    lin = nn.Linear(1024, 48)
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(48, 1024, seed=4))
+    sk.quantize_(lin, "fp8_weight_only")
+    layer = VARIANTS["fp8w_2:4"](lin)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: layer._mm(x))(torch.randn(20, 1024).bfloat16())
+    targets = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+    assert any("sk24_widen" in t for t in targets)
+    assert not any("where" in t for t in targets)
+
+
+def test_widen_kernel_compiles_for_sm90():
+    """The widening kernel reaches the GPU compiler (no GPU needed: Triton compiles for an
+    sm_90 target here), fp8 values in, bf16 out."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sparsekit.accel import sk24_triton
+
+    bn, bg = sk24.WIDEN_BLOCK
+    consts = {"BLOCK_N": bn, "BLOCK_G": bg}
+    sig = {"v_ptr": "*fp8e4nv", "m_ptr": "*i32", "w_ptr": "*bf16", "N": "i32", "K": "i32",
+           **dict.fromkeys(consts, "constexpr")}
+    try:
+        kernel = triton.compile(ASTSource(sk24_triton.widen_kernel, sig, consts),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except RuntimeError as e:  # a Triton without its CUDA toolchain (ptxas)
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    assert "st.global" in kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_triton_kernel_compiles_for_sm90_with_bf16_x_and_an_fp8_weight(mode):
     """The weight-only layers' operand mix reaches the GPU compiler (no GPU needed: Triton

@@ -11,6 +11,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (100, 512)])
+def test_widen_op_is_the_exact_widening(shape):
+    # the weight-only fp8 prefill's one-pass Triton widening, bitwise, tails included
+    w = masked_24(*shape).to("cuda", torch.float8_e4m3fn)
+    values, meta = sk24.compress(w)
+    assert torch.equal(ops.sk24_widen(values, meta), w.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (4096, 14336), (100, 512)])
 def test_kernel_equals_reference(dtype, shape):
