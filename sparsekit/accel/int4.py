@@ -132,8 +132,12 @@ class _Int4Linear(nn.Module):
             y = ops.sparse24_mm(x2d, self.packed, self.bias, self.out_features, self.alg_id,
                                 torch.bfloat16)
         else:
-            y = F.linear(x2d, self.dequantized_weight(torch.bfloat16), self.bias)
+            y = F.linear(x2d, self._prefill_weight(), self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _prefill_weight(self) -> torch.Tensor:
+        """The bf16 weight a "dequant" prefill multiplies with (made on each call)."""
+        return self.dequantized_weight(torch.bfloat16)
 
     def _decode(self, x2d: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -188,6 +192,11 @@ class Int4Sparse24(_Int4Linear):
 
     def dequantized_weight(self, dtype=torch.float32):
         return w4a16.dequantize_packed_24(self.values, self.meta, self.scales, dtype)
+
+    def _prefill_weight(self):
+        # one op (one pass on CUDA): a compiler traces one call, not the dequantization's
+        # elementwise ops a layer (the first generate's compile time)
+        return ops.int4_24_widen(self.values, self.meta, self.scales)
 
     def _decode(self, x2d):
         if self.mvalues is not None:

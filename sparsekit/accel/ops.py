@@ -315,6 +315,22 @@ def _int4_24_mm_fake(x, values, meta, scales, bias):
     return x.new_empty((x.shape[0], values.shape[0]), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("sparsekit::int4_24_widen", mutates_args=(), device_types="cuda")
+def int4_24_widen(values: torch.Tensor, meta: torch.Tensor, scales: torch.Tensor
+                  ) -> torch.Tensor:
+    return w4a16.widen_24(values, meta, scales)
+
+
+@int4_24_widen.register_kernel("cpu")
+def _int4_24_widen_ref(values, meta, scales):
+    return w4a16.dequantize_packed_24(values, meta, scales, torch.bfloat16)
+
+
+@int4_24_widen.register_fake
+def _int4_24_widen_fake(values, meta, scales):
+    return values.new_empty((values.shape[0], 4 * values.shape[1]), dtype=torch.bfloat16)
+
+
 @torch.library.custom_op("sparsekit::int4_mm", mutates_args=(), device_types="cuda")
 def int4_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
             bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -350,6 +366,6 @@ def _decode_attention_fake(q, k, v, mask, scale):
 
 
 __all__ = ["GELU_APPROXIMATE", "act_quant_rows", "alpha_path", "decode_attention", "fmt_of",
-           "int4_24_mm", "int4_mm", "int8_acc_dtype", "pack_24", "quant_rows", "scaled_mm",
-           "sk24_mm", "sk24_mma_int4_mm", "sk24_mma_mm", "sk24_widen", "sparse24_mm",
+           "int4_24_mm", "int4_24_widen", "int4_mm", "int8_acc_dtype", "pack_24", "quant_rows",
+           "scaled_mm", "sk24_mm", "sk24_mma_int4_mm", "sk24_mma_mm", "sk24_widen", "sparse24_mm",
            "sparse24_mm_alpha"]

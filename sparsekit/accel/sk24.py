@@ -265,5 +265,6 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     return n * (k // 2) * item + n * (k // 32) * 4 + m * k * item + m * n * 2
 
 
-__all__ = ["DTYPES", "K_MULTIPLE", "MAX_M", "bound_bytes", "check_shape", "compress",
-           "decompress", "kept", "launch", "m_bucket", "planes", "reference", "unplanes"]
+__all__ = ["DTYPES", "K_MULTIPLE", "MAX_M", "WIDEN_BLOCK", "bound_bytes", "check_shape",
+           "compress", "decompress", "kept", "launch", "m_bucket", "planes", "reference",
+           "unplanes", "widen"]

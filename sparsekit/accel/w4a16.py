@@ -211,6 +211,30 @@ def dequantize_packed_24(values: torch.Tensor, meta: torch.Tensor, scales: torch
     return _scaled(torch.stack(cols, dim=-1).reshape(values.shape[0], -1), scales, dtype)
 
 
+WIDEN_BLOCK = (16, 128)  # (rows, groups of 4) a program of the widening kernel
+
+
+def widen_24(values: torch.Tensor, meta: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize_packed_24` to bfloat16, as one Triton kernel on CUDA (on CPU tensors
+    under ``TRITON_INTERPRET=1`` too), else in its elementwise ops. An int4 2:4 layer's
+    prefill dequantizes its weight this way on each call, behind an op
+    (:func:`sparsekit.accel.ops.int4_24_widen`): a compiler then traces one call, not the
+    elementwise ops (compile time)."""
+    import os
+
+    if not (values.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return dequantize_packed_24(values, meta, scales, torch.bfloat16)
+    _, w4a16_triton = _kernels()
+    n, k = values.shape[0], 4 * values.shape[1]
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=values.device)
+    bn, bg = WIDEN_BLOCK
+    grid = (-(-n // bn), -(-(k // 4) // bg))
+    w4a16_triton.widen_24_kernel[grid](values.contiguous(), meta.contiguous(),
+                                       scales.contiguous(), out, n, k, scales.shape[1],
+                                       BLOCK_N=bn, BLOCK_G=bg)
+    return out
+
+
 def _check_call(name: str, x: torch.Tensor, n: int, k: int, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> None:
     """Shape and dtype checks of one product (no tensor data is read)."""
@@ -420,7 +444,7 @@ def bound_bytes(m: int, n: int, k: int, group_size: int, sparse: bool,
 
 
 __all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "ROWS_MAX_M", "SCALE_DTYPES",
-           "bound_bytes", "check_shape", "dequantize", "dequantize_packed",
+           "WIDEN_BLOCK", "bound_bytes", "check_shape", "dequantize", "dequantize_packed",
            "dequantize_packed_24", "launch", "launch_24", "pack", "pack_24", "pack_nibbles",
            "positions", "reference", "reference_24", "rows_fit", "unpack", "unpack_24",
-           "unpack_nibbles", "x_planes", "x_planes_24"]
+           "unpack_nibbles", "widen_24", "x_planes", "x_planes_24"]

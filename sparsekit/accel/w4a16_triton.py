@@ -522,3 +522,44 @@ tuned_24_rows = triton.autotune(configs=row_configs(), key=_ROW_KEY,
 tuned_rows = triton.autotune(configs=row_configs(), key=_ROW_KEY,
                              prune_configs_by={"early_config_prune": _row_prune(False)}
                              )(int4_rows_kernel)
+
+
+@triton.jit
+def _bf16_rne(v):
+    """float32 (finite) to bfloat16, rounded to nearest even by integer ops: as torch's
+    ``.to(torch.bfloat16)`` on every backend (Triton's interpreter truncates a plain cast)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def widen_24_kernel(v_ptr, m_ptr, s_ptr, w_ptr, N, K, GROUPS, BLOCK_N: tl.constexpr,
+                    BLOCK_G: tl.constexpr):
+    """The 2:4 format's weight ``q * scale`` (N, K) in bfloat16 (float32 products, as
+    :func:`sparsekit.accel.w4a16.dequantize_packed_24`) in one pass: program (i, j) takes rows
+    ``i * BLOCK_N ..`` and groups of 4 ``j * BLOCK_G ..``; each group's four columns are
+    selected from its two kept values by the metadata's P, Q, R bits and stored contiguously."""
+    G = K // 4
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
+    ok = (rows < N) & (g < G)
+    byte = tl.load(v_ptr + rows * G + g, mask=ok, other=0).to(tl.int32)
+    word = tl.load(m_ptr + rows * (K // 32) + g // 8, mask=ok, other=0)
+    code = (word >> (4 * (g % 8))) & 0xF
+    p, q, r = code & 1, (code >> 1) & 1, (code >> 2) & 1
+    i0 = tl.where(p == 1, 0, tl.where(q == 1, 1, 2))
+    i1 = tl.where(r == 1, 3, tl.where(q == 1, 2, 1))
+    scale = tl.load(s_ptr + rows * GROUPS + (4 * g) // (K // GROUPS), mask=ok,
+                    other=0).to(tl.float32)
+    v0 = ((byte & 0xF) - 8).to(tl.float32) * scale
+    v1 = ((byte >> 4) - 8).to(tl.float32) * scale
+    zero = tl.zeros_like(v0)
+    c0 = _bf16_rne(tl.where(i0 == 0, v0, zero))
+    c1 = _bf16_rne(tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, zero)))
+    c2 = _bf16_rne(tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero)))
+    c3 = _bf16_rne(tl.where(i1 == 3, v1, zero))
+    # join's new axis is the last: [a, b] of join(join(c0, c2), join(c1, c3)) is c_(2a + b)
+    cols = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_N, 4 * BLOCK_G))
+    c = tl.program_id(1) * 4 * BLOCK_G + tl.arange(0, 4 * BLOCK_G)[None, :]
+    tl.store(w_ptr + rows * K + c, cols, mask=(rows < N) & (c < K))

@@ -202,6 +202,79 @@ def test_triton_kernels_interpreted_equal_reference():
     assert run.stdout.count("ok ") == 2 * (2 * len(CASES) + 1) + 2 * 3 * len(ROW_CASES)
 
 
+_WIDEN_24 = """
+import torch
+from sparsekit.accel import w4a16
+from test_int4_kernels_cpu import _q24, _scales
+# row and group tails of a program's block; groups of 32, 64, 128 and one per row; bf16 scales
+for n, k, group, dtype in ((5, 512, 128, torch.float32), (17, 1024, 64, torch.float32),
+                           (40, 2048, 2048, torch.float32), (3, 256, 32, torch.bfloat16)):
+    q = _q24(n, k, seed=n)
+    q[0, :4] = torch.tensor([0, 0, 0, 5])  # one kept value, at the last position
+    q[1, :8] = 0  # groups with none
+    values, meta, s = w4a16.pack_24(q, _scales(n, k // group, dtype=dtype))
+    got = w4a16.widen_24(values, meta, s)
+    want = w4a16.dequantize_packed_24(values, meta, s, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want), (n, k, group)
+print("ok")
+"""
+
+
+def test_int4_widen_kernel_under_interpreter_is_the_dequantization():
+    # an int4 2:4 layer's prefill weight in one pass, bitwise against the elementwise ops
+    # (float32 products rounded to nearest even)
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    out = run_interpreted(_WIDEN_24)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_int4_widen_op_is_the_prefill_weight_behind_one_op():
+    q, s = _q24(48, 512, seed=2), _scales(48, 4)
+    values, meta, scales = w4a16.pack_24(q, s)
+    got = ops.int4_24_widen(values, meta, scales)
+    assert torch.equal(got, w4a16.dequantize_packed_24(values, meta, scales, torch.bfloat16))
+    torch.library.opcheck(ops.int4_24_widen, (values, meta, scales))
+    # the layer's "dequant" prefill multiplies with it: one op in its graph, no where-selects
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    lin = nn.Linear(512, 48)
+    with torch.no_grad():
+        lin.weight.copy_(q.float() * 0.01)
+    layer = int4.Int4Sparse24(lin)
+    x = torch.randn(w4a16.MAX_M + 1, 512).bfloat16()
+    gm = make_fx(lambda x: layer(x))(x)
+    targets = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+    assert any("int4_24_widen" in t for t in targets)
+    assert not any("where" in t for t in targets)
+    want = F.linear(x, layer.dequantized_weight(torch.bfloat16), layer.bias)
+    assert torch.equal(layer(x), want)
+
+
+def test_int4_widen_kernel_compiles_for_sm90():
+    """The widening kernel reaches the GPU compiler (no GPU needed: Triton compiles for an
+    sm_90 target here)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sparsekit.accel import w4a16_triton
+
+    bn, bg = w4a16.WIDEN_BLOCK
+    consts = {"BLOCK_N": bn, "BLOCK_G": bg}
+    sig = {"v_ptr": "*u8", "m_ptr": "*i32", "s_ptr": "*fp32", "w_ptr": "*bf16", "N": "i32",
+           "K": "i32", "GROUPS": "i32", **dict.fromkeys(consts, "constexpr")}
+    try:
+        kernel = triton.compile(ASTSource(w4a16_triton.widen_24_kernel, sig, consts),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except RuntimeError as e:  # a Triton without its CUDA toolchain (ptxas)
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    assert "st.global" in kernel.asm["ptx"]
+
+
 def test_x_planes_are_x_times_the_nibble_factors():
     """The word-tile kernels' x layouts against their formulas in float64: dense [:, b, j, i] =
     x[:, 8(4b + i) + j] * 16**-(j if j < 4 else j - 3); 2:4 [:, b, s, i, p] =

@@ -53,6 +53,17 @@ def _check(n, k, group, ms, config=None):
             assert rel_err(y, ref64) < 8e-3, (op, m)
 
 
+@pytest.mark.parametrize("shape", [(6144, 4096, 128), (4096, 14336, 128), (100, 512, 64)])
+def test_widen_op_is_the_dequantization(shape):
+    # the int4 2:4 prefill's one-pass Triton dequantization, bitwise (round to nearest even)
+    n, k, group = shape
+    q, s = int4.rtn_int4(_w24(n, k), group)
+    values, meta, scales = w4a16.pack_24(q, s)
+    want = w4a16.dequantize_packed_24(values, meta, scales, torch.bfloat16)
+    got = ops.int4_24_widen(values.cuda(), meta.cuda(), scales.cuda())
+    assert torch.equal(got.cpu(), want)
+
+
 def test_autotuned_kernels_match_reference_for_every_m():
     """Group 128, a partial last N tile, every decode M (all six autotuner buckets)."""
     _check(1000, 1024, 128, range(1, 33))
