@@ -109,7 +109,7 @@ PDL_CONFIGS = tuple(c for c in CONFIGS if c[3] & 4)  # launched as programmatic 
 # the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
-VERSION = 9  # sk24_mma_version() of the library this module calls
+VERSION = 10  # sk24_mma_version() of the library this module calls
 # the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
 # (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
 WAYS = ("bf16", "f16", "int4")

@@ -187,7 +187,7 @@ def test_build_makes_a_library_with_both_entry_points(tmp_path):
     path = sk24_mma.build(tmp_path / "lib.so")
     assert path.is_file() and not list(tmp_path.glob("tmp*"))  # renamed into place
     lib = ctypes.CDLL(str(path))  # static CUDA runtime: loads without a GPU
-    assert lib.sk24_mma_version() == sk24_mma.VERSION == 9
+    assert lib.sk24_mma_version() == sk24_mma.VERSION == 10
     assert hasattr(lib, "sk24_mma_launch") and hasattr(lib, "sk24_mma_e4m3_launch")
 
 

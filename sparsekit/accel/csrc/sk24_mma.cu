@@ -784,7 +784,7 @@ extern "C" int sk24_mma_launch(const void* x, int sx, const void* vals, const vo
   return (int)cudaGetLastError();
 }
 
-extern "C" int sk24_mma_version() { return 9; }
+extern "C" int sk24_mma_version() { return 10; }
 
 // the fp8 x fp8 kernel: x (M, K) e4m3, values/meta in the e4m3 layout (64 columns a step)
 extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, const void* meta,
