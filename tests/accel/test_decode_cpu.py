@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import compile_sm90, run_interpreted
 import torch.nn.functional as F
 from torch import nn
 
@@ -180,23 +180,13 @@ def test_widen_op_is_decompress_behind_one_op():
 def test_widen_kernel_compiles_for_sm90():
     """The widening kernel reaches the GPU compiler (no GPU needed: Triton compiles for an
     sm_90 target here), fp8 values in, bf16 out."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from sparsekit.accel import sk24_triton
 
     bn, bg = sk24.WIDEN_BLOCK
-    consts = {"BLOCK_N": bn, "BLOCK_G": bg}
-    sig = {"v_ptr": "*fp8e4nv", "m_ptr": "*i32", "w_ptr": "*bf16", "N": "i32", "K": "i32",
-           **dict.fromkeys(consts, "constexpr")}
-    try:
-        kernel = triton.compile(ASTSource(sk24_triton.widen_kernel, sig, consts),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except RuntimeError as e:  # a Triton without its CUDA toolchain (ptxas)
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    kernel = compile_sm90(sk24_triton.widen_kernel,
+                          {"v_ptr": "*fp8e4nv", "m_ptr": "*i32", "w_ptr": "*bf16", "N": "i32",
+                           "K": "i32"}, {"BLOCK_N": bn, "BLOCK_G": bg})
     assert "st.global" in kernel.asm["ptx"]
 
 
@@ -205,10 +195,7 @@ def test_triton_kernel_compiles_for_sm90_with_bf16_x_and_an_fp8_weight(mode):
     """The weight-only layers' operand mix reaches the GPU compiler (no GPU needed: Triton
     compiles for an sm_90 target here): every way to multiply builds, and the tensor-core way
     runs Hopper's wgmma on the widened weight."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from sparsekit.accel import sk24_triton
 
     consts = {"HAS_XS": False, "HAS_WS": True, "HAS_BIAS": True, "DOT_F32": False,
@@ -217,16 +204,8 @@ def test_triton_kernel_compiles_for_sm90_with_bf16_x_and_an_fp8_weight(mode):
     sig = {"x_ptr": "*bf16", "v_ptr": "*fp8e4nv", "m_ptr": "*i32", "xs_ptr": "*fp32",
            "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", **dict.fromkeys(("M", "N", "K", "stride_xm", "stride_xs",
-                                               "M_BUCKET"), "i32"),
-           **dict.fromkeys(consts, "constexpr")}
-    try:
-        kernel = triton.compile(ASTSource(sk24_triton.sk24_kernel, sig, consts),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except RuntimeError as e:  # a Triton without its CUDA toolchain (ptxas)
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
-    ptx = kernel.asm["ptx"]
+                                               "M_BUCKET"), "i32")}
+    ptx = compile_sm90(sk24_triton.sk24_kernel, sig, consts).asm["ptx"]
     assert ("wgmma.mma_async" in ptx) == (mode == 2)
     if mode == 2:  # bf16 operands: the e4m3 weight widened, not x narrowed
         assert "bf16" in next(line for line in ptx.splitlines() if "wgmma.mma_async" in line)
