@@ -22,6 +22,12 @@ Sections:
 
     python tools/bench_sk24_mma.py --out mma.json          # on the GPU (sm_90)
 
+- ``widen``: per shape, the prefill's weight widening of the weight-only formats: fp8w 2:4
+  (``sparsekit::sk24_widen``, one Triton kernel) and int4 2:4 (``sparsekit::int4_24_widen``)
+  against the same elementwise ops fused by ``torch.compile`` (how the layers widened before),
+  weights cycled past the L2: microseconds, GB/s (values and metadata read, bf16 written),
+  and whether the two give the same weight bitwise.
+
 The library is built by nvcc on first use (``SPARSEKIT_SK24_MMA_LIB`` names a prebuilt one).
 """
 
@@ -225,6 +231,39 @@ def time_rows(device, shapes, ms, layout: str, sweep: bool = True) -> list[dict]
     return rows
 
 
+def widen_rows(device, shapes) -> list[dict]:
+    """The ``widen`` section's rows (see the module docstring)."""
+    from sparsekit.accel import sk24
+
+    gen = torch.Generator().manual_seed(2)
+    fused_fp8 = torch.compile(functools.partial(sk24.decompress, dtype=torch.bfloat16))
+    fused_int4 = torch.compile(functools.partial(w4a16.dequantize_packed_24,
+                                                 dtype=torch.bfloat16))
+    rows = []
+    for name, n, k in shapes:
+        w = masked_weight(n, k, "cpu", gen)
+        w8, _ = fp8_weight(w)
+        q4, s4 = rtn_int4(w.float(), 128)
+        fp8 = sk24.compress(w8.to(device))
+        int4 = tuple(t.to(device) for t in w4a16.pack_24(q4, s4))
+        row = {"shape": name, "N": n, "K": k}
+        for way, args, new, old, nbytes in (
+                ("fp8w", fp8, ops.sk24_widen, fused_fp8, n * k // 2 + n * k // 8),
+                ("int4", int4, ops.int4_24_widen, fused_int4, n * k // 4 + n * k // 8)):
+            moved = nbytes + 2 * n * k  # values and metadata read, bf16 written (int4's scales
+            # left out: 1/64 byte a weight)
+            sets = [args] + [tuple(t.clone() for t in args) for _ in range(copies_for(moved) - 1)]
+            entry = {"equal": bool(torch.equal(new(*args), old(*args)))}
+            for key, fn in (("op", new), ("fused", old)):
+                us = time_rotating([functools.partial(fn, *a) for a in sets])
+                entry[key] = {"us": us, "gb_s": moved / us / 1e3}
+            entry["op_over_fused"] = entry["fused"]["us"] / entry["op"]["us"]
+            row[way] = entry
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def summary(rows: list[dict]) -> dict:
     out = {}
     for d in ("bf16_2:4", "fp8_2:4", "fp8h_2:4", "fp8x8_2:4", "int4_2:4"):
@@ -288,6 +327,10 @@ def main(argv: list[str] | None = None) -> dict:
             out["summary"] = summary(rows)
             Path(args.out).write_text(json.dumps(out, indent=1))
         print(json.dumps({"summary": out["summary"]}), flush=True)
+    if "widen" in sections:
+        shapes = SHAPES if args.shapes == "all" else [s for s in SHAPES
+                                                      if s[0] in args.shapes.split(",")]
+        out["widen"] = widen_rows(device, shapes)
     Path(args.out).write_text(json.dumps(out, indent=1))
     return out
 

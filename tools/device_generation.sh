@@ -25,6 +25,8 @@
 #                                           # call; fp8w and int4 together did not, 520 s at
 #                                           # batch 1 with PROFILE on an H100) at batch 16, then
 #                                           # 1, against the dense ways DENSE names
+#   tools/device_generation.sh widen        # the prefill's weight widening ops (fp8w, int4 2:4)
+#                                           # against the fused elementwise ops, 8B shapes
 #   tools/device_generation.sh sparsegpt    # joint SparseGPT 2:4 + GPTQ int4 on 8 blocks of
 #                                           # the 8B shapes, 128 x 2048 calibration tokens
 #                                           # (issue 32's 15-minute target, scaled to 32)
@@ -39,7 +41,7 @@
 # (set: one more call per way under torch.profiler, kernel time by kind); gen_way takes
 # PRECISIONS (default fp8w).
 set -uo pipefail
-stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_way sparsegpt gpu_tests"
+stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_way widen sparsegpt gpu_tests"
 for stage in "$@"; do
   case " $stages " in *" $stage "*) ;; *)
     echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
@@ -92,6 +94,10 @@ for stage in "$@"; do
     gen_core) pair_16_1 gen_core bf16,fp8w ;;
     gen_int4) pair_16_1 gen_int4 int4,int4dense ;;
     gen_way) p=${PRECISIONS:-fp8w}; pair_16_1 "gen_${p//,/_}" "$p" ;;
+    widen)
+      timeout 240 python tools/bench_sk24_mma.py --sections widen \
+        --shapes 8b_qkv,8b_o,8b_gate_up,8b_down --out "$out/widen_8b.json" 2>&1 \
+        | tee "$out/widen_8b.log" | tail -n 8 ;;
     sparsegpt)
       timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \
         --out "$out/sparsegpt_gptq.json" 2>&1 | tee "$out/sparsegpt_gptq.log" | tail -n 20 ;;

@@ -49,3 +49,14 @@ def test_checked_rows_record_the_error_or_what_was_raised():
         raise RuntimeError("sk24 mma kernel: launch failed (code 7)")
     row = bench_sk24_mma.checked({}, ref, broken)
     assert row["ok"] is False and "code 7" in row["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_widen_section_times_both_ways_of_the_same_weight(tmp_path):
+    out = bench_sk24_mma.main(["--sections", "widen", "--shapes", "8b_o", "--out",
+                               str(tmp_path / "w.json")])
+    (row,) = out["widen"]
+    for way in ("fp8w", "int4"):
+        assert row[way]["equal"]  # the op's weight is the fused elementwise ops' bitwise
+        assert row[way]["op"]["us"] > 0 and row[way]["fused"]["us"] > 0
