@@ -122,25 +122,26 @@ def decompress(values: torch.Tensor, meta: torch.Tensor, layout: str = "slabs",
 WIDEN_BLOCK = (16, 128)  # (rows, groups) a program of the widening kernel
 
 
-def widen(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """:func:`decompress` of the "slabs" layout to bfloat16 (exact), as one Triton kernel on
-    CUDA (on CPU tensors under ``TRITON_INTERPRET=1`` too), else as :func:`decompress`'s
-    elementwise ops. The weight-only fp8 layers' prefill widens its weight this way on each
-    call, behind an op (:func:`sparsekit.accel.ops.sk24_widen`): a compiler then traces one
-    call, not some twenty elementwise ops a layer (compile time)."""
-    import os
+def widen_grid(n: int, k: int) -> tuple[int, int]:
+    """The launch grid of a widening kernel (this format's or the int4 2:4 one's) for an
+    (N, K) weight: :data:`WIDEN_BLOCK` rows and groups of 4 a program."""
+    bn, bg = WIDEN_BLOCK
+    return -(-n // bn), -(-(k // 4) // bg)
 
-    if not (values.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return decompress(values, meta, dtype=torch.bfloat16)
+
+def widen(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """:func:`decompress` of the "slabs" layout to bfloat16 (exact), as one Triton kernel (on
+    CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``; the op
+    :func:`sparsekit.accel.ops.sk24_widen` runs :func:`decompress` on CPU). The weight-only
+    fp8 layers' prefill widens its weight through that op on each call: a compiler traces one
+    call, not decompress's twenty-odd elementwise ops a layer (compile time)."""
     from sparsekit.accel import sk24_triton
 
-    n, half = values.shape
-    k = 2 * half
+    n, k = values.shape[0], 2 * values.shape[1]
     out = torch.empty((n, k), dtype=torch.bfloat16, device=values.device)
-    bn, bg = WIDEN_BLOCK
-    grid = (-(-n // bn), -(-(k // 4) // bg))
-    sk24_triton.widen_kernel[grid](values.contiguous(), meta.contiguous(), out, n, k,
-                                   BLOCK_N=bn, BLOCK_G=bg)
+    sk24_triton.widen_kernel[widen_grid(n, k)](values.contiguous(), meta.contiguous(), out, n,
+                                               k, BLOCK_N=WIDEN_BLOCK[0],
+                                               BLOCK_G=WIDEN_BLOCK[1])
     return out
 
 
@@ -267,4 +268,4 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 __all__ = ["DTYPES", "K_MULTIPLE", "MAX_M", "WIDEN_BLOCK", "bound_bytes", "check_shape",
            "compress", "decompress", "kept", "launch", "m_bucket", "planes", "reference",
-           "unplanes", "widen"]
+           "unplanes", "widen", "widen_grid"]

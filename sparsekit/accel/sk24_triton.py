@@ -246,21 +246,12 @@ tuned = triton.autotune(configs=configs(), key=["M_BUCKET", "N", "K", "HAS_XS"],
 
 
 @triton.jit
-def widen_kernel(v_ptr, m_ptr, w_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The dense bf16 weight (N, K) from the format in one pass (:func:`sparsekit.accel.sk24.
-    widen`): program (i, j) takes rows ``i * BLOCK_N ..`` and groups ``j * BLOCK_G ..``, selects
-    each group's four columns from its two kept values by their positions and stores the
-    group's columns contiguously (the four selections joined along a last axis)."""
-    G = K // 4
-    W = K // 32
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
-    ok = (rows < N) & (g < G)
-    word = tl.load(m_ptr + rows * W + g % W, mask=ok, other=0)
-    code = (word >> (4 * (g // W))) & 0xF
-    i0, i1 = code & 3, code >> 2
-    v0 = tl.load(v_ptr + rows * (K // 2) + g, mask=ok).to(tl.bfloat16)  # (masked: unstored)
-    v1 = tl.load(v_ptr + rows * (K // 2) + G + g, mask=ok).to(tl.bfloat16)
+def store_groups(w_ptr, rows, N, K, v0, v1, i0, i1, BLOCK_N: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    """Store (BLOCK_N, BLOCK_G) groups of 4 columns of a dense (N, K) weight, the program's
+    (axis 1) block of groups: each group's columns from its two kept values ``v0``, ``v1``
+    (the weight's dtype) at positions ``i0`` < ``i1``, zeros elsewhere, the four columns
+    joined along a last axis so that the stores are contiguous."""
     zero = tl.zeros_like(v0)
     c0 = tl.where(i0 == 0, v0, zero)  # i0 < i1: position 0 can only be the first kept one
     c1 = tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, zero))
@@ -270,3 +261,19 @@ def widen_kernel(v_ptr, m_ptr, w_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_G: tl.c
     cols = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_N, 4 * BLOCK_G))
     c = tl.program_id(1) * 4 * BLOCK_G + tl.arange(0, 4 * BLOCK_G)[None, :]
     tl.store(w_ptr + rows * K + c, cols, mask=(rows < N) & (c < K))
+
+
+@triton.jit
+def widen_kernel(v_ptr, m_ptr, w_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The dense bf16 weight (N, K) from the format in one pass (:func:`sparsekit.accel.sk24.
+    widen`): program (i, j) takes rows ``i * BLOCK_N ..`` and groups ``j * BLOCK_G ..``."""
+    G = K // 4
+    W = K // 32
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
+    ok = (rows < N) & (g < G)
+    word = tl.load(m_ptr + rows * W + g % W, mask=ok, other=0)
+    code = (word >> (4 * (g // W))) & 0xF
+    v0 = tl.load(v_ptr + rows * (K // 2) + g, mask=ok).to(tl.bfloat16)  # (masked: unstored)
+    v1 = tl.load(v_ptr + rows * (K // 2) + G + g, mask=ok).to(tl.bfloat16)
+    store_groups(w_ptr, rows, N, K, v0, v1, code & 3, code >> 2, BLOCK_N, BLOCK_G)

@@ -211,27 +211,18 @@ def dequantize_packed_24(values: torch.Tensor, meta: torch.Tensor, scales: torch
     return _scaled(torch.stack(cols, dim=-1).reshape(values.shape[0], -1), scales, dtype)
 
 
-WIDEN_BLOCK = (16, 128)  # (rows, groups of 4) a program of the widening kernel
-
-
 def widen_24(values: torch.Tensor, meta: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """:func:`dequantize_packed_24` to bfloat16, as one Triton kernel on CUDA (on CPU tensors
-    under ``TRITON_INTERPRET=1`` too), else in its elementwise ops. An int4 2:4 layer's
-    prefill dequantizes its weight this way on each call, behind an op
-    (:func:`sparsekit.accel.ops.int4_24_widen`): a compiler then traces one call, not the
-    elementwise ops (compile time)."""
-    import os
-
-    if not (values.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return dequantize_packed_24(values, meta, scales, torch.bfloat16)
+    """:func:`dequantize_packed_24` to bfloat16, as one Triton kernel (on CUDA, or on CPU
+    tensors under ``TRITON_INTERPRET=1``; the op :func:`sparsekit.accel.ops.int4_24_widen`
+    runs the elementwise ops on CPU). An int4 2:4 layer's prefill dequantizes its weight
+    through that op on each call: a compiler traces one call, not the elementwise ops."""
     _, w4a16_triton = _kernels()
     n, k = values.shape[0], 4 * values.shape[1]
     out = torch.empty((n, k), dtype=torch.bfloat16, device=values.device)
-    bn, bg = WIDEN_BLOCK
-    grid = (-(-n // bn), -(-(k // 4) // bg))
-    w4a16_triton.widen_24_kernel[grid](values.contiguous(), meta.contiguous(),
-                                       scales.contiguous(), out, n, k, scales.shape[1],
-                                       BLOCK_N=bn, BLOCK_G=bg)
+    bn, bg = sk24.WIDEN_BLOCK
+    w4a16_triton.widen_24_kernel[sk24.widen_grid(n, k)](
+        values.contiguous(), meta.contiguous(), scales.contiguous(), out, n, k,
+        scales.shape[1], BLOCK_N=bn, BLOCK_G=bg)
     return out
 
 
@@ -444,7 +435,7 @@ def bound_bytes(m: int, n: int, k: int, group_size: int, sparse: bool,
 
 
 __all__ = ["GROUP_SIZE", "K_MULTIPLE", "MAX_M", "QMAX", "QMIN", "ROWS_MAX_M", "SCALE_DTYPES",
-           "WIDEN_BLOCK", "bound_bytes", "check_shape", "dequantize", "dequantize_packed",
+           "bound_bytes", "check_shape", "dequantize", "dequantize_packed",
            "dequantize_packed_24", "launch", "launch_24", "pack", "pack_24", "pack_nibbles",
            "positions", "reference", "reference_24", "rows_fit", "unpack", "unpack_24",
            "unpack_nibbles", "widen_24", "x_planes", "x_planes_24"]

@@ -25,7 +25,7 @@ partial product by the group's scale per output column; on CUDA cores, and for a
 import triton
 import triton.language as tl
 
-from sparsekit.accel.sk24_triton import store_bf16, tile
+from sparsekit.accel.sk24_triton import store_bf16, store_groups, tile
 
 K_MULTIPLE = 64
 
@@ -538,8 +538,8 @@ def widen_24_kernel(v_ptr, m_ptr, s_ptr, w_ptr, N, K, GROUPS, BLOCK_N: tl.conste
                     BLOCK_G: tl.constexpr):
     """The 2:4 format's weight ``q * scale`` (N, K) in bfloat16 (float32 products, as
     :func:`sparsekit.accel.w4a16.dequantize_packed_24`) in one pass: program (i, j) takes rows
-    ``i * BLOCK_N ..`` and groups of 4 ``j * BLOCK_G ..``; each group's four columns are
-    selected from its two kept values by the metadata's P, Q, R bits and stored contiguously."""
+    ``i * BLOCK_N ..`` and groups of 4 ``j * BLOCK_G ..``; each group's kept positions from
+    the metadata's P, Q, R bits."""
     G = K // 4
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
@@ -554,12 +554,5 @@ def widen_24_kernel(v_ptr, m_ptr, s_ptr, w_ptr, N, K, GROUPS, BLOCK_N: tl.conste
                     other=0).to(tl.float32)
     v0 = ((byte & 0xF) - 8).to(tl.float32) * scale
     v1 = ((byte >> 4) - 8).to(tl.float32) * scale
-    zero = tl.zeros_like(v0)
-    c0 = _bf16_rne(tl.where(i0 == 0, v0, zero))
-    c1 = _bf16_rne(tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, zero)))
-    c2 = _bf16_rne(tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero)))
-    c3 = _bf16_rne(tl.where(i1 == 3, v1, zero))
-    # join's new axis is the last: [a, b] of join(join(c0, c2), join(c1, c3)) is c_(2a + b)
-    cols = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_N, 4 * BLOCK_G))
-    c = tl.program_id(1) * 4 * BLOCK_G + tl.arange(0, 4 * BLOCK_G)[None, :]
-    tl.store(w_ptr + rows * K + c, cols, mask=(rows < N) & (c < K))
+    # rounded first: the zeros the selection puts between them round to themselves
+    store_groups(w_ptr, rows, N, K, _bf16_rne(v0), _bf16_rne(v1), i0, i1, BLOCK_N, BLOCK_G)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import int4, kernels, ops, w4a16
+from sparsekit.accel import int4, kernels, ops, sk24, w4a16
 
 
 def _q24(n, k, seed=0, sparse=True):
@@ -260,7 +260,7 @@ def test_int4_widen_kernel_compiles_for_sm90():
 
     from sparsekit.accel import w4a16_triton
 
-    bn, bg = w4a16.WIDEN_BLOCK
+    bn, bg = sk24.WIDEN_BLOCK
     kernel = compile_sm90(w4a16_triton.widen_24_kernel,
                           {"v_ptr": "*u8", "m_ptr": "*i32", "s_ptr": "*fp32", "w_ptr": "*bf16",
                            "N": "i32", "K": "i32", "GROUPS": "i32"},
