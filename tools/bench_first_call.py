@@ -36,23 +36,22 @@ PRECISIONS = ("dense", "bf16", "fp8w", "int4")
 def one(args: argparse.Namespace, precision: str) -> dict:
     """Build, accelerate and generate once with ``precision`` in this process."""
     import torch
-    import transformers
+    from llm_common import random_llama
 
     import sparsekit as sk
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    device = torch.device(args.device)
+    model = random_llama(dict(
         vocab_size=512, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 128),
-        num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=1024)
-    device = torch.device(args.device)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+        num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=1024),
+        device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     sk.prune_(model, pattern="2:4", criterion="magnitude", exclude=["lm_head"])
     if precision == "fp8w":
         sk.quantize_(model, "fp8_weight_only", exclude=["lm_head"])
     ids = torch.randint(0, 512, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
-    fast = sk.accelerate(model.to(device), {"input_ids": ids.to(device)},
+    fast = sk.accelerate(model, {"input_ids": ids.to(device)},
                          precision="bf16" if precision == "dense" else precision,
                          sparsity="dense" if precision == "dense" else "2:4", device=device,
                          compile=sk.CompileOptions(backend=args.backend, warmup=False))
