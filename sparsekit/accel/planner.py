@@ -79,6 +79,8 @@ from sparsekit.quant.modules import QuantLinear
 
 DECODE_TOKENS = 64  # M at or below this is decode-sized: 2:4 often loses there (docs/gpu.md)
 DECODE_MARGIN = 1.05  # ... so there a 2:4 variant must beat the best dense one by 5%
+# how decode plans time their layers; a cached plan timed otherwise is timed again
+DECODE_TIMING = "weights-from-memory"
 
 
 def cache_path() -> Path:
@@ -797,14 +799,14 @@ class Planner:
                       ) -> tuple[str, dict, bool]:
         """(key, entry, whether this call made it) of the decode plan of ``mod``'s shape with
         ``numerics``: the one ``chosen`` earlier in this call, else the cached one where
-        ``fresh(entry)``, else ``plan()`` (then cached)."""
+        ``fresh(entry)`` and it was timed as :data:`DECODE_TIMING` says, else ``plan()`` (then cached)."""
         key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
                        mod.in_features, 0, inductor=self.inductor)
         if key in chosen:
             return key, chosen[key], False
         hit = self.cache.get(key)
-        if hit is None or not fresh(hit):
-            hit = plan()
+        if hit is None or hit.get("timing") != DECODE_TIMING or not fresh(hit):
+            hit = {**plan(), "timing": DECODE_TIMING}
         chosen[key] = self.cache[key] = self.new[key] = hit
         return key, hit, True
 
@@ -863,12 +865,13 @@ def route_decode(mod: nn.Module, entry: dict, dense: bool) -> None:
 
 def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> dict:
     """{"decode_max_m": the last of DECODE_BUCKETS up to which ``mod``'s small-M kernel beats its
-    large-M path, "us": {M: [small-M us, large-M us, bf16 dense us]}} (timed in CUDA graphs;
-    dense: ``F.linear`` on a bf16 weight of the layer's shape, the baseline a decode step is
+    large-M path, "us": {M: [small-M us, large-M us, bf16 dense us]}} (timed in CUDA graphs
+    with the weights read from memory, not the L2, as in a decode step:
+    :func:`~sparsekit.nn.timing.cold_time_us`; dense: ``F.linear`` on a bf16 weight of the layer's shape, the baseline a decode step is
     compared with). Timing stops at the first M where the small-M kernel loses, unless
     ``dense``: then every bucket is timed and the entry has "dense_m" too
     (:func:`dense_range`, a list [lo, hi])."""
-    from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
+    from sparsekit.nn import timing  # looked up per call: tests replace cold_time_us
 
     dense_w = torch.randn(mod.out_features, mod.in_features, device=device,
                           dtype=torch.bfloat16)
@@ -879,8 +882,8 @@ def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> di
         times = []
         for max_m in (m, 0):
             mod.decode_max_m = max_m
-            times.append(timing.graph_time_us(functools.partial(mod, x)))
-        times.append(timing.graph_time_us(functools.partial(F.linear, x, dense_w)))
+            times.append(timing.cold_time_us(functools.partial(mod, x)))
+        times.append(timing.cold_time_us(functools.partial(F.linear, x, dense_w)))
         us[str(m)] = times
         losing = losing or times[0] >= times[1]
         if losing and not dense:
@@ -926,11 +929,11 @@ def choose_mma_config(mod: nn.Module, device: torch.device, values: torch.Tensor
                       ) -> tuple[tuple[int, ...], ...] | None:
     """Per bucket of ``sk24_mma.BUCKETS`` (M = 1, 2..8, 9..16, 17..32), the mma.sp kernel
     configuration with the least time at the bucket's largest M for ``mod``'s shape (CUDA
-    graphs), set on ``mod`` (``dconfig``) and returned; None when there is one candidate or
+    graphs, the weight read from memory: :func:`~sparsekit.nn.timing.cold_time_us`), set on ``mod`` (``dconfig``) and returned; None when there is one candidate or
     none. ``values``: the weight in the kernel's format (default ``mod.dvalues``; an int4 2:4
     layer's ``mvalues``: the int4 way's configurations)."""
     from sparsekit.accel import sk24_mma
-    from sparsekit.nn import timing  # looked up per call: tests replace graph_time_us
+    from sparsekit.nn import timing  # looked up per call: tests replace cold_time_us
 
     values = mod.dvalues if values is None else values
     cands = sk24_mma.candidates(values, getattr(mod, "dwide", None))
@@ -945,7 +948,7 @@ def choose_mma_config(mod: nn.Module, device: torch.device, values: torch.Tensor
         best = None
         for cfg in cands:
             mod.dconfig = (cfg,) * len(sk24_mma.BUCKETS)
-            t = timing.graph_time_us(functools.partial(mod, x))
+            t = timing.cold_time_us(functools.partial(mod, x))
             if best is None or t < best[1]:
                 best = (cfg, t)
         chosen.append(best[0])

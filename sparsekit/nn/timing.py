@@ -11,9 +11,11 @@ output allocation alive in the graph's pool, so large layers would run out of me
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -112,6 +114,68 @@ def graph_time_us(fn: Callable[[], object], *, calls: int | None = None, replays
         return time_ms(graph.replay, device, warmup=1, repeats=replays) * 1000.0 / calls
     finally:
         del graph
+
+
+def l2_copies(nbytes: int, device: torch.device | str = "cuda", most: int = 64) -> int:
+    """How many copies of ``nbytes`` of operands a timed CUDA graph cycles through so that its
+    reads exceed twice the L2 cache (each call then reads them from memory, as a layer of a deep
+    model does); at most ``most``, 1 off CUDA.
+
+    >>> l2_copies(1 << 20, "cpu")
+    1
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20
+    return max(1, min(most, -(-2 * l2 // max(nbytes, 1))))
+
+
+def _operand_slots(fn: functools.partial) -> list[tuple[dict, Any, torch.Tensor]]:
+    """(container, key, tensor) of what ``fn`` reads besides its first argument: a module's
+    parameters, buffers and tensor attributes (its submodules' too), or a function's tensor
+    arguments after the first (the activations stay)."""
+    if isinstance(fn.func, torch.nn.Module):
+        return [(table, name, t) for m in fn.func.modules()
+                for table in (m._parameters, m._buffers, vars(m))
+                for name, t in list(table.items()) if isinstance(t, torch.Tensor)]
+    return [(fn.args, i, t) for i, t in enumerate(fn.args) if i and isinstance(t, torch.Tensor)]
+
+
+def cold_time_us(fn: functools.partial) -> float:
+    """Median time of one ``fn()`` in microseconds with its operands read from memory, not the
+    L2 cache: ``fn`` is a ``functools.partial`` of a module (its parameters, buffers and tensor
+    attributes are the operands) or of a function (its tensor arguments after the first). The
+    CUDA graph (:func:`graph_time_us`) cycles through :func:`l2_copies` copies of them, so a
+    small layer is timed as it runs in a decode step, where the weights of every other layer
+    pass through the L2 between two of its calls. Off CUDA: :func:`graph_time_us` of ``fn``."""
+    slots = _operand_slots(fn)
+    unique = {id(t): t for _, _, t in slots}
+    nbytes = sum(t.numel() * t.element_size() for t in unique.values())
+    device = next((t.device for t in unique.values()), torch.device("cpu"))
+    copies = l2_copies(nbytes, device)
+    if copies == 1:
+        return graph_time_us(fn)
+    sets = [unique] + [{k: t.clone() for k, t in unique.items()} for _ in range(copies - 1)]
+    args = list(fn.args)
+
+    def place(i: int) -> None:
+        for table, key, t in slots:
+            if table is fn.args:
+                args[key] = sets[i][id(t)]
+            else:
+                table[key] = sets[i][id(t)]
+
+    def call(i: int) -> object:
+        place(i)
+        return fn.func(*args, **fn.keywords)
+
+    turn = iter(range(1 << 62))
+    try:
+        return graph_time_us(lambda: call(next(turn) % copies),
+                             calls=copies * max(1, -(-10 // copies)))
+    finally:
+        place(0)
 
 
 def eager_time_us(fn: Callable[[], object], *, calls: int = 20, warmup: int = 3) -> float:

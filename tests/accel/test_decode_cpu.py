@@ -430,7 +430,7 @@ def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypat
         calls.append((m, small))
         return (20.0 if m == 16 else 5.0) if small else 8.0
 
-    monkeypatch.setattr(timing, "graph_time_us", fake_time)
+    monkeypatch.setattr(timing, "cold_time_us", fake_time)
     got = planner.time_decode(mod, torch.device("cpu"))
     assert got["decode_max_m"] == 4
     assert list(got["us"]) == ["1", "4", "16"] and got["us"]["16"] == [20.0, 8.0, 6.0]
@@ -488,7 +488,7 @@ def test_dense_range_covers_the_buckets_where_dense_beats_the_path_that_would_ru
 
 
 def _h100_time(fn):
-    """Fake ``graph_time_us`` shaped like the H100's: the small-M kernel wins at M=1 only,
+    """Fake ``cold_time_us`` shaped like the H100's: the small-M kernel wins at M=1 only,
     from M=4 both 2:4 paths lose to bf16 dense."""
     m = fn.args[0].shape[0]
     if fn.func is F.linear:
@@ -507,7 +507,7 @@ def _decode_planned(monkeypatch, tmp_path, sparsity, variant="bf16_2:4", timer=_
     from sparsekit.nn import timing
 
     monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(timing, "graph_time_us", timer)
+    monkeypatch.setattr(timing, "cold_time_us", timer)
     calls = []
     real = planner.time_decode
 
@@ -663,7 +663,7 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
         return {(4, 4, 1, 0): 3.0, (8, 4, 1, 0): 4.0}.get(cfg, 3.5) * (1 if m == 1 else 2) \
             - (2.0 if m > 1 and cfg == (8, 4, 1, 1) else 0.0)
 
-    monkeypatch.setattr(timing, "graph_time_us", fake_time)
+    monkeypatch.setattr(timing, "cold_time_us", fake_time)
     entry = planner.time_decode(mod, torch.device("cpu"))
     want = ((4, 4, 1, 0), (8, 4, 1, 1), (8, 4, 1, 1), (8, 4, 1, 1))
     assert mod.dconfig == want and entry["config"] == [list(c) for c in want]
@@ -685,7 +685,7 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
 
 
 def _fp8_choice_timer(faster: str):
-    """Fake ``graph_time_us``: the small-M kernel ``faster`` ("mma" or "triton") takes 3 us at
+    """Fake ``cold_time_us``: the small-M kernel ``faster`` ("mma" or "triton") takes 3 us at
     every M, the other 5; the large-M path 8, dense 9."""
     def fake(fn):
         if fn.func is F.linear:
@@ -888,3 +888,84 @@ def test_generate_runs_sibling_groups_as_one_decode_gemm(precision):
     assert decode_gemms == new * 2 * 4
     want = ref.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
+
+
+def _counting_graph_timer(seen: list):
+    """Fake ``graph_time_us``: calls ``fn`` ``calls`` times (what the graph would capture) and
+    returns the count."""
+    def fake(fn, calls=None, **_):
+        for _ in range(calls or 1):
+            seen.append(fn())
+        return float(calls or 1)
+    return fake
+
+
+def test_cold_time_cycles_copies_of_a_modules_tensors_and_restores_them(monkeypatch):
+    """The decode plan's timer reads each call's weight from its own copy (so a weight under the
+    L2's size comes from memory, as in a decode step) and leaves the module as it found it."""
+    from sparsekit.nn import timing
+
+    lin = nn.Linear(64, 32)
+    lin.register_buffer("scale", torch.rand(32))
+    weight, scale = lin.weight, lin.scale
+    seen = []
+
+    def reads(x):
+        seen.append((lin.weight.data_ptr(), lin.scale.data_ptr()))
+        return nn.functional.linear(x, lin.weight, lin.bias) * lin.scale
+
+    lin.forward = reads
+    monkeypatch.setattr(timing, "l2_copies", lambda nbytes, device: 3)
+    calls = []
+    monkeypatch.setattr(timing, "graph_time_us", _counting_graph_timer(calls))
+    x = torch.randn(2, 64)
+    want = reads(x)
+    seen.clear()
+    assert timing.cold_time_us(functools.partial(lin, x)) == 12.0  # 3 copies x 4 rounds
+    assert len(set(seen)) == 3 and seen[:3] == seen[3:6]
+    assert all(torch.equal(y, want) for y in calls)
+    assert lin.weight is weight and lin.scale is scale
+    assert isinstance(lin.weight, nn.Parameter)
+
+
+def test_cold_time_cycles_a_functions_weights_not_its_activations(monkeypatch):
+    from sparsekit.nn import timing
+
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    used = []
+
+    def gemm(a, b):
+        used.append((a.data_ptr(), b.data_ptr()))
+        return a @ b.T
+
+    monkeypatch.setattr(timing, "l2_copies", lambda nbytes, device: 2)
+    out = []
+    monkeypatch.setattr(timing, "graph_time_us", _counting_graph_timer(out))
+    assert timing.cold_time_us(functools.partial(gemm, x, w)) == 10.0
+    assert {a for a, _ in used} == {x.data_ptr()} and len({b for _, b in used}) == 2
+    assert all(torch.equal(y, x @ w.T) for y in out)
+
+
+def test_a_decode_plan_timed_otherwise_is_timed_again(monkeypatch, tmp_path):
+    """Cached decode plans from before the weights-from-memory timing are timed again; those
+    timed that way are reused."""
+    from sparsekit.accel import planner
+
+    model, plan, _ = _decode_planned(monkeypatch, tmp_path, "2:4")
+    mod, made = model[0], []
+
+    def fresh_plan():
+        made.append(1)
+        return {"decode_max_m": 4, "us": {}}
+
+    for cached, timed_again in (({"decode_max_m": 1, "us": {}}, True),
+                                ({"decode_max_m": 1, "us": {},
+                                  "timing": planner.DECODE_TIMING}, False)):
+        key = planner.plan_key(plan.name, torch.__version__, "x", mod.out_features,
+                               mod.in_features, 0, inductor=plan.inductor)
+        plan.cache[key] = cached
+        made.clear()
+        _, entry, new = plan._decode_entry(mod, "x", {}, fresh_plan, fresh=lambda e: True)
+        assert made == ([1] if timed_again else []) and new
+        assert entry["decode_max_m"] == (4 if timed_again else 1)
+        assert entry["timing"] == planner.DECODE_TIMING
