@@ -799,7 +799,8 @@ class Planner:
                       ) -> tuple[str, dict, bool]:
         """(key, entry, whether this call made it) of the decode plan of ``mod``'s shape with
         ``numerics``: the one ``chosen`` earlier in this call, else the cached one where
-        ``fresh(entry)`` and it was timed as :data:`DECODE_TIMING` says, else ``plan()`` (then cached)."""
+        ``fresh(entry)`` and it was timed as :data:`DECODE_TIMING` says, else ``plan()``
+        (then cached)."""
         key = plan_key(self.name, torch.__version__, numerics, mod.out_features,
                        mod.in_features, 0, inductor=self.inductor)
         if key in chosen:
@@ -867,10 +868,10 @@ def time_decode(mod: nn.Module, device: torch.device, dense: bool = False) -> di
     """{"decode_max_m": the last of DECODE_BUCKETS up to which ``mod``'s small-M kernel beats its
     large-M path, "us": {M: [small-M us, large-M us, bf16 dense us]}} (timed in CUDA graphs
     with the weights read from memory, not the L2, as in a decode step:
-    :func:`~sparsekit.nn.timing.cold_time_us`; dense: ``F.linear`` on a bf16 weight of the layer's shape, the baseline a decode step is
-    compared with). Timing stops at the first M where the small-M kernel loses, unless
-    ``dense``: then every bucket is timed and the entry has "dense_m" too
-    (:func:`dense_range`, a list [lo, hi])."""
+    :func:`~sparsekit.nn.timing.cold_time_us`; dense: ``F.linear`` on a bf16 weight of the
+    layer's shape, the baseline a decode step is compared with). Timing stops at the first M
+    where the small-M kernel loses, unless ``dense``: then every bucket is timed and the entry
+    has "dense_m" too (:func:`dense_range`, a list [lo, hi])."""
     from sparsekit.nn import timing  # looked up per call: tests replace cold_time_us
 
     dense_w = torch.randn(mod.out_features, mod.in_features, device=device,
@@ -929,9 +930,10 @@ def choose_mma_config(mod: nn.Module, device: torch.device, values: torch.Tensor
                       ) -> tuple[tuple[int, ...], ...] | None:
     """Per bucket of ``sk24_mma.BUCKETS`` (M = 1, 2..8, 9..16, 17..32), the mma.sp kernel
     configuration with the least time at the bucket's largest M for ``mod``'s shape (CUDA
-    graphs, the weight read from memory: :func:`~sparsekit.nn.timing.cold_time_us`), set on ``mod`` (``dconfig``) and returned; None when there is one candidate or
-    none. ``values``: the weight in the kernel's format (default ``mod.dvalues``; an int4 2:4
-    layer's ``mvalues``: the int4 way's configurations)."""
+    graphs, the weight read from memory: :func:`~sparsekit.nn.timing.cold_time_us`), set on
+    ``mod`` (``dconfig``) and returned; None when there is one candidate or none. ``values``:
+    the weight in the kernel's format (default ``mod.dvalues``; an int4 2:4 layer's
+    ``mvalues``: the int4 way's configurations)."""
     from sparsekit.accel import sk24_mma
     from sparsekit.nn import timing  # looked up per call: tests replace cold_time_us
 
