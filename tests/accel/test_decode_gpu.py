@@ -134,3 +134,28 @@ def test_lagged_stop_check_returns_the_per_step_sequences(monkeypatch):
     for a, b in zip(got["1"], got["0"]):
         assert torch.equal(a, b)
     assert got["1"][0].shape[1] <= 11 + 3
+
+
+def test_cold_timing_reads_a_small_weight_from_memory_not_l2():
+    """A 32 MB weight fits the L2 (50 MB on an H100/H200): timed on its own it is read from the
+    L2, timed as the decode plan does (copies cycled past the L2) from memory, which is
+    slower; a 2:4 layer timed that way is left holding its own tensors."""
+    import functools
+
+    from torch import nn
+
+    from sparsekit.accel.kernels import VARIANTS
+    from sparsekit.nn import timing
+
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    hot = timing.graph_time_us(functools.partial(torch.nn.functional.linear, x, w))
+    cold = timing.cold_time_us(functools.partial(torch.nn.functional.linear, x, w))
+    assert cold > 1.3 * hot, (cold, hot)
+    lin = nn.Linear(4096, 1024, bias=False).cuda()
+    with torch.no_grad():
+        lin.weight.copy_(masked_24(1024, 4096).cuda())
+    mod = VARIANTS["bf16_2:4"](lin)
+    before = {name: t.data_ptr() for name, t in mod.named_buffers()}
+    assert timing.cold_time_us(functools.partial(mod, x)) > 0
+    assert {name: t.data_ptr() for name, t in mod.named_buffers()} == before
