@@ -27,6 +27,11 @@
 #                                           # 1, against the dense ways DENSE names
 #   tools/device_generation.sh widen        # the prefill's weight widening ops (fp8w, int4 2:4)
 #                                           # against the fused elementwise ops, 8B shapes
+#   tools/device_generation.sh ncu          # Nsight Compute counters of the mma.sp kernel's
+#                                           # decode GEMMs (8B shapes, M = 1 and 16, bf16/fp8h/
+#                                           # int4, the sweep's best and the default
+#                                           # configuration): DRAM throughput, occupancy,
+#                                           # stall reasons (SWEEP: a bench_sk24_mma.py JSON)
 #   tools/device_generation.sh sparsegpt    # joint SparseGPT 2:4 + GPTQ int4 on 8 blocks of
 #                                           # the 8B shapes, 128 x 2048 calibration tokens
 #                                           # (issue 32's 15-minute target, scaled to 32)
@@ -41,7 +46,7 @@
 # (set: one more call per way under torch.profiler, kernel time by kind); gen_way takes
 # PRECISIONS (default fp8w).
 set -uo pipefail
-stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_way widen sparsegpt gpu_tests"
+stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_way widen ncu sparsegpt gpu_tests"
 for stage in "$@"; do
   case " $stages " in *" $stage "*) ;; *)
     echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
@@ -98,6 +103,10 @@ for stage in "$@"; do
       timeout 240 python tools/bench_sk24_mma.py --sections widen \
         --shapes 8b_qkv,8b_o,8b_gate_up,8b_down --out "$out/widen_8b.json" 2>&1 \
         | tee "$out/widen_8b.log" | tail -n 8 ;;
+    ncu)
+      timeout 400 python tools/ncu_sk24_mma.py \
+        --sweep "${SWEEP:-docs/bench/bench_sk24_mma_2026-12-07c_m1_16_h100.json}" \
+        --out "$out/ncu_sk24_mma.json" 2>&1 | tee "$out/ncu_sk24_mma.log" | tail -n 30 ;;
     sparsegpt)
       timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \
         --out "$out/sparsegpt_gptq.json" 2>&1 | tee "$out/sparsegpt_gptq.log" | tail -n 20 ;;
