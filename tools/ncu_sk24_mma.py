@@ -206,6 +206,26 @@ def ncu_command(ncu: str, log: Path, argv: list[str]) -> list[str]:
     return cmd + [sys.executable, str(Path(__file__).resolve()), "--child", *argv]
 
 
+def profile(ncu_name: str, argv: list[str]) -> list[dict]:
+    """Run this tool's ``--child`` with ``argv`` under ncu and join its counters to the cases;
+    one line and exit 2 without a GPU or ncu."""
+    if not torch.cuda.is_available():
+        print("ncu_sk24_mma: needs a CUDA GPU (sm_90) and Nsight Compute", file=sys.stderr)
+        raise SystemExit(2)
+    ncu = shutil.which(ncu_name)
+    if ncu is None:
+        print(f"ncu_sk24_mma: --ncu {ncu_name!r} is not on PATH", file=sys.stderr)
+        raise SystemExit(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        log, manifest = Path(tmp) / "ncu.csv", Path(tmp) / "cases.json"
+        proc = subprocess.run(ncu_command(ncu, log, [*argv, "--manifest", str(manifest)]),
+                              env=os.environ.copy(), capture_output=True, text=True)
+        if proc.returncode != 0 or not manifest.exists():
+            print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+            raise SystemExit(f"ncu_sk24_mma: ncu exited with {proc.returncode}")
+        return join(json.loads(manifest.read_text()), parse_ncu_csv(log.read_text()))
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8b_qkv,8b_o,8b_gate_up,8b_down")
@@ -241,22 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child:
         child(cases, args.manifest)
         return {}
-    if not torch.cuda.is_available():
-        print("ncu_sk24_mma: needs a CUDA GPU (sm_90) and Nsight Compute", file=sys.stderr)
-        raise SystemExit(2)
-    ncu = shutil.which(args.ncu)
-    if ncu is None:
-        print(f"ncu_sk24_mma: --ncu {args.ncu!r} is not on PATH", file=sys.stderr)
-        raise SystemExit(2)
-    with tempfile.TemporaryDirectory() as tmp:
-        log, manifest = Path(tmp) / "ncu.csv", Path(tmp) / "cases.json"
-        rest = list(argv if argv is not None else sys.argv[1:])
-        proc = subprocess.run(ncu_command(ncu, log, [*rest, "--manifest", str(manifest)]),
-                              env=os.environ.copy(), capture_output=True, text=True)
-        if proc.returncode != 0 or not manifest.exists():
-            print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
-            raise SystemExit(f"ncu_sk24_mma: ncu exited with {proc.returncode}")
-        rows = join(json.loads(manifest.read_text()), parse_ncu_csv(log.read_text()))
+    rows = profile(args.ncu, list(argv if argv is not None else sys.argv[1:]))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "sections": list(SECTIONS), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
