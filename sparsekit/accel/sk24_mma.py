@@ -97,19 +97,25 @@ INT4_COLUMNS = 128  # the columns one int4 scale covers in the format (a group o
 # it, so that a decode step's many short kernels overlap their ends and starts. Plus 8 (with
 # 1): each warp brings its weights through a ring of three rounds in shared memory, copied
 # (cp.async) two rounds ahead, so that more weight bytes are in flight without the registers
-# that prefetching into registers costs (bit 1 then prefetches x alone).
+# that prefetching into registers costs (bit 1 then prefetches x alone). Plus 16 (with 3 or 7):
+# the lean rounds, the same products with each load addressed by a per-lane 32-bit offset
+# advanced by a constant each round and two sets of round registers taken in turn (the other
+# modes spend about as many instructions on 64-bit addresses and register copies as on the
+# int4 products at M = 1).
 # :func:`default_config` picks among the staged ones; the planner times them all per shape and
 # M bucket (:data:`BUCKETS`)
 CONFIGS = ((4, 4, 1, 0), (4, 8, 1, 0), (8, 4, 1, 0), (8, 8, 1, 0), (2, 8, 1, 0), (4, 4, 2, 0),
            (8, 4, 2, 0), (4, 4, 4, 0), (4, 4, 1, 1), (8, 4, 1, 1), (8, 2, 1, 1), (4, 4, 2, 1),
            (8, 4, 2, 1), (4, 4, 4, 1), (4, 4, 1, 3), (8, 4, 1, 3), (8, 2, 1, 3), (8, 8, 1, 3),
            (8, 4, 2, 3), (4, 4, 4, 3), (4, 4, 1, 7), (8, 4, 1, 7), (8, 2, 1, 7), (8, 4, 2, 7),
-           (8, 4, 1, 9), (8, 4, 1, 11), (8, 4, 1, 15), (8, 4, 2, 15))
+           (8, 4, 1, 9), (8, 4, 1, 11), (8, 4, 1, 15), (8, 4, 2, 15), (8, 4, 1, 19),
+           (8, 4, 2, 19), (8, 4, 1, 23), (8, 4, 2, 23), (4, 4, 1, 23), (8, 2, 1, 23))
+LEAN_CONFIGS = tuple(c for c in CONFIGS if c[3] & 16)  # checked on several rounds a warp too
 PDL_CONFIGS = tuple(c for c in CONFIGS if c[3] & 4)  # launched as programmatic dependents
 # the token counts a layer may choose its own configuration for: M = 1, 2..8, 9..16, 17..32
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
-VERSION = 10  # sk24_mma_version() of the library this module calls
+VERSION = 11  # sk24_mma_version() of the library this module calls
 # the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
 # (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
 WAYS = ("bf16", "f16", "int4")
@@ -511,6 +517,43 @@ def _self_check(lib: ctypes.CDLL) -> None:
     _failed["int4"].update(_failing(lib, "int4", int4_configs(), x_of(torch.bfloat16), iv, im,
                                  gs=gs))
     _failed["int4"].update(_graph_failing(lib, iv, im, q.shape[1], gs))  # the plan times these
+    _self_check_rounds(lib, g)
+
+
+def _masked_24(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """A random float32 (rows, cols) weight on CUDA, the two largest of every four kept."""
+    w4 = torch.randn(rows, cols // 4, 4, generator=g)
+    keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
+    return (w4 * keep).view(rows, cols).cuda()
+
+
+def _self_check_rounds(lib: ctypes.CDLL, g: torch.Generator) -> None:
+    """:data:`LEAN_CONFIGS` on weights that give each warp several rounds (64 rows, K = 3200:
+    100 steps of 32 columns, warps with 3 and 4 rounds at 8 warps of 4 steps): per way, a
+    configuration that computes wrong there is never launched that way."""
+    def x_of(cols: int, dtype=torch.bfloat16, wide=None):
+        def make(m):
+            x = torch.randn(m, cols, generator=g).to("cuda", dtype)
+            return x if wide is None else x.to(wide)
+        return make
+
+    w = _masked_24(64, 3200, g)
+    scale = (w.abs().amax(1) / 448).clamp_min(1e-12)
+    values, meta = compress(w.to(torch.bfloat16), "paired")
+    _failed["bf16"].update(_failing(lib, "bf16, several rounds", LEAN_CONFIGS, x_of(3200),
+                                    values, meta))
+    values, meta = compress((w / scale[:, None]).to(torch.float8_e4m3fn), "paired")
+    _failed["bf16"].update(_failing(lib, "fp8, several rounds", LEAN_CONFIGS, x_of(3200),
+                                    values, meta, scale))
+    _failed["f16"].update(_failing(lib, "fp8 with f16 x, several rounds", LEAN_CONFIGS,
+                                   x_of(3200, torch.float8_e4m3fn, torch.float16), values, meta,
+                                   scale))
+    kept = (_masked_24(64, 3200, g) != 0).cpu().to(torch.int8)
+    q = torch.randint(-8, 8, (64, 3200), generator=g, dtype=torch.int8) * kept
+    iv, im, gs = (t.cuda() for t in compress_int4(q, torch.rand(64, 25, generator=g) + 0.5))
+    _failed["int4"].update(_failing(lib, "int4, several rounds",
+                                    [c for c in LEAN_CONFIGS if c in int4_configs()],
+                                    x_of(3200), iv, im, gs=gs))
 
 
 def _self_check_e4m3(lib: ctypes.CDLL, w: torch.Tensor, g: torch.Generator) -> bool:
@@ -613,12 +656,12 @@ DEFAULTS_INT4 = ((4, 4, 1, 1), (8, 4, 1, 1), (8, 4, 2, 1))
 def candidates(values: torch.Tensor, wide: torch.dtype | None = None
                ) -> list[tuple[int, ...]]:
     """The configurations the planner times for a weight in this format (its layout's, those
-    that passed the self-check and fit its row tiles); ``wide``: the dtype x reaches the kernel
-    in (an fp8 weight: float16 or bfloat16; None: float16 where that way works, as W8A8 fp8
-    layers pass it)."""
+    that passed the self-check and fit its row tiles and, the lean ones, its K); ``wide``: the
+    dtype x reaches the kernel in (an fp8 weight: float16 or bfloat16; None: float16 where
+    that way works, as W8A8 fp8 layers pass it)."""
     if values.shape[-1] == 16:
         return list(E4M3_CONFIGS)
-    tiles = values.shape[0]
+    tiles, steps = values.shape[0], values.shape[1] * (4 if values.dtype == torch.int32 else 1)
     if values.dtype == torch.int32:
         way = "int4"
     elif values.dtype == torch.float8_e4m3fn:
@@ -626,7 +669,8 @@ def candidates(values: torch.Tensor, wide: torch.dtype | None = None
         way = "f16" if f16 else "bf16"
     else:
         way = "bf16"
-    return [c for c in working(way) if tiles % c[2] == 0]
+    return [c for c in working(way)
+            if tiles % c[2] == 0 and not (c[3] & 16 and steps % c[1])]
 
 
 def int4_configs() -> list[tuple[int, int, int, int]]:
@@ -765,6 +809,9 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     if (n // 16) % cfg[2]:
         raise ValueError(f"sk24 mma kernel: config {cfg} takes {cfg[2]} tiles of 16 rows a "
                          f"block; N = {n} has {n // 16}")
+    if cfg[3] & 16 and ks % cfg[1]:
+        raise ValueError(f"sk24 mma kernel: config {cfg} takes K a multiple of "
+                         f"{32 * cfg[1]}; K = {k}")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     xs = None if x_scale is None else x_scale.reshape(-1).float().contiguous()
     ws = None if w_scale is None else w_scale.reshape(-1).float().contiguous()
@@ -790,7 +837,8 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
-           "INT4_COLUMNS", "LAYOUTS", "MAX_M", "PDL_CONFIGS", "VERSION", "WAYS", "bound_bytes",
+           "INT4_COLUMNS", "LAYOUTS", "LEAN_CONFIGS", "MAX_M", "PDL_CONFIGS", "VERSION", "WAYS",
+           "bound_bytes",
            "build", "candidates", "check_int4", "choosable", "check_shape", "compress",
            "compress_int4", "config_for", "config_text", "decompress", "decompress_int4",
            "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",

@@ -187,7 +187,7 @@ def test_build_makes_a_library_with_both_entry_points(tmp_path):
     path = sk24_mma.build(tmp_path / "lib.so")
     assert path.is_file() and not list(tmp_path.glob("tmp*"))  # renamed into place
     lib = ctypes.CDLL(str(path))  # static CUDA runtime: loads without a GPU
-    assert lib.sk24_mma_version() == sk24_mma.VERSION == 10
+    assert lib.sk24_mma_version() == sk24_mma.VERSION == 11
     assert hasattr(lib, "sk24_mma_launch") and hasattr(lib, "sk24_mma_e4m3_launch")
 
 
@@ -340,3 +340,28 @@ def test_a_configuration_that_failed_one_way_is_left_out_of_that_way_only(monkey
     q, scales = _int4_weight(64, 256, 128)
     assert sk24_mma.candidates(sk24_mma.compress_int4(q, scales)[0]) == [
         c for c in sk24_mma.int4_configs() if 4 % c[2] == 0]
+
+
+def test_lean_configurations_run_whole_rounds_only(monkeypatch):
+    # the lean rounds (x mode bit 4) are staged and prefetched, and load every round whole:
+    # a K whose steps of 32 columns are not a multiple of the configuration's steps a round is
+    # refused by the launch and left out of the plan's candidates
+    lean = sk24_mma.LEAN_CONFIGS
+    assert lean and all(c[3] in (19, 23) for c in lean)
+    assert {c for c in lean if c[3] & 4} <= set(sk24_mma.PDL_CONFIGS)  # graph-checked too
+    monkeypatch.setattr(sk24_mma, "working", lambda way: list(sk24_mma.CONFIGS))
+    six = sk24_mma.compress(masked_24(32, 192).bfloat16(), "paired")[0]  # 6 steps
+    eight = sk24_mma.compress(masked_24(32, 256).bfloat16(), "paired")[0]  # 8 steps
+    got6, got8 = sk24_mma.candidates(six), sk24_mma.candidates(eight)
+    assert {c for c in lean if c[1] == 2 and c[2] == 1} <= set(got6)
+    assert not {c for c in lean if c[1] == 4} & set(got6)
+    assert {c for c in lean if c[2] == 1} <= set(got8)
+    assert set(got8) - set(got6) == {c for c in lean if c[1] == 4 and 2 % c[2] == 0}
+    q, scales = _int4_weight(32, 384, 128)  # 12 steps: whole rounds of 4
+    iv = sk24_mma.compress_int4(q, scales)[0]
+    assert {c for c in lean if c[1] == 4 and c[2] == 1} <= set(sk24_mma.candidates(iv))
+    values, meta = sk24_mma.compress(masked_24(32, 192).bfloat16(), "paired")
+    x = torch.randn(1, 192).bfloat16()
+    cfg = next(c for c in lean if c[1] == 4 and c[2] == 1)
+    with pytest.raises(ValueError, match=r"takes K a multiple of 128; K = 192"):
+        sk24_mma._launch(None, x, values, meta, None, None, None, cfg)
