@@ -143,510 +143,510 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
           "r"(b[3]), "r"(e), "n"(SEL));
   } else {
-      asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
-            "r"(b[3]), "r"(e), "n"(SEL));
-    }
+    asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
+          "r"(b[3]), "r"(e), "n"(SEL));
+  }
 #else
-    if constexpr (F16) {
-      asm("mma.sp.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
-            "r"(b[3]), "r"(e), "n"(SEL));
-    } else {
-      asm("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
-            "r"(b[3]), "r"(e), "n"(SEL));
-    }
+  if constexpr (F16) {
+    asm("mma.sp.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
+          "r"(b[3]), "r"(e), "n"(SEL));
+  } else {
+    asm("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),
+          "r"(b[3]), "r"(e), "n"(SEL));
+  }
 #endif
-  }
+}
 
-  // Hopper's programmatic dependent launch: wait until the grids this one depends on are
-  // complete and their memory is visible (a no-op when the kernel was launched without the
-  // attribute); let the grids that depend on this one start launching
-  __device__ __forceinline__ void grid_dependency_wait() {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-  }
+// Hopper's programmatic dependent launch: wait until the grids this one depends on are
+// complete and their memory is visible (a no-op when the kernel was launched without the
+// attribute); let the grids that depend on this one start launching
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
 
-  __device__ __forceinline__ void launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  }
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
-  // shared memory of the staged-x kernel: each warp's x slice (MT * 8 rows of U * 4 chunks of
-  // 16 bytes), reused for the warps' partial sums at the end
-  template <int MT, int WARPS, int U, int R>
-  __host__ __device__ constexpr int xs_smem_bytes() {
-    return (WARPS * MT * 8 * U * 4 * 16 > WARPS * R * MT * 4 * 32 * 4)
-               ? WARPS * MT * 8 * U * 4 * 16 : WARPS * R * MT * 4 * 32 * 4;
-  }
+// shared memory of the staged-x kernel: each warp's x slice (MT * 8 rows of U * 4 chunks of
+// 16 bytes), reused for the warps' partial sums at the end
+template <int MT, int WARPS, int U, int R>
+__host__ __device__ constexpr int xs_smem_bytes() {
+  return (WARPS * MT * 8 * U * 4 * 16 > WARPS * R * MT * 4 * 32 * 4)
+             ? WARPS * MT * 8 * U * 4 * 16 : WARPS * R * MT * 4 * 32 * 4;
+}
 
-  // int4: after the last step of a group, its sums times the scales of rows q (fragment
-  // elements 0, 1) and q + 8 (2, 3) go into the accumulator, and the sums start again
-  template <int R, int MT, int UG>
-  __device__ __forceinline__ void group_done(float (&acc)[R][MT][4], float (&tmp)[R][MT][4],
-                                             const float (&sc)[UG][R][2], int u) {
-    if ((u & 3) != 3) return;
+// int4: after the last step of a group, its sums times the scales of rows q (fragment
+// elements 0, 1) and q + 8 (2, 3) go into the accumulator, and the sums start again
+template <int R, int MT, int UG>
+__device__ __forceinline__ void group_done(float (&acc)[R][MT][4], float (&tmp)[R][MT][4],
+                                           const float (&sc)[UG][R][2], int u) {
+  if ((u & 3) != 3) return;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          acc[r][i][c] += sc[u >> 2][r][c >> 1] * tmp[r][i][c];
-          tmp[r][i][c] = 0.f;
-        }
-  }
-
-  // WT, the weight's kind: BF16, FP8 (e4m3, widened to bf16), FP8H (e4m3 converted to f16 by
-  // one cvt per two values, with x in f16: the f16 sparse tensor cores; e4m3 values are exact
-  // in f16, so the products are those of fp8 x fp8) or INT4 (offset-binary nibbles,
-  // one 16-byte load a lane per 4 steps, widened to bf16 q exactly; each group of 4 steps = 128
-  // columns sums into its own float32 fragment, which the group's scales of the lane's two rows
-  // multiply into the accumulator)
-  constexpr int BF16 = 0, FP8 = 1, INT4 = 2, FP8H = 3;
-
-  // a lane's kept values of one step as stored: 8 bf16 (16 bytes), 8 e4m3 (8 bytes) or 8 int4
-  // (4 bytes, a quarter of a 16-byte load)
-  template <int WT> struct RawOf { using T = uint4; };
-  template <> struct RawOf<FP8> { using T = uint2; };
-  template <> struct RawOf<FP8H> { using T = uint2; };
-  template <> struct RawOf<INT4> { using T = uint32_t; };
-
-  // one round of a warp's weight loads: U steps of R row tiles (values as stored, metadata) and,
-  // for int4, the scales of the lane's rows q and q + 8 per group of 4 steps
-  template <int WT, int U, int R, int UG>
-  struct Round {
-    typename RawOf<WT>::T v[U][R];
-    uint32_t e[U][R];
-    float sc[UG][R][2];
-  };
-
-  // the loads of steps base .. base + U - 1 (those below S), streamed past the L1
-  template <int WT, bool PAIRED, int U, int R, int UG>
-  __device__ __forceinline__ void load_round(Round<WT, U, R, UG>& w, const void* vals,
-                                             const uint32_t* meta, const float* gs, int rt0,
-                                             int S, int base, int lane, int q) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ks = base + u;
-      if (ks < S) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const size_t tile = (size_t)(rt0 + r) * S;
-          if constexpr (WT == INT4) {
-            if ((u & 3) == 0) {
-              const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
-              uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
-              w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
-              w.sc[u >> 2][r][0] = gs[g * 16 + q];
-              w.sc[u >> 2][r][1] = gs[g * 16 + q + 8];
-            }
-          } else if constexpr (WT == BF16) {
-            w.v[u][r] = ldg128_stream(reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
-          } else {
-            w.v[u][r] = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
-          }
-          if (PAIRED) {
-            if ((u & 1) == 0)
-              w.e[u][r] = ldg32_stream(meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
-            else
-              w.e[u][r] = w.e[u - 1][r];
-          } else {
-            w.e[u][r] = ldg32_stream(meta + (tile + ks) * 32 + lane);
-          }
-        }
-      }
-    }
-  }
-
-  // x mode bit 3: a warp's round of weights in shared memory, lane-minor (each lane's words
-  // contiguous with its neighbours': conflict-free): int4 one 16-byte word a lane per group of 4
-  // steps, the other kinds one RawOf a step; metadata one word a step (paired: even steps only);
-  // int4 the scales of rows q and q + 8 per group
-  template <int WT> struct RingRawOf { using T = typename RawOf<WT>::T; };
-  template <> struct RingRawOf<INT4> { using T = uint4; };
-  constexpr int NS = 3;  // rounds in a warp's ring: NS - 1 in flight while one is computed
-
-  template <int WT, int U, int R, int UG>
-  struct RingStage {
-    typename RingRawOf<WT>::T v[WT == INT4 ? UG : U][R][32];
-    uint32_t e[U][R][32];
-    float sc[UG][R][2][32];
-  };
-
-  // load_round's loads as cp.async copies into a ring stage (the current group)
-  template <int WT, bool PAIRED, int U, int R, int UG>
-  __device__ __forceinline__ void copy_round(RingStage<WT, U, R, UG>* st, const void* vals,
-                                             const uint32_t* meta, const float* gs, int rt0,
-                                             int S, int base, int lane, int q) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ks = base + u;
-      if (ks < S) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const size_t tile = (size_t)(rt0 + r) * S;
-          if constexpr (WT == INT4) {
-            if ((u & 3) == 0) {
-              const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
-              cp_async<16>(&st->v[u >> 2][r][lane], reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
-              cp_async<4>(&st->sc[u >> 2][r][0][lane], gs + g * 16 + q);
-              cp_async<4>(&st->sc[u >> 2][r][1][lane], gs + g * 16 + q + 8);
-            }
-          } else if constexpr (WT == BF16) {
-            cp_async<16>(&st->v[u][r][lane], reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
-          } else {
-            cp_async<8>(&st->v[u][r][lane], reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
-          }
-          if (PAIRED) {
-            if ((u & 1) == 0)
-              cp_async<4>(&st->e[u][r][lane],
-                          meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
-          } else {
-            cp_async<4>(&st->e[u][r][lane], meta + (tile + ks) * 32 + lane);
-          }
-        }
-      }
-    }
-  }
-
-  // a round's registers from its ring stage (the lane's own copies, landed)
-  template <int WT, bool PAIRED, int U, int R, int UG>
-  __device__ __forceinline__ void read_round(Round<WT, U, R, UG>& w,
-                                             const RingStage<WT, U, R, UG>* st, int lane) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if constexpr (WT == INT4) {
-          if ((u & 3) == 0) {
-            const uint4 v = st->v[u >> 2][r][lane];
-            w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
-            w.sc[u >> 2][r][0] = st->sc[u >> 2][r][0][lane];
-            w.sc[u >> 2][r][1] = st->sc[u >> 2][r][1][lane];
-          }
-        } else {
-          w.v[u][r] = st->v[u][r][lane];
-        }
-        w.e[u][r] = (PAIRED && (u & 1)) ? w.e[u - 1][r] : st->e[u][r][lane];
-      }
-  }
-
-  // a step's A registers from the lane's values as stored
-  template <int WT>
-  __device__ __forceinline__ void widen(uint32_t (&a)[4], const typename RawOf<WT>::T& v) {
-    if constexpr (WT == INT4) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) a[j] = int4x2_to_bf16x2(v, j);
-    } else if constexpr (WT == FP8H) {
-      a[0] = e4m3x2_to_f16x2(v.x, 0); a[1] = e4m3x2_to_f16x2(v.x, 1);
-      a[2] = e4m3x2_to_f16x2(v.y, 0); a[3] = e4m3x2_to_f16x2(v.y, 1);
-    } else if constexpr (WT == FP8) {
-      a[0] = e4m3x2_to_bf16x2(v.x, 0); a[1] = e4m3x2_to_bf16x2(v.x, 1);
-      a[2] = e4m3x2_to_bf16x2(v.y, 0); a[3] = e4m3x2_to_bf16x2(v.y, 1);
-    } else {
-      a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
-    }
-  }
-
-  // staged x: a warp's U steps of x for all MT * 8 rows (rows past M repeat row M - 1: their
-  // products land in outputs that are not written), 16 bytes a load, coalesced ...
-  template <int MT, int U>
-  __device__ __forceinline__ void load_x(uint4 (&xv)[MT * U], const __nv_bfloat16* x, int sx,
-                                         int M, int S, int base, int lane) {
-    constexpr int CH = U * 4;  // 16-byte chunks a row
-#pragma unroll
-    for (int s = 0; s < MT * U; ++s) {
-      const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
-      if (base + c / 4 < S)
-        xv[s] = ldg128(reinterpret_cast<const uint4*>(
-                           x + (size_t)(row < M ? row : M - 1) * sx + (size_t)base * 32) + c);
-    }
-  }
-
-  // ... stored into the warp's slice with the 16-byte chunks XOR-swizzled by row (ldmatrix then
-  // reads every B fragment without bank conflicts)
-  template <int MT, int U>
-  __device__ __forceinline__ void store_x(uint4* xw, const uint4 (&xv)[MT * U], int S, int base,
-                                          int lane) {
-    constexpr int CH = U * 4;
-#pragma unroll
-    for (int s = 0; s < MT * U; ++s) {
-      const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
-      if (base + c / 4 < S) xw[row * CH + (c ^ (row & 7))] = xv[s];
-    }
-  }
-
-  // x mode bit 4 ("lean", with 3; 7 adds the programmatic launch): the staged, prefetching
-  // rounds with every load addressed by a per-lane 32-bit offset computed once and advanced by a
-  // constant each round (the other modes compute each address in 64 bits every round: at M = 1
-  // on int4 weights that arithmetic issued about as many instructions as the products), whole
-  // rounds loaded unguarded, and two sets of round registers taken in turn, so that no copies
-  // move the prefetched round into place. Every round is whole: the launch refuses a K whose
-  // steps of 32 columns are not a multiple of the steps a round.
-  template <int R>
-  struct Offsets {
-    int v[R];  // per row tile, the lane's first value load of the round (RawOf / uint4 units)
-    int e[R];  // its first metadata word
-    int s[R];  // int4: its first group scale (row q)
-  };
-
-  template <int WT, bool PAIRED, int R>
-  __device__ __forceinline__ void offsets_at(Offsets<R>& o, int rt0, int S, int base, int lane,
-                                             int q) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int tile = rt0 + r;
-      if constexpr (WT == INT4) {
-        const int g = tile * (S >> 2) + (base >> 2);
-        o.v[r] = g * 32 + lane;
-        o.s[r] = g * 16 + q;
-      } else {
-        o.v[r] = (tile * S + base) * 32 + lane;
-      }
-      o.e[r] = PAIRED ? (tile * (S >> 1) + (base >> 1)) * 32 + lane : (tile * S + base) * 32 + lane;
-    }
-  }
-
-  // the offsets of the round STEP steps on
-  template <int WT, bool PAIRED, int R, int STEP, int NL>
-  __device__ __forceinline__ void advance(Offsets<R>& o, int (&xo)[NL]) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      o.v[r] += WT == INT4 ? STEP / 4 * 32 : STEP * 32;
-      o.e[r] += PAIRED ? STEP / 2 * 32 : STEP * 32;
-      if constexpr (WT == INT4) o.s[r] += STEP / 4 * 16;
-    }
-#pragma unroll
-    for (int s = 0; s < NL; ++s) xo[s] += STEP * 32;
-  }
-
-  // load_round's loads for a whole round (every step below S), from the offsets
-  template <int WT, bool PAIRED, int U, int R, int UG>
-  __device__ __forceinline__ void load_round_at(Round<WT, U, R, UG>& w, const void* vals,
-                                                const uint32_t* meta, const float* gs,
-                                                const Offsets<R>& o) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if constexpr (WT == INT4) {
-          if ((u & 3) == 0) {
-            const uint4 v =
-                ldg128_stream(reinterpret_cast<const uint4*>(vals) + o.v[r] + (u >> 2) * 32);
-            w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
-            w.sc[u >> 2][r][0] = gs[o.s[r] + (u >> 2) * 16];
-            w.sc[u >> 2][r][1] = gs[o.s[r] + (u >> 2) * 16 + 8];
-          }
-        } else if constexpr (WT == BF16) {
-          w.v[u][r] = ldg128_stream(reinterpret_cast<const uint4*>(vals) + o.v[r] + u * 32);
-        } else {
-          w.v[u][r] = ldg64_stream(reinterpret_cast<const uint2*>(vals) + o.v[r] + u * 32);
-        }
-        if (PAIRED) {
-          if ((u & 1) == 0)
-            w.e[u][r] = ldg32_stream(meta + o.e[r] + (u >> 1) * 32);
-          else
-            w.e[u][r] = w.e[u - 1][r];
-        } else {
-          w.e[u][r] = ldg32_stream(meta + o.e[r] + u * 32);
-        }
-      }
-    }
-  }
-
-  // load_x's offsets (bf16 elements) for the round at base
-  template <int MT, int U>
-  __device__ __forceinline__ void x_offsets_at(int (&xo)[MT * U], int sx, int M, int base,
-                                               int lane) {
-    constexpr int CH = U * 4;
-#pragma unroll
-    for (int s = 0; s < MT * U; ++s) {
-      const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
-      xo[s] = (row < M ? row : M - 1) * sx + base * 32 + c * 8;
-    }
-  }
-
-  // the lean rounds' shared-memory addresses, computed once a lane: where it stores its x
-  // chunks (store_x's swizzle) and where ldmatrix reads the B fragments of step u, x tile i
-  template <int MT, int U>
-  struct SliceAddr {
-    uint32_t st[MT * U];
-    uint32_t ld[MT][U];
-  };
-
-  template <int MT, int U>
-  __device__ __forceinline__ void slice_addr(SliceAddr<MT, U>& sa, const uint4* xw, int lane) {
-    constexpr int CH = U * 4;
-    const uint32_t w0 = static_cast<uint32_t>(__cvta_generic_to_shared(xw));
-#pragma unroll
-    for (int s = 0; s < MT * U; ++s) {
-      const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
-      sa.st[s] = w0 + 16 * (row * CH + (c ^ (row & 7)));
-    }
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        sa.ld[i][u] = w0 + 16 * ((8 * i + (lane & 7)) * CH + ((4 * u + (lane >> 3)) ^ (lane & 7)));
-  }
+      for (int c = 0; c < 4; ++c) {
+        acc[r][i][c] += sc[u >> 2][r][c >> 1] * tmp[r][i][c];
+        tmp[r][i][c] = 0.f;
+      }
+}
 
-  __device__ __forceinline__ void sts128(uint32_t a, const uint4& v) {
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
-                 ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-  }
+// WT, the weight's kind: BF16, FP8 (e4m3, widened to bf16), FP8H (e4m3 converted to f16 by
+// one cvt per two values, with x in f16: the f16 sparse tensor cores; e4m3 values are exact
+// in f16, so the products are those of fp8 x fp8) or INT4 (offset-binary nibbles,
+// one 16-byte load a lane per 4 steps, widened to bf16 q exactly; each group of 4 steps = 128
+// columns sums into its own float32 fragment, which the group's scales of the lane's two rows
+// multiply into the accumulator)
+constexpr int BF16 = 0, FP8 = 1, INT4 = 2, FP8H = 3;
 
-  __device__ __forceinline__ void ldsm_x4_at(uint32_t (&r)[4], uint32_t a) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-  }
+// a lane's kept values of one step as stored: 8 bf16 (16 bytes), 8 e4m3 (8 bytes) or 8 int4
+// (4 bytes, a quarter of a 16-byte load)
+template <int WT> struct RawOf { using T = uint4; };
+template <> struct RawOf<FP8> { using T = uint2; };
+template <> struct RawOf<FP8H> { using T = uint2; };
+template <> struct RawOf<INT4> { using T = uint32_t; };
 
-  // int4 register j of a step as bf16x2 128 + n, n the nibbles (one LOP3 after the shift); the
-  // lean rounds take the 136 off with a second product whose A is -136 in every kept position
-  __device__ __forceinline__ uint32_t int4x2_to_biased_bf16x2(uint32_t w, int j) {
-    uint32_t r;
-    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(w >> (4 * j)));
-    return r;
-  }
+// one round of a warp's weight loads: U steps of R row tiles (values as stored, metadata) and,
+// for int4, the scales of the lane's rows q and q + 8 per group of 4 steps
+template <int WT, int U, int R, int UG>
+struct Round {
+  typename RawOf<WT>::T v[U][R];
+  uint32_t e[U][R];
+  float sc[UG][R][2];
+};
 
-  // a round's products from its registers: x staged into the warp's slice, then each step's
-  // widened values times the B fragments ldmatrix reads (int4: each group's sums scaled in)
-  template <int MT, int WT, bool PAIRED, int U, int R, int UG>
-  __device__ __forceinline__ void staged_products(float (&acc)[R][MT][4], float (&tmp)[R][MT][4],
-                                                  const Round<WT, U, R, UG>& w,
-                                                  const uint4 (&xv)[MT * U],
-                                                  const SliceAddr<MT, U>& sa) {
-    __syncwarp();  // every lane's ldmatrix of the last round has read the slice
+// the loads of steps base .. base + U - 1 (those below S), streamed past the L1
+template <int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void load_round(Round<WT, U, R, UG>& w, const void* vals,
+                                           const uint32_t* meta, const float* gs, int rt0,
+                                           int S, int base, int lane, int q) {
 #pragma unroll
-    for (int s = 0; s < MT * U; ++s) sts128(sa.st[s], xv[s]);
-    __syncwarp();
-    constexpr uint32_t kNeg136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      uint32_t a[R][4];
+  for (int u = 0; u < U; ++u) {
+    const int ks = base + u;
+    if (ks < S) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
+        const size_t tile = (size_t)(rt0 + r) * S;
         if constexpr (WT == INT4) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) a[r][j] = int4x2_to_biased_bf16x2(w.v[u][r], j);
-        } else {
-          widen<WT>(a[r], w.v[u][r]);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        uint32_t b[4];
-        ldsm_x4_at(b, sa.ld[i][u]);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
-          if (PAIRED && (u & 1)) mma_sp<1, WT == FP8H>(d, a[r], b, w.e[u][r]);
-          else mma_sp<0, WT == FP8H>(d, a[r], b, w.e[u][r]);
-          if constexpr (WT == INT4) {
-            if (PAIRED && (u & 1)) mma_sp<1, false>(d, kNeg136, b, w.e[u][r]);
-            else mma_sp<0, false>(d, kNeg136, b, w.e[u][r]);
+          if ((u & 3) == 0) {
+            const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
+            uint4 v = ldg128_stream(reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
+            w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
+            w.sc[u >> 2][r][0] = gs[g * 16 + q];
+            w.sc[u >> 2][r][1] = gs[g * 16 + q + 8];
           }
+        } else if constexpr (WT == BF16) {
+          w.v[u][r] = ldg128_stream(reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
+        } else {
+          w.v[u][r] = ldg64_stream(reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
+        }
+        if (PAIRED) {
+          if ((u & 1) == 0)
+            w.e[u][r] = ldg32_stream(meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
+          else
+            w.e[u][r] = w.e[u - 1][r];
+        } else {
+          w.e[u][r] = ldg32_stream(meta + (tile + ks) * 32 + lane);
         }
       }
-      if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, w.sc, u);
     }
   }
+}
 
-  // the lean rounds of a warp (steps warp * U + k * WARPS * U ..., U at a time)
-  template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, bool PDL>
-  __device__ __forceinline__ void lean_rounds(float (&acc)[R][MT][4], float (&tmp)[R][MT][4],
-                                              const __nv_bfloat16* x, int sx, const void* vals,
-                                              const uint32_t* meta, const float* gs, uint4* xw,
-                                              int rt0, int M, int S, int warp, int lane, int q) {
-    constexpr int UG = WT == INT4 ? U / 4 : 1, NL = MT * U, STEP = WARPS * U;
-    Offsets<R> o;
-    int xo[NL];
-    int base = warp * U;
-    offsets_at<WT, PAIRED, R>(o, rt0, S, base, lane, q);
-    x_offsets_at<MT, U>(xo, sx, M, base, lane);
-    Round<WT, U, R, UG> wa, wb;
-    uint4 xa[NL], xb[NL];
-    SliceAddr<MT, U> sa;
-    slice_addr<MT, U>(sa, xw, lane);
-    auto weights = [&](Round<WT, U, R, UG>& w, int b) {
-      if (b < S) load_round_at<WT, PAIRED>(w, vals, meta, gs, o);
-    };
-    auto xs = [&](uint4 (&xv)[NL], int b) {
-      if (b < S) {
+// x mode bit 3: a warp's round of weights in shared memory, lane-minor (each lane's words
+// contiguous with its neighbours': conflict-free): int4 one 16-byte word a lane per group of 4
+// steps, the other kinds one RawOf a step; metadata one word a step (paired: even steps only);
+// int4 the scales of rows q and q + 8 per group
+template <int WT> struct RingRawOf { using T = typename RawOf<WT>::T; };
+template <> struct RingRawOf<INT4> { using T = uint4; };
+constexpr int NS = 3;  // rounds in a warp's ring: NS - 1 in flight while one is computed
+
+template <int WT, int U, int R, int UG>
+struct RingStage {
+  typename RingRawOf<WT>::T v[WT == INT4 ? UG : U][R][32];
+  uint32_t e[U][R][32];
+  float sc[UG][R][2][32];
+};
+
+// load_round's loads as cp.async copies into a ring stage (the current group)
+template <int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void copy_round(RingStage<WT, U, R, UG>* st, const void* vals,
+                                           const uint32_t* meta, const float* gs, int rt0,
+                                           int S, int base, int lane, int q) {
 #pragma unroll
-        for (int s = 0; s < NL; ++s) xv[s] = ldg128(reinterpret_cast<const uint4*>(x + xo[s]));
+  for (int u = 0; u < U; ++u) {
+    const int ks = base + u;
+    if (ks < S) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const size_t tile = (size_t)(rt0 + r) * S;
+        if constexpr (WT == INT4) {
+          if ((u & 3) == 0) {
+            const size_t g = (size_t)(rt0 + r) * (S >> 2) + (ks >> 2);
+            cp_async<16>(&st->v[u >> 2][r][lane], reinterpret_cast<const uint4*>(vals) + g * 32 + lane);
+            cp_async<4>(&st->sc[u >> 2][r][0][lane], gs + g * 16 + q);
+            cp_async<4>(&st->sc[u >> 2][r][1][lane], gs + g * 16 + q + 8);
+          }
+        } else if constexpr (WT == BF16) {
+          cp_async<16>(&st->v[u][r][lane], reinterpret_cast<const uint4*>(vals) + (tile + ks) * 32 + lane);
+        } else {
+          cp_async<8>(&st->v[u][r][lane], reinterpret_cast<const uint2*>(vals) + (tile + ks) * 32 + lane);
+        }
+        if (PAIRED) {
+          if ((u & 1) == 0)
+            cp_async<4>(&st->e[u][r][lane],
+                        meta + ((size_t)(rt0 + r) * (S >> 1) + (ks >> 1)) * 32 + lane);
+        } else {
+          cp_async<4>(&st->e[u][r][lane], meta + (tile + ks) * 32 + lane);
+        }
       }
-    };
-    weights(wa, base);
-    if constexpr (PDL) {  // weights only above: x and y belong to the kernels around this one
-      launch_dependents();
-      grid_dependency_wait();
-    }
-    xs(xa, base);
-    while (base < S) {
-      advance<WT, PAIRED, R, STEP>(o, xo);
-      weights(wb, base + STEP);
-      xs(xb, base + STEP);
-      staged_products<MT, WT, PAIRED>(acc, tmp, wa, xa, sa);
-      base += STEP;
-      if (base >= S) break;
-      advance<WT, PAIRED, R, STEP>(o, xo);
-      weights(wa, base + STEP);
-      xs(xa, base + STEP);
-      staged_products<MT, WT, PAIRED>(acc, tmp, wb, xb, sa);
-      base += STEP;
     }
   }
+}
 
-  template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, int XM>
-  __global__ void __launch_bounds__(WARPS * 32)
-  sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
-                  const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
-                  const float* __restrict__ ws, const float* __restrict__ gs,
-                  const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M,
-                  int N, int K) {
-    static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
-    static_assert(!(XM & 1) || U >= 2, "the swizzle takes 8 chunks a row");
-    static_assert(WT != INT4 || U % 4 == 0, "int4 takes whole groups of 4 steps");
-    extern __shared__ __align__(16) unsigned char smem[];
-    // R tiles of 16 rows a block: each x fragment loaded feeds R products
-    const int rt0 = blockIdx.x * R;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int q = lane >> 2, t = lane & 3;
-    const int S = K >> 5;
-    float acc[R][MT][4];
+// a round's registers from its ring stage (the lane's own copies, landed)
+template <int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void read_round(Round<WT, U, R, UG>& w,
+                                           const RingStage<WT, U, R, UG>* st, int lane) {
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+  for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int i = 0; i < MT; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.f;
-    float tmp[R][MT][4];  // int4: the current group's sums
+    for (int r = 0; r < R; ++r) {
+      if constexpr (WT == INT4) {
+        if ((u & 3) == 0) {
+          const uint4 v = st->v[u >> 2][r][lane];
+          w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
+          w.sc[u >> 2][r][0] = st->sc[u >> 2][r][0][lane];
+          w.sc[u >> 2][r][1] = st->sc[u >> 2][r][1][lane];
+        }
+      } else {
+        w.v[u][r] = st->v[u][r][lane];
+      }
+      w.e[u][r] = (PAIRED && (u & 1)) ? w.e[u - 1][r] : st->e[u][r][lane];
+    }
+}
+
+// a step's A registers from the lane's values as stored
+template <int WT>
+__device__ __forceinline__ void widen(uint32_t (&a)[4], const typename RawOf<WT>::T& v) {
+  if constexpr (WT == INT4) {
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[j] = int4x2_to_bf16x2(v, j);
+  } else if constexpr (WT == FP8H) {
+    a[0] = e4m3x2_to_f16x2(v.x, 0); a[1] = e4m3x2_to_f16x2(v.x, 1);
+    a[2] = e4m3x2_to_f16x2(v.y, 0); a[3] = e4m3x2_to_f16x2(v.y, 1);
+  } else if constexpr (WT == FP8) {
+    a[0] = e4m3x2_to_bf16x2(v.x, 0); a[1] = e4m3x2_to_bf16x2(v.x, 1);
+    a[2] = e4m3x2_to_bf16x2(v.y, 0); a[3] = e4m3x2_to_bf16x2(v.y, 1);
+  } else {
+    a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+  }
+}
+
+// staged x: a warp's U steps of x for all MT * 8 rows (rows past M repeat row M - 1: their
+// products land in outputs that are not written), 16 bytes a load, coalesced ...
+template <int MT, int U>
+__device__ __forceinline__ void load_x(uint4 (&xv)[MT * U], const __nv_bfloat16* x, int sx,
+                                       int M, int S, int base, int lane) {
+  constexpr int CH = U * 4;  // 16-byte chunks a row
 #pragma unroll
-      for (int i = 0; i < MT; ++i) tmp[r][i][0] = tmp[r][i][1] = tmp[r][i][2] = tmp[r][i][3] = 0.f;
-    const uint32_t* xr[MT];
-    bool ok[MT];
+  for (int s = 0; s < MT * U; ++s) {
+    const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+    if (base + c / 4 < S)
+      xv[s] = ldg128(reinterpret_cast<const uint4*>(
+                         x + (size_t)(row < M ? row : M - 1) * sx + (size_t)base * 32) + c);
+  }
+}
+
+// ... stored into the warp's slice with the 16-byte chunks XOR-swizzled by row (ldmatrix then
+// reads every B fragment without bank conflicts)
+template <int MT, int U>
+__device__ __forceinline__ void store_x(uint4* xw, const uint4 (&xv)[MT * U], int S, int base,
+                                        int lane) {
+  constexpr int CH = U * 4;
+#pragma unroll
+  for (int s = 0; s < MT * U; ++s) {
+    const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+    if (base + c / 4 < S) xw[row * CH + (c ^ (row & 7))] = xv[s];
+  }
+}
+
+// x mode bit 4 ("lean", with 3; 7 adds the programmatic launch): the staged, prefetching
+// rounds with every load addressed by a per-lane 32-bit offset computed once and advanced by a
+// constant each round (the other modes compute each address in 64 bits every round: at M = 1
+// on int4 weights that arithmetic issued about as many instructions as the products), whole
+// rounds loaded unguarded, and two sets of round registers taken in turn, so that no copies
+// move the prefetched round into place. Every round is whole: the launch refuses a K whose
+// steps of 32 columns are not a multiple of the steps a round.
+template <int R>
+struct Offsets {
+  int v[R];  // per row tile, the lane's first value load of the round (RawOf / uint4 units)
+  int e[R];  // its first metadata word
+  int s[R];  // int4: its first group scale (row q)
+};
+
+template <int WT, bool PAIRED, int R>
+__device__ __forceinline__ void offsets_at(Offsets<R>& o, int rt0, int S, int base, int lane,
+                                           int q) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int tile = rt0 + r;
+    if constexpr (WT == INT4) {
+      const int g = tile * (S >> 2) + (base >> 2);
+      o.v[r] = g * 32 + lane;
+      o.s[r] = g * 16 + q;
+    } else {
+      o.v[r] = (tile * S + base) * 32 + lane;
+    }
+    o.e[r] = PAIRED ? (tile * (S >> 1) + (base >> 1)) * 32 + lane : (tile * S + base) * 32 + lane;
+  }
+}
+
+// the offsets of the round STEP steps on
+template <int WT, bool PAIRED, int R, int STEP, int NL>
+__device__ __forceinline__ void advance(Offsets<R>& o, int (&xo)[NL]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    o.v[r] += WT == INT4 ? STEP / 4 * 32 : STEP * 32;
+    o.e[r] += PAIRED ? STEP / 2 * 32 : STEP * 32;
+    if constexpr (WT == INT4) o.s[r] += STEP / 4 * 16;
+  }
+#pragma unroll
+  for (int s = 0; s < NL; ++s) xo[s] += STEP * 32;
+}
+
+// load_round's loads for a whole round (every step below S), from the offsets
+template <int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void load_round_at(Round<WT, U, R, UG>& w, const void* vals,
+                                              const uint32_t* meta, const float* gs,
+                                              const Offsets<R>& o) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if constexpr (WT == INT4) {
+        if ((u & 3) == 0) {
+          const uint4 v =
+              ldg128_stream(reinterpret_cast<const uint4*>(vals) + o.v[r] + (u >> 2) * 32);
+          w.v[u][r] = v.x; w.v[u + 1][r] = v.y; w.v[u + 2][r] = v.z; w.v[u + 3][r] = v.w;
+          w.sc[u >> 2][r][0] = gs[o.s[r] + (u >> 2) * 16];
+          w.sc[u >> 2][r][1] = gs[o.s[r] + (u >> 2) * 16 + 8];
+        }
+      } else if constexpr (WT == BF16) {
+        w.v[u][r] = ldg128_stream(reinterpret_cast<const uint4*>(vals) + o.v[r] + u * 32);
+      } else {
+        w.v[u][r] = ldg64_stream(reinterpret_cast<const uint2*>(vals) + o.v[r] + u * 32);
+      }
+      if (PAIRED) {
+        if ((u & 1) == 0)
+          w.e[u][r] = ldg32_stream(meta + o.e[r] + (u >> 1) * 32);
+        else
+          w.e[u][r] = w.e[u - 1][r];
+      } else {
+        w.e[u][r] = ldg32_stream(meta + o.e[r] + u * 32);
+      }
+    }
+  }
+}
+
+// load_x's offsets (bf16 elements) for the round at base
+template <int MT, int U>
+__device__ __forceinline__ void x_offsets_at(int (&xo)[MT * U], int sx, int M, int base,
+                                             int lane) {
+  constexpr int CH = U * 4;
+#pragma unroll
+  for (int s = 0; s < MT * U; ++s) {
+    const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+    xo[s] = (row < M ? row : M - 1) * sx + base * 32 + c * 8;
+  }
+}
+
+// the lean rounds' shared-memory addresses, computed once a lane: where it stores its x
+// chunks (store_x's swizzle) and where ldmatrix reads the B fragments of step u, x tile i
+template <int MT, int U>
+struct SliceAddr {
+  uint32_t st[MT * U];
+  uint32_t ld[MT][U];
+};
+
+template <int MT, int U>
+__device__ __forceinline__ void slice_addr(SliceAddr<MT, U>& sa, const uint4* xw, int lane) {
+  constexpr int CH = U * 4;
+  const uint32_t w0 = static_cast<uint32_t>(__cvta_generic_to_shared(xw));
+#pragma unroll
+  for (int s = 0; s < MT * U; ++s) {
+    const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
+    sa.st[s] = w0 + 16 * (row * CH + (c ^ (row & 7)));
+  }
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      sa.ld[i][u] = w0 + 16 * ((8 * i + (lane & 7)) * CH + ((4 * u + (lane >> 3)) ^ (lane & 7)));
+}
+
+__device__ __forceinline__ void sts128(uint32_t a, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
+               ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_at(uint32_t (&r)[4], uint32_t a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// int4 register j of a step as bf16x2 128 + n, n the nibbles (one LOP3 after the shift); the
+// lean rounds take the 136 off with a second product whose A is -136 in every kept position
+__device__ __forceinline__ uint32_t int4x2_to_biased_bf16x2(uint32_t w, int j) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(w >> (4 * j)));
+  return r;
+}
+
+// a round's products from its registers: x staged into the warp's slice, then each step's
+// widened values times the B fragments ldmatrix reads (int4: each group's sums scaled in)
+template <int MT, int WT, bool PAIRED, int U, int R, int UG>
+__device__ __forceinline__ void staged_products(float (&acc)[R][MT][4], float (&tmp)[R][MT][4],
+                                                const Round<WT, U, R, UG>& w,
+                                                const uint4 (&xv)[MT * U],
+                                                const SliceAddr<MT, U>& sa) {
+  __syncwarp();  // every lane's ldmatrix of the last round has read the slice
+#pragma unroll
+  for (int s = 0; s < MT * U; ++s) sts128(sa.st[s], xv[s]);
+  __syncwarp();
+  constexpr uint32_t kNeg136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    uint32_t a[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if constexpr (WT == INT4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[r][j] = int4x2_to_biased_bf16x2(w.v[u][r], j);
+      } else {
+        widen<WT>(a[r], w.v[u][r]);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      int m = i * 8 + q;
-      ok[i] = m < M;
-      xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
+      uint32_t b[4];
+      ldsm_x4_at(b, sa.ld[i][u]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float (&d)[4] = WT == INT4 ? tmp[r][i] : acc[r][i];
+        if (PAIRED && (u & 1)) mma_sp<1, WT == FP8H>(d, a[r], b, w.e[u][r]);
+        else mma_sp<0, WT == FP8H>(d, a[r], b, w.e[u][r]);
+        if constexpr (WT == INT4) {
+          if (PAIRED && (u & 1)) mma_sp<1, false>(d, kNeg136, b, w.e[u][r]);
+          else mma_sp<0, false>(d, kNeg136, b, w.e[u][r]);
+        }
+      }
     }
-    constexpr bool XS = (XM & 1) != 0, PF = (XM & 2) != 0, PDL = (XM & 4) != 0;
-    constexpr bool RING = (XM & 8) != 0, LEAN = (XM & 16) != 0;
-    static_assert(!PDL || (XS && PF), "a programmatic launch prefetches its first round");
-    static_assert(!RING || XS, "the weights' ring sits beside the staged x");
-    static_assert(!LEAN || (XS && PF && !RING), "the lean rounds are staged and prefetched");
-    if constexpr (LEAN) {
-      lean_rounds<MT, WT, PAIRED, WARPS, U, R, PDL>(
-          acc, tmp, x, sx, vals, meta, gs,
-          reinterpret_cast<uint4*>(smem) + warp * (MT * 8 * U * 4), rt0, M, S, warp, lane, q);
-    } else {
+    if constexpr (WT == INT4) group_done<R, MT, UG>(acc, tmp, w.sc, u);
+  }
+}
+
+// the lean rounds of a warp (steps warp * U + k * WARPS * U ..., U at a time)
+template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, bool PDL>
+__device__ __forceinline__ void lean_rounds(float (&acc)[R][MT][4], float (&tmp)[R][MT][4],
+                                            const __nv_bfloat16* x, int sx, const void* vals,
+                                            const uint32_t* meta, const float* gs, uint4* xw,
+                                            int rt0, int M, int S, int warp, int lane, int q) {
+  constexpr int UG = WT == INT4 ? U / 4 : 1, NL = MT * U, STEP = WARPS * U;
+  Offsets<R> o;
+  int xo[NL];
+  int base = warp * U;
+  offsets_at<WT, PAIRED, R>(o, rt0, S, base, lane, q);
+  x_offsets_at<MT, U>(xo, sx, M, base, lane);
+  Round<WT, U, R, UG> wa, wb;
+  uint4 xa[NL], xb[NL];
+  SliceAddr<MT, U> sa;
+  slice_addr<MT, U>(sa, xw, lane);
+  auto weights = [&](Round<WT, U, R, UG>& w, int b) {
+    if (b < S) load_round_at<WT, PAIRED>(w, vals, meta, gs, o);
+  };
+  auto xs = [&](uint4 (&xv)[NL], int b) {
+    if (b < S) {
+#pragma unroll
+      for (int s = 0; s < NL; ++s) xv[s] = ldg128(reinterpret_cast<const uint4*>(x + xo[s]));
+    }
+  };
+  weights(wa, base);
+  if constexpr (PDL) {  // weights only above: x and y belong to the kernels around this one
+    launch_dependents();
+    grid_dependency_wait();
+  }
+  xs(xa, base);
+  while (base < S) {
+    advance<WT, PAIRED, R, STEP>(o, xo);
+    weights(wb, base + STEP);
+    xs(xb, base + STEP);
+    staged_products<MT, WT, PAIRED>(acc, tmp, wa, xa, sa);
+    base += STEP;
+    if (base >= S) break;
+    advance<WT, PAIRED, R, STEP>(o, xo);
+    weights(wa, base + STEP);
+    xs(xa, base + STEP);
+    staged_products<MT, WT, PAIRED>(acc, tmp, wb, xb, sa);
+    base += STEP;
+  }
+}
+
+template <int MT, int WT, bool PAIRED, int WARPS, int U, int R, int XM>
+__global__ void __launch_bounds__(WARPS * 32)
+sk24_mma_kernel(const __nv_bfloat16* __restrict__ x, int sx, const void* __restrict__ vals,
+                const uint32_t* __restrict__ meta, const float* __restrict__ xs, int xs_stride,
+                const float* __restrict__ ws, const float* __restrict__ gs,
+                const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M,
+                int N, int K) {
+  static_assert(!PAIRED || (U % 2 == 0), "paired metadata needs an even unroll");
+  static_assert(!(XM & 1) || U >= 2, "the swizzle takes 8 chunks a row");
+  static_assert(WT != INT4 || U % 4 == 0, "int4 takes whole groups of 4 steps");
+  extern __shared__ __align__(16) unsigned char smem[];
+  // R tiles of 16 rows a block: each x fragment loaded feeds R products
+  const int rt0 = blockIdx.x * R;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q = lane >> 2, t = lane & 3;
+  const int S = K >> 5;
+  float acc[R][MT][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.f;
+  float tmp[R][MT][4];  // int4: the current group's sums
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) tmp[r][i][0] = tmp[r][i][1] = tmp[r][i][2] = tmp[r][i][3] = 0.f;
+  const uint32_t* xr[MT];
+  bool ok[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    int m = i * 8 + q;
+    ok[i] = m < M;
+    xr[i] = reinterpret_cast<const uint32_t*>(x + (size_t)(ok[i] ? m : 0) * sx) + t;
+  }
+  constexpr bool XS = (XM & 1) != 0, PF = (XM & 2) != 0, PDL = (XM & 4) != 0;
+  constexpr bool RING = (XM & 8) != 0, LEAN = (XM & 16) != 0;
+  static_assert(!PDL || (XS && PF), "a programmatic launch prefetches its first round");
+  static_assert(!RING || XS, "the weights' ring sits beside the staged x");
+  static_assert(!LEAN || (XS && PF && !RING), "the lean rounds are staged and prefetched");
+  if constexpr (LEAN) {
+    lean_rounds<MT, WT, PAIRED, WARPS, U, R, PDL>(
+        acc, tmp, x, sx, vals, meta, gs,
+        reinterpret_cast<uint4*>(smem) + warp * (MT * 8 * U * 4), rt0, M, S, warp, lane, q);
+  } else {
     constexpr int UG = WT == INT4 ? U / 4 : 1;  // int4: groups of 4 steps a round
     constexpr int NL = XS ? MT * U : 1;          // staged x: 16-byte loads a lane and round
     Round<WT, U, R, UG> w;                       // the round's weight, as loaded
