@@ -29,8 +29,8 @@
 #                                           # against the fused elementwise ops, 8B shapes
 #   tools/device_generation.sh ncu          # Nsight Compute counters of the mma.sp kernel's
 #                                           # decode GEMMs (8B shapes, M = 1 and 16, bf16/fp8h/
-#                                           # int4, the sweep's best and the default
-#                                           # configuration): DRAM throughput, occupancy,
+#                                           # int4, the sweep's best and two lean
+#                                           # configurations): DRAM throughput, occupancy,
 #                                           # stall reasons (SWEEP: a bench_sk24_mma.py JSON)
 #   tools/device_generation.sh sparsegpt    # joint SparseGPT 2:4 + GPTQ int4 on 8 blocks of
 #                                           # the 8B shapes, 128 x 2048 calibration tokens
@@ -104,7 +104,7 @@ for stage in "$@"; do
         --shapes 8b_qkv,8b_o,8b_gate_up,8b_down --out "$out/widen_8b.json" 2>&1 \
         | tee "$out/widen_8b.log" | tail -n 8 ;;
     ncu)
-      timeout 400 python tools/ncu_sk24_mma.py \
+      timeout 400 python tools/ncu_sk24_mma.py --configs best,8x4x1x19,8x4x2x19 \
         --sweep "${SWEEP:-docs/bench/bench_sk24_mma_2026-12-07c_m1_16_h100.json}" \
         --out "$out/ncu_sk24_mma.json" 2>&1 | tee "$out/ncu_sk24_mma.log" | tail -n 30 ;;
     sparsegpt)
