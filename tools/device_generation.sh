@@ -27,6 +27,10 @@
 #                                           # 1, against the dense ways DENSE names
 #   tools/device_generation.sh widen        # the prefill's weight widening ops (fp8w, int4 2:4)
 #                                           # against the fused elementwise ops, 8B shapes
+#   tools/device_generation.sh lean         # the mma.sp kernel's GPU tests (every
+#                                           # configuration against the reference), then the 8B
+#                                           # sweep at M = 1 and 16 (the lean configurations
+#                                           # beside the others), in one call
 #   tools/device_generation.sh ncu          # Nsight Compute counters of the mma.sp kernel's
 #                                           # decode GEMMs (8B shapes, M = 1 and 16, bf16/fp8h/
 #                                           # int4, the sweep's best and two lean
@@ -46,7 +50,7 @@
 # (set: one more call per way under torch.profiler, kernel time by kind); gen_way takes
 # PRECISIONS (default fp8w).
 set -uo pipefail
-stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_way widen ncu sparsegpt gpu_tests"
+stages="kernels gen_bf16 gen_fp8 gen_b1 gen_core gen_int4 gen_way widen lean ncu sparsegpt gpu_tests"
 for stage in "$@"; do
   case " $stages " in *" $stage "*) ;; *)
     echo "device_generation.sh: unknown stage '$stage' (${stages// /, })" >&2; exit 2 ;;
@@ -103,6 +107,12 @@ for stage in "$@"; do
       timeout 240 python tools/bench_sk24_mma.py --sections widen \
         --shapes 8b_qkv,8b_o,8b_gate_up,8b_down --out "$out/widen_8b.json" 2>&1 \
         | tee "$out/widen_8b.log" | tail -n 8 ;;
+    lean)
+      timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/accel/test_sk24_mma_gpu.py \
+        2>&1 | tee "$out/pytest_sk24_mma.log" | tail -n 15
+      timeout 300 python tools/bench_sk24_mma.py --sections time \
+        --shapes 8b_qkv,8b_o,8b_gate_up,8b_down --ms 1,16 --out "$out/mma_8b_m1_16.json" 2>&1 \
+        | tee "$out/mma_8b_m1_16.log" | grep -v '^{"shape"' | tail -n 5 ;;
     ncu)
       timeout 400 python tools/ncu_sk24_mma.py --configs best,8x4x1x19,8x4x2x19 \
         --sweep "${SWEEP:-docs/bench/bench_sk24_mma_2026-12-07c_m1_16_h100.json}" \
