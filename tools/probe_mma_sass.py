@@ -1,7 +1,7 @@
 """Instructions per weight byte in the main loop of the mma.sp small-M kernel
 (sparsekit/accel/csrc/sk24_mma.cu), per weight kind and configuration, from its sm_90 machine
 code: no GPU needed (nvcc compiles a copy of the source reduced to the configurations asked
-for, M <= 8; ``nvdisasm`` disassembles).
+for, M <= 8 unless ``--mt`` says; ``nvdisasm`` disassembles).
 
     python tools/probe_mma_sass.py --out /tmp/mma_sass.json            # the default rows
     python tools/probe_mma_sass.py --kinds int4 --configs 8x4x2x3,8x4x2x19 --out x.json
@@ -33,12 +33,14 @@ KINDS = {"bf16": "BF16", "fp8": "FP8", "fp8h": "FP8H", "int4": "INT4"}
 # (paired: one word a lane per two steps), int4 scales (16 floats a group of 4 steps)
 STEP_BYTES = {"bf16": 512 + 64, "fp8": 256 + 64, "fp8h": 256 + 64, "int4": 128 + 64 + 16}
 BUDGET = {"h100": 128 / (3.35e12 / (132 * 1.98e9)), "h200": 128 / (4.8e12 / (132 * 1.98e9))}
+MT_M = {1: "1-8", 2: "9-16", 4: "17-32"}  # the kernel's x tiles of 8 rows, per M
 CONFIGS = ("8x4x1x3", "8x4x1x19", "8x4x2x3", "8x4x2x19", "8x4x1x7", "8x4x1x23")
 
 
-def reduced_source(text: str, kinds: list[str], configs: list[tuple[int, ...]]) -> str:
+def reduced_source(text: str, kinds: list[str], configs: list[tuple[int, ...]],
+                   all_m: bool = False) -> str:
     """``text`` (the library's source) with only ``configs`` (SK24_GO lines) and the paired
-    layout of ``kinds`` (SK24_WT lines) compiled, for M <= 8 only."""
+    layout of ``kinds`` (SK24_WT lines) compiled, for M <= 8 only unless ``all_m``."""
     want_go = {f"SK24_GO({', '.join(map(str, c))})" for c in configs}
     want_wt = {f"SK24_WT({KINDS[k]}, true)" for k in kinds}
     lines = []
@@ -50,6 +52,8 @@ def reduced_source(text: str, kinds: list[str], configs: list[tuple[int, ...]]) 
             continue
         lines.append(line)
     out = "\n".join(lines)
+    if all_m:
+        return out
     tail = re.search(r"\n  else if \(M <= 16\)\n    rc = launch_mt<2>\(.*?\);\n  else\n"
                      r"    rc = launch_mt<4>\(.*?\);", out, re.S)
     if tail is None:
@@ -117,15 +121,16 @@ def opcode(ins: str) -> str:
     return (ins.split()[1] if ins.startswith("@") else ins.split()[0]).split(".")[0]
 
 
-def row(kind: str, cfg: tuple[int, ...], body: list[str]) -> dict:
+def row(kind: str, cfg: tuple[int, ...], body: list[str], mt: int = 1) -> dict:
     warps, unroll, tiles, xmode = cfg
     ops = collections.Counter(opcode(t) for t in body)
-    per_round = unroll * tiles * (2 if kind == "int4" and xmode & 16 else 1)  # MMAs a round
+    # MMAs a round: a step's MMA per row tile and x tile of 8 rows (int4 lean: two)
+    per_round = unroll * tiles * mt * (2 if kind == "int4" and xmode & 16 else 1)
     rounds = ops["HMMA"] / per_round
     per_round_ins = len(body) / rounds
     nbytes = unroll * tiles * STEP_BYTES[kind]
     per_byte = 32 * per_round_ins / nbytes
-    return {"kind": kind, "config": "x".join(map(str, cfg)), "M": "1-8",
+    return {"kind": kind, "config": "x".join(map(str, cfg)), "M": MT_M[mt],
             "warp_instructions_per_round": round(per_round_ins, 1),
             "weight_bytes_per_round": nbytes,
             "thread_instructions_per_byte": round(per_byte, 2),
@@ -138,9 +143,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", default="bf16,fp8h,int4", help=", ".join(KINDS))
     ap.add_argument("--configs", default=",".join(CONFIGS), help="WxUxRxX, comma-separated")
+    ap.add_argument("--mt", default="1", help="x tiles of 8 rows: 1 (M <= 8), 2 (9-16), 4")
     ap.add_argument("--out", required=True, help="JSON output path")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
+    mts = [int(v) for v in args.mt.split(",") if v in ("1", "2", "4")]
+    if len(mts) != len(args.mt.split(",")):
+        ap.error("--mt takes 1, 2 and 4 (comma-separated)")
     try:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     except ValueError:
@@ -151,21 +160,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     missing = [c for c in configs if f"SK24_GO({', '.join(map(str, c))})" not in text]
     if missing:
         ap.error(f"--configs: {missing} are not built by the library")
-    found = kernels(disassemble(reduced_source(text, kinds, configs)))
+    found = kernels(disassemble(reduced_source(text, kinds, configs, all_m=mts != [1])))
     codes = {"BF16": 0, "FP8": 1, "INT4": 2, "FP8H": 3}
     out = []
-    for kind in kinds:
-        for cfg in configs:
-            if kind == "int4" and cfg[1] % 4:
-                continue
-            key = f"1,{codes[KINDS[kind]]},1,{','.join(map(str, cfg))}"
-            if key in found:
-                r = row(kind, cfg, mma_loop(found[key]))
-                out.append(r)
-                print(f"{r['kind']} {r['config']}: {r['warp_instructions_per_round']} "
-                      f"instructions a round, {r['thread_instructions_per_byte']} per weight "
-                      f"byte ({r['issue_budget_pct_h100']}% of the H100's issue budget, "
-                      f"{r['issue_budget_pct_h200']}% of the H200's)")
+    for mt in mts:
+        for kind in kinds:
+            for cfg in configs:
+                key = f"{mt},{codes[KINDS[kind]]},1,{','.join(map(str, cfg))}"
+                if key in found and not (kind == "int4" and cfg[1] % 4):
+                    out.append(row(kind, cfg, mma_loop(found[key]), mt))
+    for r in out:
+        print(f"{r['kind']} {r['config']} M {r['M']}: {r['warp_instructions_per_round']} "
+              f"instructions a round, {r['thread_instructions_per_byte']} per weight byte "
+              f"({r['issue_budget_pct_h100']}% of the H100's issue budget, "
+              f"{r['issue_budget_pct_h200']}% of the H200's)")
     Path(args.out).write_text(json.dumps(out, indent=1))
     return out
 

@@ -37,6 +37,8 @@ def test_reduced_source_keeps_the_configurations_and_kinds_asked_for():
     wt = [line.strip() for line in out.split("\n") if line.strip().startswith("SK24_WT(")]
     assert wt == ["SK24_WT(INT4, true)"]
     assert "launch_mt<2>(" not in out.split("sk24_mma_launch")[1].split("sk24_mma_version")[0]
+    every_m = tool.reduced_source(text, ["int4"], [(8, 4, 1, 3)], all_m=True)
+    assert "launch_mt<4>(" in every_m.split("sk24_mma_launch")[1]
 
 
 def test_the_innermost_mma_loop_is_counted_per_round():
@@ -46,6 +48,7 @@ def test_the_innermost_mma_loop_is_counted_per_round():
     assert len(body) == 6 and body[-1].startswith("@P0  BRA")  # not the outer loop
     r = tool.row("int4", (8, 4, 1, 3), body)
     assert r["warp_instructions_per_round"] == 6.0  # 4 MMAs: one round of 4 steps
+    assert tool.row("int4", (8, 4, 1, 3), body, mt=2)["warp_instructions_per_round"] == 12.0
     assert r["weight_bytes_per_round"] == 4 * 208
     assert r["thread_instructions_per_byte"] == round(32 * 6 / 832, 2)
     lean = tool.row("int4", (8, 4, 1, 19), body)  # two MMAs a step: half a round here
@@ -59,6 +62,9 @@ def test_a_bad_option_is_one_line(capsys):
     with pytest.raises(SystemExit):
         tool.main(["--configs", "8x4x1x5", "--out", "/dev/null"])
     assert "not built by the library" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["--mt", "3", "--out", "/dev/null"])
+    assert "--mt takes 1, 2 and 4" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
