@@ -5,6 +5,8 @@ the reference, the op's opcheck and the errors."""
 
 import contextlib
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,3 +367,16 @@ def test_lean_configurations_run_whole_rounds_only(monkeypatch):
     cfg = next(c for c in lean if c[1] == 4 and c[2] == 1)
     with pytest.raises(ValueError, match=r"takes K a multiple of 128; K = 192"):
         sk24_mma._launch(None, x, values, meta, None, None, None, cfg)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+def test_lean_load_offsets_equal_the_addresses_of_the_other_rounds(tmp_path):
+    # the lean rounds' per-lane offsets (computed once, advanced a round at a time), built for
+    # the host from the library's own source, against the expressions load_round and load_x
+    # use for the same loads: every warp, round, row tile, step and lane, several kinds
+    src = Path(__file__).with_name("sk24_mma_index_test.cu")
+    exe = tmp_path / "index_test"
+    subprocess.run([shutil.which("nvcc"), "-O1", "-arch=sm_90", "-o", str(exe), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout[-2000:]

@@ -397,8 +397,8 @@ struct Offsets {
 };
 
 template <int WT, bool PAIRED, int R>
-__device__ __forceinline__ void offsets_at(Offsets<R>& o, int rt0, int S, int base, int lane,
-                                           int q) {
+__host__ __device__ __forceinline__ void offsets_at(Offsets<R>& o, int rt0, int S, int base,
+                                                    int lane, int q) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int tile = rt0 + r;
@@ -415,7 +415,7 @@ __device__ __forceinline__ void offsets_at(Offsets<R>& o, int rt0, int S, int ba
 
 // the offsets of the round STEP steps on
 template <int WT, bool PAIRED, int R, int STEP, int NL>
-__device__ __forceinline__ void advance(Offsets<R>& o, int (&xo)[NL]) {
+__host__ __device__ __forceinline__ void advance(Offsets<R>& o, int (&xo)[NL]) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     o.v[r] += WT == INT4 ? STEP / 4 * 32 : STEP * 32;
@@ -462,8 +462,8 @@ __device__ __forceinline__ void load_round_at(Round<WT, U, R, UG>& w, const void
 
 // load_x's offsets (bf16 elements) for the round at base
 template <int MT, int U>
-__device__ __forceinline__ void x_offsets_at(int (&xo)[MT * U], int sx, int M, int base,
-                                             int lane) {
+__host__ __device__ __forceinline__ void x_offsets_at(int (&xo)[MT * U], int sx, int M,
+                                                      int base, int lane) {
   constexpr int CH = U * 4;
 #pragma unroll
   for (int s = 0; s < MT * U; ++s) {
@@ -986,6 +986,7 @@ int launch_e4m3(int warps, int unroll, cudaStream_t st, const uint8_t* x, int sx
 
 }  // namespace
 
+#ifndef SK24_INDEX_ONLY  // (tests/accel/sk24_mma_index_test.cu: the index helpers alone)
 // 0 on success; -1 for a configuration not compiled, -2 for a shape the kernel does not take
 // (rows: tiles of 16 rows a block must divide N / 16), else the CUDA error of the launch;
 // wt: 0 bf16, 1 fp8 e4m3 (widened to bf16), 3 fp8 e4m3 as f16 with x f16, 2 int4 (paired
@@ -1046,3 +1047,4 @@ extern "C" int sk24_mma_e4m3_launch(const void* x, int sx, const void* vals, con
   if (rc) return rc;
   return (int)cudaGetLastError();
 }
+#endif  // SK24_INDEX_ONLY
