@@ -1,8 +1,9 @@
 // The lean rounds' load offsets (sparsekit/accel/csrc/sk24_mma.cu: offsets_at, advance,
 // x_offsets_at, run on the host) against the addresses the library's other rounds compute
 // for the same loads (load_round's and load_x's expressions, copied here), for every warp,
-// round, row tile, step and lane of a few configurations and weight kinds. Built and run by
-// tests/accel/test_sk24_mma_cpu.py with nvcc; prints "ok" or the first mismatch.
+// round, row tile, step and lane of a few configurations and weight kinds; and the staged x
+// slice's offsets (slice_offsets): each ldmatrix row address holds the chunk it must. Built
+// and run by tests/accel/test_sk24_mma_cpu.py with nvcc; prints "ok" or the first mismatch.
 #define SK24_INDEX_ONLY
 #include "../../sparsekit/accel/csrc/sk24_mma.cu"
 
@@ -81,6 +82,39 @@ int check(int S, int rt0, int M, int sx) {
   return 0;
 }
 
+// the staged x slice: every ldmatrix row address (lane l: row l % 8 of matrix l / 8 = chunk
+// 4u + l / 8 of row 8i + l % 8) is where store_x's lanes put that chunk, and the lanes' stores
+// cover the slice once
+template <int MT, int U>
+int check_slice() {
+  constexpr int CH = U * 4, NL = MT * U;
+  long where[MT * 8][CH];
+  int seen[MT * 8 * CH] = {0};
+  for (int lane = 0; lane < 32; ++lane) {
+    SliceAddr<MT, U> sa;
+    slice_offsets<MT, U>(sa, lane);
+    for (int s = 0; s < NL; ++s) {
+      const int idx = lane + 32 * s;
+      where[idx / CH][idx % CH] = sa.st[s];
+      if (sa.st[s] % 16 || sa.st[s] / 16 >= MT * 8 * CH || seen[sa.st[s] / 16]++) {
+        std::printf("slice store MT=%d U=%d lane=%d chunk=%d at %u\n", MT, U, lane, s, sa.st[s]);
+        return 1;
+      }
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    SliceAddr<MT, U> sa;
+    slice_offsets<MT, U>(sa, lane);
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u)
+        if (sa.ld[i][u] != where[8 * i + (lane & 7)][4 * u + (lane >> 3)]) {
+          std::printf("slice read MT=%d U=%d lane=%d i=%d u=%d\n", MT, U, lane, i, u);
+          return 1;
+        }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main() {
@@ -97,6 +131,8 @@ int main() {
       bad |= check<FP8H, false, 4, 4, 1, 2>(S, 2, M, S * 32);
     }
   }
+  bad |= check_slice<1, 4>() | check_slice<2, 4>() | check_slice<4, 4>() | check_slice<1, 2>() |
+         check_slice<2, 2>();
   std::printf(bad ? "mismatch\n" : "ok\n");
   return bad;
 }

@@ -480,20 +480,32 @@ struct SliceAddr {
   uint32_t ld[MT][U];
 };
 
+// their byte offsets from the warp's slice (store_x's and the ldmatrix reads' layout)
 template <int MT, int U>
-__device__ __forceinline__ void slice_addr(SliceAddr<MT, U>& sa, const uint4* xw, int lane) {
+__host__ __device__ __forceinline__ void slice_offsets(SliceAddr<MT, U>& sa, int lane) {
   constexpr int CH = U * 4;
-  const uint32_t w0 = static_cast<uint32_t>(__cvta_generic_to_shared(xw));
 #pragma unroll
   for (int s = 0; s < MT * U; ++s) {
     const int idx = lane + 32 * s, row = idx / CH, c = idx % CH;
-    sa.st[s] = w0 + 16 * (row * CH + (c ^ (row & 7)));
+    sa.st[s] = 16 * (row * CH + (c ^ (row & 7)));
   }
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      sa.ld[i][u] = w0 + 16 * ((8 * i + (lane & 7)) * CH + ((4 * u + (lane >> 3)) ^ (lane & 7)));
+      sa.ld[i][u] = 16 * ((8 * i + (lane & 7)) * CH + ((4 * u + (lane >> 3)) ^ (lane & 7)));
+}
+
+template <int MT, int U>
+__device__ __forceinline__ void slice_addr(SliceAddr<MT, U>& sa, const uint4* xw, int lane) {
+  slice_offsets<MT, U>(sa, lane);
+  const uint32_t w0 = static_cast<uint32_t>(__cvta_generic_to_shared(xw));
+#pragma unroll
+  for (int s = 0; s < MT * U; ++s) sa.st[s] += w0;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int u = 0; u < U; ++u) sa.ld[i][u] += w0;
 }
 
 __device__ __forceinline__ void sts128(uint32_t a, const uint4& v) {
