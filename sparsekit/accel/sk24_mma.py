@@ -479,45 +479,27 @@ def _graph_failing(lib: ctypes.CDLL, values: torch.Tensor, meta: torch.Tensor, k
 
 def _self_check(lib: ctypes.CDLL) -> None:
     """Run the kernel once per weight kind, configuration and M tile against the reference
-    on a small weight: a configuration that computes wrong is never launched that way
-    (:func:`launch` refuses it); RuntimeError when one that :func:`default_config` picks does
-    for bf16 or bf16-widened fp8 (the library is then not used). fp8 with f16 x and int4 that
-    fail only lose that way (:func:`fp8_f16_ok`, :func:`int4_ok`)."""
+    on a small weight (and :data:`LEAN_CONFIGS` again on one that gives each warp several
+    rounds), and the programmatic-launch configurations in a CUDA graph: a configuration that
+    computes wrong is never launched that way (:func:`launch` refuses it); RuntimeError when
+    one that :func:`default_config` picks does for bf16 or bf16-widened fp8 (the library is
+    then not used). fp8 with f16 x and int4 that fail only lose that way
+    (:func:`fp8_f16_ok`, :func:`int4_ok`)."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 256, generator=g)
-    w4 = w.view(64, 64, 4)
-    keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
-    w = (w4 * keep).view(64, 256).cuda()
-    scale = (w.abs().amax(1) / 448).clamp_min(1e-12)
-
-    def x_of(dtype, wide=None):
-        def make(m):
-            x = torch.randn(m, 256, generator=g).to("cuda", dtype)
-            return x if wide is None else x.to(wide)
-        return make
-
-    fp8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
-    for weight, ws in ((w.to(torch.bfloat16), None), (fp8, scale)):
-        values, meta = compress(weight, "paired")  # the layers' layout
-        bad = _failing(lib, str(weight.dtype), CONFIGS, x_of(torch.bfloat16), values, meta, ws)
-        _failed["bf16"].update(bad)
-        if weight.dtype == torch.bfloat16:  # programmatic launches in a graph: every way
-            in_graph = _graph_failing(lib, values, meta, w.shape[1])
-            for way in WAYS:
-                _failed[way].update(in_graph)
-        if bad & set(DEFAULTS):
-            raise RuntimeError(f"self-check failed ({weight.dtype}, default configurations "
-                               f"{sorted(bad & set(DEFAULTS))})")
-    values, meta = compress(fp8, "paired")
-    _failed["f16"].update(_failing(lib, "fp8 with f16 x", CONFIGS,
-                                x_of(torch.float8_e4m3fn, torch.float16), values, meta, scale))
-    q = torch.randint(-8, 8, (64, 256), generator=g, dtype=torch.int8) * keep.view(64, 256).to(
-        torch.int8)
-    iv, im, gs = (t.cuda() for t in compress_int4(q, torch.rand(64, 2, generator=g) + 0.5))
-    _failed["int4"].update(_failing(lib, "int4", int4_configs(), x_of(torch.bfloat16), iv, im,
-                                 gs=gs))
-    _failed["int4"].update(_graph_failing(lib, iv, im, q.shape[1], gs))  # the plan times these
-    _self_check_rounds(lib, g)
+    bad = _ways_failing(lib, g, 256, CONFIGS)
+    if bad["bf16"] & set(DEFAULTS):
+        raise RuntimeError(f"self-check failed (bf16 or fp8, default configurations "
+                           f"{sorted(bad['bf16'] & set(DEFAULTS))})")
+    # 64 rows, K = 3200: 100 steps of 32 columns, warps with 3 and 4 rounds at 8 warps of 4
+    rounds = _ways_failing(lib, g, 3200, LEAN_CONFIGS)
+    w = _masked_24(64, 256, g)
+    values, meta = compress(w.to(torch.bfloat16), "paired")
+    in_graph = _graph_failing(lib, values, meta, 256)  # programmatic launches: every way
+    iv, im, gs = _int4_weight(w, g)
+    in_graph_int4 = _graph_failing(lib, iv, im, 256, gs)  # the plan times these
+    for way in WAYS:
+        _failed[way].update(bad[way], rounds[way], in_graph)
+    _failed["int4"].update(in_graph_int4)
 
 
 def _masked_24(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
@@ -527,33 +509,40 @@ def _masked_24(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
     return (w4 * keep).view(rows, cols).cuda()
 
 
-def _self_check_rounds(lib: ctypes.CDLL, g: torch.Generator) -> None:
-    """:data:`LEAN_CONFIGS` on weights that give each warp several rounds (64 rows, K = 3200:
-    100 steps of 32 columns, warps with 3 and 4 rounds at 8 warps of 4 steps): per way, a
-    configuration that computes wrong there is never launched that way."""
-    def x_of(cols: int, dtype=torch.bfloat16, wide=None):
+def _int4_weight(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """The int4 format (:func:`compress_int4`, on CUDA) of random int4 values at ``w``'s kept
+    positions, random group scales."""
+    rows, cols = w.shape
+    q = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8) * (w != 0).cpu().to(
+        torch.int8)
+    scales = torch.rand(rows, cols // INT4_COLUMNS, generator=g) + 0.5
+    return tuple(t.cuda() for t in compress_int4(q, scales))
+
+
+def _ways_failing(lib: ctypes.CDLL, g: torch.Generator, cols: int, configs) -> dict[str, set]:
+    """Per way (:data:`WAYS`), the configurations of ``configs`` that compute wrong or raise
+    (:func:`_failing`) on random 2:4 weights of 64 rows and ``cols`` columns: bf16 and fp8
+    widened to bf16 ("bf16"), fp8 with f16 x ("f16"), int4 (its configurations)."""
+    def x_of(dtype, wide=None):
         def make(m):
             x = torch.randn(m, cols, generator=g).to("cuda", dtype)
             return x if wide is None else x.to(wide)
         return make
 
-    w = _masked_24(64, 3200, g)
+    w = _masked_24(64, cols, g)
     scale = (w.abs().amax(1) / 448).clamp_min(1e-12)
-    values, meta = compress(w.to(torch.bfloat16), "paired")
-    _failed["bf16"].update(_failing(lib, "bf16, several rounds", LEAN_CONFIGS, x_of(3200),
-                                    values, meta))
-    values, meta = compress((w / scale[:, None]).to(torch.float8_e4m3fn), "paired")
-    _failed["bf16"].update(_failing(lib, "fp8, several rounds", LEAN_CONFIGS, x_of(3200),
-                                    values, meta, scale))
-    _failed["f16"].update(_failing(lib, "fp8 with f16 x, several rounds", LEAN_CONFIGS,
-                                   x_of(3200, torch.float8_e4m3fn, torch.float16), values, meta,
-                                   scale))
-    kept = (_masked_24(64, 3200, g) != 0).cpu().to(torch.int8)
-    q = torch.randint(-8, 8, (64, 3200), generator=g, dtype=torch.int8) * kept
-    iv, im, gs = (t.cuda() for t in compress_int4(q, torch.rand(64, 25, generator=g) + 0.5))
-    _failed["int4"].update(_failing(lib, "int4, several rounds",
-                                    [c for c in LEAN_CONFIGS if c in int4_configs()],
-                                    x_of(3200), iv, im, gs=gs))
+    fp8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    bad = {way: set() for way in WAYS}
+    for weight, ws in ((w.to(torch.bfloat16), None), (fp8, scale)):
+        values, meta = compress(weight, "paired")  # the layers' layout
+        bad["bf16"] |= _failing(lib, f"{weight.dtype}, K = {cols}", configs,
+                                x_of(torch.bfloat16), values, meta, ws)
+    bad["f16"] = _failing(lib, f"fp8 with f16 x, K = {cols}", configs,
+                          x_of(torch.float8_e4m3fn, torch.float16), values, meta, scale)
+    iv, im, gs = _int4_weight(w, g)
+    bad["int4"] = _failing(lib, f"int4, K = {cols}", [c for c in configs if c in int4_configs()],
+                           x_of(torch.bfloat16), iv, im, gs=gs)
+    return bad
 
 
 def _self_check_e4m3(lib: ctypes.CDLL, w: torch.Tensor, g: torch.Generator) -> bool:
@@ -586,10 +575,7 @@ def e4m3_ok() -> bool:
         return False
     if not _e4m3:
         g = torch.Generator().manual_seed(1)
-        w = torch.randn(64, 256, generator=g)
-        w4 = w.view(64, 64, 4)
-        keep = torch.zeros_like(w4).scatter_(-1, w4.abs().topk(2, -1).indices, 1.0)
-        _e4m3.append(_self_check_e4m3(lib, (w4 * keep).view(64, 256).cuda(), g))
+        _e4m3.append(_self_check_e4m3(lib, _masked_24(64, 256, g), g))
     return _e4m3[0]
 
 
@@ -838,9 +824,8 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
            "INT4_COLUMNS", "LAYOUTS", "LEAN_CONFIGS", "MAX_M", "PDL_CONFIGS", "VERSION", "WAYS",
-           "bound_bytes",
-           "build", "candidates", "check_int4", "choosable", "check_shape", "compress",
-           "compress_int4", "config_for", "config_text", "decompress", "decompress_int4",
-           "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok", "int4_configs", "int4_ok", "launch",
-           "launch_int4", "layout_for", "library_path", "load", "reason", "reference",
-           "reference_int4", "usable", "usable_int4", "working"]
+           "bound_bytes", "build", "candidates", "check_int4", "choosable", "check_shape",
+           "compress", "compress_int4", "config_for", "config_text", "decompress",
+           "decompress_int4", "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok",
+           "int4_configs", "int4_ok", "launch", "launch_int4", "layout_for", "library_path",
+           "load", "reason", "reference", "reference_int4", "usable", "usable_int4", "working"]

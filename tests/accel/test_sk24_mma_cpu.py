@@ -380,3 +380,34 @@ def test_lean_load_offsets_equal_the_addresses_of_the_other_rounds(tmp_path):
                    check=True, capture_output=True, timeout=300)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout[-2000:]
+
+
+def test_self_check_runs_every_way_on_both_weights_and_keeps_out_what_fails(monkeypatch):
+    # the load-time self-check's plan, the kernel and graphs faked: every way on the small
+    # weight with every configuration, again on the several-rounds weight with the lean ones
+    # (int4 with its own), a failure kept out of its way, a failing default refuses the library
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    calls, fail = [], {}
+
+    def fake_failing(lib, way, configs, x_of, values, meta, ws=None, gs=None):
+        k = values.shape[1] * (128 if gs is not None else 32)
+        calls.append((way.split(",")[0], k, tuple(configs)))
+        return {c for c in configs if (way.split(",")[0], c) in fail}
+    monkeypatch.setattr(sk24_mma, "_failing", fake_failing)
+    monkeypatch.setattr(sk24_mma, "_graph_failing", lambda *a, **k: set())
+    monkeypatch.setattr(sk24_mma, "_failed", {w: set() for w in sk24_mma.WAYS})
+    lean = sk24_mma.LEAN_CONFIGS
+    fail[("int4", lean[0])] = fail[("fp8 with f16 x", sk24_mma.CONFIGS[0])] = True
+    sk24_mma._self_check(None)
+    int4 = tuple(sk24_mma.int4_configs())
+    assert calls == [("torch.bfloat16", 256, sk24_mma.CONFIGS),
+                     ("torch.float8_e4m3fn", 256, sk24_mma.CONFIGS),
+                     ("fp8 with f16 x", 256, sk24_mma.CONFIGS), ("int4", 256, int4),
+                     ("torch.bfloat16", 3200, lean), ("torch.float8_e4m3fn", 3200, lean),
+                     ("fp8 with f16 x", 3200, lean),
+                     ("int4", 3200, tuple(c for c in lean if c in int4))]
+    assert sk24_mma._failed["int4"] == {lean[0]}
+    assert sk24_mma._failed["f16"] == {sk24_mma.CONFIGS[0]} and not sk24_mma._failed["bf16"]
+    fail[("torch.float8_e4m3fn", sk24_mma.DEFAULTS[0])] = True
+    with pytest.raises(RuntimeError, match="default configurations"):
+        sk24_mma._self_check(None)
