@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit.accel import int4, ops, w4a16
-from sparsekit.nn.timing import graph_time_us, time_ms
+from sparsekit.nn.timing import graph_time_us, l2_copies, time_ms
 
 SHAPES = {  # name: (N, K) of a weight (out x in)
     "llama3-8b.qkv": (6144, 4096),
@@ -51,14 +51,6 @@ def weight_24(n: int, k: int, device: torch.device, seed: int = 0) -> torch.Tens
     w = torch.randn(n, k // 4, 4, device=device, generator=g)
     keep = w.abs().topk(2, dim=-1).indices
     return (w * torch.zeros_like(w).scatter_(-1, keep, 1.0)).reshape(n, k).bfloat16()
-
-
-def copies_for(nbytes: int, device: torch.device) -> int:
-    """Weight copies a timed graph cycles through so its reads exceed twice the L2 (1 on CPU)."""
-    if device.type != "cuda":
-        return 1
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    return max(2, min(64, math.ceil(2 * l2 / max(nbytes, 1))))
 
 
 def time_us(calls: list, device: torch.device) -> float:
@@ -95,7 +87,7 @@ def bench_shape(name: str, n: int, k: int, ms: tuple, group: int, device: torch.
         for v in VARIANTS:
             tensors, op = weights[v]
             copies = [tensors] + [tuple(t.clone() for t in tensors)
-                                  for _ in range(copies_for(wbytes[v], device) - 1)]
+                                  for _ in range(l2_copies(wbytes[v], device) - 1)]
             y = op(x, tensors)  # first call: Triton compiles and autotunes here
             ref = x.float() @ (w.float() if v == "bf16_dense" else wdq).t()
             us = time_us([functools.partial(op, x, t) for t in copies], device)

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import SHAPES, masked_weight  # noqa: E402  (tools/bench_generate.py)
+from bench_sk24_mma import fp8_weight  # noqa: E402  (tools/bench_sk24_mma.py)
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats",
             "MemoryWorkloadAnalysis")
@@ -156,10 +157,9 @@ def operands(kind: str, n: int, k: int, device) -> tuple:
         v, mt, gs = (t.to(device) for t in sk24_mma.compress_int4(q, s))
         return sk24_mma.launch_int4, (v, mt, gs, None)
     if kind == "fp8h":
-        scale = (w.float().abs().amax(1) / 448).clamp_min(1e-12)
-        w8 = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+        w8, scale = fp8_weight(w)
         v, mt = sk24_mma.compress(w8)
-        return sk24_mma.launch, (v, mt, None, scale.contiguous(), None)
+        return sk24_mma.launch, (v, mt, None, scale, None)
     v, mt = sk24_mma.compress(w)
     return sk24_mma.launch, (v, mt, None, None, None)
 

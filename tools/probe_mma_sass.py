@@ -28,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "sparsekit" / "accel" / "csrc" / "sk24_mma.cu"
-KINDS = {"bf16": "BF16", "fp8": "FP8", "fp8h": "FP8H", "int4": "INT4"}
+# the kernel's weight kinds: its constant's name and value (WT)
+KINDS = {"bf16": ("BF16", 0), "fp8": ("FP8", 1), "int4": ("INT4", 2), "fp8h": ("FP8H", 3)}
 # DRAM bytes a warp reads per step (32 columns) and row tile (16 rows): values, metadata
 # (paired: one word a lane per two steps), int4 scales (16 floats a group of 4 steps)
 STEP_BYTES = {"bf16": 512 + 64, "fp8": 256 + 64, "fp8h": 256 + 64, "int4": 128 + 64 + 16}
@@ -42,7 +43,7 @@ def reduced_source(text: str, kinds: list[str], configs: list[tuple[int, ...]],
     """``text`` (the library's source) with only ``configs`` (SK24_GO lines) and the paired
     layout of ``kinds`` (SK24_WT lines) compiled, for M <= 8 only unless ``all_m``."""
     want_go = {f"SK24_GO({', '.join(map(str, c))})" for c in configs}
-    want_wt = {f"SK24_WT({KINDS[k]}, true)" for k in kinds}
+    want_wt = {f"SK24_WT({KINDS[k][0]}, true)" for k in kinds}
     lines = []
     for line in text.split("\n"):
         body = line.strip()
@@ -161,12 +162,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if missing:
         ap.error(f"--configs: {missing} are not built by the library")
     found = kernels(disassemble(reduced_source(text, kinds, configs, all_m=mts != [1])))
-    codes = {"BF16": 0, "FP8": 1, "INT4": 2, "FP8H": 3}
     out = []
     for mt in mts:
         for kind in kinds:
             for cfg in configs:
-                key = f"{mt},{codes[KINDS[kind]]},1,{','.join(map(str, cfg))}"
+                key = f"{mt},{KINDS[kind][1]},1,{','.join(map(str, cfg))}"
                 if key in found and not (kind == "int4" and cfg[1] % 4):
                     out.append(row(kind, cfg, mma_loop(found[key]), mt))
     for r in out:
