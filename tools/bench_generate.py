@@ -472,6 +472,15 @@ def agreement(out: torch.Tensor, ref: torch.Tensor, prompt: int,
     return res
 
 
+# --inductor-<flag>: (inductor option set True for the whole run, what it does)
+INDUCTOR_FLAGS = {
+    "pdl": ("triton.enable_pdl", "inductor's Triton kernels launched as programmatic "
+                                 "dependents (Hopper)"),
+    # a decode step's rotary, cache writes and the cache layers' position counters are
+    # independent small kernels after each q/k/v GEMM: one launch for them instead of four
+    "combo": ("combo_kernels", "inductor's independent kernels combined into one launch"),
+}
+
 # --precisions tokens: (way, accelerate's precision, sparsity, every fp8 layer on the mma.sp
 # kernel: SPARSEKIT_SK24_MMA=all)
 SK_WAYS = {"bf16": ("sk_bf16_2:4", "bf16", "2:4", False),
@@ -732,10 +741,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="generate: the precision of the LM head (no 2:4 zeros) in sparsekit's "
                          "compressed ways (PlanOptions.dense_precision; int4dense: the LM head "
                          "bf16, else int4); the dense ways keep it bf16")
-    ap.add_argument("--inductor-pdl", action="store_true",
-                    help="inductor's Triton kernels launched as programmatic dependents "
-                         "(torch._inductor.config.triton.enable_pdl, Hopper) in every way, the "
-                         "dense ones too")
+    for flag, (option, what) in INDUCTOR_FLAGS.items():
+        ap.add_argument(f"--inductor-{flag}", action="store_true",
+                        help=f"{what} (torch._inductor.config.{option}) in every way, the "
+                             f"dense ones too")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (what CI runs)")
     ap.add_argument("--out", default="bench_generate.json")
@@ -744,13 +753,14 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:  # before an 8B model is built
         ap.exit(2, f"bench_generate: --precisions: unknown way(s) {unknown}; choose among "
                    f"{', '.join(SK_WAYS)}\n")
-    if args.inductor_pdl:
-        import torch._inductor.config as inductor_config
+    for flag, (option, _) in INDUCTOR_FLAGS.items():
+        if getattr(args, f"inductor_{flag}"):
+            import torch._inductor.config as inductor_config
 
-        if not hasattr(inductor_config.triton, "enable_pdl"):
-            ap.exit(2, f"bench_generate: --inductor-pdl: torch {torch.__version__}'s inductor "
-                       f"has no triton.enable_pdl\n")
-        inductor_config.triton.enable_pdl = True
+            if option not in inductor_config._config:
+                ap.exit(2, f"bench_generate: --inductor-{flag}: torch {torch.__version__}'s "
+                           f"inductor has no {option}\n")
+            setattr(inductor_config, option, True)
     device = torch.device("cpu" if args.smoke else "cuda")
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU (--smoke runs on CPU)")

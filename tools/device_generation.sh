@@ -46,7 +46,8 @@
 # 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
 # sparsegpt takes LAYERS (default 8); gen_core, gen_int4 and gen_way take BATCHES (default
 # 16,1), DENSE (default hf,sk: HF static cache + reduce-overhead, sparsekit's dense generate),
-# PDL (set: inductor's kernels launched as programmatic dependents in every way) and PROFILE
+# PDL (set: inductor's kernels launched as programmatic dependents in every way), COMBO (set:
+# inductor's independent kernels combined into one launch in every way) and PROFILE
 # (set: one more call per way under torch.profiler, kernel time by kind); gen_way takes
 # PRECISIONS (default fp8w).
 set -uo pipefail
@@ -64,7 +65,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 pair_16_1() {
   timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate \
     --batches "${BATCHES:-16,1}" --precisions "$2" --dense "${DENSE:-hf,sk}" --per-step "" \
-    --no-peers --rounds 3 ${PDL:+--inductor-pdl} ${PROFILE:+--profile} \
+    --no-peers --rounds 3 ${PDL:+--inductor-pdl} ${COMBO:+--inductor-combo} ${PROFILE:+--profile} \
     --out "$out/$1.json" 2>&1 | tee "$out/$1.log" | tail -n 40
 }
 for stage in "$@"; do

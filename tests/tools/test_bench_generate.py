@@ -71,15 +71,20 @@ def test_unknown_precision_is_one_line_naming_the_choices(tmp_path, tool_module,
     assert "\n" not in err and "--precisions" in err and "int3" in err and "int4dense" in err
 
 
-def test_inductor_pdl_turns_on_inductors_option_for_the_run(tmp_path, tool_module,
-                                                            monkeypatch):
+@pytest.mark.parametrize("flag,option", [("pdl", "triton.enable_pdl"),
+                                         ("combo", "combo_kernels")])
+def test_inductor_flag_turns_on_inductors_option_for_the_run(flag, option, tmp_path,
+                                                            tool_module):
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)  # restored afterwards
-    res = tool_module("bench_generate").main(["--smoke", "--sections", "none", "--inductor-pdl",
-                                              "--out", str(tmp_path / "g.json")])
-    assert inductor_config.triton.enable_pdl is True and res["args"]["inductor_pdl"] is True
-    assert json.loads((tmp_path / "g.json").read_text())["args"]["inductor_pdl"] is True
+    with inductor_config.patch({option: False}):  # restored afterwards
+        res = tool_module("bench_generate").main(["--smoke", "--sections", "none",
+                                                  f"--inductor-{flag}",
+                                                  "--out", str(tmp_path / "g.json")])
+        assert getattr(inductor_config, option) is True
+    assert getattr(inductor_config, option) is False
+    assert res["args"][f"inductor_{flag}"] is True
+    assert json.loads((tmp_path / "g.json").read_text())["args"][f"inductor_{flag}"] is True
 
 
 @pytest.mark.gpu
