@@ -42,6 +42,17 @@ SPEED_ROWS = (
     ("bench_models_run34_vit_capture.json", "vit", "sk_fp8st_2:4",
      "ViT-B/16, batch 256: fp8 2:4 (`fp8_static_tensor`)"),
 )
+# (file under docs/bench, batch, way, what the row says): generate() rows
+GEN_ROWS = (
+    ("bench_generate_2026-12-07d_gen_core_b1_h100.json", "1", "sk_bf16_2:4",
+     "Llama-3-8B shapes, 32 layers, `fast.generate` 512 + 256 tokens, batch 1: bf16 2:4"),
+    ("bench_generate_2026-12-07d_gen_core_b1_h100.json", "1", "sk_fp8w_2:4",
+     "same, fp8 weights 2:4 (`fp8w`)"),
+    ("bench_generate_2026-12-07d_gen_int4_b1_h100.json", "1", "sk_int4_2:4",
+     "same, int4 weights 2:4 (`int4`, RTN group 128)"),
+    ("bench_generate_2026-12-07d_gen_int4_b16_h100.json", "16", "sk_int4_2:4",
+     "same, int4 2:4, batch 16"),
+)
 MNIST_ROWS = (
     ("mnist1d_cnn_24", "MNIST-1D CNN: 2:4 Wanda while fine-tuning (the default, `sparsekit`)"),
     ("mnist1d_24_int8_qat", "same, 2:4 + int8 QAT (`recipe=mnist1d_24_int8_qat`)"),
@@ -118,14 +129,41 @@ def speed_rows(bench_dir: Path) -> list[tuple[str, str]]:
     return rows
 
 
+def generate_command(args: dict) -> str:
+    """The ``tools/bench_generate.py`` command line of a run's recorded ``args``."""
+    flags = [f"--{key} {args[key]}" for key in ("sections", "batches", "precisions", "dense")]
+    flags += [f"--rounds {args['rounds']}", '--per-step ""' if not args["per_step"] else
+              f"--per-step {args['per_step']}", "--no-peers" if not args["peers"] else "--peers"]
+    flags += ["--profile"] * bool(args.get("profile"))
+    flags += [f"--inductor-{flag}" for flag in ("pdl", "combo") if args.get(f"inductor_{flag}")]
+    return "python tools/bench_generate.py " + " ".join(flags)
+
+
+def generate_rows(bench_dir: Path) -> list[tuple[str, str]]:
+    """generate() against the fastest dense way of the same process: ms a token (tokens/s) of
+    each side's paired rounds, the ratio of the paired times."""
+    rows = []
+    for file, batch, way, what in GEN_ROWS:
+        d = json.loads((bench_dir / file).read_text())
+        g = d["generate"][batch]
+        v, new = g["ways"][way], g["new_tokens"]
+        ref_ms = v["paired_ref_ms"] / new
+        rows.append((f"| {what} | {ref_ms:.2f} ms a token ({int(batch) * 1e3 / ref_ms:,.0f} "
+                     f"tok/s) | {v['ms'] / new:.2f} ms a token "
+                     f"({v['tokens_per_s']:,.0f} tok/s), **{v['ratio']:.2f}x** | "
+                     f"{d['device']}, {d['date'][:10]} |", generate_command(d["args"])))
+    return rows
+
+
 def results_table(docs: Path = DOCS) -> str:
     """README's results: accuracy (MNIST-1D, three seeds: mean and range), perplexity and
-    size (a small Llama), and speed (H200, ratio to the fastest dense bf16 way, timed
-    alternately with it; time per call: median, and the range over the alternating blocks);
-    each row numbered by the command that reproduces it, listed below the table."""
+    size (a small Llama), speed (ratio to the fastest dense bf16 way, timed alternately with
+    it; time per call: median, and the range over the alternating blocks) and generation
+    (ms a token, paired with the fastest dense way); each row numbered by the command that
+    reproduces it, listed below the table."""
     rows = [*mnist_rows(docs / "seed_sweep_cpu.json"),
             *llm_rows(docs / "small_llama_h200.json", SMALL_LLAMA_H200),
-            *speed_rows(docs / "bench")]
+            *speed_rows(docs / "bench"), *generate_rows(docs / "bench")]
     commands = list(dict.fromkeys(command for _, command in rows))
     lines = ["| result | dense | compressed | measured on | command |",
              "| --- | ---: | ---: | --- | :---: |"]

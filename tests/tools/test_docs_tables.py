@@ -47,10 +47,18 @@ def test_results_rows_come_from_the_json_files(tmp_path):
     llama["recipes"]["llm_sparsegpt_24"]["perplexity_after"] = 123.456
     (docs / "small_llama_h200.json").write_text(json.dumps(llama))
     assert "perplexity 123.46" in docs_tables.results_table(docs)
+    file, batch, way, _ = docs_tables.GEN_ROWS[-1]
+    gen = json.loads((docs / "bench" / file).read_text())
+    gen["generate"][batch]["ways"][way]["ratio"] = 9.876
+    (docs / "bench" / file).write_text(json.dumps(gen))
+    table = docs_tables.results_table(docs)
+    assert "**9.88x**" in table
+    assert (f"--batches {batch} --precisions {gen['args']['precisions']} "
+            f"--dense {gen['args']['dense']}") in table
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     commands = [ln for ln in table.splitlines() if ln[:1].isdigit()]
     assert len(rows) == len(docs_tables.MNIST_ROWS + docs_tables.LLM_ROWS
-                            + docs_tables.SPEED_ROWS)
+                            + docs_tables.SPEED_ROWS + docs_tables.GEN_ROWS)
     for row in rows:
         n = int(row.rstrip(" |").rsplit("(", 1)[1].rstrip(")"))
         assert 1 <= n <= len(commands)
