@@ -130,12 +130,18 @@ def speed_rows(bench_dir: Path) -> list[tuple[str, str]]:
 
 
 def generate_command(args: dict) -> str:
-    """The ``tools/bench_generate.py`` command line of a run's recorded ``args``."""
-    flags = [f"--{key} {args[key]}" for key in ("sections", "batches", "precisions", "dense")]
-    flags += [f"--rounds {args['rounds']}", '--per-step ""' if not args["per_step"] else
-              f"--per-step {args['per_step']}", "--no-peers" if not args["peers"] else "--peers"]
-    flags += ["--profile"] * bool(args.get("profile"))
-    flags += [f"--inductor-{flag}" for flag in ("pdl", "combo") if args.get(f"inductor_{flag}")]
+    """The ``tools/bench_generate.py`` command line of a run's recorded ``args`` (every option
+    that shapes the model, the inputs or the ways timed)."""
+    keys = ("sections", "layers", "prompt", "new", "batches", "precisions", "dense", "rounds",
+            "calls")
+    flags = [f"--{key} {args[key]}" for key in keys]
+    flags.append(f"--per-step {args['per_step'] or chr(34) * 2}")
+    flags.append("--peers" if args["peers"] else "--no-peers")
+    flags += [] if args.get("siblings", True) else ["--no-siblings"]
+    flags += [] if args.get("head", "bf16") == "bf16" else [f"--head {args['head']}"]
+    flags += ["--profile"] if args.get("profile") else []
+    flags += [f"--{key.replace('_', '-')}" for key, on in args.items()
+              if key.startswith("inductor_") and on]
     return "python tools/bench_generate.py " + " ".join(flags)
 
 

@@ -77,3 +77,23 @@ def test_check_mode_fails_on_a_stale_block(tmp_path, monkeypatch):
     assert docs_tables.main(["--write"]) == 0
     assert page.read_text().split("\n")[2] == "new" and page.read_text().endswith("y\n")
     assert docs_tables.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("row", range(len(docs_tables.GEN_ROWS)))
+def test_generate_rows_command_reruns_the_recorded_options(row, tmp_path, tool_module):
+    """bench_generate parses the command a generate row names into the options its JSON
+    recorded (run here in smoke mode with no section, which only parses and records)."""
+    import shlex
+
+    file = docs_tables.GEN_ROWS[row][0]
+    recorded = json.loads((ROOT / "docs" / "bench" / file).read_text())["args"]
+    words = shlex.split(docs_tables.generate_command(recorded))
+    assert words[:2] == ["python", "tools/bench_generate.py"]
+    res = tool_module("bench_generate").main([*words[2:], "--smoke", "--sections", "none",
+                                              "--out", str(tmp_path / "g.json")])
+    skip = {"sections", "smoke", "out", "jobs", "explore", "ms", "shapes"}  # not generate's
+    assert {k: res["args"][k] for k in recorded if k not in skip} == \
+        {k: v for k, v in recorded.items() if k not in skip}
+    assert not any(res["args"][k] for k in res["args"].keys() - recorded.keys()
+                   if k.startswith("inductor_"))  # options added since the run: off
+
