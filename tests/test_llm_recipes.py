@@ -205,13 +205,15 @@ def test_llm_run_reads_like_a_classifier_run_and_skips_tokens_per_s_off_gpu(
 
 
 def test_generation_stage_times_dense_and_compressed_generate(hf_dirs, monkeypatch):
-    """The stage's wiring, on CPU with the GPU check lifted: dense runs HF generate with the
-    static cache, compressed the accelerated model's generate; both give tokens/s with p10/p90
-    in the run's speed figures and the table."""
+    """The stage's wiring, on CPU with the GPU check lifted: the dense model generates two
+    ways (HF's static cache, sparsekit's dense generate on the same modules, here with dynamo
+    and no inductor), the compressed model through the accelerated model's generate, each
+    warmed up and then timed once a round; the dense figure is the faster dense way's, and
+    every figure has p10/p90 in the run's speed figures and the table."""
     import copy
     from types import SimpleNamespace
 
-    from sparsekit.run import pipeline
+    from sparsekit.run import bench, pipeline
     from sparsekit.run.config import Config
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["llama"]).eval()
@@ -222,6 +224,23 @@ def test_generation_stage_times_dense_and_compressed_generate(hf_dirs, monkeypat
             calls.append(kwargs)
             return model.generate(ids, **kwargs)
 
+    accelerate = sk.accelerate  # sparsekit's dense way on CPU: dynamo without inductor
+    built = []
+
+    def dense_accelerate(m, x, **kw):
+        built.append(kw)
+        return accelerate(m, x, **{**kw, "compile": sk.CompileOptions(backend="eager",
+                                                                      warmup=False)})
+
+    monkeypatch.setattr(pipeline.sk, "accelerate", dense_accelerate)
+    order = []  # the ways in the order they were timed
+    real_time = bench.time_samples_ms
+
+    def spy(fn, device, **kw):
+        order.append(fn.args[0])
+        return real_time(fn, device, **kw)
+
+    monkeypatch.setattr(bench, "time_samples_ms", spy)
     cfg = Config()
     cfg.accel.enabled = True
     cfg.bench.new_tokens, cfg.bench.prompt_tokens, cfg.bench.repeats, cfg.bench.warmup = 3, 5, 2, 1
@@ -231,8 +250,16 @@ def test_generation_stage_times_dense_and_compressed_generate(hf_dirs, monkeypat
                           speed={"dense": {}, "compressed": {}})
     monkeypatch.setattr(pipeline, "generation_skipped", lambda ctx: None)
     pipeline.stage_generate(ctx)
+    assert built[0]["sparsity"] == "dense" and built[0]["precision"] == "bf16"
     assert len(calls) == 3 and calls[0]["min_new_tokens"] == 3  # 1 warm-up + 2 timed
-    assert ctx.generation == {"prompt_tokens": 5, "new_tokens": 3, "batch_size": 1}
+    ways = ["hf_static_cache", "sparsekit", "compressed"]
+    assert order == ways + ways[::-1]  # alternating rounds
+    g = ctx.generation
+    assert {k: g[k] for k in ("prompt_tokens", "new_tokens", "batch_size")} == {
+        "prompt_tokens": 5, "new_tokens": 3, "batch_size": 1}
+    assert set(g["dense_ways"]) == set(pipeline.DENSE_GENERATES)
+    assert g["dense_way"] == max(g["dense_ways"], key=g["dense_ways"].get)
+    assert ctx.speed["dense"]["tokens_per_s"] == g["dense_ways"][g["dense_way"]]
     for side in ("dense", "compressed"):
         sp = ctx.speed[side]
         assert 0 < sp["tokens_per_s_p10"] <= sp["tokens_per_s"] <= sp["tokens_per_s_p90"]
@@ -247,12 +274,14 @@ def test_generation_stage_times_dense_and_compressed_generate(hf_dirs, monkeypat
     row = next(ln for ln in table.splitlines() if ln.startswith("| generation (tokens/s"))
     d = ctx.speed["dense"]
     assert f"{d['tokens_per_s']:,.1f} ({d['tokens_per_s_p10']:,.1f}-" in row
+    assert f"dense is the faster dense way, {pipeline.DENSE_GENERATES[g['dense_way']]}" in table
 
 
 @pytest.mark.gpu
 def test_tokens_per_s_on_a_gpu(hf_dirs, tmp_path, capsys):
-    """accel=gpu on CUDA: dense (static cache, compiled) and compressed (fast.generate)
-    generation speeds in the summary, with their spread."""
+    """accel=gpu on CUDA: dense (the faster of HF's static cache, compiled, and sparsekit's
+    dense generate) and compressed (fast.generate) generation speeds in the summary, with
+    their spread."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     code, _, err = run_cli(["recipe=llm_sparsegpt_24", f"model.path={hf_dirs['llama']}",
@@ -267,3 +296,5 @@ def test_tokens_per_s_on_a_gpu(hf_dirs, tmp_path, capsys):
             <= s[side]["tokens_per_s_p90"]
     assert s["speedup"] == pytest.approx(s["compressed"]["tokens_per_s"]
                                          / s["dense"]["tokens_per_s"])
+    ways = s["generation"]["dense_ways"]
+    assert s["dense"]["tokens_per_s"] == ways[s["generation"]["dense_way"]] == max(ways.values())

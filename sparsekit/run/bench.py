@@ -1,5 +1,6 @@
 """Timing a model: forward latency at batch 1 and throughput at a large batch
-(:func:`benchmark`), and generation speed in tokens per second (:func:`generation_speed`).
+(:func:`benchmark`), and generation speed in tokens per second (:func:`generation_speed`;
+:func:`generation_speeds` for several generates timed in alternating rounds).
 
 Each repeat is timed by :func:`sparsekit.nn.timing.time_samples_ms` (CUDA events after
 warm-up; on CPU ``perf_counter``). Every figure is reported with its spread over the repeats:
@@ -9,6 +10,7 @@ whose p10-p90 ranges overlap are not called faster or slower than each other.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,6 +113,7 @@ def generation_speed(
     (which also compiles). Tokens are counted from what each call returns (its sequences minus
     the prompt, over the batch), so a call that stops early is counted as what it gave; a call
     that gives fewer than ``new_tokens`` per sequence is an error (pass ``min_new_tokens``).
+    :func:`generation_speeds` times several in alternating rounds.
 
     >>> def generate(ids):  # stands in for model.generate(ids, max_new_tokens=3, ...)
     ...     return torch.cat([ids, torch.zeros(ids.shape[0], 3, dtype=ids.dtype)], -1)
@@ -119,23 +122,59 @@ def generation_speed(
     >>> sorted(r), r["p10"] <= r["median"] <= r["p90"]
     (['median', 'p10', 'p90'], True)
     """
+    return generation_speeds({desc: generate_fn}, input_ids, new_tokens, repeats, warmup,
+                             desc, quiet)[desc]
+
+
+@torch.no_grad()
+def generation_speeds(
+    generate_fns: dict[str, Callable[[torch.Tensor], Any]],
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    repeats: int = 5,
+    warmup: int = 1,
+    desc: str = "generate",
+    quiet: bool = True,
+) -> dict[str, dict[str, float]]:
+    """:func:`generation_speed` of each of ``generate_fns`` (name -> generate), paired: after
+    ``warmup`` calls of each, ``repeats`` rounds that call every one once, in turn, the order
+    reversed every other round (A B, B A, ...), so that a GPU's drifting clock or a neighbour's
+    load weighs on each alike. Per name ``{"median", "p10", "p90"}`` tokens/s.
+
+    >>> def generate(ids):
+    ...     return torch.cat([ids, torch.zeros(ids.shape[0], 3, dtype=ids.dtype)], -1)
+    >>> r = generation_speeds({"a": generate, "b": generate}, torch.zeros(1, 4, dtype=torch.long),
+    ...                       new_tokens=3, repeats=2)
+    >>> sorted(r), sorted(r["a"])
+    (['a', 'b'], ['median', 'p10', 'p90'])
+    """
     if new_tokens < 1 or repeats < 1:
         raise ValueError(f"generation_speed: new_tokens ({new_tokens}) and repeats ({repeats}) "
                          "must be at least 1")
-    prompt = input_ids.shape[-1]
-    made: list[int] = []
+    prompt, rows = input_ids.shape[-1], max(input_ids.shape[0], 1)
+    names = list(generate_fns)
+    made: dict[str, list[int]] = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
 
-    def call() -> None:
-        out = generate_fn(input_ids)
+    def call(name: str) -> None:
+        out = generate_fns[name](input_ids)
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
-        made.append((seqs.shape[-1] - prompt) * seqs.shape[0])
+        made[name].append((seqs.shape[-1] - prompt) * seqs.shape[0])
 
-    times = time_samples_ms(call, input_ids.device, warmup=warmup, repeats=repeats,
-                            wrap=_bar(desc, quiet))
-    made = made[warmup:]
-    per_seq = min(made) // max(input_ids.shape[0], 1)
-    if per_seq < new_tokens:
-        raise ValueError(f"generation_speed: a call gave {per_seq} new tokens per sequence, "
-                         f"fewer than new_tokens={new_tokens} (stopped at an end token? pass "
-                         "min_new_tokens)")
-    return spread([n / (ms / 1e3) for n, ms in zip(made, times)])
+    for name in names:
+        for _ in range(warmup):
+            call(name)
+        made[name].clear()
+    for r in _bar(desc, quiet)(range(repeats)):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name] += time_samples_ms(functools.partial(call, name), input_ids.device,
+                                           warmup=0, repeats=1)
+    speeds = {}
+    for name in names:
+        per_seq = min(made[name]) // rows
+        if per_seq < new_tokens:
+            raise ValueError(f"generation_speed: a call of {name} gave {per_seq} new tokens per "
+                             f"sequence, fewer than new_tokens={new_tokens} (stopped at an end "
+                             "token? pass min_new_tokens)")
+        speeds[name] = spread([n / (ms / 1e3) for n, ms in zip(made[name], times[name])])
+    return speeds
