@@ -655,8 +655,13 @@ def candidates(values: torch.Tensor, wide: torch.dtype | None = None
         way = "f16" if f16 else "bf16"
     else:
         way = "bf16"
-    return [c for c in working(way)
-            if tiles % c[2] == 0 and not (c[3] & 16 and steps % c[1])]
+    return [c for c in working(way) if tiles % c[2] == 0 and whole_rounds(c, steps)]
+
+
+def whole_rounds(cfg: tuple[int, ...], steps: int) -> bool:
+    """Whether a weight of ``steps`` steps of 32 columns suits ``cfg``: the lean rounds (x mode
+    bit 16) run whole rounds only, ``cfg[1]`` steps each; the other configurations take any."""
+    return not (cfg[3] & 16 and steps % cfg[1])
 
 
 def int4_configs() -> list[tuple[int, int, int, int]]:
@@ -795,7 +800,7 @@ def _launch(lib: ctypes.CDLL, x: torch.Tensor, values: torch.Tensor, meta: torch
     if (n // 16) % cfg[2]:
         raise ValueError(f"sk24 mma kernel: config {cfg} takes {cfg[2]} tiles of 16 rows a "
                          f"block; N = {n} has {n // 16}")
-    if cfg[3] & 16 and ks % cfg[1]:
+    if not whole_rounds(cfg, ks):
         raise ValueError(f"sk24 mma kernel: config {cfg} takes K a multiple of "
                          f"{32 * cfg[1]}; K = {k}")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
@@ -828,4 +833,5 @@ __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CO
            "compress", "compress_int4", "config_for", "config_text", "decompress",
            "decompress_int4", "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok",
            "int4_configs", "int4_ok", "launch", "launch_int4", "layout_for", "library_path",
-           "load", "reason", "reference", "reference_int4", "usable", "usable_int4", "working"]
+           "load", "reason", "reference", "reference_int4", "usable", "usable_int4",
+           "whole_rounds", "working"]

@@ -12,6 +12,7 @@ output allocation alive in the graph's pool, so large layers would run out of me
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -170,7 +171,7 @@ def cold_time_us(fn: functools.partial) -> float:
         place(i)
         return fn.func(*args, **fn.keywords)
 
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
     try:
         return graph_time_us(lambda: call(next(turn) % copies),
                              calls=copies * max(1, -(-10 // copies)))
