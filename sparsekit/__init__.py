@@ -74,6 +74,7 @@ _EXPORTS = {
     "SensitivityTable": "sparsekit.prune.sensitivity",
     "allocate": "sparsekit.prune.sensitivity",
     "sensitivity": "sparsekit.prune.sensitivity",
+    "teacher_samples": "sparsekit.data.teacher",
 }
 # sk.save / sk.load store and rebuild channel-pruned and quantized models and accelerate them:
 # the modules that own those register their handlers with the checkpoint when imported
