@@ -454,8 +454,8 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
             out.append((f"{name}_sib", {**how, "siblings": True}))
     for name in ("sk_bf16_2:4", "sk_fp8_2:4", "sk_fp8s_2:4"):
         out.append((f"{name}_frz", {**dict(out)[name], "inductor": FRZ}))
-    # sparsekit's own CUDA graphs off (torch.compile's reduce-overhead replays the model, as
-    # before 2026-12-04), and its all-dense model on its own graphs: what capture alone gives
+    # sparsekit's own CUDA graphs off (torch.compile's reduce-overhead replays the model), and
+    # its all-dense model on its own graphs: what capture alone gives
     for name in ("sk_bf16_2:4", "sk_bf16_2:4_sib", "sk_fp8st_2:4", "sk_fp8s_auto"):
         out.append((f"{name}_nocap", {**dict(out)[name], "capture": False}))
     out.append(("sk_bf16_dense", {"kind": "sk", "precision": "bf16", "sparsity": "dense",

@@ -116,7 +116,7 @@ for stage in "$@"; do
         | tee "$out/mma_8b_m1_16.log" | grep -v '^{"shape"' | tail -n 5 ;;
     ncu)
       timeout 400 python tools/ncu_sk24_mma.py --configs best,8x4x1x19,8x4x2x19 \
-        --sweep "${SWEEP:-docs/bench/bench_sk24_mma_2026-12-07c_m1_16_h100.json}" \
+        --sweep "${SWEEP:-docs/bench/bench_sk24_mma_2026-12-07d_m1_16_h100.json}" \
         --out "$out/ncu_sk24_mma.json" 2>&1 | tee "$out/ncu_sk24_mma.log" | tail -n 30 ;;
     sparsegpt)
       timeout 570 python tools/bench_sparsegpt_gptq.py --layers "${LAYERS:-8}" \

@@ -1,5 +1,6 @@
 """Accuracy after 2:4: one-shot criteria side by side, then one shot + distillation, on a real
-sentence-embedding model and (optionally) a causal LM. Writes JSON to docs/bench/.
+sentence-embedding model and (optionally) a causal LM. Writes JSON to journal/data/ (copy it to
+docs/bench/ when a table in the docs cites it).
 
     python tools/eval_accuracy_24.py                          # all-MiniLM-L6-v2, ~30 min on 2 cores
     python tools/eval_accuracy_24.py --lm-dir small_llama/model --lm-text small_llama/corpus.txt
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="torch threads (1 on a machine other work keeps busy: no spin-waits)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "sparsekit")
     ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default docs/bench/accuracy_24_<date>.json)")
+                    help="JSON path (default journal/data/accuracy_24_<date>.json)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the budget is wall time there)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models, seconds")
     args = ap.parse_args(argv)
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     started = datetime.now(UTC)
     command = argv if argv is not None else sys.argv[1:]
-    out = args.out or ROOT / "docs" / "bench" / f"accuracy_24_{started:%Y-%m-%d}.json"
+    out = args.out or ROOT / "journal" / "data" / f"accuracy_24_{started:%Y-%m-%d}.json"
     result = Results(out, **{
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(["python tools/eval_accuracy_24.py", *command]),

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stdlib-d-model", type=int, default=128)
     ap.add_argument("--no-stdlib", action="store_true", help="the small Llama only")
     ap.add_argument("--work-dir", type=Path, default=Path("eval_int4"))
-    ap.add_argument("--out", type=Path, help="the JSON (default docs/bench/int4_<date>.json)")
+    ap.add_argument("--out", type=Path, help="the JSON (default journal/data/int4_<date>.json)")
     ap.add_argument("--reuse", action="store_true",
                     help="take finished runs' summary.json from --work-dir instead of rerunning")
     ap.add_argument("--head", action="store_true",
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"model.kwargs.d_model={a.stdlib_d_model}", *tiny_lm, *common]
         result["models"]["stdlib_lm"] = evaluate_model("stdlib_lm", base, scheme, work,
                                                        a.reuse)
-    out = a.out or Path(__file__).resolve().parents[1] / "docs" / "bench" / (
+    out = a.out or Path(__file__).resolve().parents[1] / "journal" / "data" / (
         f"int4_{date.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

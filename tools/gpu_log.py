@@ -2,7 +2,7 @@
 and the mean SM clock, power and throttle reasons over any wall-clock span of it.
 
 Why: on the H200 the whole-model rows run at the card's power cap, and its SM clock falls as a
-run goes on (2026-12-04, run 29: 1581 MHz while the first dense row was timed, 1501-1506 MHz
+run goes on (run 29 of journal/gpu.md: 1581 MHz while the first dense row was timed, 1501-1506 MHz
 30-50 s later); a compute-bound dense model's time follows the clock, a 2:4 model's
 much less. A row's speed means little without the clock it ran at.
 
@@ -13,8 +13,8 @@ much less. A row's speed means little without the clock it ran at.
 
 A bench_models JSON and the log written beside it, read back (the clock of every row):
 
-    python tools/gpu_log.py docs/bench/bench_models_run29_llama32_bf16_clocks.json \
-        docs/bench/bench_models_run29_clocks.csv --tz UTC
+    python tools/gpu_log.py journal/data/bench_models_run29_llama32_bf16_clocks.json \
+        journal/data/bench_models_run29_clocks.csv --tz UTC
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ those launches only, with the sections SpeedOfLight, Occupancy, LaunchStats, War
 and MemoryWorkloadAnalysis. The tool runs itself under ncu (``--child``), reads ncu's CSV and
 writes one row per case: its key counters (``summary``) and every raw metric (``raw``).
 
-    python tools/ncu_sk24_mma.py --sweep docs/bench/bench_sk24_mma_2026-12-07c_m1_16_h100.json \\
+    python tools/ncu_sk24_mma.py --sweep docs/bench/bench_sk24_mma_2026-12-07d_m1_16_h100.json \\
         --out ncu.json                                     # on the GPU (sm_90), ncu on PATH
 
 The library is built by nvcc on first use (``SPARSEKIT_SK24_MMA_LIB`` names a prebuilt one).

@@ -76,9 +76,7 @@ def skip_guards(fn):
 def own_graph(module, inputs: dict):
     """A call of ``module(**inputs)`` on sparsekit's own CUDA graph (the capture ``accelerate``
     uses, :class:`sparsekit.accel.graphs.GraphCache`: warm-up on a side stream, where the
-    module compiles, then one graph); each call copies ``inputs`` in and replays. (The run of
-    2026-12-04 09:41 UTC used this tool's earlier capture of its own, the same steps without
-    the cuBLAS workspace handling.)"""
+    module compiles, then one graph); each call copies ``inputs`` in and replays."""
     cache = graphs.GraphCache(module, warmup=3)
 
     def replay():

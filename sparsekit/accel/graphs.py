@@ -2,7 +2,7 @@
 
 ``torch.compile(mode="reduce-overhead")`` replays CUDA graphs too, but each call first runs
 dynamo's guard check over every guarded attribute of the model (the kernel modules add theirs)
-and the CUDA-graph trees' bookkeeping: on the H200 (``docs/bench/probe_host_*.json``) an
+and the CUDA-graph trees' bookkeeping: on the H200 (``journal/data/probe_host_2026-12-04.json``) an
 accelerated BERT-large call spent 782 us on the host before its graph ran (stock dense 661 us),
 against 260 us with the compiled model (mode "default") captured here and replayed. A call
 whose input signature (:func:`input_key`: the structure, every tensor's shape, strides, dtype

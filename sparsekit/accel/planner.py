@@ -190,7 +190,7 @@ def choose_plan(ms: dict[str, float], min_speedup: float = 1.0) -> tuple[str, st
 # (time_paired, CONFIRM_ROUNDS blocks each) and kept only if it beats dense by PLAN_MARGIN
 # there: plans timed one after the other are 5% apart by drift and host state alone (H200:
 # BERT-large's fp8 per-layer plan timed 1.002x dense, ran at 0.953x of it alternating; in
-# another run 1.058x timed, 1.007x alternating; docs/bench/JOURNAL.md)
+# another run 1.058x timed, 1.007x alternating; journal/gpu.md)
 CONFIRM_BELOW = 1.10
 CONFIRM_ROUNDS = 6
 PLAN_MARGIN = 1.02

@@ -13,7 +13,7 @@ of them.
 (Inductor's own ``freezing`` does that merge too, but under CUDA graphs it measured slower: on
 the H200 the rows with freezing ran 197 / 453 device copies per forward on the 32-layer Llama,
 as many as its weight and scale tensors, and dense with freezing alone ran 12% slower;
-docs/bench/JOURNAL.md.) Nothing is fused when the model is not compiled (eagerly each slice
+journal/gpu.md.) Nothing is fused when the model is not compiled (eagerly each slice
 would run the whole GEMM).
 """
 

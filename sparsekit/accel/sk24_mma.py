@@ -624,7 +624,7 @@ def default_config(m: int, n: int, k: int, int4: bool = False) -> tuple[int, int
     8 warps, 4 steps ahead up to M = 8 and 2 beyond (int4, which loads 4 steps at once: two
     row tiles a block beyond M = 8 where N allows), one tile of 16 rows a block; 4 warps where
     K has fewer than 8 x 4 steps of 32 columns. On an H100 (Llama-3-8B shapes, M = 1..32,
-    docs/bench/bench_sk24_mma_2026-12-06b_h100.json) this rule ran within 0.3% of the best
+    journal/data/bench_sk24_mma_2026-12-06b_h100.json) this rule ran within 0.3% of the best
     configuration per row in bf16 on geo-mean at M <= 16 (fp8 7%, int4 4%)."""
     if k // 32 < 8 * 4:
         return (4, 4, 1, 1)

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_log  # noqa: E402
 
-RUN29 = ROOT / "docs" / "bench" / "bench_models_run29_clocks.csv"
-RUN29_JSON = ROOT / "docs" / "bench" / "bench_models_run29_llama32_bf16_clocks.json"
+RUN29 = ROOT / "journal" / "data" / "bench_models_run29_clocks.csv"
+RUN29_JSON = ROOT / "journal" / "data" / "bench_models_run29_llama32_bf16_clocks.json"
 UTC = datetime.timezone.utc
 
 
@@ -158,9 +158,9 @@ def test_bench_models_with_a_gpu_log_end_to_end(tmp_path, monkeypatch):
 
 
 def test_the_command_line_reads_a_bench_json_beside_its_log(capsys):
-    """``python tools/gpu_log.py BENCH_JSON LOG --tz UTC`` on run 29 (the figures docs/gpu.md
-    cites): the first dense row timed near 1581 MHz, the profiled call after it at the boost
-    clock, the paired blocks near 1500 MHz."""
+    """``python tools/gpu_log.py BENCH_JSON LOG --tz UTC`` on run 29 (its JSON and clock log
+    in journal/data/): the first dense row timed near 1581 MHz, the profiled call after it at
+    the boost clock, the paired blocks near 1500 MHz."""
     res = gpu_log.main([str(RUN29_JSON), str(RUN29), "--tz", "UTC"])
     v = res["models"]["llama_causal"]["variants"]
     first = v["dense_compiled_ro"]["clocks"]

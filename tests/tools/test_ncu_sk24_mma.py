@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import ncu_sk24_mma as tool  # noqa: E402
 
-SWEEP = ROOT / "docs" / "bench" / "bench_sk24_mma_2026-12-07c_m1_16_h100.json"
+SWEEP = ROOT / "docs" / "bench" / "bench_sk24_mma_2026-12-07d_m1_16_h100.json"
 
 CSV = '''==PROF== Connected to process 1
 ==PROF== Profiling "sk24_mma_kernel": 0%....50%....100% - 30 passes
