@@ -3,10 +3,11 @@
 - README.md's results table, from the JSON the measuring tools wrote into docs/ (each row
   names the command that reproduces it, the machine and the date);
 - docs/cli.md's list of config groups, their options and the allowed values, from the config
-  files, the recipes and the registries (what ``sparsekit --help`` prints).
+  files, the recipes and the registries (what ``sparsekit --help`` prints);
+- docs/gpu.md's table of ``fast.generate`` figures, from the bench JSON in docs/bench/.
 
-    python tools/docs_tables.py            # print both
-    python tools/docs_tables.py --write    # rewrite the blocks in README.md and docs/cli.md
+    python tools/docs_tables.py            # print them
+    python tools/docs_tables.py --write    # rewrite the blocks in README.md and docs/
     python tools/docs_tables.py --check    # exit 1 if a block differs (CI; the smoke mode)
 
 A block sits between ``<!-- generated: NAME (python tools/docs_tables.py --write) -->`` and
@@ -52,6 +53,23 @@ GEN_ROWS = (
      "same, int4 weights 2:4 (`int4`, RTN group 128)"),
     ("bench_generate_2026-12-07d_gen_int4_b16_h100.json", "16", "sk_int4_2:4",
      "same, int4 2:4, batch 16"),
+)
+# (file under docs/bench, batch, way, what the row says, target ratio or None): docs/gpu.md's
+# generate() table; the targets are issue 30's, set for the H200
+GEN_CORE_B1 = "bench_generate_2026-12-07d_gen_core_b1_h100.json"
+GEN_INT4_B1 = "bench_generate_2026-12-07d_gen_int4_b1_h100.json"
+GEN_INT4_B16 = "bench_generate_2026-12-07d_gen_int4_b16_h100.json"
+GPU_GEN_ROWS = (
+    (GEN_CORE_B1, "1", "dense_sk", "`dense_sk` (the reference)", None),
+    (GEN_INT4_B1, "1", "dense_hf", "`dense_hf`", None),
+    (GEN_CORE_B1, "1", "sk_bf16_2:4", "bf16 2:4", 1.5),
+    (GEN_CORE_B1, "1", "sk_fp8w_2:4", "fp8w 2:4 (fp8 weights, bf16 x)", 2.5),
+    (GEN_INT4_B1, "1", "sk_int4_2:4", "int4 2:4 (W4A16, RTN group 128)", 3.5),
+    (GEN_INT4_B16, "16", "dense_sk", "`dense_sk` (the reference)", None),
+    ("bench_generate_2026-12-07d_gen_bf16_b16_h100.json", "16", "sk_bf16_2:4", "bf16 2:4", 1.3),
+    (GEN_INT4_B16, "16", "sk_int4_2:4", "int4 2:4", 2.5),
+    ("bench_generate_2026-12-07c_gen_fp8w_b16_h100.json", "16", "sk_fp8w_2:4",
+     "fp8w 2:4 (the mma.sp library before its lean configurations)", 2.0),
 )
 MNIST_ROWS = (
     ("mnist1d_cnn_24", "MNIST-1D CNN: 2:4 Wanda while fine-tuning (the default, `sparsekit`)"),
@@ -161,6 +179,33 @@ def generate_rows(bench_dir: Path) -> list[tuple[str, str]]:
     return rows
 
 
+def generation_table(bench_dir: Path = DOCS / "bench") -> str:
+    """docs/gpu.md's generate() table: per way, ms a token and tokens/s of its paired rounds,
+    the ratio to the fastest dense way of its process, the captured decode step (and the rest of
+    a token), the first ``accelerate`` + first generate, the target; each row numbered by the
+    command that reproduces it, listed below the table."""
+    rows = []
+    for file, batch, way, what, target in GPU_GEN_ROWS:
+        d = json.loads((bench_dir / file).read_text())
+        v = d["generate"][batch]["ways"][way]
+        ratio = f"{v['ratio']:.2f}x"
+        step = ("" if v.get("decode_step_ms") is None
+                else f"{v['decode_step_ms']:.2f} ({v['outside_step_ms']:.2f})")
+        first = f"{v['accelerate_s'] + v['first_call_s']:.0f}" if "accelerate_s" in v else ""
+        met = "" if target is None else f"{target}x: {'met' if v['ratio'] >= target else 'not met'}"
+        rows.append((f"| {batch} | {what} | {v['ms_per_token']:.2f} | {v['tokens_per_s']:,.0f} | "
+                     f"{f'**{ratio}**' if target else ratio} | {step} | {first} | {met} | "
+                     f"{d['device']}, {d['date'][:10]} |", generate_command(d["args"])))
+    commands = list(dict.fromkeys(command for _, command in rows))
+    lines = ["| batch | way | ms a token | tokens/s | ratio (paired) | decode step ms (rest) | "
+             "first call s | target | measured on | command |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | :---: |"]
+    lines += [f"{row} ({commands.index(command) + 1}) |" for row, command in rows]
+    lines.append("")
+    lines += [f"{i}. `{command}`" for i, command in enumerate(commands, 1)]
+    return "\n".join(lines)
+
+
 def results_table(docs: Path = DOCS) -> str:
     """README's results: accuracy (MNIST-1D, three seeds: mean and range), perplexity and
     size (a small Llama), speed (ratio to the fastest dense bf16 way, timed alternately with
@@ -221,6 +266,7 @@ def groups_section() -> str:
 BLOCKS = {  # name: (file, generator)
     "results": (ROOT / "README.md", results_table),
     "groups": (DOCS / "cli.md", groups_section),
+    "generation": (DOCS / "gpu.md", generation_table),
 }
 
 

@@ -1,5 +1,6 @@
-"""The generated blocks of README.md and docs/cli.md equal what tools/docs_tables.py gives now,
-and what it gives comes from the measurement files and the registries."""
+"""The generated blocks of README.md, docs/cli.md and docs/gpu.md equal what
+tools/docs_tables.py gives now, and what it gives comes from the measurement files and the
+registries."""
 
 import json
 import sys
@@ -73,19 +74,44 @@ def test_check_mode_fails_on_a_stale_block(tmp_path, monkeypatch):
     monkeypatch.setitem(docs_tables.BLOCKS, "results", (page, lambda: "new"))
     monkeypatch.setattr(docs_tables, "ROOT", tmp_path)
     monkeypatch.delitem(docs_tables.BLOCKS, "results")
+    monkeypatch.delitem(docs_tables.BLOCKS, "generation")
     assert docs_tables.main(["--check"]) == 1
     assert docs_tables.main(["--write"]) == 0
     assert page.read_text().split("\n")[2] == "new" and page.read_text().endswith("y\n")
     assert docs_tables.main(["--check"]) == 0
 
 
-@pytest.mark.parametrize("row", range(len(docs_tables.GEN_ROWS)))
-def test_generate_rows_command_reruns_the_recorded_options(row, tmp_path, tool_module):
+def test_gpu_generation_table_follows_its_json(tmp_path):
+    """docs/gpu.md's generate() table reads each figure from its JSON, judges the target on the
+    recorded ratio and numbers each row by a command listed under the table."""
+    import shutil
+
+    bench = tmp_path / "bench"
+    shutil.copytree(ROOT / "docs" / "bench", bench)
+    file, batch, way, _, target = next(r for r in docs_tables.GPU_GEN_ROWS if r[4])
+    table = docs_tables.generation_table(bench)
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert len(rows) == len(docs_tables.GPU_GEN_ROWS)
+    commands = [ln for ln in table.splitlines() if ln[:1].isdigit()]
+    assert all(1 <= int(r.rstrip(" |").rsplit("(", 1)[1].rstrip(")")) <= len(commands)
+               for r in rows)
+    for ratio, verdict in ((target + 0.01, "met"), (target - 0.01, "not met")):
+        gen = json.loads((bench / file).read_text())
+        gen["generate"][batch]["ways"][way]["ratio"] = ratio
+        (bench / file).write_text(json.dumps(gen))
+        assert f"**{ratio:.2f}x** | " in docs_tables.generation_table(bench)
+        assert f"| {target}x: {verdict} |" in docs_tables.generation_table(bench)
+
+
+GENERATE_FILES = sorted({r[0] for r in docs_tables.GEN_ROWS + docs_tables.GPU_GEN_ROWS})
+
+
+@pytest.mark.parametrize("file", GENERATE_FILES)
+def test_generate_rows_command_reruns_the_recorded_options(file, tmp_path, tool_module):
     """bench_generate parses the command a generate row names into the options its JSON
     recorded (run here in smoke mode with no section, which only parses and records)."""
     import shlex
 
-    file = docs_tables.GEN_ROWS[row][0]
     recorded = json.loads((ROOT / "docs" / "bench" / file).read_text())["args"]
     words = shlex.split(docs_tables.generate_command(recorded))
     assert words[:2] == ["python", "tools/bench_generate.py"]
