@@ -1,4 +1,11 @@
-"""Hugging Face transformers models: loaded from a local directory or built from a config.
+"""Hugging Face transformers models: loaded from a local directory or GGUF file, or built from a
+config.
+
+A model source (``model.path``) is a transformers directory (config.json, weights, tokenizer
+files), a ``.gguf`` file, or a directory holding exactly one ``.gguf`` file and no config.json:
+a GGUF file loads as the transformers model its metadata describes (transformers' GGUF reader,
+which needs the ``gguf`` package), its quantized tensors (Q4_1, Q8_0, ...) dequantized to
+float32, with the tokenizer it carries.
 
 Nothing here ever reaches the network: a directory must exist locally and every
 ``from_pretrained`` call passes ``local_files_only=True`` (no process-wide environment variable
@@ -17,6 +24,8 @@ as JSON; no code is imported from the file).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import inspect
 import json
 import os
 import types
@@ -190,46 +199,123 @@ def build_from_config(config: dict | str | os.PathLike, task: str | None = None)
     return hf(task, config)
 
 
-def check_model_dir(path: str | os.PathLike, option: str = "model.path") -> Path:
-    """``path`` as a local directory holding a config.json; a one-line :class:`UsageError`
+def _one_gguf(directory: Path, option: str, path: str | os.PathLike) -> str | None:
+    """The one ``.gguf`` file in ``directory``, None when there is none; a one-line
+    :class:`UsageError` naming them when there are several."""
+    found = sorted(f.name for f in directory.iterdir()
+                   if f.suffix.lower() == ".gguf" and f.is_file())
+    if len(found) > 1:
+        raise UsageError(f"{option}={os.fspath(path)!r} holds {len(found)} GGUF files "
+                         f"({', '.join(found)}): name one, e.g. {option}={directory / found[0]}")
+    return found[0] if found else None
+
+
+def model_source(path: str | os.PathLike, option: str = "model.path") -> tuple[Path, str | None]:
+    """``(directory, gguf)`` for a model source: a transformers directory holding a config.json
+    (``gguf`` None), a ``.gguf`` file, or a directory holding exactly one ``.gguf`` file and no
+    config.json (``gguf``: the file's name in ``directory``). A one-line :class:`UsageError`
     naming ``option`` otherwise (never a hub lookup)."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise UsageError(f"{option}={os.fspath(path)!r}: no such directory (models are only "
-                         "read from local directories; nothing is downloaded)")
-    if not p.is_dir():
-        raise UsageError(f"{option}={os.fspath(path)!r} is not a directory")
-    if not (p / "config.json").is_file():
+        raise UsageError(f"{option}={os.fspath(path)!r}: no such directory or file (models are "
+                         "only read from local directories and .gguf files; nothing is "
+                         "downloaded)")
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return p.parent, p.name
+        raise UsageError(f"{option}={os.fspath(path)!r} is not a directory (nor a .gguf file)")
+    if (p / "config.json").is_file():
+        return p, None
+    gguf = _one_gguf(p, option, path)
+    if gguf is None:
         raise UsageError(f"{option}={os.fspath(path)!r} has no config.json: not a transformers "
-                         "model directory (save one with model.save_pretrained(DIR))")
-    return p
+                         "model directory (save one with model.save_pretrained(DIR)), and holds "
+                         "no .gguf file")
+    return p, gguf
+
+
+def check_model_dir(path: str | os.PathLike, option: str = "model.path") -> Path:
+    """``path`` as a model source (see :func:`model_source`): a local directory holding a
+    config.json or one ``.gguf`` file, or a ``.gguf`` file; a one-line :class:`UsageError`
+    naming ``option`` otherwise (never a hub lookup)."""
+    model_source(path, option)
+    return Path(path).expanduser()
+
+
+def _gguf_kwargs(file: Path) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that read GGUF ``file`` into a plain float32
+    model: its quantized weights dequantized at load time (transformers versions that can keep
+    them packed would otherwise fetch a matmul kernel from the hub)."""
+    tf = transformers_module()
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"reading the GGUF file {os.fspath(file)!r} needs the "
+                         f"{' and '.join(missing)} package(s): pip install 'sparsekit[hf]'")
+    kwargs: dict[str, Any] = {"gguf_file": os.fspath(file), "dtype": torch.float32}
+    config_class = getattr(tf, "GgufConfig", None)
+    if config_class is not None and "dequantize" in inspect.signature(config_class).parameters:
+        kwargs["quantization_config"] = config_class(gguf_file=os.fspath(file), dequantize=True)
+    return kwargs
+
+
+def _plain_after_gguf(model: nn.Module, where: str) -> nn.Module:
+    """The model transformers read from a GGUF file without its GGUF loading state (the
+    ``quantization_config`` the file's name went into, the quantizer): its weights are plain
+    float tensors, and ``save_pretrained`` writes them as any transformers model's."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    elif hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    packed = [name for name, m in model.named_modules() if "gguf" in type(m).__name__.lower()]
+    if packed:
+        raise FileFormatError(f"{where}: transformers kept {len(packed)} layer(s) in GGUF blocks "
+                              f"(e.g. {packed[0]}); sparsekit needs them dequantized")
+    return model
 
 
 def load_pretrained(path: str | os.PathLike, task: str | None = None,
                     quiet: bool = False) -> nn.Module:
-    """The model in local directory ``path`` through the Auto class of ``task`` (None: from
-    its config's ``architectures``), offline; ``quiet``: no loading progress bar."""
-    p = check_model_dir(path)
-    config = _read_config_json(p / "config.json", "model.path")
-    check_config_offline(config, f"model.path={os.fspath(path)!r} (config.json)")
-    if task is None:
-        task = task_from_architectures(config.get("architectures"))
+    """The model of model source ``path`` (a local directory, or a ``.gguf`` file or a
+    directory holding one: :func:`model_source`) through the Auto class of ``task``, offline;
+    ``quiet``: no loading progress bar. ``task`` None: from its config's ``architectures``
+    (a GGUF file, whose metadata names none: ``causal_lm``). A GGUF file loads in float32."""
+    directory, gguf = model_source(path)
+    where = f"model.path={os.fspath(path)!r}"
+    kwargs: dict[str, Any] = {}
+    config: dict = {}
+    if gguf is None:
+        config = _read_config_json(directory / "config.json", "model.path")
+        check_config_offline(config, f"{where} (config.json)")
+        if task is None:
+            task = task_from_architectures(config.get("architectures"))
+    else:
+        kwargs = _gguf_kwargs(directory / gguf)
+        task = task or "causal_lm"
     try:
         with quiet_progress(quiet):
             model, info = _auto_class(task).from_pretrained(
-                os.fspath(p), local_files_only=True, output_loading_info=True)
-    except (OSError, ValueError) as e:
-        raise FileFormatError(f"model.path={os.fspath(path)!r}: cannot load a {task} model: "
-                              f"{str(e).splitlines()[0]}") from None
+                os.fspath(directory), local_files_only=True, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        source = f" from GGUF file {gguf}" if gguf else ""
+        raise FileFormatError(f"{where}: cannot load a {task} model{source}: "
+                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    if gguf is not None:
+        model = _plain_after_gguf(model, where)
+        check_config_offline(config_dict(model.config), f"{where} (GGUF metadata)")
     missing = list(info.get("missing_keys") or [])
     if missing and task == "feature_extraction":  # the bare model: at most a pooler is new
-        warnings.warn(f"model.path={os.fspath(path)!r}: {len(missing)} tensor(s) of the bare "
+        warnings.warn(f"{where}: {len(missing)} tensor(s) of the bare "
                       f"model are not in the checkpoint and start random (e.g. {missing[0]})",
                       UserWarning, stacklevel=2)
+    elif missing and gguf is not None:  # the file's metadata names no task
+        raise UsageError(f"{where} holds no weights for {len(missing)} tensor(s) a {task} "
+                         f"model needs (e.g. {missing[0]}): they would be random; set "
+                         f"model.task to the file's task (one of: {', '.join(AUTO_CLASSES)})")
     elif missing:  # a head transformers would initialise at random, saying so only in a log
         found = task_from_architectures(config.get("architectures"))
         raise UsageError(
-            f"model.path={os.fspath(path)!r} holds no weights for {len(missing)} tensor(s) a "
+            f"{where} holds no weights for {len(missing)} tensor(s) a "
             f"{task} model needs (e.g. {missing[0]}): they would be random; its config says "
             f"{config.get('architectures')} ({found}): set model.task={found} or leave "
             "model.task unset"
@@ -238,19 +324,29 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None,
 
 
 def load_tokenizer(path: str | os.PathLike, option: str = "model.path") -> Any:
-    """The tokenizer saved in local directory ``path`` (``AutoTokenizer``, offline)."""
+    """The tokenizer of ``path`` (``AutoTokenizer``, offline): the tokenizer files saved in a
+    local directory, else the tokenizer a ``.gguf`` file carries (``path`` the file, or a
+    directory holding exactly one and no tokenizer files)."""
     p = Path(path).expanduser()
-    if not p.is_dir():
-        raise UsageError(f"{option}={os.fspath(path)!r}: no such directory")
-    if not any((p / f).is_file() for f in TOKENIZER_FILES):
-        raise FileFormatError(
-            f"{option}={os.fspath(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}"
-            "): save one there with tokenizer.save_pretrained(DIR), or set data.tokenizer=DIR"
-        )
+    gguf: Path | None = None
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        p, gguf = p.parent, p
+    elif not p.is_dir():
+        raise UsageError(f"{option}={os.fspath(path)!r}: no such directory (nor a .gguf file)")
+    elif not any((p / f).is_file() for f in TOKENIZER_FILES):
+        name = _one_gguf(p, option, path)
+        if name is None:
+            raise FileFormatError(
+                f"{option}={os.fspath(path)!r} holds no tokenizer (none of "
+                f"{', '.join(TOKENIZER_FILES)}, no .gguf file): save one there with "
+                "tokenizer.save_pretrained(DIR), or set data.tokenizer=DIR"
+            )
+        gguf = p / name
     tf = transformers_module()
+    kwargs = {} if gguf is None else {"gguf_file": _gguf_kwargs(gguf)["gguf_file"]}
     try:
-        return tf.AutoTokenizer.from_pretrained(os.fspath(p), local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
+        return tf.AutoTokenizer.from_pretrained(os.fspath(p), local_files_only=True, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as e:
         raise FileFormatError(
             f"{option}={os.fspath(path)!r} holds no loadable tokenizer ({str(e).splitlines()[0]});"
             " save one there with tokenizer.save_pretrained or set data.tokenizer=DIR"

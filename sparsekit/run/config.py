@@ -235,9 +235,9 @@ class ModelConfig(_Checked):
     _target_: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = None  # dense weights to load instead of training a baseline
-    # model=hf: a local transformers directory (config.json, weights, tokenizer files), or a
-    # config (a dict, or a path to a config.json) to build with random weights; task: null =
-    # from the config's architectures
+    # model=hf: a local transformers directory (config.json, weights, tokenizer files), a .gguf
+    # file (or a directory holding one), or a config (a dict, or a path to a config.json) to
+    # build with random weights; task: null = from the config's architectures (GGUF: causal_lm)
     path: str | None = None
     config: Any = None
     task: HFTask | None = None

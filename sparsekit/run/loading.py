@@ -178,22 +178,24 @@ def check_input_paths(cfg: Config, *, complete: bool = True) -> None:
         raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
     if d.path is not None:
         text_files(d.path)
-    if d.tokenizer is not None and not Path(d.tokenizer).expanduser().is_dir():
+    tok = None if d.tokenizer is None else Path(d.tokenizer).expanduser()
+    if tok is not None and not (tok.is_dir() or (tok.is_file() and tok.suffix.lower() == ".gguf")):
         raise UsageError(f"data.tokenizer={d.tokenizer!r}: no such directory (a directory "
-                         "holding tokenizer files)")
+                         "holding tokenizer files, or a .gguf file)")
 
 
 def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
-    """``model=hf``: the transformers model of ``model.path`` (a local directory) or built
-    from ``model.config`` (random weights), and its tokenizer (from ``data.tokenizer``, else
-    ``model.path``; None when there is none and ``data=text`` does not need one)."""
+    """``model=hf``: the transformers model of ``model.path`` (a local directory, a ``.gguf``
+    file or a directory holding one) or built from ``model.config`` (random weights), and its
+    tokenizer (from ``data.tokenizer``, else ``model.path``; None when there is none and
+    ``data=text`` does not need one)."""
     from sparsekit.models import hf
 
     m = cfg.model
     if (m.path is None) == (m.config is None):
         raise UsageError("model=hf needs exactly one of model.path=DIR (a local transformers "
-                         "directory) or model.config=CONFIG (a dict or config.json; random "
-                         "weights)")
+                         "directory, or a .gguf file) or model.config=CONFIG (a dict or "
+                         "config.json; random weights)")
     torch.manual_seed(cfg.train.seed)  # model.config: the same random weights every run
     if m.path is not None:
         model = hf.load_pretrained(m.path, m.task, quiet=is_quiet(cfg.train.quiet))
