@@ -23,7 +23,7 @@ classifier head; ViT's classifier head is removed, its features are the output):
   tensor data), so it builds a 2048x2048 mask and SDPA computes the masked half as well; every
   row of this model, the dense baselines included, runs with the mask skipped;
 - ``bert``: HF ``BertModel`` BERT-large at 8x512 with an all-ones attention_mask (it keeps SDPA
-  on flash attention under compile and CUDA graphs; see docs/gpu.md);
+  on flash attention under compile and CUDA graphs; see journal/gpu.md);
 - ``vit``: torchvision ViT-B/16 at batch 256.
 Per model, in one run: dense eager, dense ``torch.compile`` (default and reduce-overhead; the
 ratio's reference is the FASTEST dense), torchao fp8 dense (per-row) compiled (and, on the ViT,

@@ -7,7 +7,7 @@
   non-overlapping patches: a 1x1 conv (a GEMM over channels) and a ViT's patch embedding
   (16x16, stride 16), :class:`ConvAsLinear`. cuDNN runs the latter as a strided implicit GEMM
   plus two layout conversions, about 2 ms of a ViT-B/16 at batch 256 on the H200; as a patch
-  gather and a GEMM it is a tenth of that (docs/gpu.md).
+  gather and a GEMM it is a tenth of that (journal/gpu.md).
 Each ``*_skip_reason`` returns None when the module can be converted, else why not.
 """
 

@@ -254,7 +254,7 @@ def test_llama_block_compiled_accurate(precision, fused_quant):
 def test_siblings_one_gemm_and_no_weight_copies(precision):
     """PlanOptions(siblings=True) under reduce-overhead: fewer sparse GEMM kernels than the
     plain model, no device-to-device copy per weight on each replay (what inductor freezing
-    caused: run 9 of docs/gpu.md), the same output within the variant's tolerance."""
+    caused: run 9 of journal/gpu.md), the same output within the variant's tolerance."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
