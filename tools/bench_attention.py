@@ -1,5 +1,6 @@
-"""Decode attention on the GPU: sparsekit's kernel (sparsekit/accel/attention.py) against what
-HF's SDPA path runs in a compiled static-cache decode step, per call, with the bytes bound.
+"""Decode attention on the GPU: sparsekit's kernel (sparsekit/accel/kernels/attention/decode.py)
+against what HF's SDPA path runs in a compiled static-cache decode step, per call, with the
+bytes bound.
 
 Llama-3-8B attention (32 query heads, 8 kv heads, head dim 128), one query token per
 sequence, a static cache of ``--lengths`` positions of which the first ``--filled`` share take
@@ -26,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.accel import attention, ops
+from sparsekit.accel.kernels.attention import op as attn_op
+from sparsekit.accel.kernels.attention import decode as attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import bound_tbs, copies_for, time_rotating  # noqa: E402
@@ -57,7 +59,7 @@ def case(batch: int, length: int, filled: int, device, gen: torch.Generator) -> 
     scale = HEAD_DIM ** -0.5
     compiled = torch.compile(hf_way)
     ways = {"hf_sdpa": lambda k, v: compiled(q, k, v, mask, scale),
-            "sk": lambda k, v: ops.decode_attention(q, k, v, mask, scale)}
+            "sk": lambda k, v: attn_op.decode_attention(q, k, v, mask, scale)}
     ref = attention.reference(q, *caches[0], mask, scale).float()
     row: dict = {"batch": batch, "length": length, "filled": filled}
     for name, fn in ways.items():

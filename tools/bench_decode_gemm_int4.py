@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.accel import int4, ops, w4a16
+from sparsekit.accel.kernels.int4 import op as int4_op
+from sparsekit.accel import layers_int4 as layers_int4
+from sparsekit.accel.kernels.int4 import format as w4a16
 from sparsekit.nn.timing import graph_time_us, l2_copies, time_ms
 
 SHAPES = {  # name: (N, K) of a weight (out x in)
@@ -70,14 +72,14 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_shape(name: str, n: int, k: int, ms: tuple, group: int, device: torch.device,
                 bound_tbps: float, log) -> list[dict]:
     w = weight_24(n, k, device)
-    q, scales = int4.rtn_int4(w, group)
+    q, scales = layers_int4.rtn_int4(w, group)
     v24, meta, _ = w4a16.pack_24(q, scales)
     vd, _ = w4a16.pack(q, scales)
     wdq = w4a16.dequantize(q, scales)  # float32, for the reference
     weights = {  # variant: (packed tensors, op)
         "bf16_dense": ((w,), lambda x, t: F.linear(x, t[0])),
-        "int4_dense": ((vd, scales), lambda x, t: ops.int4_mm(x, t[0], t[1], None)),
-        "int4_2:4": ((v24, meta, scales), lambda x, t: ops.int4_24_mm(x, *t, None)),
+        "int4_dense": ((vd, scales), lambda x, t: int4_op.int4_mm(x, t[0], t[1], None)),
+        "int4_2:4": ((v24, meta, scales), lambda x, t: int4_op.int4_24_mm(x, *t, None)),
     }
     wbytes = {v: sum(t.numel() * t.element_size() for t in weights[v][0]) for v in VARIANTS}
     rows = []

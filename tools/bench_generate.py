@@ -72,8 +72,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
+from sparsekit.accel.kernels.triton24 import op as sk24_op
 from sparsekit import _compat
-from sparsekit.accel import generate, ops, planner, sk24, sk24_mma
+from sparsekit.accel import generate, planner
+from sparsekit.accel.kernels.triton24 import format as sk24
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
@@ -151,10 +154,10 @@ def gemm_rows(device: torch.device, shapes, ms, smoke: bool) -> list[dict]:
             xp, xp8 = sk24.planes(x), sk24.planes(x8)
             ways = {"bf16_dense": ([functools.partial(F.linear, x, s_["w"]) for s_ in sets],
                                    2 * n * k + 2 * m * k + 2 * m * n),
-                    "bf16_2:4": ([functools.partial(ops.sk24_mm, xp, s_["vals"], s_["meta"],
+                    "bf16_2:4": ([functools.partial(sk24_op.sk24_mm, xp, s_["vals"], s_["meta"],
                                                     None, None, None) for s_ in sets],
                                  sk24.bound_bytes(m, n, k, torch.bfloat16)),
-                    "fp8_2:4": ([functools.partial(ops.sk24_mm, xp8, s_["v8"], s_["m8"], xs,
+                    "fp8_2:4": ([functools.partial(sk24_op.sk24_mm, xp8, s_["v8"], s_["m8"], xs,
                                                    s_["ws"], None) for s_ in sets],
                                 sk24.bound_bytes(m, n, k, torch.float8_e4m3fn))}
             ref = ways["bf16_dense"][0][0]().float()
@@ -213,7 +216,7 @@ def space(explore: bool = False) -> list:
     """The kernel's autotuning space, with the EXPLORE candidates when ``explore``."""
     import triton
 
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     extra = [triton.Config({"MODE": mode, "BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": split},
                            num_warps=warps, num_stages=stages)
@@ -223,7 +226,7 @@ def space(explore: bool = False) -> list:
 
 def config_items(ms, k_min: int, explore: bool = False) -> list:
     """(dtype, M, config) for every config of the kernel's space that suits M (and K)."""
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     items = []
     for dtype_name in ("bfloat16", "float8_e4m3fn"):
@@ -243,7 +246,7 @@ def config_rows(device: torch.device, shapes, ms, jobs: int, explore: bool = Fal
     beside them."""
     import multiprocessing as mp
 
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     items = config_items(ms, 4096, explore)
     t0 = time.perf_counter()

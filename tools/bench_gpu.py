@@ -41,7 +41,8 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.prune.patterns import nm_mask
-from sparsekit.accel import algsearch, kernels, ops, planner
+from sparsekit.accel import algsearch, ops, planner
+from sparsekit.accel import layers as accel_layers
 from sparsekit.quant.formats import FP8
 from sparsekit.nn.timing import eager_time_us, graph_time_us
 
@@ -144,7 +145,7 @@ def static_fp8(lin: nn.Linear, x: torch.Tensor, scheme: str = "fp8_static") -> n
 def gemm_row(lin: nn.Linear, m: int, device: torch.device) -> dict:
     """Every variant of one linear at ``m`` tokens: microseconds and ratios to bf16 dense."""
     x = torch.randn(m, lin.in_features, device=device, dtype=torch.bfloat16)
-    dense = kernels.DenseBF16(lin)
+    dense = accel_layers.DenseBF16(lin)
     us = {"bf16_dense": time_us(lambda: dense(x), device)}
     row = {"K": lin.in_features, "N": lin.out_features, "M": m, "us": us, "alg_id": {},
            "errors": {}}
@@ -152,16 +153,17 @@ def gemm_row(lin: nn.Linear, m: int, device: torch.device) -> dict:
         row["ratio"] = {"bf16_dense": 1.0}
         return row
     for v in OURS:  # compiled, as they run inside an accelerated model
-        if kernels.VARIANTS[v].uses_alg:
+        if accel_layers.VARIANTS[v].uses_alg:
             mod, row["alg_id"][v], _ = algsearch.search(v, lin, m)
         else:
-            mod = kernels.VARIANTS[v](lin)
+            mod = accel_layers.VARIANTS[v](lin)
         us[v] = planner.time_module(mod, x)
         if v == "bf16_2:4":
             us["bf16_2:4_eager"] = eager_time_us(lambda mod=mod: mod(x))
     # fp8 2:4 with a static activation scale (quantize_ fp8_static calibrated on x): the
     # activation quantization is elementwise
-    mod = kernels.VARIANTS["fp8_2:4"](static_fp8(lin, x), alg_id=row["alg_id"].get("fp8_2:4", 0))
+    mod = accel_layers.VARIANTS["fp8_2:4"](static_fp8(lin, x),
+                                           alg_id=row["alg_id"].get("fp8_2:4", 0))
     us["fp8s_2:4"] = planner.time_module(mod, x)
     # fp8 2:4 with one weight scale per tensor (fp8_static_tensor): alpha inside the GEMM
     mod, row["alg_id"]["fp8st_2:4"], _ = algsearch.search(

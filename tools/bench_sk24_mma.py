@@ -1,6 +1,6 @@
-"""The mma.sp small-M 2:4 kernel (sparsekit/accel/sk24_mma.py) on the GPU: correctness of every
-configuration and metadata layout against the float32 reference, then one decode GEMM per
-shape and M against cuBLAS bf16 and the bandwidth bound.
+"""The mma.sp small-M 2:4 kernel (sparsekit/accel/kernels/mma_sp/launch.py) on the GPU: correctness
+of every configuration and metadata layout against the float32 reference, then one decode GEMM
+per shape and M against cuBLAS bf16 and the bandwidth bound.
 
 Sections:
 - ``check``: per weight dtype (bf16, fp8 e4m3 with per-row scales, tiny values included so
@@ -44,8 +44,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.accel import ops, sk24_mma, w4a16
-from sparsekit.accel.int4 import rtn_int4
+from sparsekit.accel.kernels.int4 import op as int4_op
+from sparsekit.accel.kernels.mma_sp import op as mma_op
+from sparsekit.accel.kernels.triton24 import op as sk24_op
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+from sparsekit.accel.kernels.int4 import format as w4a16
+from sparsekit.accel.layers_int4 import rtn_int4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import (  # noqa: E402  (tools/bench_generate.py, beside this script)
@@ -179,7 +183,7 @@ def time_rows(device, shapes, ms, layout: str, sweep: bool = True) -> list[dict]
                         best = (cfg, t)
                 if best is None:  # every configuration failed its self-check this way
                     continue
-                op_t = time_rotating([functools.partial(ops.sk24_mma_mm, xw, v, mt, None,
+                op_t = time_rotating([functools.partial(mma_op.sk24_mma_mm, xw, v, mt, None,
                                                         scale, None) for v, mt in sets])
                 row[dtype] = {"us": best[1], "config": list(best[0]), "default_us": op_t,
                               "default_config": list(sk24_mma.default_config(m, n, k)),
@@ -212,7 +216,7 @@ def time_rows(device, shapes, ms, layout: str, sweep: bool = True) -> list[dict]
                     per["x".join(map(str, cfg))] = t
                     if best is None or t < best[1]:
                         best = (cfg, t)
-                tri = time_rotating([functools.partial(ops.int4_24_mm, x, v, mt, sc, None)
+                tri = time_rotating([functools.partial(int4_op.int4_24_mm, x, v, mt, sc, None)
                                      for v, mt, sc in c4t])
                 row["int4_2:4"] = {"us": best[1], "config": list(best[0]), "bytes": nbytes,
                                    "tb_s": nbytes / best[1] / 1e6,
@@ -233,7 +237,7 @@ def time_rows(device, shapes, ms, layout: str, sweep: bool = True) -> list[dict]
 
 def widen_rows(device, shapes) -> list[dict]:
     """The ``widen`` section's rows (see the module docstring)."""
-    from sparsekit.accel import sk24
+    from sparsekit.accel.kernels.triton24 import format as sk24
 
     gen = torch.Generator().manual_seed(2)
     fused_fp8 = torch.compile(functools.partial(sk24.decompress, dtype=torch.bfloat16))
@@ -248,8 +252,8 @@ def widen_rows(device, shapes) -> list[dict]:
         int4 = tuple(t.to(device) for t in w4a16.pack_24(q4, s4))
         row = {"shape": name, "N": n, "K": k}
         for way, args, new, old, nbytes in (
-                ("fp8w", fp8, ops.sk24_widen, fused_fp8, n * k // 2 + n * k // 8),
-                ("int4", int4, ops.int4_24_widen, fused_int4, n * k // 4 + n * k // 8)):
+                ("fp8w", fp8, sk24_op.sk24_widen, fused_fp8, n * k // 2 + n * k // 8),
+                ("int4", int4, int4_op.int4_24_widen, fused_int4, n * k // 4 + n * k // 8)):
             moved = nbytes + 2 * n * k  # values and metadata read, bf16 written (int4's scales
             # left out: 1/64 byte a weight)
             sets = [args] + [tuple(t.clone() for t in args) for _ in range(copies_for(moved) - 1)]

@@ -148,8 +148,8 @@ def join(cases: list[dict], rows: list[dict[str, str]]) -> list[dict]:
 
 def operands(kind: str, n: int, k: int, device) -> tuple:
     """(launch function, weight arguments) of one kind on a random 2:4 weight of (n, k)."""
-    from sparsekit.accel import sk24_mma
-    from sparsekit.accel.int4 import rtn_int4
+    from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+    from sparsekit.accel.layers_int4 import rtn_int4
 
     w = masked_weight(n, k, "cpu", torch.Generator().manual_seed(0)).to(device)
     if kind == "int4":
@@ -167,7 +167,7 @@ def operands(kind: str, n: int, k: int, device) -> tuple:
 def child(cases: list[dict], manifest: Path) -> None:
     """Run each case's kernel: twice outside the NVTX range (warm-up, the library's load),
     once inside it; write the cases as run (defaults resolved) to ``manifest``."""
-    from sparsekit.accel import sk24_mma
+    from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 
     device = torch.device("cuda")
     ran = []

@@ -44,7 +44,7 @@ def compile_sass(sparse: bool, block_m: int, path: str, block_n: int, block_k: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sparsekit.accel import w4a16_triton as src
+    from sparsekit.accel.kernels.int4 import kernel as src
 
     if path == "rows":
         fn = src.int4_24_rows_kernel if sparse else src.int4_rows_kernel

@@ -1,7 +1,7 @@
 """Instructions per weight byte in the main loop of the mma.sp small-M kernel
-(sparsekit/accel/csrc/sk24_mma.cu), per weight kind and configuration, from its sm_90 machine
-code: no GPU needed (nvcc compiles a copy of the source reduced to the configurations asked
-for, M <= 8 unless ``--mt`` says; ``nvdisasm`` disassembles).
+(sparsekit/accel/kernels/mma_sp/csrc/sk24_mma.cu), per weight kind and configuration, from its
+sm_90 machine code: no GPU needed (nvcc compiles a copy of the source reduced to the
+configurations asked for, M <= 8 unless ``--mt`` says; ``nvdisasm`` disassembles).
 
     python tools/probe_mma_sass.py --out /tmp/mma_sass.json            # the default rows
     python tools/probe_mma_sass.py --kinds int4 --configs 8x4x2x3,8x4x2x19 --out x.json
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "sparsekit" / "accel" / "csrc" / "sk24_mma.cu"
+SOURCE = ROOT / "sparsekit" / "accel" / "kernels" / "mma_sp" / "csrc" / "sk24_mma.cu"
 # the kernel's weight kinds: its constant's name and value (WT)
 KINDS = {"bf16": ("BF16", 0), "fp8": ("FP8", 1), "int4": ("INT4", 2), "fp8h": ("FP8H", 3)}
 # DRAM bytes a warp reads per step (32 columns) and row tile (16 rows): values, metadata

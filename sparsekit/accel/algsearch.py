@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from sparsekit.io.files import atomic_write
-from sparsekit.accel.kernels import VARIANTS
+from sparsekit.accel.layers import VARIANTS
 from sparsekit.io.cache import cache_root
 from sparsekit.nn.timing import graph_time_us
 

@@ -1,7 +1,7 @@
 """``accelerate``: a finalized (2:4-zeroed, optionally quantized) model with its linear layers on
 sparse / low-precision kernels (``sparsekit::`` custom ops), the whole model compiled.
 
-The default path: layers swapped for :mod:`sparsekit.accel.kernels` modules, then the model
+The default path: layers swapped for :mod:`sparsekit.accel.layers` modules, then the model
 through ``torch.compile``: inductor fuses the norms, rotary, SiLU*mul, residual adds, the
 per-token activation quantization and the 8-bit scale epilogues around the GEMMs, and CUDA
 graphs remove the host work (cuSPARSELt builds its plan on every call, 0.5-0.9 ms of host time,
@@ -25,7 +25,7 @@ from torch import nn
 from sparsekit.accel import graphs
 from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.convert import ConvAsLinear, conv_skip_reason, split_attention_
-from sparsekit.accel.kernels import SPARSITIES, check_precision
+from sparsekit.accel.layers import SPARSITIES, check_precision
 from sparsekit.accel.model import AcceleratedModel
 from sparsekit.accel.options import CompileOptions, PlanOptions
 from sparsekit.accel.planner import Planner, own_precision
@@ -57,7 +57,8 @@ def accelerate(
     run as ``plan.dense_precision``. A model quantized by ``sk.quantize_``/QAT (fp8 or int8
     ``QuantLinear``) runs its own weights, scales and activation numerics: ``precision`` must be
     its scheme (an ``fp8_static_tensor`` model's fp8 2:4 layers run scale, bias and a following
-    tanh GELU inside the GEMM on sparsekit's cuSPARSELt binding, :mod:`sparsekit.accel.cslt_ext`).
+    tanh GELU inside the GEMM on sparsekit's cuSPARSELt binding,
+    :mod:`sparsekit.accel.kernels.cusparselt.ext`).
     ``example_inputs``: a tensor, tuple (``model(*x)``) or dict (``model(**x)``) of the shape you
     will serve, run several times (an input with state, e.g. an HF ``StaticCache``, advances).
     ``precision``: "bf16" | "fp8" | "int8" (W8A8; per-token or a static scheme's own scales) |

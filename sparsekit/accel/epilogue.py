@@ -1,6 +1,7 @@
 """An inductor pass moving GELU into the 8-bit 2:4 GEMM's epilogue.
 
-A layer on sparsekit's own cuSPARSELt binding (:func:`sparsekit.accel.ops.sparse24_mm_alpha`)
+A layer on sparsekit's own cuSPARSELt binding
+(:func:`sparsekit.accel.kernels.cusparselt.op.sparse24_mm_alpha`)
 can apply GELU inside the GEMM, but the layer does not know what follows it: in BERT's and
 ViT's MLPs the GELU is the next module. :class:`FuseGelu` runs on the graph dynamo traced
 (inductor's ``pre_grad_custom_pass``, before autograd decomposes GELU) and rewrites
@@ -9,7 +10,8 @@ ViT's MLPs the GELU is the next module. :class:`FuseGelu` runs on the graph dyna
         ->  reshape(sparse24_mm_alpha(..., gelu=True))
 
 when the GEMM's result has no other use and the GELU is the form cuSPARSELt computes
-(:data:`sparsekit.accel.ops.GELU_APPROXIMATE`). GELU is elementwise, so it commutes with the
+(:data:`sparsekit.accel.kernels.cusparselt.op.GELU_APPROXIMATE`). GELU is elementwise, so it
+commutes with the
 reshape.
 """
 
@@ -24,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparsekit.accel.kernels.cusparselt import op as cslt_op
 from sparsekit import _compat
-from sparsekit.accel import ops
 
 _RESHAPES = ("reshape", "view")
 
@@ -36,7 +38,7 @@ def _is_gelu(node: torch.fx.Node) -> bool:
             or (node.op == "call_method" and node.target == "gelu")):
         return False
     form = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-    return form == ops.GELU_APPROXIMATE
+    return form == cslt_op.GELU_APPROXIMATE
 
 
 def _is_reshape(node: torch.fx.Node) -> bool:
@@ -78,7 +80,7 @@ def _fusegelu_class() -> type:
 
         def uuid(self) -> str:  # inductor's graph cache key: this file's code and the GELU form
             return hashlib.sha256(Path(__file__).read_bytes()
-                                  + ops.GELU_APPROXIMATE.encode()).hexdigest()
+                                  + cslt_op.GELU_APPROXIMATE.encode()).hexdigest()
     return FuseGelu
 
 
@@ -89,7 +91,8 @@ def __getattr__(name: str) -> Any:
 
 
 def uses_alpha_path(model: torch.nn.Module) -> bool:
-    """Whether any layer of ``model`` runs :func:`~sparsekit.accel.ops.sparse24_mm_alpha`."""
+    """Whether any layer of ``model`` runs
+    :func:`~sparsekit.accel.kernels.cusparselt.op.sparse24_mm_alpha`."""
     return any(getattr(m, "path", "") == "cslt_alpha" for m in model.modules())
 
 

@@ -6,7 +6,7 @@ compiled runners over one static KV cache:
   least 16) with its attention mask zero there, so every prompt length in a bucket runs one
   compiled graph; the 2:4 layers see M = batch x bucket rows (the large-M kernels);
 - decode (one token per sequence): M = batch rows, the small-M kernels
-  (:mod:`sparsekit.accel.sk24`).
+  (:mod:`sparsekit.accel.kernels.triton24.format`).
 
 Both are ``torch.compile``d; on CUDA each is replayed as sparsekit's own CUDA graph per input
 signature and cache (:class:`~sparsekit.accel.graphs.GraphCache`; torch's CUDA-graph trees skip
@@ -26,7 +26,8 @@ wait for the GPU every step; here that check is read a few steps late
 with the same returned sequences.
 
 On CUDA, a model on HF's SDPA attention runs its decode steps' attention on sparsekit's
-kernel (:mod:`sparsekit.accel.attention`: grouped-query heads read once, unfilled cache
+kernel (:mod:`sparsekit.accel.kernels.attention.decode`: grouped-query heads read once,
+unfilled cache
 positions skipped) for the duration of each generate call; ``SPARSEKIT_DECODE_ATTENTION=0``
 keeps HF's.
 """
@@ -45,7 +46,8 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import attention, graphs, lagged_stop
+from sparsekit.accel import graphs, lagged_stop
+from sparsekit.accel.kernels.attention import decode as attention
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +254,7 @@ class Generator:
 
 def attention_for(model: nn.Module, device: torch.device) -> str | None:
     """The attention implementation generate switches ``model`` to: sparsekit's
-    (:data:`sparsekit.accel.attention.NAME`) for a model on HF's SDPA on CUDA, unless
+    (:data:`sparsekit.accel.kernels.attention.decode.NAME`) for a model on HF's SDPA on CUDA, unless
     ``SPARSEKIT_DECODE_ATTENTION=0``; else None (the model's own)."""
     if device.type != "cuda" or not attention.enabled():
         return None

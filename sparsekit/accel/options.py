@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparsekit import _compat
-from sparsekit.accel.kernels import check_precision
+from sparsekit.accel.layers import check_precision
 from sparsekit.errors import UsageError
 
 # torch.compile's modes

@@ -64,9 +64,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import algsearch, cslt_ext, sk24_mma
+from sparsekit.accel import algsearch
+from sparsekit.accel.kernels.cusparselt import ext as cslt_ext
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.accel import siblings as siblings_
-from sparsekit.accel.kernels import VARIANTS, scheme_precision, variant_name
+from sparsekit.accel.layers import VARIANTS, scheme_precision, variant_name
 from sparsekit.accel.model import AcceleratedModel
 from sparsekit.accel.options import CompileOptions, PlanOptions
 from sparsekit.accel.report import BASELINE, AccelReport, LayerDecision, decide
@@ -755,7 +757,7 @@ class Planner:
         beats the large-M path (``decode_max_m``). Under ``sparsity="auto"`` (and
         ``decode_dense``) the layer also runs bf16 dense on a copy of its weight for the counts
         ``dense_m`` where dense beats the 2:4 path it would run there
-        (:meth:`~sparsekit.accel.kernels._AccelLinear.keep_dense`). A layer drops the small-M
+        (:meth:`~sparsekit.accel.layers._AccelLinear.keep_dense`). A layer drops the small-M
         format's copy of its weight where no count uses it. The choice is cached on disk with
         the per-layer timings (an entry without ``dense_m`` is timed again when a dense route
         is wanted). An fp8 layer that either small-M kernel takes (``dchoice``) is timed on
@@ -934,7 +936,7 @@ def choose_mma_config(mod: nn.Module, device: torch.device, values: torch.Tensor
     ``mod`` (``dconfig``) and returned; None when there is one candidate or none. ``values``:
     the weight in the kernel's format (default ``mod.dvalues``; an int4 2:4 layer's
     ``mvalues``: the int4 way's configurations)."""
-    from sparsekit.accel import sk24_mma
+    from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
     from sparsekit.nn import timing  # looked up per call: tests replace cold_time_us
 
     values = mod.dvalues if values is None else values
@@ -973,7 +975,7 @@ def valid_mma_config(config, values: torch.Tensor, wide: torch.dtype | None = No
     """A decode plan's "config" (one configuration per ``sk24_mma.BUCKETS``) as ``dconfig``
     when every one is among the candidates for ``values``, else None (a plan from another
     version of the library: the defaults run)."""
-    from sparsekit.accel import sk24_mma
+    from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 
     if not isinstance(config, (list, tuple)) or len(config) != len(sk24_mma.BUCKETS):
         return None
@@ -987,7 +989,7 @@ def decode_note(mod: nn.Module, entry: dict) -> str:
     where neither 2:4 path beats bf16 dense (a decode step there is slower than dense)."""
     times = entry["us"]
     slower = [m for m, t in times.items() if len(t) > 2 and min(t[:2]) > t[2]]
-    from sparsekit.accel import sk24_mma
+    from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 
     kernel = (f" ({getattr(mod, 'dkernel', '')}"
               + (f" {sk24_mma.config_text(entry['config'])}" if entry.get("config") else "")

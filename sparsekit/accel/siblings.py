@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel.kernels import one_scale
+from sparsekit.accel.layers import one_scale
 from sparsekit.nn.calibration import feed
 from sparsekit.quant.modules import QuantLinear
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from sparsekit.accel.kernels import SPARSITIES, precisions, scheme_precision
+from sparsekit.accel.layers import SPARSITIES, precisions, scheme_precision
 from sparsekit.prune import distill, pruner, schedules
 from sparsekit.prune.channels import CHANNEL_CRITERIA
 from sparsekit.prune.criteria import CRITERIA, get_criterion, is_solver

@@ -1,11 +1,11 @@
-// The lean rounds' load offsets (sparsekit/accel/csrc/sk24_mma.cu: offsets_at, advance,
+// The lean rounds' load offsets (sparsekit/accel/kernels/mma_sp/csrc/sk24_mma.cu: offsets_at, advance,
 // x_offsets_at, run on the host) against the addresses the library's other rounds compute
 // for the same loads (load_round's and load_x's expressions, copied here), for every warp,
 // round, row tile, step and lane of a few configurations and weight kinds; and the staged x
 // slice's offsets (slice_offsets): each ldmatrix row address holds the chunk it must. Built
 // and run by tests/accel/test_sk24_mma_cpu.py with nvcc; prints "ok" or the first mismatch.
 #define SK24_INDEX_ONLY
-#include "../../sparsekit/accel/csrc/sk24_mma.cu"
+#include "../../sparsekit/accel/kernels/mma_sp/csrc/sk24_mma.cu"
 
 #include <cstdio>
 

@@ -210,7 +210,7 @@ def test_accelerated_model_lists_tensors_once():
 def test_own_binding_ships_and_says_why_it_is_off(monkeypatch):
     """The binding's C++ source is package data; where it cannot be used, load() gives None and
     reason() says why (turned off, or no CUDA) instead of failing."""
-    from sparsekit.accel import cslt_ext
+    from sparsekit.accel.kernels.cusparselt import ext as cslt_ext
 
     assert cslt_ext.SOURCE.is_file() and "cusparseLtMatmul" in cslt_ext.SOURCE.read_text()
     monkeypatch.setenv("SPARSEKIT_CSLT_EXT", "0")

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.accel import algsearch, kernels, ops
+from sparsekit.accel.kernels.cusparselt import op as cslt_op
+from sparsekit.accel import algsearch, ops
+from sparsekit.accel import layers as layers
 from sparsekit.quant.formats import FP8, INT8
 from sparsekit.quant.numerics import absmax_scale, quantize, weight_scales
 
@@ -46,14 +48,14 @@ def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
 
 
-@pytest.mark.parametrize("variant", list(kernels.VARIANTS))
+@pytest.mark.parametrize("variant", list(layers.VARIANTS))
 @pytest.mark.parametrize("shape", [(394, 1024), (2, 197, 1024)])
 def test_variant_matches_fp32_reference(variant, shape):
     torch.manual_seed(0)
     lin = make_24_(nn.Linear(1024, 2048)).cuda()
     x = torch.randn(*shape, device="cuda")
     ref = nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
-    y = kernels.VARIANTS[variant](lin)(x.bfloat16())
+    y = layers.VARIANTS[variant](lin)(x.bfloat16())
     assert y.shape == ref.shape and y.dtype == torch.bfloat16
     assert rel_err(y, ref) <= TOL[variant.split("_")[0]]
 
@@ -70,10 +72,10 @@ def test_cuda_ops_match_cpu_reference(dtype):
         q, _ = ops.act_quant_rows(x, fmt)
         wq, _ = ops.act_quant_rows(w, fmt)  # per-row absmax: a valid 8-bit 2:4 weight
         args = (q, wq, None, 256, 0, torch.bfloat16)
-    ref = ops.sparse24_mm(*args)
+    ref = cslt_op.sparse24_mm(*args)
     cuda_args = [a.cuda() if torch.is_tensor(a) else a for a in args]
-    cuda_args[1] = ops.pack_24(cuda_args[1])
-    y = ops.sparse24_mm(*cuda_args)
+    cuda_args[1] = cslt_op.pack_24(cuda_args[1])
+    y = cslt_op.sparse24_mm(*cuda_args)
     assert rel_err(y, ref) <= 1e-2
     q, s = ops.quant_rows(x.cuda().bfloat16(), torch.int8)
     q_ref, s_ref = ops.quant_rows(x.bfloat16(), torch.int8)
@@ -317,22 +319,22 @@ def test_own_binding_builds_and_matches_float64():
     """sparsekit's cuSPARSELt binding builds here and gives alpha * x @ W.T + bias (and its
     GELU) within bf16 rounding of float64 on the same 8-bit values, eagerly, at every
     algorithm, at an odd row count (padded) and replayed from a CUDA graph."""
-    assert ops.alpha_path(), "sparsekit's cuSPARSELt binding did not build"
+    assert cslt_op.alpha_path(), "sparsekit's cuSPARSELt binding did not build"
     wq, xq, bias, alpha, lin = _fp8_case(1024, 512, 200)
-    packed = ops.pack_24(wq)
+    packed = cslt_op.pack_24(wq)
     for gelu in (False, True):
-        ref = torch.nn.functional.gelu(lin, approximate=ops.GELU_APPROXIMATE) if gelu else lin
+        ref = torch.nn.functional.gelu(lin, approximate=cslt_op.GELU_APPROXIMATE) if gelu else lin
         for alg in range(3):
-            y = ops.sparse24_mm_alpha(xq, packed, bias, 1024, alg, alpha, gelu)
+            y = cslt_op.sparse24_mm_alpha(xq, packed, bias, 1024, alg, alpha, gelu)
             assert y.shape == (200, 1024) and rel_err(y, ref) < 5e-3, (gelu, alg)
     with pytest.raises(RuntimeError, match="out of range"):  # where the alg search stops
-        ops.sparse24_mm_alpha(xq, packed, bias, 1024, 1000, alpha, False)
+        cslt_op.sparse24_mm_alpha(xq, packed, bias, 1024, 1000, alpha, False)
     static = xq.clone()
     graph = torch.cuda.CUDAGraph()
-    ops.sparse24_mm_alpha(static, packed, bias, 1024, 0, alpha, False)
+    cslt_op.sparse24_mm_alpha(static, packed, bias, 1024, 0, alpha, False)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        out = ops.sparse24_mm_alpha(static, packed, bias, 1024, 0, alpha, False)
+        out = cslt_op.sparse24_mm_alpha(static, packed, bias, 1024, 0, alpha, False)
     static.copy_(torch.zeros_like(static))
     graph.replay()
     torch.cuda.synchronize()
@@ -341,13 +343,13 @@ def test_own_binding_builds_and_matches_float64():
 
 def test_cusparselt_gelu_is_the_form_the_pass_fuses():
     """Pre-activations near -3, where the erf and tanh forms of GELU differ by about 10%: the
-    epilogue's GELU is ops.GELU_APPROXIMATE's form (the only one FuseGelu rewrites)."""
+    epilogue's GELU is cslt_op.GELU_APPROXIMATE's form (the only one FuseGelu rewrites)."""
     wq, xq, bias, alpha, lin = _fp8_case(1024, 512, 256, shift=-3.0, scale=0.02)
-    y = ops.sparse24_mm_alpha(xq, ops.pack_24(wq), bias, 1024, 0, alpha, True)
+    y = cslt_op.sparse24_mm_alpha(xq, cslt_op.pack_24(wq), bias, 1024, 0, alpha, True)
     errs = {form: rel_err(y, torch.nn.functional.gelu(lin, approximate=form))
             for form in ("none", "tanh")}
-    assert errs[ops.GELU_APPROXIMATE] < 0.01 < errs[{"none": "tanh", "tanh": "none"}[
-        ops.GELU_APPROXIMATE]], errs
+    assert errs[cslt_op.GELU_APPROXIMATE] < 0.01 < errs[{"none": "tanh", "tanh": "none"}[
+        cslt_op.GELU_APPROXIMATE]], errs
 
 
 def test_per_tensor_fp8_model_runs_the_epilogue_in_the_gemm():

@@ -1,4 +1,5 @@
-"""Decode attention (sparsekit.accel.attention): the reference against float64 attention over
+"""Decode attention (sparsekit.accel.kernels.attention.decode): the reference against float64
+attention over
 repeated kv heads, the Triton kernels under Triton's interpreter against the reference, the op,
 the HF attention function and generate's switch to it."""
 
@@ -8,7 +9,9 @@ import torch
 from interpreted import run_interpreted
 
 import sparsekit as sk
-from sparsekit.accel import attention, generate, ops
+from sparsekit.accel.kernels.attention import op as attn_op
+from sparsekit.accel import generate
+from sparsekit.accel.kernels.attention import decode as attention
 
 
 def _inputs(b, h, kvh, length, d, seed=0, dtype=torch.bfloat16):
@@ -75,15 +78,15 @@ def test_op_opcheck_and_reference_on_cpu():
     q, k, v = _inputs(2, 4, 2, 70, 16)
     mask = torch.ones(2, 70, dtype=torch.bool)
     mask[0, 50:] = False
-    got = ops.decode_attention(q, k, v, mask, 0.25)
+    got = attn_op.decode_attention(q, k, v, mask, 0.25)
     assert torch.equal(got, attention.reference(q, k, v, mask, 0.25))
-    torch.library.opcheck(ops.decode_attention, (q, k, v, mask, 0.25))
-    torch.library.opcheck(ops.decode_attention, (q, k, v, None, 0.25))
+    torch.library.opcheck(attn_op.decode_attention, (q, k, v, mask, 0.25))
+    torch.library.opcheck(attn_op.decode_attention, (q, k, v, None, 0.25))
 
 
 _INTERPRETED = r"""
 import torch
-from sparsekit.accel import attention
+from sparsekit.accel.kernels.attention import decode as attention
 from tests.accel.test_attention_cpu import _inputs
 # GQA groups 1, 4, 8 (Llama-3-8B's 4), head dims 32 to 128, lengths that are and are not
 # whole blocks, one split and several, masks per sequence and broadcast, left padding and an

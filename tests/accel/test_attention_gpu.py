@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import sparsekit as sk
-from sparsekit.accel import attention, ops
+from sparsekit.accel.kernels.attention import op as attn_op
+from sparsekit.accel.kernels.attention import decode as attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -19,13 +20,13 @@ def test_kernel_equals_reference(batch, length):
     mask = torch.zeros(batch, length, dtype=torch.bool, device="cuda")
     mask[:, : length * 3 // 4] = True
     mask[0, :7] = False
-    got = ops.decode_attention(q, k, v, mask, 128 ** -0.5)
+    got = attn_op.decode_attention(q, k, v, mask, 128 ** -0.5)
     want = attention.reference(q, k, v, mask, 128 ** -0.5)
     assert (got.float() - want.float()).abs().max().item() < 1e-2
     # captured in a CUDA graph, replayed with a mask that changed in place
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.decode_attention(q, k, v, mask, 128 ** -0.5)
+        out = attn_op.decode_attention(q, k, v, mask, 128 ** -0.5)
     mask[:, : length // 2] = False
     graph.replay()
     want = attention.reference(q, k, v, mask, 128 ** -0.5)

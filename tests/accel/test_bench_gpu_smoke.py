@@ -64,14 +64,14 @@ def test_bench_gpu_fp8st_column_is_the_alpha_path(tmp_path):
     import torch
     from torch import nn
 
-    from sparsekit.accel import kernels
+    from sparsekit.accel import layers as layers
 
     torch.manual_seed(0)
     lin = bench_gpu.magnitude_24_(nn.Linear(64, 32))
     x = torch.randn(16, 64).to(torch.bfloat16).float()  # both layers see the same values
     q = bench_gpu.static_fp8(lin, x, "fp8_static_tensor")
     assert q.scheme == "fp8_static_tensor"
-    mod = kernels.VARIANTS["fp8_2:4"](q)
+    mod = layers.VARIANTS["fp8_2:4"](q)
     assert mod.path == "cslt_alpha" and mod.alpha is not None
     y, ref = mod(x.to(torch.bfloat16)).float(), q(x).float()
     assert ((y - ref).norm() / ref.norm()).item() < 4e-3  # bf16 rounding of the same product

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.accel import kernels, planner
+from sparsekit.accel import planner
+from sparsekit.accel import layers as layers
 from sparsekit.accel.api import output_types_equal
 from sparsekit.quant import QuantLinear
 
@@ -75,7 +76,7 @@ def test_accelerated_models_trace_without_graph_breaks(build, precision):
                          compile=sk.CompileOptions(backend="eager"))
     sparse = {d.variant for d in fast.report.layers}
     assert f"{precision}_2:4" in sparse  # the 2:4 layers were swapped
-    assert any(isinstance(m, kernels.VARIANTS[f"{precision}_2:4"]) for m in fast.model.modules())
+    assert any(isinstance(m, layers.VARIANTS[f"{precision}_2:4"]) for m in fast.model.modules())
     with torch.no_grad():  # before explain, which resets dynamo: this call reuses the compile
         out = fast(**x) if isinstance(x, dict) else fast(x)
     explain = torch._dynamo.explain(fast.model)
@@ -223,7 +224,7 @@ def test_siblings_keep_per_tensor_fp8_layers_on_the_epilogue_path():
     assert any("per-tensor weight scales differ" in n for n in fast.report.notes)
     assert not any(type(m).__name__ == "SiblingSlice" for m in fast.model.modules())
     assert all(m.path == "cslt_alpha" for m in fast.model.modules()
-               if isinstance(m, kernels.FP8Sparse24))
+               if isinstance(m, layers.FP8Sparse24))
 
 
 def test_merge_same_calls_merges_pure_calls_only():
@@ -267,7 +268,7 @@ def test_cpu_accelerate_builds_from_quantized_model():
     wq = net.a.weight.clone()
     fast = sk.accelerate(net, x, precision="int8", device="cpu",
                          compile=sk.CompileOptions(backend="eager"))
-    assert isinstance(fast.model.a, kernels.VARIANTS["int8_2:4"])
+    assert isinstance(fast.model.a, layers.VARIANTS["int8_2:4"])
     assert torch.equal(fast.model.a.packed, wq)
     assert torch.equal(fast(x).y, ref)
     with pytest.raises(ValueError, match="precision='int8'"):

@@ -14,9 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.accel import int4, ops, sk24, sk24_mma
+from sparsekit.accel.kernels.cusparselt import op as cslt_op
+from sparsekit.accel.kernels.mma_sp import op as mma_op
+from sparsekit.accel.kernels.triton24 import op as sk24_op
+from sparsekit.accel import layers_int4 as layers_int4
+from sparsekit.accel.kernels.triton24 import format as sk24
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.accel.generate import bucket, cache_length
-from sparsekit.accel.kernels import VARIANTS
+from sparsekit.accel.layers import VARIANTS
+
+# the module each op a test wraps is looked up in by the layers
+OP_MODULES = {"sk24_mm": sk24_op, "sk24_mma_mm": mma_op, "sparse24_mm": cslt_op}
 
 
 def masked_24(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -59,7 +67,7 @@ def test_reference_equals_dense_matmul_every_m():
     bias = torch.randn(40).bfloat16()
     for m in range(1, 33):
         x = torch.randn(m, 512).bfloat16()
-        y = ops.sk24_mm(x, values, meta, None, None, bias)
+        y = sk24_op.sk24_mm(x, values, meta, None, None, bias)
         ref = (x.double() @ w.bfloat16().double().t() + bias.double())
         torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
 
@@ -67,15 +75,15 @@ def test_reference_equals_dense_matmul_every_m():
 def test_op_passes_opcheck():
     values, meta = sk24.compress(masked_24(32, 512).bfloat16())
     x = torch.randn(3, 512).bfloat16()
-    torch.library.opcheck(ops.sk24_mm, (x, values, meta, None, None, None))
+    torch.library.opcheck(sk24_op.sk24_mm, (x, values, meta, None, None, None))
     # with scales (opcheck's schema check cannot multiply float8 tensors on CPU)
     xs, ws = torch.rand(3, 1) + 0.5, torch.rand(32) + 0.5
-    torch.library.opcheck(ops.sk24_mm, (x, values, meta, xs, ws, torch.randn(32).bfloat16()))
+    torch.library.opcheck(sk24_op.sk24_mm, (x, values, meta, xs, ws, torch.randn(32).bfloat16()))
 
 
 _INTERPRETED = r"""
 import torch
-from sparsekit.accel import sk24
+from sparsekit.accel.kernels.triton24 import format as sk24
 from tests.accel.test_decode_cpu import masked_24
 split = {"BLOCK_N": 16, "BLOCK_W": 16, "SPLIT_K": 4}
 for dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -134,7 +142,7 @@ def test_triton_kernel_under_interpreter():
 
 _WIDEN = """
 import torch
-from sparsekit.accel import sk24
+from sparsekit.accel.kernels.triton24 import format as sk24
 from test_decode_cpu import masked_24
 for n, k in ((5, 512), (17, 1024), (40, 2048)):  # row and group tails of a program's block
     w = masked_24(n, k, seed=n)
@@ -158,11 +166,11 @@ def test_widen_kernel_under_interpreter_is_the_exact_widening():
 def test_widen_op_is_decompress_behind_one_op():
     w = masked_24(48, 1024, seed=3).to(torch.float8_e4m3fn)
     values, meta = sk24.compress(w)
-    got = ops.sk24_widen(values, meta)
+    got = sk24_op.sk24_widen(values, meta)
     assert torch.equal(got, sk24.decompress(values, meta, dtype=torch.bfloat16))
     assert torch.equal(got, w.to(torch.bfloat16))
     # (opcheck's schema check cannot multiply float8 tensors on CPU: bf16 values, same path)
-    torch.library.opcheck(ops.sk24_widen, sk24.compress(masked_24(48, 1024).bfloat16()))
+    torch.library.opcheck(sk24_op.sk24_widen, sk24.compress(masked_24(48, 1024).bfloat16()))
     # the layer's prefill calls it: one op in its graph, not decompress's elementwise ops
     lin = nn.Linear(1024, 48)
     with torch.no_grad():
@@ -181,7 +189,7 @@ def test_widen_kernel_compiles_for_sm90():
     """The widening kernel reaches the GPU compiler (no GPU needed: Triton compiles for an
     sm_90 target here), fp8 values in, bf16 out."""
     pytest.importorskip("triton")
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     bn, bg = sk24.WIDEN_BLOCK
     kernel = compile_sm90(sk24_triton.widen_kernel,
@@ -196,7 +204,7 @@ def test_triton_kernel_compiles_for_sm90_with_bf16_x_and_an_fp8_weight(mode):
     compiles for an sm_90 target here): every way to multiply builds, and the tensor-core way
     runs Hopper's wgmma on the widened weight."""
     pytest.importorskip("triton")
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     consts = {"HAS_XS": False, "HAS_WS": True, "HAS_BIAS": True, "DOT_F32": False,
               "SMALL_M": 8, "DOT_M": 16, "MODE": mode, "BLOCK_N": 64, "BLOCK_W": 16,
@@ -221,8 +229,8 @@ def test_layer_decode_path_has_prefill_numerics(variant, kernel, monkeypatch):
     monkeypatch.setattr(sk24_mma, "e4m3_ok", lambda: kernel == "mma8")
     monkeypatch.setattr(sk24_mma, "fp8_f16_ok", lambda: kernel == "mma16")
     seen = []
-    real = ops.sk24_mma_mm
-    monkeypatch.setattr(ops, "sk24_mma_mm", lambda x, *a: seen.append(x.dtype) or real(x, *a))
+    real = mma_op.sk24_mma_mm
+    monkeypatch.setattr(mma_op, "sk24_mma_mm", lambda x, *a: seen.append(x.dtype) or real(x, *a))
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
@@ -257,9 +265,9 @@ def _fp8w_reference(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def test_fp8_weight_only_layers_against_float64(kernel, monkeypatch):
     seen = []
     for op in ("sk24_mm", "sk24_mma_mm"):
-        monkeypatch.setattr(ops, op, functools.partial(
+        monkeypatch.setattr(OP_MODULES[op], op, functools.partial(
             lambda real, name, x, *a: seen.append((name, x.dtype)) or real(x, *a),
-            getattr(ops, op), op))
+            getattr(OP_MODULES[op], op), op))
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
@@ -446,14 +454,14 @@ def test_position_planes_round_trip_and_feed_the_op():
     assert xp.shape == (3, 4, 256) and torch.equal(xp[:, 1, 5], x[:, 4 * 5 + 1])
     assert torch.equal(sk24.unplanes(xp), x)
     values, meta = sk24.compress(masked_24(32, 1024).bfloat16())
-    assert torch.equal(ops.sk24_mm(xp, values, meta, None, None, None),
-                       ops.sk24_mm(x, values, meta, None, None, None))
-    torch.library.opcheck(ops.sk24_mm, (xp, values, meta, None, None, None))
+    assert torch.equal(sk24_op.sk24_mm(xp, values, meta, None, None, None),
+                       sk24_op.sk24_mm(x, values, meta, None, None, None))
+    torch.library.opcheck(sk24_op.sk24_mm, (xp, values, meta, None, None, None))
 
 
 def test_every_decode_shape_has_a_kernel_config():
     pytest.importorskip("triton")
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     space = sk24_triton.configs()
     for fp8 in (False, True):
@@ -549,9 +557,9 @@ def test_auto_runs_dense_where_dense_beats_both_2to4_paths(monkeypatch, tmp_path
     assert torch.equal(mod.dense_weight, want.bfloat16())
     ran = []  # (op, M) of each 2:4 op called
     for op in ("sk24_mm", "sparse24_mm"):
-        monkeypatch.setattr(ops, op, functools.partial(
+        monkeypatch.setattr(OP_MODULES[op], op, functools.partial(
             lambda real, name, *a: ran.append((name, a[0].shape[0])) or real(*a),
-            getattr(ops, op), op))
+            getattr(OP_MODULES[op], op), op))
     x8 = torch.randn(8, 512).bfloat16()
     y = mod(x8)
     assert torch.equal(y, F.linear(x8, mod.dense_weight, mod.bias)) and ran == []
@@ -712,7 +720,7 @@ def test_planner_chooses_the_int4_mma_configuration_per_bucket(monkeypatch, tmp_
 
     def fake_time(fn):
         mod, m = fn.func, fn.args[0].shape[0]
-        assert isinstance(mod, int4.Int4Sparse24) and m in fastest
+        assert isinstance(mod, layers_int4.Int4Sparse24) and m in fastest
         return 1.0 if mod.dconfig[0] == fastest[m] else 2.0
 
     model, plan, _ = _decode_planned(monkeypatch, tmp_path, "2:4", "int4_2:4", timer=fake_time)
@@ -722,8 +730,8 @@ def test_planner_chooses_the_int4_mma_configuration_per_bucket(monkeypatch, tmp_
     assert sum("on the mma.sp int4 kernel" in n and text in n for n in plan.report.notes) == 1
     assert text in repr(model[0])
     seen = []
-    real = ops.sk24_mma_int4_mm
-    monkeypatch.setattr(ops, "sk24_mma_int4_mm", lambda *a: seen.append(a[-1]) or real(*a))
+    real = mma_op.sk24_mma_int4_mm
+    monkeypatch.setattr(mma_op, "sk24_mma_int4_mm", lambda *a: seen.append(a[-1]) or real(*a))
     x = torch.randn(3, 512).bfloat16()
     y = model[0](x)
     assert seen == [[v for c in want for v in c]]  # the op gets the plan's configurations

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import sparsekit as sk
-from sparsekit.accel import ops, sk24
+from sparsekit.accel.kernels.triton24 import op as sk24_op
+from sparsekit.accel.kernels.triton24 import format as sk24
 from test_decode_cpu import _tiny_llama, masked_24
 
 pytestmark = [pytest.mark.gpu,
@@ -16,7 +17,7 @@ def test_widen_op_is_the_exact_widening(shape):
     # the weight-only fp8 prefill's one-pass Triton widening, bitwise, tails included
     w = masked_24(*shape).to("cuda", torch.float8_e4m3fn)
     values, meta = sk24.compress(w)
-    assert torch.equal(ops.sk24_widen(values, meta), w.to(torch.bfloat16))
+    assert torch.equal(sk24_op.sk24_widen(values, meta), w.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -31,7 +32,7 @@ def test_kernel_equals_reference(dtype, shape):
         xs = None if dtype == torch.bfloat16 else torch.rand(m, 1, device="cuda") + 0.5
         ws = None if dtype == torch.bfloat16 else torch.rand(n, device="cuda") + 0.5
         bias = torch.randn(n, device="cuda").bfloat16()
-        y = ops.sk24_mm(x, values, meta, xs, ws, bias).float()
+        y = sk24_op.sk24_mm(x, values, meta, xs, ws, bias).float()
         ref = sk24.reference(x, values, meta, xs, ws, bias).float()
         err = ((y - ref).norm() / ref.norm()).item()
         assert err < 5e-3, (m, err)
@@ -41,7 +42,7 @@ def test_kernel_equals_reference(dtype, shape):
 def test_every_tensor_core_config_equals_reference(dtype):
     """Each tensor-core config the autotuner may pick (fp8 natively or through float16) against
     the reference, at M = 5 (padded to 16) and 17 (padded to 32)."""
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     n, k = 256, 4096
     values, meta = sk24.compress(masked_24(n, k).to("cuda", dtype))
@@ -72,7 +73,7 @@ def test_kernel_takes_bf16_x_with_an_fp8_weight(shape):
     ws = torch.rand(n, device="cuda") + 0.5
     for m in range(1, 33):
         x = torch.randn(m, k, device="cuda").bfloat16()
-        y = ops.sk24_mm(sk24.planes(x), values, meta, None, ws, None).float()
+        y = sk24_op.sk24_mm(sk24.planes(x), values, meta, None, ws, None).float()
         ref = sk24.reference(x, values, meta, None, ws, None).float()
         assert ((y - ref).norm() / ref.norm()).item() < 5e-3, m
 
@@ -83,8 +84,8 @@ def test_fp8_layers_decode_on_either_kernel_with_prefill_numerics(variant):
     where the library takes it, on the mma.sp kernel, its decode equals its large-M path."""
     from torch import nn
 
-    from sparsekit.accel import sk24_mma
-    from sparsekit.accel.kernels import VARIANTS
+    from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+    from sparsekit.accel.layers import VARIANTS
 
     lin = nn.Linear(4096, 1024).cuda()
     with torch.no_grad():
@@ -144,7 +145,7 @@ def test_cold_timing_reads_a_small_weight_from_memory_not_l2():
 
     from torch import nn
 
-    from sparsekit.accel.kernels import VARIANTS
+    from sparsekit.accel.layers import VARIANTS
     from sparsekit.nn import timing
 
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)

@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import int4, kernels, ops, sk24, w4a16
+from sparsekit.accel.kernels.int4 import op as int4_op
+from sparsekit.accel import layers_int4 as layers_int4
+from sparsekit.accel import layers as layers
+from sparsekit.accel.kernels.triton24 import format as sk24
+from sparsekit.accel.kernels.int4 import format as w4a16
 
 
 def _q24(n, k, seed=0, sparse=True):
@@ -88,8 +92,8 @@ def test_references_equal_float64_matmul_for_every_m():
         for m in range(1, 33):
             x = torch.randn(m, k).bfloat16()
             b = bias if m % 2 else None
-            _close_bf16(ops.int4_24_mm(x, v24, meta, s, b), _ref64(x, q24, s, b))
-            _close_bf16(ops.int4_mm(x, vd, s, b), _ref64(x, qd, s, b))
+            _close_bf16(int4_op.int4_24_mm(x, v24, meta, s, b), _ref64(x, q24, s, b))
+            _close_bf16(int4_op.int4_mm(x, vd, s, b), _ref64(x, qd, s, b))
 
 
 def test_opcheck_int4_ops():
@@ -99,8 +103,8 @@ def test_opcheck_int4_ops():
     vd, _ = w4a16.pack(qd, s)
     x = torch.randn(5, 128).bfloat16()
     bias = torch.randn(32).bfloat16()
-    torch.library.opcheck(ops.int4_24_mm, (x, v24, meta, s, bias))
-    torch.library.opcheck(ops.int4_mm, (x, vd, s.bfloat16(), None))
+    torch.library.opcheck(int4_op.int4_24_mm, (x, v24, meta, s, bias))
+    torch.library.opcheck(int4_op.int4_mm, (x, vd, s.bfloat16(), None))
 
 
 def test_odd_shapes_refused_naming_the_shape():
@@ -108,7 +112,7 @@ def test_odd_shapes_refused_naming_the_shape():
         w4a16.pack(_q24(8, 96, sparse=False), _scales(8, 1))
     with pytest.raises(ValueError, match=r"int4_dense layer \(8x192\).*group_size 128.*not a "
                                          r"multiple of group_size"):
-        int4.Int4Dense(nn.Linear(192, 8))  # RTN's default group: 128
+        layers_int4.Int4Dense(nn.Linear(192, 8))  # RTN's default group: 128
     with pytest.raises(ValueError, match=r"8x192.*group_size must be a multiple of 64"):
         w4a16.pack(_q24(8, 192, sparse=False), _scales(8, 4))  # 4 groups of 48
     with pytest.raises(ValueError, match=r"scales \(8, 5\) do not fit the weight 8x192"):
@@ -123,14 +127,14 @@ def test_odd_shapes_refused_naming_the_shape():
     with pytest.raises(ValueError, match="more than 2 nonzeros"):
         w4a16.pack_24(_q24(4, 64, sparse=False) | 1, _scales(4, 1))
     with pytest.raises(ValueError, match=r"int4_dense layer \(8x96\).*not a multiple of 64"):
-        int4.Int4Dense(nn.Linear(96, 8))
+        layers_int4.Int4Dense(nn.Linear(96, 8))
     with pytest.raises(ValueError, match=r"int4_2:4 layer \(8x64\).*more than 2 nonzeros"):
-        int4.Int4Sparse24(nn.Linear(64, 8))
+        layers_int4.Int4Sparse24(nn.Linear(64, 8))
     v, meta, s = w4a16.pack_24(_q24(8, 128), _scales(8, 1))
     with pytest.raises(ValueError, match=r"x must be \(M, 128\)"):
-        ops.int4_24_mm(torch.randn(2, 64).bfloat16(), v, meta, s, None)
+        int4_op.int4_24_mm(torch.randn(2, 64).bfloat16(), v, meta, s, None)
     with pytest.raises(ValueError, match="x must be bfloat16"):
-        ops.int4_24_mm(torch.randn(2, 128), v, meta, s, None)
+        int4_op.int4_24_mm(torch.randn(2, 128), v, meta, s, None)
 
 
 # --- Triton kernels under TRITON_INTERPRET=1 ---------------------------------------------------
@@ -145,7 +149,7 @@ CASES = [(64, 64), (32, 64), (128, 64), (64, 128)]
 def _check_interpreted_kernels() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from sparsekit.accel import w4a16_triton
+    from sparsekit.accel.kernels.int4 import kernel as w4a16_triton
 
     assert isinstance(w4a16_triton.int4_kernel, InterpretedFunction)
     n, k = 24, 128  # 24 rows: the last BLOCK_N tile is partly masked
@@ -204,7 +208,7 @@ def test_triton_kernels_interpreted_equal_reference():
 
 _WIDEN_24 = """
 import torch
-from sparsekit.accel import w4a16
+from sparsekit.accel.kernels.int4 import format as w4a16
 from test_int4_kernels_cpu import _q24, _scales
 # row and group tails of a program's block; groups of 32, 64, 128 and one per row; bf16 scales
 for n, k, group, dtype in ((5, 512, 128, torch.float32), (17, 1024, 64, torch.float32),
@@ -233,16 +237,16 @@ def test_int4_widen_kernel_under_interpreter_is_the_dequantization():
 def test_int4_widen_op_is_the_prefill_weight_behind_one_op():
     q, s = _q24(48, 512, seed=2), _scales(48, 4)
     values, meta, scales = w4a16.pack_24(q, s)
-    got = ops.int4_24_widen(values, meta, scales)
+    got = int4_op.int4_24_widen(values, meta, scales)
     assert torch.equal(got, w4a16.dequantize_packed_24(values, meta, scales, torch.bfloat16))
-    torch.library.opcheck(ops.int4_24_widen, (values, meta, scales))
+    torch.library.opcheck(int4_op.int4_24_widen, (values, meta, scales))
     # the layer's "dequant" prefill multiplies with it: one op in its graph, no where-selects
     from torch.fx.experimental.proxy_tensor import make_fx
 
     lin = nn.Linear(512, 48)
     with torch.no_grad():
         lin.weight.copy_(q.float() * 0.01)
-    layer = int4.Int4Sparse24(lin)
+    layer = layers_int4.Int4Sparse24(lin)
     x = torch.randn(w4a16.MAX_M + 1, 512).bfloat16()
     gm = make_fx(lambda x: layer(x))(x)
     targets = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
@@ -258,7 +262,7 @@ def test_int4_widen_kernel_compiles_for_sm90():
     pytest.importorskip("triton")
     from interpreted import compile_sm90
 
-    from sparsekit.accel import w4a16_triton
+    from sparsekit.accel.kernels.int4 import kernel as w4a16_triton
 
     bn, bg = sk24.WIDEN_BLOCK
     kernel = compile_sm90(w4a16_triton.widen_24_kernel,
@@ -304,7 +308,7 @@ def test_metadata_codes_every_pair():
 
 
 def test_tile_fit_rule():
-    from sparsekit.accel import w4a16_triton
+    from sparsekit.accel.kernels.int4 import kernel as w4a16_triton
 
     assert w4a16_triton.fits(4096, 128, 64) and w4a16_triton.fits(4096, 128, 512)
     assert not w4a16_triton.fits(4096, 192, 128)  # neither inside one group nor whole groups
@@ -325,10 +329,10 @@ def _linear24(k=128, n=48, seed=0):
 
 
 def test_variants_registered():
-    assert "int4" in kernels.precisions()
-    assert kernels.VARIANTS["int4_2:4"] is int4.Int4Sparse24
-    assert kernels.VARIANTS["int4_dense"] is int4.Int4Dense
-    assert kernels.variant_name("int4", True) == "int4_2:4"
+    assert "int4" in layers.precisions()
+    assert layers.VARIANTS["int4_2:4"] is layers_int4.Int4Sparse24
+    assert layers.VARIANTS["int4_dense"] is layers_int4.Int4Dense
+    assert layers.variant_name("int4", True) == "int4_2:4"
 
 
 def test_rtn_matches_the_float64_formula():
@@ -336,7 +340,7 @@ def test_rtn_matches_the_float64_formula():
     w[0, :128] = 0  # an all-zero group: tiny scale, zeros stay zeros
     w[1, :128] = w[1, :128].clamp(-6, 6)
     w[1, :4] = torch.tensor([7.0, 2.5, -3.5, 0.5])  # scale 1: halves go to even
-    q, s = int4.rtn_int4(w, 128)
+    q, s = layers_int4.rtn_int4(w, 128)
     amax = w.abs().reshape(6, 2, 128).amax(-1).clamp_min(1e-12)
     torch.testing.assert_close(s.double(), amax / 7, rtol=1e-6, atol=0)
     t = w / s.double().repeat_interleave(128, 1)
@@ -345,11 +349,11 @@ def test_rtn_matches_the_float64_formula():
     assert int(q.max()) == 7 and int(q.min()) >= -7  # symmetric absmax never reaches -8
 
 
-@pytest.mark.parametrize("cls", [int4.Int4Sparse24, int4.Int4Dense])
+@pytest.mark.parametrize("cls", [layers_int4.Int4Sparse24, layers_int4.Int4Dense])
 def test_layer_from_linear_equals_f_linear_of_dequantized(cls):
     lin = _linear24()
     layer = cls(lin)
-    q, s = int4.rtn_int4(lin.weight, 128)
+    q, s = layers_int4.rtn_int4(lin.weight, 128)
     assert torch.equal(layer.int_weight(), q) and torch.equal(layer.scales, s)
     assert layer.group_size == 128 and layer.bias.dtype == torch.bfloat16
     w = layer.dequantized_weight(torch.float64)
@@ -374,7 +378,7 @@ def test_layer_from_int4_quantlinear_takes_its_values():
         ql.register_buffer("weight_scale", _scales(n, k // group))
         ql.bias = nn.Parameter(torch.randn(n))
         dequant = ql.weight.double() * ql.weight_scale.double().repeat_interleave(group, 1)
-        for cls in (int4.Int4Sparse24, int4.Int4Dense):
+        for cls in (layers_int4.Int4Sparse24, layers_int4.Int4Dense):
             layer = cls(ql)
             assert torch.equal(layer.int_weight(), ql.weight)
             assert torch.equal(layer.scales, ql.weight_scale) and layer.group_size == group
@@ -385,16 +389,16 @@ def test_layer_from_int4_quantlinear_takes_its_values():
 
 def test_prefill_bf16_24_copy_and_choices():
     lin = _linear24()
-    lean, copy = int4.Int4Sparse24(lin), int4.Int4Sparse24(lin, prefill="bf16_2:4")
+    lean, copy = layers_int4.Int4Sparse24(lin), layers_int4.Int4Sparse24(lin, prefill="bf16_2:4")
     assert not hasattr(lean, "packed") and copy.packed.dtype == torch.bfloat16
     x = torch.randn(64, 128).bfloat16()
     torch.testing.assert_close(copy(x), lean(x), rtol=2 ** -7, atol=1e-3)
     with pytest.raises(ValueError, match=r"int4_dense: prefill must be one of \('dequant',\)"):
-        int4.Int4Dense(lin, prefill="bf16_2:4")
+        layers_int4.Int4Dense(lin, prefill="bf16_2:4")
 
 
 def test_layer_traces_without_graph_breaks():
-    layer = int4.Int4Sparse24(_linear24())
+    layer = layers_int4.Int4Sparse24(_linear24())
     for m in (4, 40):  # the decode op and the prefill dequantization
         explain = torch._dynamo.explain(layer)(torch.randn(m, 128).bfloat16())
         assert explain.graph_break_count == 0, explain.break_reasons
@@ -415,7 +419,7 @@ def test_accelerate_precision_int4(sparsity, variant):
     fast = sk.accelerate(model, x, precision="int4", sparsity=sparsity, device="cpu",
                          compile=sk.CompileOptions(backend="eager"))
     assert [d.variant for d in fast.report.layers] == [variant, variant]
-    assert isinstance(fast.model[0], kernels.VARIANTS[variant])
+    assert isinstance(fast.model[0], layers.VARIANTS[variant])
     y = fast(x)
     assert (y.double() - ref).norm() / ref.norm() < 0.12
 
@@ -426,7 +430,7 @@ if __name__ == "__main__":
 def test_2_4_layer_decodes_on_the_sparse_tensor_core_format_where_it_fits(monkeypatch):
     # on a GPU where the mma.sp library loads (here its CPU reference): the layer keeps the
     # int4 mma format too, and its decode equals the Triton format's for every group it takes
-    from sparsekit.accel import sk24_mma
+    from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
     monkeypatch.setattr(sk24_mma, "usable_int4",
                         lambda q, group: sk24_mma.check_int4(*q.shape, group) is None)
     g = torch.Generator().manual_seed(5)
@@ -434,9 +438,9 @@ def test_2_4_layer_decodes_on_the_sparse_tensor_core_format_where_it_fits(monkey
         lin = nn.Linear(256, 32)
         with torch.no_grad():
             lin.weight.copy_(_q24(32, 256, seed=group).float() * 0.01)
-        layer = int4.Int4Sparse24(lin)
+        layer = layers_int4.Int4Sparse24(lin)
         layer.group_size = group
-        q, s = int4.rtn_int4(lin.weight, group)
+        q, s = layers_int4.rtn_int4(lin.weight, group)
         layer._pack(q, s)
         assert (layer.path == "mma") == mma and (layer.mvalues is not None) == mma
         assert "mvalues" not in layer.state_dict()  # derived, not saved

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import int4, ops, w4a16
+from sparsekit.accel.kernels.int4 import op as int4_op
+from sparsekit.accel import layers_int4 as layers_int4
+from sparsekit.accel.kernels.int4 import format as w4a16
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,13 +35,13 @@ def rel_err(y, ref):
 
 
 def _check(n, k, group, ms, config=None):
-    q, s = int4.rtn_int4(_w24(n, k), group)
+    q, s = layers_int4.rtn_int4(_w24(n, k), group)
     v24, meta, _ = w4a16.pack_24(q, s)
     vd, _ = w4a16.pack(q, s)
     bias = torch.randn(n).bfloat16()
     wdq = w4a16.dequantize(q, s, torch.float64)
-    cases = ((w4a16.launch_24, ops.int4_24_mm, (v24, meta, s)),
-             (w4a16.launch, ops.int4_mm, (vd, s)))
+    cases = ((w4a16.launch_24, int4_op.int4_24_mm, (v24, meta, s)),
+             (w4a16.launch, int4_op.int4_mm, (vd, s)))
     for m in ms:
         x = torch.randn(m, k).bfloat16()
         ref64 = F.linear(x.double(), wdq, bias.double())
@@ -57,10 +59,10 @@ def _check(n, k, group, ms, config=None):
 def test_widen_op_is_the_dequantization(shape):
     # the int4 2:4 prefill's one-pass Triton dequantization, bitwise (round to nearest even)
     n, k, group = shape
-    q, s = int4.rtn_int4(_w24(n, k), group)
+    q, s = layers_int4.rtn_int4(_w24(n, k), group)
     values, meta, scales = w4a16.pack_24(q, s)
     want = w4a16.dequantize_packed_24(values, meta, scales, torch.bfloat16)
-    got = ops.int4_24_widen(values.cuda(), meta.cuda(), scales.cuda())
+    got = int4_op.int4_24_widen(values.cuda(), meta.cuda(), scales.cuda())
     assert torch.equal(got.cpu(), want)
 
 
@@ -84,9 +86,9 @@ def test_fixed_row_kernels_match_reference(n, k, group, u):
            config={"BLOCK_N": 64, "U": u, "SPLIT_K": 5, "num_warps": 1})
 
 
-@pytest.mark.parametrize("cls,prefill", [(int4.Int4Sparse24, "dequant"),
-                                         (int4.Int4Sparse24, "bf16_2:4"),
-                                         (int4.Int4Dense, "dequant")])
+@pytest.mark.parametrize("cls,prefill", [(layers_int4.Int4Sparse24, "dequant"),
+                                         (layers_int4.Int4Sparse24, "bf16_2:4"),
+                                         (layers_int4.Int4Dense, "dequant")])
 def test_layers_on_cuda_decode_and_prefill(cls, prefill):
     torch.manual_seed(0)
     lin = nn.Linear(1024, 768)

@@ -5,7 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from sparsekit.accel import kernels, ops
+from sparsekit.accel.kernels.cusparselt import op as cslt_op
+from sparsekit.accel.kernels.dense import op as dense_op
+from sparsekit.accel import ops
+from sparsekit.accel import layers as layers
 from sparsekit.quant import QuantLinear, quantize_
 from sparsekit.quant.formats import FP8, INT8, get_scheme
 from sparsekit.quant.numerics import quantize, row_scales
@@ -38,15 +41,16 @@ def test_opcheck_matmul_ops(dtype):
     w = _w24(32, 64)
     bias = torch.randn(32, dtype=torch.bfloat16)
     if dtype == torch.bfloat16:
-        torch.library.opcheck(ops.sparse24_mm, (x, w.bfloat16(), bias, 32, 0, torch.bfloat16))
+        torch.library.opcheck(cslt_op.sparse24_mm, (x, w.bfloat16(), bias, 32, 0, torch.bfloat16))
         return
     fmt = INT8 if dtype == torch.int8 else FP8
     q, s = ops.act_quant_rows(x, fmt)
     wq = quantize(w, (w.abs().amax(1, keepdim=True) / fmt.qmax), fmt)
     outs = [torch.bfloat16] + ([torch.int32] if dtype == torch.int8 else [])
     for out in outs:
-        torch.library.opcheck(ops.sparse24_mm, (q, wq, None, 32, 3, out), **_utils(dtype))
-    torch.library.opcheck(ops.scaled_mm, (q, wq, s, torch.rand(32) + 0.1, bias, torch.bfloat16),
+        torch.library.opcheck(cslt_op.sparse24_mm, (q, wq, None, 32, 3, out), **_utils(dtype))
+    torch.library.opcheck(dense_op.scaled_mm,
+                          (q, wq, s, torch.rand(32) + 0.1, bias, torch.bfloat16),
                           **_utils(dtype))
 
 
@@ -54,14 +58,14 @@ def test_sparse24_reference_equals_float64_matmul():
     x = torch.randn(5, 64)
     w = _w24(32, 64)
     b = torch.randn(32)
-    y = ops.sparse24_mm(x.bfloat16(), ops.pack_24(w.bfloat16()), b.bfloat16(), 32, 0,
+    y = cslt_op.sparse24_mm(x.bfloat16(), cslt_op.pack_24(w.bfloat16()), b.bfloat16(), 32, 0,
                         torch.float32)
     ref = x.bfloat16().double() @ w.bfloat16().double().t() + b.bfloat16().double()
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
     # int8 products are exact
     qx = torch.randint(-127, 128, (5, 64), dtype=torch.int8)
     qw = (w.sign() * 100).to(torch.int8)
-    yi = ops.sparse24_mm(qx, qw, None, 32, 0, torch.int32)
+    yi = cslt_op.sparse24_mm(qx, qw, None, 32, 0, torch.int32)
     assert yi.dtype == torch.int32 and torch.equal(yi, (qx.long() @ qw.long().t()).int())
 
 
@@ -104,7 +108,7 @@ def test_accel_layer_built_from_quantlinear_matches_it(scheme, variant):
     model.to(torch.bfloat16)  # as accelerate does: the bias becomes bf16, 8-bit weights stay
     ql = model[0]
     assert isinstance(ql, QuantLinear)
-    layer = kernels.VARIANTS[variant](ql)
+    layer = layers.VARIANTS[variant](ql)
     stored = layer.packed if layer.sparse else layer.weight
     assert torch.equal(stored.view(torch.uint8), ql.weight.view(torch.uint8))
     assert torch.equal(layer.w_scale, ql.weight_scale)
@@ -137,8 +141,8 @@ def test_unfused_quant_layer_equals_fused():
     with torch.no_grad():
         lin.weight.copy_(_w24(32, 64))
     x = torch.randn(7, 64, dtype=torch.bfloat16)
-    a = kernels.VARIANTS["fp8_2:4"](lin, fused_quant=True)(x)
-    b = kernels.VARIANTS["fp8_2:4"](lin, fused_quant=False)(x)
+    a = layers.VARIANTS["fp8_2:4"](lin, fused_quant=True)(x)
+    b = layers.VARIANTS["fp8_2:4"](lin, fused_quant=False)(x)
     assert torch.equal(a, b)
 
 
@@ -148,7 +152,7 @@ def test_fake_shapes_follow_symbolic_rows():
     with FakeTensorMode():
         x = torch.empty(9, 64, dtype=torch.int8)
         w = torch.empty(32, 64, dtype=torch.int8)
-        assert ops.sparse24_mm(x, w, None, 32, 0, torch.int32).shape == (9, 32)
+        assert cslt_op.sparse24_mm(x, w, None, 32, 0, torch.int32).shape == (9, 32)
         q, s = ops.quant_rows(torch.empty(9, 64, dtype=torch.bfloat16), torch.int8)
         assert q.shape == (9, 64) and s.shape == (9, 1) and s.dtype == torch.float32
 
@@ -162,10 +166,10 @@ def test_opcheck_and_reference_of_sparse24_mm_alpha():
     xq = quantize(x, torch.tensor(0.02), FP8)
     bias = torch.randn(32, dtype=torch.bfloat16)
     for gelu in (False, True):
-        torch.library.opcheck(ops.sparse24_mm_alpha, (xq, wq, bias, 32, 0, 0.003, gelu),
+        torch.library.opcheck(cslt_op.sparse24_mm_alpha, (xq, wq, bias, 32, 0, 0.003, gelu),
                               **_utils(torch.float8_e4m3fn))
-        y = ops.sparse24_mm_alpha(xq, wq, bias, 32, 0, 0.003, gelu)
+        y = cslt_op.sparse24_mm_alpha(xq, wq, bias, 32, 0, 0.003, gelu)
         lin = (xq.double() @ wq.double().t()) * 0.003 + bias.double()
-        ref = torch.nn.functional.gelu(lin, approximate=ops.GELU_APPROXIMATE) if gelu else lin
+        ref = torch.nn.functional.gelu(lin, approximate=cslt_op.GELU_APPROXIMATE) if gelu else lin
         assert y.dtype == torch.bfloat16 and y.shape == (6, 32)
         torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-6)

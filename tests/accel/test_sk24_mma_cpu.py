@@ -1,4 +1,5 @@
-"""The mma.sp 2:4 format (sparsekit/accel/sk24_mma.py) on CPU: the round trip, the format read
+"""The mma.sp 2:4 format (sparsekit/accel/kernels/mma_sp/launch.py) on CPU: the round trip,
+the format read
 lane by lane the way mma.sp.m16n8k32 reads its registers (PTX ISA's fragment layouts for the
 A operand, its metadata and the sparsity selector) against dense matmul of the masked weight,
 the reference, the op's opcheck and the errors."""
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsekit.accel import ops, sk24_mma
+from sparsekit.accel.kernels.mma_sp import op as mma_op
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from test_decode_cpu import masked_24 as decode_masked_24
 
 
@@ -88,7 +90,7 @@ def test_reference_equals_dense_matmul_every_m():
     for m in range(1, 33):
         x = torch.randn(m, 256).to(torch.bfloat16)
         xs = torch.rand(m, 1) + 0.5
-        got = ops.sk24_mma_mm(x, values, meta, xs, ws, bias)
+        got = mma_op.sk24_mma_mm(x, values, meta, xs, ws, bias)
         want = (x.double() @ w.double().t()) * xs.double() * ws.double() + bias.double()
         assert got.dtype == torch.bfloat16 and got.shape == (m, 64)
         assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2), m
@@ -98,8 +100,8 @@ def test_op_passes_opcheck():
     w = masked_24(32, 128, seed=3)
     values, meta = sk24_mma.compress(w)
     x = torch.randn(4, 128).to(torch.bfloat16)
-    torch.library.opcheck(ops.sk24_mma_mm, (x, values, meta, None, None, None))
-    torch.library.opcheck(ops.sk24_mma_mm, (x, values, meta, torch.ones(4, 1),
+    torch.library.opcheck(mma_op.sk24_mma_mm, (x, values, meta, None, None, None))
+    torch.library.opcheck(mma_op.sk24_mma_mm, (x, values, meta, torch.ones(4, 1),
                                             torch.ones(32), torch.zeros(32, dtype=torch.bfloat16)))
 
 
@@ -164,7 +166,7 @@ def test_e4m3_layout_round_trip_and_lane_reading():
     assert torch.allclose(emulate_e4m3(x, values, meta), x @ w.double().t(), rtol=1e-12,
                           atol=1e-12)
     xq = torch.randn(5, 192).to(torch.float8_e4m3fn)
-    got = ops.sk24_mma_mm(xq, values, meta, torch.full((5, 1), 0.5), None, None)
+    got = mma_op.sk24_mma_mm(xq, values, meta, torch.full((5, 1), 0.5), None, None)
     want = (xq.double() @ w.double().t()) * 0.5
     assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="e4m3 layout takes float8_e4m3fn"):
@@ -172,9 +174,9 @@ def test_e4m3_layout_round_trip_and_lane_reading():
 
 
 def test_source_ships_and_build_says_why_without_nvcc(monkeypatch, tmp_path):
-    root = sk24_mma.SOURCE.parents[3]
+    root = sk24_mma.SOURCE.parents[5]
     assert sk24_mma.SOURCE.is_file() and "mma.sp" in sk24_mma.SOURCE.read_text()
-    assert '"csrc/*.cu"' in (root / "pyproject.toml").read_text()  # package data
+    assert '"*/csrc/*.cu"' in (root / "pyproject.toml").read_text()  # package data
     monkeypatch.setattr(sk24_mma.shutil, "which", lambda name: None)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
     with pytest.raises(RuntimeError, match="no nvcc"):
@@ -255,10 +257,10 @@ def test_int4_reference_equals_float64_every_m():
     for m in range(1, 33):
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
         want = x.double() @ w.t() + bias.double()
-        got = ops.sk24_mma_int4_mm(x, values, meta, gs, bias).double()
+        got = mma_op.sk24_mma_int4_mm(x, values, meta, gs, bias).double()
         torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
-    torch.library.opcheck(ops.sk24_mma_int4_mm, (x, values, meta, gs, bias, None))
-    torch.library.opcheck(ops.sk24_mma_int4_mm, (x, values, meta, gs, None, [8, 4, 1, 0]))
+    torch.library.opcheck(mma_op.sk24_mma_int4_mm, (x, values, meta, gs, bias, None))
+    torch.library.opcheck(mma_op.sk24_mma_int4_mm, (x, values, meta, gs, None, [8, 4, 1, 0]))
 
 
 def test_int4_refuses_what_the_format_cannot_take():

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from sparsekit.accel import ops, sk24_mma
-from sparsekit.accel.kernels import VARIANTS
+from sparsekit.accel.kernels.mma_sp import op as mma_op
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+from sparsekit.accel.layers import VARIANTS
 from test_decode_cpu import masked_24
 
 pytestmark = [pytest.mark.gpu,
@@ -63,7 +64,7 @@ def test_bf16_layer_decodes_on_it_with_prefill_numerics(lib):
     torch.testing.assert_close(decode.float(), prefill.float(), rtol=2e-2, atol=2e-2)
     g = torch.cuda.CUDAGraph()  # the ctypes launch is captured on torch's current stream
     with torch.cuda.graph(g):
-        y = ops.sk24_mma_mm(x, mod.dvalues, mod.dmeta, None, None, mod.bias)
+        y = mma_op.sk24_mma_mm(x, mod.dvalues, mod.dmeta, None, None, mod.bias)
     g.replay()
     torch.testing.assert_close(y.float(), decode.float(), rtol=0, atol=0)
 
@@ -119,10 +120,10 @@ def test_fp8_x_fp8_kernel_is_used_only_where_it_equals_the_reference(lib):
 
 
 def test_int4_every_config_equals_reference_and_the_layer_uses_it(lib):
-    from sparsekit.accel import int4
+    from sparsekit.accel import layers_int4 as layers_int4
 
     w = masked_24(1024, 4096)
-    q, scales = int4.rtn_int4(w, 128)
+    q, scales = layers_int4.rtn_int4(w, 128)
     values, meta, gs = (t.cuda() for t in sk24_mma.compress_int4(q, scales))
     bias = torch.randn(1024, device="cuda").to(torch.bfloat16)
     for m in (1, 7, 9, 16, 23, 32):
@@ -135,7 +136,7 @@ def test_int4_every_config_equals_reference_and_the_layer_uses_it(lib):
     lin = nn.Linear(4096, 1024).cuda()
     with torch.no_grad():
         lin.weight.copy_(w)
-    layer = int4.Int4Sparse24(lin)
+    layer = layers_int4.Int4Sparse24(lin)
     assert layer.path == "mma"
     x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
     want = x.float() @ layer.dequantized_weight(torch.float32).t() + layer.bias.float()

@@ -164,7 +164,7 @@ def test_save_load_round_trip_keeps_int4_values_and_2_4_zeros(tmp_path):
 
 
 def test_accel_takes_int4_layers_dequantized_not_as_int8_values():
-    from sparsekit.accel.kernels import _weights
+    from sparsekit.accel.layers import _weights
     from sparsekit.quant.formats import INT8
 
     layer = QuantLinear.from_float(_linear(_weight()), "int4_weight")

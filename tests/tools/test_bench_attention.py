@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsekit.accel import attention
+from sparsekit.accel.kernels.attention import decode as attention
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))

@@ -1,4 +1,5 @@
-"""The Triton source of :mod:`sparsekit.accel.sk24`'s decode kernel (imported only when the
+"""The Triton source of :mod:`sparsekit.accel.kernels.triton24.format`'s decode kernel
+(imported only when the
 kernel runs: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``).
 
 Every tile is loaded as contiguous vectors and never reshaped: a row's first kept values, its
@@ -265,7 +266,8 @@ def store_groups(w_ptr, rows, N, K, v0, v1, i0, i1, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def widen_kernel(v_ptr, m_ptr, w_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The dense bf16 weight (N, K) from the format in one pass (:func:`sparsekit.accel.sk24.
+    """The dense bf16 weight (N, K) from the format in one pass
+    (:func:`sparsekit.accel.kernels.triton24.format.
     widen`): program (i, j) takes rows ``i * BLOCK_N ..`` and groups ``j * BLOCK_G ..``."""
     G = K // 4
     W = K // 32

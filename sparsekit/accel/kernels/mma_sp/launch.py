@@ -1,6 +1,7 @@
 """sparsekit's small-M 2:4 GEMM on the sparse tensor cores (``mma.sp``), in CUDA.
 
-Triton has no sparse matrix instruction: its small-M kernel (:mod:`sparsekit.accel.sk24`)
+Triton has no sparse matrix instruction: its small-M kernel
+(:mod:`sparsekit.accel.kernels.triton24.format`)
 expands the 2:4 weight in registers, which costs instructions per byte and loses to dense
 cuBLAS from M = 4. This kernel (``csrc/sk24_mma.cu``) feeds the compressed values and their
 2-bit indices to ``mma.sp.m16n8k32`` as they are, the way Sparse-Marlin does for 4-bit
@@ -24,7 +25,8 @@ of 16 rows by 32 columns (a "step"), the 16 x 16 kept values in the order in whi
 
 Bytes per dense weight: bf16 1.125 (paired; 1.25 single), fp8 0.625, int4 0.39 (below).
 
-int4 weights (W4A16, :mod:`sparsekit.accel.w4a16`'s values ``q`` in [-8, 7] with float32
+int4 weights (W4A16, :mod:`sparsekit.accel.kernels.int4.format`'s values ``q`` in [-8, 7]
+with float32
 scales per group of input columns; group a multiple of 128, or the whole row) have their own
 format (:func:`compress_int4`): each lane's 8 values of a step (the bf16 layout's order) as
 nibbles ``q + 8`` of one 32-bit word, element 2j in nibble j and element 2j + 1 in nibble
@@ -74,7 +76,7 @@ from pathlib import Path
 
 import torch
 
-from sparsekit.accel import sk24
+from sparsekit.accel.kernels.triton24 import format as sk24
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "sk24_mma.cu"

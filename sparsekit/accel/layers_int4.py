@@ -1,9 +1,10 @@
 """int4 weight-only (W4A16) accelerated linear layers, dense and 2:4: ``int4_dense`` and
-``int4_2:4`` in :data:`sparsekit.accel.kernels.VARIANTS`.
+``int4_2:4`` in :data:`sparsekit.accel.layers.VARIANTS`.
 
 Each computes ``x @ (q * scale).T + b`` in bfloat16 for x (..., K) -> (..., N), from int4 values
 ``q`` in [-8, 7] with one float32 scale per ``group_size`` input columns of each output row,
-kept in sparsekit's packed formats (:mod:`sparsekit.accel.w4a16`). A layer is built from:
+kept in sparsekit's packed formats (:mod:`sparsekit.accel.kernels.int4.format`). A layer is
+built from:
 - an int4 :class:`~sparsekit.quant.QuantLinear` (schemes ``int4_weight``,
   ``int4_weight_channel``: ``weight`` int8 (N, K) in [-8, 7], ``weight_scale`` float32
   (N, K / group_size), the int attribute ``group_size``), whose values and scales it takes as
@@ -17,7 +18,8 @@ zeros at zero). K must be a multiple of 64 and of the group size (ValueError nam
 Token counts up to 32 (decode) run sparsekit's Triton kernels (``sparsekit::int4_mm``,
 ``sparsekit::int4_24_mm``), which read the packed weight once; a 2:4 layer on CUDA whose
 shape and group the sparse tensor cores' int4 format takes
-(:func:`sparsekit.accel.sk24_mma.check_int4`: group a multiple of 128) decodes there instead
+(:func:`sparsekit.accel.kernels.mma_sp.launch.check_int4`: group a multiple of 128) decodes
+there instead
 (``sparsekit::sk24_mma_int4_mm``, ``path`` "mma"; it keeps that format beside the packed one:
 0.39 more bytes per weight). Larger token counts (prefill) are
 compute-bound and run on tensor cores in bf16, chosen at construction by ``prefill``:
@@ -46,7 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import ops, sk24_mma, w4a16
+from sparsekit.accel.kernels.cusparselt import op as cslt_op
+from sparsekit.accel.kernels.int4 import op as int4_op
+from sparsekit.accel.kernels.mma_sp import op as mma_op
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+from sparsekit.accel.kernels.int4 import format as w4a16
 
 PREFILLS = ("dequant", "bf16_2:4")
 
@@ -111,7 +117,7 @@ class _Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else
                              bias.detach().to(torch.bfloat16).contiguous())
         if prefill == "bf16_2:4":
-            self.register_buffer("packed", ops.pack_24(self.dequantized_weight(torch.bfloat16)))
+            self.register_buffer("packed", cslt_op.pack_24(self.dequantized_weight(torch.bfloat16)))
 
     def _pack(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         raise NotImplementedError
@@ -129,7 +135,7 @@ class _Int4Linear(nn.Module):
         if x2d.shape[0] <= w4a16.MAX_M:
             y = self._decode(x2d)
         elif self.prefill == "bf16_2:4":
-            y = ops.sparse24_mm(x2d, self.packed, self.bias, self.out_features, self.alg_id,
+            y = cslt_op.sparse24_mm(x2d, self.packed, self.bias, self.out_features, self.alg_id,
                                 torch.bfloat16)
         else:
             y = F.linear(x2d, self._prefill_weight(), self.bias)
@@ -165,7 +171,7 @@ class Int4Dense(_Int4Linear):
         return w4a16.dequantize_packed(self.values, self.scales, dtype)
 
     def _decode(self, x2d):
-        return ops.int4_mm(x2d, self.values, self.scales, self.bias)
+        return int4_op.int4_mm(x2d, self.values, self.scales, self.bias)
 
 
 class Int4Sparse24(_Int4Linear):
@@ -196,14 +202,14 @@ class Int4Sparse24(_Int4Linear):
     def _prefill_weight(self):
         # one op (one pass on CUDA): a compiler traces one call, not the dequantization's
         # elementwise ops a layer (the first generate's compile time)
-        return ops.int4_24_widen(self.values, self.meta, self.scales)
+        return int4_op.int4_24_widen(self.values, self.meta, self.scales)
 
     def _decode(self, x2d):
         if self.mvalues is not None:
             cfg = None if self.dconfig is None else [v for c in self.dconfig for v in c]
-            return ops.sk24_mma_int4_mm(x2d, self.mvalues, self.mmeta, self.mscales, self.bias,
+            return mma_op.sk24_mma_int4_mm(x2d, self.mvalues, self.mmeta, self.mscales, self.bias,
                                         cfg)
-        return ops.int4_24_mm(x2d, self.values, self.meta, self.scales, self.bias)
+        return int4_op.int4_24_mm(x2d, self.values, self.meta, self.scales, self.bias)
 
 
 __all__ = ["PREFILLS", "Int4Dense", "Int4Sparse24", "int4_weights", "rtn_int4"]

@@ -11,7 +11,7 @@ The format (per weight W (N, K) with at most 2 nonzeros in every group of 4 alon
 - ``meta`` (N, K/32) int32: one 4-bit code per group, ``i0 | i1 << 2`` with i0 < i1 the kept
   columns' positions inside the group; with W = K/32 words per row, word ``w`` holds group
   ``s * W + w`` in bits ``4*s`` (s = 0..7: eight slabs of K/8 columns, so that the kernel
-  never reshapes a register tile, :mod:`sparsekit.accel.sk24_triton`).
+  never reshapes a register tile, :mod:`sparsekit.accel.kernels.triton24.kernel`).
 Bytes per dense weight: bf16 1.125 (values 1, metadata 0.125), fp8 0.625.
 
 ``matmul(x, values, meta, x_scale, w_scale, bias)`` computes, in float32,
@@ -68,7 +68,7 @@ def compress(weight: torch.Tensor, layout: str = "slabs") -> tuple[torch.Tensor,
     """(values (N, K/2), meta (N, K/32) int32) of a 2:4 weight (N, K); ValueError when a group
     of 4 holds more than two nonzeros or K does not fit the layout. ``layout`` "slabs" (the
     small-M kernel's, K a multiple of 512) or "interleaved" (group g in nibble g % 8 of word
-    g // 8, K a multiple of 32: the int4 kernels' :mod:`sparsekit.accel.w4a16`)."""
+    g // 8, K a multiple of 32: the int4 kernels' :mod:`sparsekit.accel.kernels.int4.format`)."""
     n, k = weight.shape
     reason = check_shape(n, k) if layout == "slabs" else (
         None if k % 32 == 0 else f"in_features {k} is not a multiple of 32")
@@ -132,10 +132,11 @@ def widen_grid(n: int, k: int) -> tuple[int, int]:
 def widen(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """:func:`decompress` of the "slabs" layout to bfloat16 (exact), as one Triton kernel (on
     CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``; the op
-    :func:`sparsekit.accel.ops.sk24_widen` runs :func:`decompress` on CPU). The weight-only
+    :func:`sparsekit.accel.kernels.triton24.op.sk24_widen` runs :func:`decompress` on CPU). The
+    weight-only
     fp8 layers' prefill widens its weight through that op on each call: a compiler traces one
     call, not decompress's twenty-odd elementwise ops a layer (compile time)."""
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     n, k = values.shape[0], 2 * values.shape[1]
     out = torch.empty((n, k), dtype=torch.bfloat16, device=values.device)
@@ -167,7 +168,7 @@ def _kernel():
     """(triton, the autotuned kernel, the plain kernel), imported on first use."""
     import triton
 
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
     return triton, sk24_triton.tuned, sk24_triton.sk24_kernel
 
 
@@ -211,7 +212,7 @@ def launch(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
     CUDA; with ``config`` (``MODE``, ``BLOCK_N``, ``BLOCK_W``, ``SPLIT_K``, optionally
     ``num_warps``) fixed, as on CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter
     cannot time)."""
-    from sparsekit.accel import sk24_triton
+    from sparsekit.accel.kernels.triton24 import kernel as sk24_triton
 
     triton, tuned, raw = _kernel()
     xp = planes(x) if x.dim() == 2 else x.contiguous()

@@ -1,4 +1,5 @@
-"""The Triton source of :mod:`sparsekit.accel.attention`'s decode attention (imported only when
+"""The Triton source of :mod:`sparsekit.accel.kernels.attention.decode`'s decode attention
+(imported only when
 the kernels run: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``).
 
 Split-KV ("flash-decoding"): the cache's positions are cut into ``SPLITS`` ranges, and program

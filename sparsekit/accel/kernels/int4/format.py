@@ -44,7 +44,7 @@ import functools
 
 import torch
 
-from sparsekit.accel import sk24
+from sparsekit.accel.kernels.triton24 import format as sk24
 
 K_MULTIPLE = 64    # the smallest K tile
 MAX_M = 32         # the M range the kernels are tuned for (decode batches)
@@ -213,7 +213,8 @@ def dequantize_packed_24(values: torch.Tensor, meta: torch.Tensor, scales: torch
 
 def widen_24(values: torch.Tensor, meta: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """:func:`dequantize_packed_24` to bfloat16, as one Triton kernel (on CUDA, or on CPU
-    tensors under ``TRITON_INTERPRET=1``; the op :func:`sparsekit.accel.ops.int4_24_widen`
+    tensors under ``TRITON_INTERPRET=1``; the op
+    :func:`sparsekit.accel.kernels.int4.op.int4_24_widen`
     runs the elementwise ops on CPU). An int4 2:4 layer's prefill dequantizes its weight
     through that op on each call: a compiler traces one call, not the elementwise ops."""
     _, w4a16_triton = _kernels()
@@ -270,7 +271,7 @@ def _kernels():
     """(triton, the Triton source module), imported on first use."""
     import triton
 
-    from sparsekit.accel import w4a16_triton
+    from sparsekit.accel.kernels.int4 import kernel as w4a16_triton
     return triton, w4a16_triton
 
 

@@ -7,7 +7,7 @@ boolean mask and so repeats every key and value head for each of its query heads
 attends over all the cache's positions, filled or not. :func:`decode_attention` reads each kv
 head's keys and values once for all the query heads of its group, and only at the positions
 the mask lets take part; it splits the positions over programs (flash-decoding) so that a
-batch of one still fills the GPU (:mod:`sparsekit.accel.attention_triton`).
+batch of one still fills the GPU (:mod:`sparsekit.accel.kernels.attention.kernel`).
 
 ``decode_attention(q, k, v, mask, scale)``: q (B, H, 1, D), k and v (B, KVH, L, D) of q's dtype
 (bfloat16 or float16) with H a multiple of KVH (query head h uses kv head h // (H / KVH), as
@@ -103,7 +103,7 @@ def splits(batch_heads: int, length: int, sms: int) -> int:
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            scale: float) -> torch.Tensor:
     """Run the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
-    from sparsekit.accel import attention_triton as kernels
+    from sparsekit.accel.kernels.attention import kernel as kernels
 
     why = check(q, k, v, mask)
     if why is not None:

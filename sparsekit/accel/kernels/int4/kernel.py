@@ -1,4 +1,5 @@
-"""The Triton source of :mod:`sparsekit.accel.w4a16`'s kernels (imported only when a kernel
+"""The Triton source of :mod:`sparsekit.accel.kernels.int4.format`'s kernels (imported only
+when a kernel
 runs: on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``).
 
 Two families: the word-tile kernels of M <= 4 (``int4_24_rows_kernel``, ``int4_rows_kernel``,
@@ -25,7 +26,7 @@ partial product by the group's scale per output column; on CUDA cores, and for a
 import triton
 import triton.language as tl
 
-from sparsekit.accel.sk24_triton import store_bf16, store_groups, tile
+from sparsekit.accel.kernels.triton24.kernel import store_bf16, store_groups, tile
 
 K_MULTIPLE = 64
 
@@ -407,7 +408,8 @@ def int4_24_rows_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_
                         BLOCK_M: tl.constexpr, SPARSE: tl.constexpr, BLOCK_N: tl.constexpr,
                         U: tl.constexpr, SPLIT_K: tl.constexpr):
     """2:4, M <= 4: ``v_ptr`` the values as int64 words (N, K/32) (word w: groups 8w..8w+7,
-    one byte each, as the metadata word w), x as :func:`~sparsekit.accel.w4a16.x_planes_24`
+    one byte each, as the metadata word w), x as
+    :func:`~sparsekit.accel.kernels.int4.format.x_planes_24`
     (M, K/64, 8, 2, 4) float32; ``MAGIC`` 0x4B000000."""
     rn, n_ok = tile(0, BLOCK_N, N)
     rm0 = tl.program_id(2) * BLOCK_M
@@ -472,7 +474,7 @@ def int4_rows_kernel(x_ptr, v_ptr, m_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
                      BLOCK_M: tl.constexpr, SPARSE: tl.constexpr, BLOCK_N: tl.constexpr,
                      U: tl.constexpr, SPLIT_K: tl.constexpr):
     """Dense, M <= 4: ``v_ptr`` the values as int32 words (N, K/8), x as
-    :func:`~sparsekit.accel.w4a16.x_planes` (M, K/32, 8, 4) float32; ``m_ptr`` unused;
+    :func:`~sparsekit.accel.kernels.int4.format.x_planes` (M, K/32, 8, 4) float32; ``m_ptr`` unused;
     ``MAGIC`` 0x4B000000."""
     rn, n_ok = tile(0, BLOCK_N, N)
     rm0 = tl.program_id(2) * BLOCK_M
@@ -537,7 +539,8 @@ def _bf16_rne(v):
 def widen_24_kernel(v_ptr, m_ptr, s_ptr, w_ptr, N, K, GROUPS, BLOCK_N: tl.constexpr,
                     BLOCK_G: tl.constexpr):
     """The 2:4 format's weight ``q * scale`` (N, K) in bfloat16 (float32 products, as
-    :func:`sparsekit.accel.w4a16.dequantize_packed_24`) in one pass: program (i, j) takes rows
+    :func:`sparsekit.accel.kernels.int4.format.dequantize_packed_24`) in one pass: program (i, j)
+    takes rows
     ``i * BLOCK_N ..`` and groups of 4 ``j * BLOCK_G ..``; each group's kept positions from
     the metadata's P, Q, R bits."""
     G = K // 4

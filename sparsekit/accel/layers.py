@@ -1,6 +1,6 @@
 """Accelerated linear layers: bf16 / fp8 / int8, dense or 2:4, as drop-in modules calling the
 ``sparsekit::`` custom ops (:mod:`sparsekit.accel.ops`); the int4 weight-only ones (W4A16) are in
-:mod:`sparsekit.accel.int4` and registered here too.
+:mod:`sparsekit.accel.layers_int4` and registered here too.
 
 Each class computes ``x @ W.T + b`` for x (..., K) -> (..., N) in bfloat16, and is built from a
 float ``nn.Linear`` (weights already holding their 2:4 zeros for the sparse ones) or from a
@@ -24,8 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel import ops, sk24, sk24_mma
-from sparsekit.accel.int4 import Int4Dense, Int4Sparse24
+from sparsekit.accel.kernels.cusparselt import op as cslt_op
+from sparsekit.accel.kernels.dense import op as dense_op
+from sparsekit.accel.kernels.mma_sp import op as mma_op
+from sparsekit.accel.kernels.triton24 import op as sk24_op
+from sparsekit.accel import ops
+from sparsekit.accel.kernels.triton24 import format as sk24
+from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+from sparsekit.accel.layers_int4 import Int4Dense, Int4Sparse24
 from sparsekit.errors import UsageError
 from sparsekit.quant.formats import FP8, INT8, Format, get_scheme
 from sparsekit.quant.modules import QuantLinear
@@ -116,7 +122,7 @@ class _AccelLinear(nn.Module):
             # mma.sp where the library takes it: faster at every M and 8B shape (docs/gpu.md)
             self._decode_format("mma" if sk24_mma.choosable(w, torch.bfloat16) else "triton", w)
         elif self.sparse:
-            self.register_buffer("packed", ops.pack_24(w))
+            self.register_buffer("packed", cslt_op.pack_24(w))
             if self.decodes and sk24_mma.usable(w):
                 self._decode_format("mma", w)
             elif self.decodes and sk24.check_shape(*w.shape) is None:
@@ -167,7 +173,7 @@ class _AccelLinear(nn.Module):
         return fmt.decompress(self.dvalues, self.dmeta)
 
     def _decode(self, x2d: torch.Tensor) -> torch.Tensor | None:
-        """The product on the small-M kernel (:func:`ops.sk24_mm`) when this layer has it and
+        """The product on the small-M kernel (:func:`sk24_op.sk24_mm`) when this layer has it and
         ``x2d`` has at most ``decode_max_m`` rows, else None. The numerics are the large-M
         path's: the same activation quantization, scales and bias, in float32."""
         if self.dvalues is None or x2d.shape[0] > self.decode_max_m:
@@ -175,22 +181,22 @@ class _AccelLinear(nn.Module):
         cfg = None if self.dconfig is None else [v for c in self.dconfig for v in c]
         if self.dkernel == "mma8":  # fp8 x fp8 on the fp8 sparse tensor cores
             q, sx = self._quant(x2d)
-            return ops.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias,
+            return mma_op.sk24_mma_mm(q, self.dvalues, self.dmeta, sx, self.w_scale, self.bias,
                                    cfg)
         if self.dkernel == "mma":  # an fp8 layer's activations widened to f16 or bf16 (exact)
             if self.fmt is None:
-                return ops.sk24_mma_mm(x2d.to(torch.bfloat16), self.dvalues, self.dmeta, None,
+                return mma_op.sk24_mma_mm(x2d.to(torch.bfloat16), self.dvalues, self.dmeta, None,
                                        None, self.bias, cfg)
             q, sx = self._quant(x2d)
-            return ops.sk24_mma_mm(q.to(self.dwide), self.dvalues, self.dmeta, sx,
+            return mma_op.sk24_mma_mm(q.to(self.dwide), self.dvalues, self.dmeta, sx,
                                    self.w_scale, self.bias, cfg)
         # x as the kernel's position planes, made by torch ops that the compiler fuses into
         # x's producer (the custom op itself is opaque to it)
         if self.fmt is None:
-            return ops.sk24_mm(sk24.planes(x2d), self.dvalues, self.dmeta, None, None,
+            return sk24_op.sk24_mm(sk24.planes(x2d), self.dvalues, self.dmeta, None, None,
                                self.bias)
         q, sx = self._quant(x2d)
-        return ops.sk24_mm(sk24.planes(q), self.dvalues, self.dmeta, sx, self.w_scale,
+        return sk24_op.sk24_mm(sk24.planes(q), self.dvalues, self.dmeta, sx, self.w_scale,
                            self.bias)
 
     def keep_dense(self, lo: int, hi: int) -> None:
@@ -277,7 +283,7 @@ class Sparse24BF16(_AccelLinear):
     decodes = True
 
     def _mm(self, x2d):
-        return ops.sparse24_mm(x2d, self.packed, self.bias, self.out_features, self.alg_id,
+        return cslt_op.sparse24_mm(x2d, self.packed, self.bias, self.out_features, self.alg_id,
                                torch.bfloat16)
 
 
@@ -290,7 +296,7 @@ class FP8Dense(_AccelLinear):
 
     def _mm(self, x2d):
         q, sx = self._quant(x2d)
-        return ops.scaled_mm(q, self.weight, sx, self.w_scale, self.bias, torch.bfloat16)
+        return dense_op.scaled_mm(q, self.weight, sx, self.w_scale, self.bias, torch.bfloat16)
 
 
 class FP8Sparse24(_AccelLinear):
@@ -316,7 +322,7 @@ class FP8Sparse24(_AccelLinear):
         super().__init__(linear, alg_id, fused_quant)
         self.alpha: float | None = None
         if self.act_scale is not None and one_scale(self.w_scale) and (
-                not self.packed.is_cuda or ops.alpha_path()):
+                not self.packed.is_cuda or cslt_op.alpha_path()):
             self.alpha = float(self.act_scale.reshape(-1)[0]) * float(self.w_scale[0])
 
     @property
@@ -326,9 +332,9 @@ class FP8Sparse24(_AccelLinear):
     def _mm(self, x2d):
         q, sx = self._quant(x2d)
         if self.alpha is not None:
-            return ops.sparse24_mm_alpha(q, self.packed, self.bias, self.out_features,
+            return cslt_op.sparse24_mm_alpha(q, self.packed, self.bias, self.out_features,
                                          self.alg_id, self.alpha, False)
-        acc = ops.sparse24_mm(q, self.packed, None, self.out_features, self.alg_id,
+        acc = cslt_op.sparse24_mm(q, self.packed, None, self.out_features, self.alg_id,
                               torch.bfloat16)
         return self._epilogue(acc, sx)
 
@@ -382,7 +388,7 @@ class FP8WSparse24(_AccelLinear):
     def _mm(self, x2d):
         # exact widening behind one op: a compiler traces one call, not decompress's twenty-odd
         # elementwise ops a layer (the first generate's compile time)
-        w = ops.sk24_widen(self.values, self.meta)
+        w = sk24_op.sk24_widen(self.values, self.meta)
         return _widened_mm(x2d, w, self.w_scale, self.bias)
 
 
@@ -394,7 +400,7 @@ class Int8Dense(_AccelLinear):
 
     def _mm(self, x2d):
         q, sx = self._quant(x2d)
-        return ops.scaled_mm(q, self.weight, sx, self.w_scale, self.bias, torch.bfloat16)
+        return dense_op.scaled_mm(q, self.weight, sx, self.w_scale, self.bias, torch.bfloat16)
 
 
 class Int8Sparse24(_AccelLinear):
@@ -409,17 +415,18 @@ class Int8Sparse24(_AccelLinear):
     def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True):
         super().__init__(linear, alg_id, fused_quant)
         dev = self.packed.device
-        self.acc_dtype = ops.int8_acc_dtype(dev.index or 0) if dev.type == "cuda" else torch.int32
+        self.acc_dtype = (cslt_op.int8_acc_dtype(dev.index or 0) if dev.type == "cuda"
+                          else torch.int32)
 
     def _mm(self, x2d):
         q, sx = self._quant(x2d)
-        acc = ops.sparse24_mm(q, self.packed, None, self.out_features, self.alg_id,
+        acc = cslt_op.sparse24_mm(q, self.packed, None, self.out_features, self.alg_id,
                               self.acc_dtype)
         return self._epilogue(acc, sx)
 
 
 VARIANTS: Registry[type[nn.Module]] = Registry("accel variant")
-# the W4A16 layers (int4 weights, bf16 activations) live in sparsekit.accel.int4
+# the W4A16 layers (int4 weights, bf16 activations) live in sparsekit.accel.layers_int4
 for _cls in (DenseBF16, Sparse24BF16, FP8Dense, FP8Sparse24, FP8WDense, FP8WSparse24, Int8Dense,
              Int8Sparse24, Int4Dense, Int4Sparse24):
     VARIANTS.register(_cls.variant, _cls)

@@ -1,0 +1,3 @@
+"""dense kernels."""
+
+from sparsekit.accel.kernels.dense import op  # noqa: F401  (registers the custom ops)
