@@ -34,6 +34,7 @@ import torch
 
 from sparsekit.errors import UsageError
 from sparsekit.prune.patterns import prune_count
+from sparsekit.prune.reconstruct import Reconstruct
 from sparsekit.prune.sparsegpt import dead_inputs, sparsegpt_prune
 
 __all__ = ["ALPS", "admm_prune", "layer_error", "pattern_project", "refit"]
@@ -159,15 +160,20 @@ class ALPS:
     with :func:`admm_prune` solving each layer. Options: ``percdamp`` (Hessian damping, a
     fraction of ``mean(diag H)``), ``rho`` (the first ADMM penalty), ``iters`` (the most ADMM
     steps), ``cg_iters`` (conjugate-gradient steps of the final refit), ``sequential`` (False:
-    every layer calibrated on the dense model's inputs)."""
+    every layer calibrated on the dense model's inputs), ``reconstruct_steps`` and
+    ``reconstruct_lr`` (block reconstruction after each block, as for SparseGPT)."""
 
     needs_calibration = True
-    options = ("percdamp", "rho", "iters", "cg_iters", "sequential")
+    options = ("percdamp", "rho", "iters", "cg_iters", "sequential", "reconstruct_steps",
+               "reconstruct_lr")
 
     def __init__(self, percdamp: float = 0.01, rho: float = 0.1, iters: int = 300,
-                 cg_iters: int = 50, sequential: bool = True) -> None:
+                 cg_iters: int = 50, sequential: bool = True, reconstruct_steps: int = 0,
+                 reconstruct_lr: float = 1e-4) -> None:
         self.percdamp, self.rho, self.iters = percdamp, rho, iters
         self.cg_iters, self.sequential = cg_iters, sequential
+        self.reconstruct_steps, self.reconstruct_lr = reconstruct_steps, reconstruct_lr
+        self.reconstruction: Reconstruct | None = None  # the last solve's cost and gain
         self.check()
 
     def check(self) -> None:
@@ -178,6 +184,7 @@ class ALPS:
         for key, low in (("iters", 1), ("cg_iters", 0)):
             if getattr(self, key) < low:
                 raise UsageError(f"alps option {key}={getattr(self, key)!r} must be >= {low}")
+        Reconstruct(self.reconstruct_steps, self.reconstruct_lr)
 
     def layer_solver(self, weight: torch.Tensor, hessian: torch.Tensor, sparsity: float | None,
                      nm: tuple[int, int] | None, budget_offset: int, name: str):
@@ -186,7 +193,9 @@ class ALPS:
 
     def solve(self, layers: Any, levels: dict[str, float | None],
               nm: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+        self.reconstruction = Reconstruct(self.reconstruct_steps, self.reconstruct_lr)
         return sparsegpt_prune(
             layers.model, dict(layers.modules), levels, nm, layers.calibration,
             layers.calibration_fn, percdamp=self.percdamp, comm=layers.comm,
-            sequential=self.sequential, layer_solver=self.layer_solver)
+            sequential=self.sequential, layer_solver=self.layer_solver,
+            refit=self.reconstruction)

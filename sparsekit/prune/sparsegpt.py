@@ -55,6 +55,7 @@ from sparsekit.nn.select import check_finite_weight
 from sparsekit.prune.masks import original_weight
 from sparsekit.nn.shards import ShardComm
 from sparsekit.prune.patterns import prune_count
+from sparsekit.prune.reconstruct import Reconstruct, reconstruct_block
 
 __all__ = ["SparseGPT", "conv_columns", "hessian_spec", "obs_prune", "sparsegpt_prune"]
 
@@ -370,6 +371,7 @@ def sparsegpt_prune(
     solver: LayerSolver | None = None,
     sequential: bool = True,
     layer_solver: MatrixSolver | None = None,
+    refit: Reconstruct | None = None,
 ) -> dict[str, torch.Tensor]:
     """Prune ``modules`` (qualified name -> Linear/Conv layer of ``model``) one shot with
     SparseGPT, in place, in the order the model calls them.
@@ -393,6 +395,10 @@ def sparsegpt_prune(
     pruned only after all Hessians of their block, or of the model, are collected).
     ``layer_solver`` replaces :func:`obs_prune` for each weight matrix (another one-shot
     method on the same Hessians, e.g. :func:`sparsekit.prune.alps.admm_prune`).
+    ``refit`` (with ``steps > 0``): after each transformer block is pruned, its weights are
+    fitted to the dense model's block outputs (:mod:`sparsekit.prune.reconstruct`); the next
+    blocks are then calibrated on the refitted block's outputs. Models without repeated blocks
+    are pruned without it (a warning says so).
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -405,10 +411,15 @@ def sparsegpt_prune(
         return {}
     batches = _checked_batches(modules, sparsity, nm, calibration, blocksize, percdamp)
     masks: dict[str, torch.Tensor] = {}
-    solve = (blocksize, percdamp, comm, solver, sequential, layer_solver)
+    refit = refit if refit is not None and refit.steps > 0 else None
+    solve = (blocksize, percdamp, comm, solver, sequential, layer_solver, refit)
     order = _call_order(model, modules, batches[0], calibration_fn)
     run = (sparsity, nm, batches, calibration_fn, solve, masks)
     if not _prune_through_blocks(model, modules, order, run):
+        if refit is not None:
+            warnings.warn("block reconstruction needs a model of repeated transformer blocks "
+                          "(an nn.ModuleList of one block class): none found, so the layers "
+                          "are pruned without it", RuntimeWarning, stacklevel=2)
         _prune_full(model, modules, order, *run)
     return {name: masks[name] for name in modules}
 
@@ -466,14 +477,20 @@ def _prune_through_blocks(model: nn.Module, modules: dict[str, nn.Module],
 
 class SparseGPT:
     """The SparseGPT solver as a registered criterion (``criterion="sparsegpt"``): one shot,
-    calibrated, updates the kept weights (see :func:`sparsegpt_prune`)."""
+    calibrated, updates the kept weights (see :func:`sparsegpt_prune`). ``reconstruct_steps``
+    > 0 then fits each transformer block to the dense model's block outputs
+    (:mod:`sparsekit.prune.reconstruct`; ``reconstruct_lr`` its peak learning rate);
+    ``reconstruction`` holds the last solve's cost and gain."""
 
     needs_calibration = True
-    options = ("blocksize", "percdamp", "sequential")
+    options = ("blocksize", "percdamp", "sequential", "reconstruct_steps", "reconstruct_lr")
 
     def __init__(self, blocksize: int = 128, percdamp: float = 0.01,
-                 sequential: bool = True) -> None:
+                 sequential: bool = True, reconstruct_steps: int = 0,
+                 reconstruct_lr: float = 1e-4) -> None:
         self.blocksize, self.percdamp, self.sequential = blocksize, percdamp, sequential
+        self.reconstruct_steps, self.reconstruct_lr = reconstruct_steps, reconstruct_lr
+        self.reconstruction: Reconstruct | None = None  # the last solve's cost and gain
         self.check()
 
     def check(self) -> None:
@@ -485,12 +502,14 @@ class SparseGPT:
         if not self.percdamp > 0:
             raise UsageError(f"sparsegpt option percdamp={self.percdamp!r} must be > 0 (a "
                              "fraction of mean(diag H))")
+        Reconstruct(self.reconstruct_steps, self.reconstruct_lr)
 
     def solve(self, layers: Any, levels: dict[str, float | None],
               nm: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+        self.reconstruction = Reconstruct(self.reconstruct_steps, self.reconstruct_lr)
         return sparsegpt_prune(layers.model, dict(layers.modules), levels, nm, layers.calibration,
                                layers.calibration_fn, self.blocksize, self.percdamp, layers.comm,
-                               sequential=self.sequential)
+                               sequential=self.sequential, refit=self.reconstruction)
 
 
 def _prune_full(
@@ -519,7 +538,7 @@ def _solve_group(modules: dict[str, nn.Module], group: list[str], hess: _Hessian
                  sparsity: dict[str, float | None], nm: tuple[int, int] | None, solve: tuple,
                  masks: dict[str, torch.Tensor]) -> None:
     """Every layer of ``group`` pruned from the group's Hessian (summed over ranks first)."""
-    blocksize, percdamp, comm, solver, _, layer_solver = solve
+    blocksize, percdamp, comm, solver, _, layer_solver, _ = solve
     hess.h, hess.n = reduce_hessian(hess.h, hess.n, comm)
     for name in group:
         level = None if nm is not None else sparsity[name]
@@ -612,17 +631,32 @@ def _prune_blocks(
     for group in groups:
         by_block.setdefault(int(group[0][len(prefix):].split(".", 1)[0]), []).append(group)
     solved = (modules, sparsity, nm, solve, masks)
+    refit = solve[6]
     hidden = inputs.hidden
+    dense = list(hidden) if refit is not None else None  # the dense model's stream
     for index, block in enumerate(blocks):
         items = inputs.items(index, hidden)
         chunk = by_block.get(index, [])
+        targets = None
+        if refit is not None and chunk:
+            with eval_mode(block):
+                targets = [inputs.feed(block, item) for item in inputs.items(index, dense)]
         if not solve[4]:  # not sequential
             hidden = _solve_dense_block(inputs, block, items, chunk, solved)
         else:
             _solve_block_sequentially(inputs, block, items, chunk, solved)
-            if index + 1 < len(blocks) and bool(by_block.keys() - set(range(index + 1))):
-                with eval_mode(block):
-                    hidden = [inputs.feed(block, item) for item in items]
+        if targets is not None:
+            names = {id(p): n for n, p in block.named_parameters()}
+            block_masks = {names[id(original_weight(modules[name]))]: masks[name]
+                           for group in chunk for name in group}
+            reconstruct_block(block, inputs.feed, items, targets, block_masks, refit)
+        if solve[4] and index + 1 < len(blocks) and bool(
+                by_block.keys() - set(range(index + 1))):
+            with eval_mode(block):
+                hidden = [inputs.feed(block, item) for item in items]
+        if refit is not None:
+            dense = targets if targets is not None else [
+                inputs.feed(block, item) for item in inputs.items(index, dense)]
         del items
     return True
 

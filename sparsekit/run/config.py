@@ -287,7 +287,9 @@ class CriterionOptions(_Checked):
     blocksize (columns per lazy-update block), percdamp (Hessian damping, a fraction of
     mean(diag H)) and sequential (each layer calibrated on the already pruned layers' outputs);
     alps takes percdamp, sequential, rho (first ADMM penalty), iters (most ADMM steps) and
-    cg_iters (refit steps). Setting one the criterion does not take is an error."""
+    cg_iters (refit steps). Both take reconstruct_steps (Adam steps per transformer block fitting
+    the block to the dense model's outputs after pruning it; 0 = off) and reconstruct_lr.
+    Setting one the criterion does not take is an error."""
 
     _key: ClassVar[str] = "prune.options"
     blocksize: int | None = number(None, 1, 2**20)
@@ -296,6 +298,8 @@ class CriterionOptions(_Checked):
     rho: float | None = number(None, 0, 1e6, low_open=True)
     iters: int | None = number(None, 1, 10**6)
     cg_iters: int | None = number(None, 0, 10**6)
+    reconstruct_steps: int | None = number(None, 0, 10**7)
+    reconstruct_lr: float | None = number(None, 0, 1, low_open=True)
 
     def given(self) -> dict[str, Any]:
         """The options set (not null), by name."""
