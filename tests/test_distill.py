@@ -14,7 +14,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.errors import UsageError
-from sparsekit.prune.distill import Distiller, kl_loss, pooled_embedding, vector_loss
+from sparsekit.prune.distill import Distiller, distill_, kl_loss, pooled_embedding, vector_loss
 from test_cli import run_cli
 
 
@@ -163,3 +163,61 @@ def test_feature_extraction_on_text_from_the_command_line(hf_dirs, tmp_path, cap
     assert 0.0 < s["compressed"]["cosine"] < 0.9999
     code, _, err = run_cli(args[:-1] + ["prune.options.blocksize=64"], tmp_path, capsys)
     assert code == 2 and "prune.options.blocksize is not an option of prune.criterion=alps" in err
+
+
+def _tiny_lm(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 32))
+
+
+def test_distill_resumes_from_its_checkpoint_bit_exactly(tmp_path):
+    """A run stopped at step 5 and resumed from its checkpoint ends with the very weights,
+    losses and token count of an uninterrupted run (same schedule and batch order)."""
+    teacher = _tiny_lm(0)
+    batches = [torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+
+    def student_and_pruner():
+        student = _tiny_lm(0)
+        pruner = sk.Pruner(student, pattern="2:4", include=["1", "3"])
+        pruner.step(0)
+        return student, pruner
+
+    full_model, full_pruner = student_and_pruner()
+    full = distill_(full_model, teacher, batches, steps=10, lr=1e-2, pruner=full_pruner,
+                    task="causal_lm")
+    model, pruner = student_and_pruner()
+    ckpt = tmp_path / "distill.pt"
+
+    def stop_at_5(step, metrics):
+        assert metrics["distill/tokens_per_s"] > 0
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill_(model, teacher, batches, steps=10, lr=1e-2, pruner=pruner, task="causal_lm",
+                 checkpoint=ckpt, checkpoint_every=0.0, on_log=stop_at_5, log_every=1)
+    model, pruner = student_and_pruner()
+    resumed = distill_(model, teacher, batches, steps=10, lr=1e-2, pruner=pruner,
+                       task="causal_lm", checkpoint=ckpt)
+    assert resumed.resumed_from == 5 and resumed.steps_done == 10 and resumed.finished
+    assert resumed == full and resumed.tokens == full.tokens == 10 * 32
+    for a, b in zip(model.state_dict().values(), full_model.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(UsageError, match="more than steps=4"):
+        distill_(model, teacher, batches, steps=4, pruner=pruner, task="causal_lm",
+                 checkpoint=ckpt)
+
+
+def test_distill_bf16_and_time_budget():
+    teacher, student = _tiny_lm(0), _tiny_lm(1)
+    batches = [torch.randint(0, 32, (8, 8))]
+    run = distill_(student, teacher, batches, steps=30, lr=1e-2, task="causal_lm",
+                   precision="bf16")
+    assert run[-1] < run[0] and run.finished and run.tokens_per_s > 0
+    assert run.peak_memory_gb is None  # CPU
+    stopped = distill_(_tiny_lm(1), teacher, batches, steps=10**6, task="causal_lm",
+                       max_seconds=0.2)
+    assert not stopped.finished and 0 < stopped.steps_done < 10**6
+    with pytest.raises(UsageError, match="precision='fp16'.*fp32, bf16"):
+        distill_(_tiny_lm(1), teacher, batches, steps=1, task="causal_lm", precision="fp16")

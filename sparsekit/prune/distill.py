@@ -32,8 +32,9 @@ puts every pruned weight back to zero.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Mapping
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -49,8 +50,8 @@ LOSSES = ("auto", "kl", "cosine", "mse")
 TARGETS = ("auto", "logits", "last_hidden", "pooled")
 EMBEDDING_TASKS = ("feature_extraction", "embedding")
 
-__all__ = ["Distiller", "distill_", "embedding_agreement", "kl_loss", "pooled_embedding",
-           "vector_loss"]
+__all__ = ["DistillRun", "Distiller", "distill_", "embedding_agreement", "kl_loss",
+           "pooled_embedding", "vector_loss"]
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -217,6 +218,73 @@ def _check_distill(model: nn.Module, batches: Iterable[Any], steps: int,
     return list(batches) if iter(batches) is batches else batches
 
 
+class DistillRun(list):
+    """The loss of every step :func:`distill_` ran (a list of floats, as before), with what the
+    run cost: ``steps_done`` (the last step + 1, counting steps of earlier runs it resumed),
+    ``resumed_from`` (the step it resumed at; 0 for a fresh run), ``seconds`` (wall time of
+    the steps, this run and those it resumed together), ``tokens`` (input tokens of a language
+    model's batches, or samples, seen by the student), ``tokens_per_s`` (this run's),
+    ``peak_memory_gb`` (CUDA: peak allocated memory; None on CPU) and ``finished`` (False when
+    ``max_seconds`` stopped it: call again with the same ``checkpoint`` to go on)."""
+
+    steps_done: int = 0
+    resumed_from: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    peak_memory_gb: float | None = None
+    finished: bool = True
+
+    def summary(self) -> dict[str, Any]:
+        """The cost figures as a JSON-friendly dict."""
+        return {k: getattr(self, k) for k in ("steps_done", "resumed_from", "seconds", "tokens",
+                                              "tokens_per_s", "peak_memory_gb", "finished")}
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def _batch_tokens(batch: Any) -> int:
+    """Tokens (a 2-D integer tensor's or ``input_ids``' elements) or samples of a batch."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else (
+        batch[0] if isinstance(batch, (tuple, list)) and batch else batch)
+    if isinstance(ids, torch.Tensor):
+        return ids.numel() if not ids.dtype.is_floating_point else ids.shape[0]
+    return 1
+
+
+def _save_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                run: DistillRun) -> None:
+    from sparsekit.io.files import atomic_torch_save
+
+    atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                       "losses": list(run), "steps_done": run.steps_done,
+                       "seconds": run.seconds, "tokens": run.tokens}, path)
+
+
+def _resume(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+            steps: int) -> DistillRun:
+    """The run saved at ``path`` loaded into ``model`` and ``optimizer`` (a fresh run when the
+    file does not exist)."""
+    from sparsekit.io.files import safe_torch_load
+
+    run = DistillRun()
+    if not os.path.exists(path):
+        return run
+    state = safe_torch_load(path)
+    if not isinstance(state, dict) or not {"model", "optimizer", "steps_done"} <= set(state):
+        raise UsageError(f"checkpoint={path!r} is not a distill_ checkpoint")
+    if state["steps_done"] > steps:
+        raise UsageError(f"checkpoint={path!r} ran {state['steps_done']} steps, more than "
+                         f"steps={steps}: resume with the steps it was started with")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    run.extend(float(v) for v in state["losses"])
+    run.steps_done = run.resumed_from = int(state["steps_done"])
+    run.seconds, run.tokens = float(state["seconds"]), int(state["tokens"])
+    return run
+
+
 def distill_(
     model: nn.Module,
     teacher: nn.Module,
@@ -230,8 +298,14 @@ def distill_(
     grad_clip: float = 1.0,
     warmup: int = 0,
     dropout: bool = True,
+    precision: str = "fp32",
+    max_seconds: float | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: float = 120.0,
+    on_log: Callable[[int, dict[str, float]], None] | None = None,
+    log_every: int = 50,
     **distiller: Any,
-) -> list[float]:
+) -> DistillRun:
     """Train ``model`` for ``steps`` AdamW steps (``lr`` warmed up over ``warmup`` steps, then
     cosine decay to 10%: :func:`~sparsekit.prune.schedules.lr_at`) to match ``teacher`` on
     ``batches`` (cycled; re-iterable) with the :class:`Distiller` loss of ``task`` (keywords
@@ -239,7 +313,17 @@ def distill_(
     ``dropout=False``: in eval mode (no dropout; batch norms on running statistics). ``pruner``
     (a :class:`~sparsekit.Pruner` of ``model`` holding its masks) steps after every optimizer
     step, so pruned weights stay zero; without one, ``model`` must have no zeros to keep: make
-    the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step.
+    the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step as a
+    :class:`DistillRun` (a list, with the run's cost: tokens/s, peak memory, seconds).
+
+    ``precision="bf16"``: the student's and teacher's forward passes under bf16 autocast (the
+    weights and optimizer stay float32; CUDA, or CPU where autocast supports it).
+    ``max_seconds``: stop after this much wall time (at a step boundary; ``finished`` is then
+    False). ``checkpoint``: a file where the model, optimizer, losses and step are saved
+    atomically every ``checkpoint_every`` seconds and at the end, and from which a later call
+    with the same model structure, batches and ``steps`` resumes (the learning-rate schedule
+    and the batch order continue where they stopped). ``on_log(step, metrics)`` every
+    ``log_every`` steps: ``distill/loss``, ``distill/lr``, ``distill/tokens_per_s``.
 
     >>> torch.manual_seed(0) and None
     >>> teacher = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -256,27 +340,61 @@ def distill_(
     """
     batches = _check_distill(model, batches, steps, pruner)
     check_int("warmup", warmup, 0)
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision={precision!r} is not allowed; choose one of: "
+                         f"{', '.join(PRECISIONS)}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise UsageError(f"max_seconds={max_seconds!r} must be > 0 (or None: no limit)")
     d = Distiller(teacher, task=task, **distiller)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     device = next(model.parameters()).device
-    losses: list[float] = []
-    stream = itertools.cycle(batches)
+    path = None if checkpoint is None else os.fspath(checkpoint)
+    run = _resume(path, model, optimizer, steps) if path else DistillRun()
+    batches = list(batches)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    start, saved, tokens0 = time.perf_counter(), time.perf_counter(), run.tokens
+    seconds0 = run.seconds
     model.train(dropout)
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
-        _, loss = d(model, to_device(next(stream), device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        optimizer.step()
-        if pruner is not None:
-            pruner.step(step)
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    try:
+        for step in range(run.steps_done, steps):
+            if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+                run.finished = False
+                break
+            lr_now = lr_at(step, steps, lr, warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            batch = to_device(batches[step % len(batches)], device)
+            with autocast:
+                _, loss = d(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.float().backward()
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            optimizer.step()
+            if pruner is not None:
+                pruner.step(step)
+            run.append(float(loss.detach()))
+            run.steps_done, run.tokens = step + 1, run.tokens + _batch_tokens(batch)
+            now = time.perf_counter()
+            run.seconds = seconds0 + now - start
+            if on_log is not None and (step % log_every == 0 or step == steps - 1):
+                on_log(step, {"distill/loss": run[-1], "distill/lr": lr_now,
+                              "distill/tokens_per_s": (run.tokens - tokens0) / (now - start)})
+            if path and now - saved >= checkpoint_every:
+                _save_state(path, model, optimizer, run)
+                saved = now
+    finally:
+        model.eval()
+    elapsed = time.perf_counter() - start
+    run.tokens_per_s = (run.tokens - tokens0) / elapsed if elapsed > 0 else 0.0
+    run.peak_memory_gb = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    if path:
+        _save_state(path, model, optimizer, run)
+    return run
 
 
 @torch.no_grad()

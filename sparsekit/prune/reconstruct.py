@@ -56,7 +56,9 @@ class Reconstruct:
 
     def summary(self) -> dict[str, float]:
         """Cost and gain over the blocks refitted so far (JSON-friendly)."""
-        mean = (lambda v: sum(v) / len(v) if v else float("nan"))
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values) if values else float("nan")
+
         return {"steps_per_block": self.steps, "lr": self.lr, "blocks": self.blocks,
                 "seconds": round(self.seconds, 3),
                 "block_error_before": mean(self.loss_before),
