@@ -59,37 +59,49 @@ def _collapse(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines))
 
 
-def prepare_text(out: Path, chars: int = 3_000_000) -> dict[str, int]:
-    """Write ``code.txt``, ``man.txt`` and ``info.txt`` (about ``chars`` characters each) from
-    this machine's Python sources, manual pages and info manuals; returns their sizes."""
+def _python_sources() -> list[Path]:
+    """This interpreter's standard library sources (tests left out), then its installed
+    packages' sources, each group in a fixed shuffled order."""
+    import random
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    site = Path(sysconfig.get_paths()["purelib"])
+    groups = []
+    for root, skip in ((stdlib, ("site-packages", "test", "tests")), (site, ("test", "tests"))):
+        files = sorted(f for f in root.rglob("*.py")
+                       if not any(part in skip for part in f.relative_to(root).parts[:-1]))
+        random.Random(0).shuffle(files)
+        groups.append(files)
+    return groups[0] + groups[1]
+
+
+def prepare_text(out: Path, domains: list[str], chars: dict[str, int]) -> dict[str, int]:
+    """Write ``DOMAIN.txt`` for each of ``domains`` (about ``chars[domain]`` characters) from
+    this machine's Python sources (``code``), section-1 manual pages rendered by groff
+    (``man``) and GNU info manuals (``info``); returns their sizes."""
     out.mkdir(parents=True, exist_ok=True)
-    parts: dict[str, list[str]] = {d: [] for d in DOMAINS}
-    size = dict.fromkeys(DOMAINS, 0)
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        if size["code"] >= chars:
-            break
-        text = path.read_text(errors="ignore")
-        parts["code"].append(text)
-        size["code"] += len(text)
-    for path in sorted(Path("/usr/share/man/man1").glob("*.1.gz")):
-        if size["man"] >= chars:
-            break
-        roff = subprocess.run(["bash", "-c", f"zcat '{path}' | groff -man -Tascii -P -c "
-                               "2>/dev/null | col -bx"], capture_output=True, text=True).stdout
-        text = _collapse(roff)
-        if len(text) > 200:
-            parts["man"].append(text)
-            size["man"] += len(text)
-    for path in sorted(Path("/usr/share/info").glob("*.info*.gz")):
-        if size["info"] >= chars:
-            break
-        text = gzip.open(path, "rt", errors="ignore").read()
-        text = _collapse(re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "", text))
-        parts["info"].append(text)
-        size["info"] += len(text)
-    for d in DOMAINS:
-        (out / f"{d}.txt").write_text("\n\n".join(parts[d])[:chars])
-    return {d: min(size[d], chars) for d in DOMAINS}
+    sources = {
+        "code": lambda: (f.read_text(errors="ignore") for f in _python_sources()),
+        "man": lambda: (_collapse(subprocess.run(
+            ["bash", "-c", f"zcat '{f}' | groff -man -Tascii -P -c 2>/dev/null | col -bx"],
+            capture_output=True, text=True).stdout)
+            for f in sorted(Path("/usr/share/man/man1").glob("*.1.gz"))),
+        "info": lambda: (_collapse(re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "",
+                                          gzip.open(f, "rt", errors="ignore").read()))
+                         for f in sorted(Path("/usr/share/info").glob("*.info*.gz"))),
+    }
+    sizes = {}
+    for d in domains:
+        parts, size = [], 0
+        for text in sources[d]():
+            if size >= chars[d]:
+                break
+            if len(text) > 200:
+                parts.append(text)
+                size += len(text) + 2
+        (out / f"{d}.txt").write_text("\n\n".join(parts)[:chars[d]])
+        sizes[d] = min(size, chars[d])
+    return sizes
 
 
 def windows(tokenizer, text: str, seq_len: int, count: int, skip: int = 0) -> torch.Tensor:
@@ -216,7 +228,7 @@ class Lab:
     def teacher(self) -> torch.Tensor:
         if self._teacher is None:
             a = self.args
-            n = a.calib_n + a.train_n
+            n = a.calib_n + a.teacher_n
             start = time.perf_counter()
             self._teacher = teacher_samples(self.dense, n, a.seq_len, seed=a.seed,
                                             temperature=1.0, top_p=0.95,
@@ -235,9 +247,9 @@ class Lab:
         t = t[:a.calib_n] if calibration else t[a.calib_n:]
         if name == "teacher":
             return t
-        if name == "mix":
-            half = len(text) // 2
-            mixed = torch.cat([text[:half], t[:len(text) - half]])
+        if name == "mix":  # half and half (calibration: as many windows as the text's)
+            half = len(text) // 2 if calibration else len(t)
+            mixed = torch.cat([text[:half], t[:len(text) - half] if calibration else t])
             return mixed[torch.randperm(len(mixed), generator=torch.Generator().manual_seed(0))]
         raise SystemExit(f"unknown data source {name!r}: use {a.train}, teacher or mix")
 
@@ -293,11 +305,13 @@ class Lab:
         return out
 
     def gptq4(self, model: nn.Module, data: str | None) -> dict:
-        from sparsekit.quant.formats import INT4, Scheme
+        from sparsekit.quant.formats import INT4, SCHEMES, Scheme, register_scheme
 
         a = self.args
-        scheme = Scheme(f"int4_weight_g{a.group_size}", INT4, None,
-                        weight_granularity="group", group_size=a.group_size)
+        scheme = f"int4_weight_g{a.group_size}"
+        if scheme not in SCHEMES:
+            register_scheme(Scheme(scheme, INT4, None, weight_granularity="group",
+                                   group_size=a.group_size))
         calib = [b.to(self.device) for b in self.batches(
             self.source(data or a.train, True), a.calib_batch)]
         start = time.perf_counter()
@@ -343,7 +357,10 @@ def _smoke_text(domain: str) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prepare-text", metavar="DIR")
+    p.add_argument("--prepare-text", metavar="DIR", help="write DIR/DOMAIN.txt and stop")
+    p.add_argument("--domains", default="code,man,info", help="with --prepare-text")
+    p.add_argument("--chars", type=lambda v: dict(kv.split("=") for kv in v.split(",")),
+                   default={"code": 40_000_000}, help="with --prepare-text: code=N,man=N")
     p.add_argument("--model", help="a GGUF file, or a directory with one or an HF model")
     p.add_argument("--text", default=".evaltext", help="a folder of DOMAIN.txt files")
     p.add_argument("--train", default="code", help="the domain calibration/training may read")
@@ -351,11 +368,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stages", default="dense,sparsegpt@code,alps@code,alps+recon@code")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--calib-n", type=int, default=128, help="calibration windows")
-    p.add_argument("--train-n", type=int, default=2048, help="distillation training windows")
+    p.add_argument("--train-n", type=int, default=8192, help="train-domain training windows")
+    p.add_argument("--teacher-n", type=int, default=4096, help="teacher-sampled training "
+                   "windows (mix: as many train-domain windows beside them)")
     p.add_argument("--eval-n", type=int, default=64, help="windows per held-out domain")
     p.add_argument("--calib-batch", type=int, default=8)
     p.add_argument("--eval-batch", type=int, default=16)
-    p.add_argument("--sample-batch", type=int, default=64)
+    p.add_argument("--sample-batch", type=int, default=512)
     p.add_argument("--recon-steps", type=int, default=400)
     p.add_argument("--recon-lr", type=float, default=1e-4)
     p.add_argument("--distill-steps", type=int, default=4000)
@@ -372,12 +391,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama, small settings")
     args = p.parse_args(argv)
     if args.prepare_text:
-        sizes = prepare_text(Path(args.prepare_text))
+        domains = [d for d in args.domains.split(",") if d]
+        chars = {d: int(args.chars.get(d, 400_000)) for d in domains}
+        sizes = prepare_text(Path(args.prepare_text), domains, chars)
         print(json.dumps(sizes))
         return {"prepared": sizes}
     if args.smoke:
         args.seq_len, args.calib_n, args.train_n, args.eval_n = 32, 4, 8, 2
-        args.recon_steps, args.distill_steps, args.sample_batch = 5, 6, 4
+        args.teacher_n, args.recon_steps, args.distill_steps, args.sample_batch = 4, 5, 6, 4
     elif not args.model:
         p.error("--model is required (or --smoke, or --prepare-text)")
     args.eval = [d for d in args.eval.split(",") if d]
@@ -388,7 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
     results["setup"] = {
         "model": "smoke" if args.smoke else args.model, "train_domain": args.train,
         "eval_domains": args.eval, "seq_len": args.seq_len, "calib_windows": args.calib_n,
-        "train_windows": args.train_n, "eval_windows": args.eval_n,
+        "train_windows": args.train_n, "teacher_windows": args.teacher_n,
+        "eval_windows": args.eval_n, "teacher_sampling_s": getattr(lab, "teacher_seconds", None),
+        "load_s": getattr(lab, "load_seconds", None),
         "device": torch.cuda.get_device_name() if lab.device.type == "cuda" else
         platform.processor() or "cpu", "torch": torch.__version__,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
