@@ -28,7 +28,7 @@ Sections:
   weights cycled past the L2: microseconds, GB/s (values and metadata read, bf16 written),
   and whether the two give the same weight bitwise.
 
-The library is built by nvcc on first use (``SPARSEKIT_SK24_MMA_LIB`` names a prebuilt one).
+The library is built ahead of time: ``python -m sparsekit.accel.build`` (once per checkout).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparsekit.accel import libload
 from sparsekit.accel.kernels.int4 import op as int4_op
 from sparsekit.accel.kernels.mma_sp import op as mma_op
 from sparsekit.accel.kernels.triton24 import op as sk24_op
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     lib = sk24_mma.load()
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "load_s": time.perf_counter() - t0, "library": str(sk24_mma.library_path()),
+                 "load_s": time.perf_counter() - t0, "library": str(libload.LIB_DIR),
                  "available": lib is not None, "reason": sk24_mma.reason()}
     print(json.dumps(out), flush=True)
     if lib is None:

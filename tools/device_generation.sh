@@ -42,7 +42,8 @@
 #   tools/device_generation.sh gpu_tests    # the whole `pytest -m gpu` suite
 #
 # Expects the packages the GPU image lacks on PYTHONPATH (tools/../shared/tools/device-wheels.sh)
-# and, optionally, SPARSEKIT_SK24_MMA_LIB naming a prebuilt mma.sp library; BATCHES (default
+# and builds the mma.sp library into the checkout first (python -m sparsekit.accel.build: nvcc
+# runs only where the sources changed since the last build); BATCHES (default
 # 1,16) the generate stages' batch sizes; gen_b1 takes PRECISIONS, DENSE and LIMIT (seconds);
 # sparsegpt takes LAYERS (default 8); gen_core, gen_int4 and gen_way take BATCHES (default
 # 16,1), DENSE (default hf,sk: HF static cache + reduce-overhead, sparsekit's dense generate),
@@ -61,6 +62,7 @@ out=${OUT:-device_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+python -m sparsekit.accel.build 2>&1 | tail -n 1 | tee "$out/build.txt"
 # STAGE PRECISIONS: those ways at batch 16, then 1, against the DENSE ways
 pair_16_1() {
   timeout "${LIMIT:-560}" python tools/bench_generate.py --sections generate \

@@ -16,7 +16,7 @@ writes one row per case: its key counters (``summary``) and every raw metric (``
     python tools/ncu_sk24_mma.py --sweep docs/bench/bench_sk24_mma_2026-12-07d_m1_16_h100.json \\
         --out ncu.json                                     # on the GPU (sm_90), ncu on PATH
 
-The library is built by nvcc on first use (``SPARSEKIT_SK24_MMA_LIB`` names a prebuilt one).
+The library is built ahead of time: ``python -m sparsekit.accel.build`` (once per checkout).
 """
 
 from __future__ import annotations

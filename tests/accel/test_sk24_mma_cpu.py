@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsekit.accel.kernels.mma_sp import op as mma_op
+from sparsekit.accel import build, libload
 from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+from sparsekit.accel.kernels.mma_sp import op as mma_op
 from test_decode_cpu import masked_24 as decode_masked_24
 
 
@@ -177,20 +178,23 @@ def test_source_ships_and_build_says_why_without_nvcc(monkeypatch, tmp_path):
     root = sk24_mma.SOURCE.parents[5]
     assert sk24_mma.SOURCE.is_file() and "mma.sp" in sk24_mma.SOURCE.read_text()
     assert '"*/csrc/*.cu"' in (root / "pyproject.toml").read_text()  # package data
-    monkeypatch.setattr(sk24_mma.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
     with pytest.raises(RuntimeError, match="no nvcc"):
-        sk24_mma.build(tmp_path / "x.so")
+        build.build_sk24_mma(tmp_path / "_lib")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
-def test_build_makes_a_library_with_both_entry_points(tmp_path):
-    import ctypes
+# nvcc runs only on GPU machines: the default (CPU) test run compiles no CUDA where nvcc exists
+NEEDS_NVCC = pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvcc") is None,
+                                reason="compiles CUDA: a GPU machine with the CUDA toolkit")
 
-    path = sk24_mma.build(tmp_path / "lib.so")
-    assert path.is_file() and not list(tmp_path.glob("tmp*"))  # renamed into place
-    lib = ctypes.CDLL(str(path))  # static CUDA runtime: loads without a GPU
+
+@pytest.mark.gpu
+@NEEDS_NVCC
+def test_build_makes_a_library_the_loader_opens(tmp_path):
+    path = build.build_sk24_mma(tmp_path / "_lib")
+    assert path.is_file() and not list(path.parent.glob("tmp*"))  # renamed into place
+    lib = libload.load(sk24_mma.SPEC, path.parent)  # static CUDA runtime: loads without a GPU
     assert lib.sk24_mma_version() == sk24_mma.VERSION == 11
     assert hasattr(lib, "sk24_mma_launch") and hasattr(lib, "sk24_mma_e4m3_launch")
 
@@ -371,7 +375,8 @@ def test_lean_configurations_run_whole_rounds_only(monkeypatch):
         sk24_mma._launch(None, x, values, meta, None, None, None, cfg)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.gpu
+@NEEDS_NVCC
 def test_lean_load_offsets_equal_the_addresses_of_the_other_rounds(tmp_path):
     # the lean rounds' per-lane offsets (computed once, advanced a round at a time), built for
     # the host from the library's own source, against the expressions load_round and load_x

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -67,7 +68,9 @@ def test_a_bad_option_is_one_line(capsys):
     assert "--mt takes 1, 2 and 4" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.gpu  # compiles CUDA: only on GPU machines, never in the default CPU run
+@pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvcc") is None,
+                    reason="compiles CUDA: a GPU machine with the CUDA toolkit")
 def test_lean_rounds_spend_fewer_instructions_per_byte(tmp_path):
     rows = tool.main(["--kinds", "int4,bf16", "--configs", "8x4x1x3,8x4x1x19",
                       "--out", str(tmp_path / "x.json")])

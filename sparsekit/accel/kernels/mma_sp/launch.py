@@ -50,32 +50,32 @@ runs the f16 sparse tensor cores) where that passed the self-check (:func:`fp8_f
 widened to bf16 (the weight widened in registers by bit moves), so that the products and sums
 are those of an fp8 x fp8 GEMM with float32 accumulation.
 
-The kernel is a plain shared library (no torch headers), built by ``nvcc`` on first use into
-the cache directory (``$SPARSEKIT_CACHE`` or ``~/.cache/sparsekit``) and called through ctypes
-on torch's current stream (CUDA graphs capture it). Where there is no nvcc, no CUDA device or
-the build fails, or the library fails its self-check (once per process: every configuration
-against the reference on a small weight), :func:`load` returns None and :func:`reason` says
-why; the layers then keep the Triton kernel. ``SPARSEKIT_SK24_MMA=0`` turns it off. bf16
-layers always take it; an fp8 layer starts on the Triton kernel and, where the library runs fp8
-weights with f16 x (:func:`choosable`), the decode plan times both kernels on the layer's shape
-and keeps the faster (:func:`sparsekit.accel.planner.time_decode_choice`);
-``SPARSEKIT_SK24_MMA=all`` puts every fp8 layer on this kernel untimed (:func:`dtypes`).
+The kernel is a plain shared library (no torch headers), built ahead of time into the package
+(``python -m sparsekit.accel.build``, or ``pip install`` on a machine with a GPU and the CUDA
+toolkit: :mod:`sparsekit.accel.build`), opened only after :mod:`sparsekit.accel.libload` checked
+the file (owner, permissions, the sha256 its manifest records, the functions it exports), and
+called through ctypes on torch's current stream (CUDA graphs capture it). Where there is no
+CUDA device, the library is not built or fails a check, or it fails its self-check (once per
+process: every configuration against the reference on a small weight), :func:`load` returns
+None and :func:`reason` says why; the layers then keep the Triton kernel.
+``SPARSEKIT_SK24_MMA=0`` turns it off. bf16 layers always take it; an fp8 layer starts on the
+Triton kernel and, where the library runs fp8 weights with f16 x (:func:`choosable`), the
+decode plan times both kernels on the layer's shape and keeps the faster
+(:func:`sparsekit.accel.planner.time_decode_choice`); ``SPARSEKIT_SK24_MMA=all`` puts every fp8
+layer on this kernel untimed (:func:`dtypes`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from sparsekit.accel import build, libload
 from sparsekit.accel.kernels.triton24 import format as sk24
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ PDL_CONFIGS = tuple(c for c in CONFIGS if c[3] & 4)  # launched as programmatic 
 # (the kernel's M tiles, with M = 1 apart: there the direct loads fetch one row only)
 BUCKETS = (1, 8, 16, 32)
 VERSION = 11  # sk24_mma_version() of the library this module calls
+# what the loader checks the built library against before it opens it (sparsekit.accel.libload)
+SPEC = libload.Spec(build.SK24_MMA, VERSION, build.SK24_MMA_SOURCES, build.SK24_MMA_SYMBOLS)
 # the ways the kernel runs: "bf16" (bf16 x: bf16 weights, fp8 weights widened to bf16), "f16"
 # (fp8 weights with f16 x: the f16 sparse tensor cores), "int4"
 WAYS = ("bf16", "f16", "int4")
@@ -342,42 +344,6 @@ def enabled() -> bool:
     return os.environ.get("SPARSEKIT_SK24_MMA", "1") != "0"
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("SPARSEKIT_CACHE") or os.path.join(Path.home(), ".cache", "sparsekit")
-    return Path(root)
-
-
-def library_path() -> Path:
-    """Where the built library lives: named by a hash of the source (a changed kernel builds
-    anew)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return _cache_dir() / f"sk24_mma_{digest}.so"
-
-
-def build(path: Path | None = None) -> Path:
-    """Compile ``csrc/sk24_mma.cu`` for sm_90 with nvcc into ``path`` (atomically: a temporary
-    file renamed into place); RuntimeError with nvcc's message on failure."""
-    path = path or library_path()
-    nvcc = shutil.which("nvcc") or next(
-        (str(p) for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc",)
-         if p.exists()), None)
-    if nvcc is None:
-        raise RuntimeError("no nvcc on PATH or in $CUDA_HOME/bin (the CUDA toolkit builds the "
-                           "mma.sp kernel)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    cmd = [nvcc, "-O3", "-arch=sm_90", "-DSK24_ORDERED", "-shared", "-Xcompiler", "-fPIC",
-           "-o", tmp, str(SOURCE)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        os.unlink(tmp)
-        lines = [ln for ln in res.stderr.splitlines() if "error" in ln.lower()]
-        raise RuntimeError(f"nvcc failed: {(lines or res.stderr.splitlines() or ['?'])[0][:300]}")
-    os.replace(tmp, path)
-    return path
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built library (``sk24_mma_launch``), or None (:func:`reason` says why)."""
@@ -392,11 +358,7 @@ def load() -> ctypes.CDLL | None:
         _why.append(f"compute capability {major}.x: the kernel is built for sm_90")
         return None
     try:
-        path = Path(os.environ["SPARSEKIT_SK24_MMA_LIB"]) if \
-            os.environ.get("SPARSEKIT_SK24_MMA_LIB") else library_path()
-        if not path.exists():
-            build(path)
-        lib = ctypes.CDLL(str(path))
+        lib = libload.load(SPEC)
         lib.sk24_mma_launch.restype = ctypes.c_int
         lib.sk24_mma_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -404,8 +366,8 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         if lib.sk24_mma_version() != VERSION:
-            raise RuntimeError(f"{path} is version {lib.sk24_mma_version()} of the library, "
-                               f"not {VERSION}: rebuild it (or remove it)")
+            raise RuntimeError(f"the library is version {lib.sk24_mma_version()}, not "
+                               f"{VERSION}: rebuild it ({build.COMMAND})")
         lib.sk24_mma_e4m3_launch.restype = ctypes.c_int
         lib.sk24_mma_e4m3_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -413,7 +375,7 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         _self_check(lib)
         return lib
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, AttributeError) as e:
         _why.append(str(e)[:300])
         log.warning("sparsekit: the mma.sp 2:4 kernel is not available (%s); the Triton "
                     "kernel runs instead", _why[-1])
@@ -831,9 +793,9 @@ def bound_bytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
 
 __all__ = ["BUCKETS", "CONFIGS", "DEFAULTS", "DEFAULTS_INT4", "DTYPES", "E4M3_CONFIGS",
            "INT4_COLUMNS", "LAYOUTS", "LEAN_CONFIGS", "MAX_M", "PDL_CONFIGS", "VERSION", "WAYS",
-           "bound_bytes", "build", "candidates", "check_int4", "choosable", "check_shape",
+           "SPEC", "bound_bytes", "candidates", "check_int4", "choosable", "check_shape",
            "compress", "compress_int4", "config_for", "config_text", "decompress",
            "decompress_int4", "default_config", "dtypes", "e4m3_ok", "fp8_f16_ok",
-           "int4_configs", "int4_ok", "launch", "launch_int4", "layout_for", "library_path",
+           "int4_configs", "int4_ok", "launch", "launch_int4", "layout_for",
            "load", "reason", "reference", "reference_int4", "usable", "usable_int4",
            "whole_rounds", "working"]
