@@ -89,6 +89,31 @@ def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
     assert "prune.pattern" in proc.stderr
 
 
+FIRST_CHECK = """
+import sys
+from sparsekit.run.cli import main
+for arg in sys.argv[1:]:
+    try:
+        main([arg])
+    except SystemExit as e:
+        print(arg, e.code, "torch" in sys.modules)
+"""
+
+
+def test_a_mistake_is_answered_before_torch_is_imported(tmp_path):
+    """A syntax, key, group, fixed-choice or number mistake is answered without importing
+    torch (the first check: about a second); a registry's name (quant.scheme) is checked after
+    torch's import, still as one line and exit 2."""
+    bad = ["prune.sparsity=2", "prune.typo=1", "prune=dense", "prune.pattern=3:2",
+           "quant.method=foo", "train.distill.loss=l1", "runs/x", "quant.scheme=int9"]
+    proc = subprocess.run([sys.executable, "-c", FIRST_CHECK, *bad], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    answers = [line.split() for line in proc.stdout.splitlines()]
+    assert answers == [[a, "2", "False"] for a in bad[:-1]] + [[bad[-1], "2", "True"]]
+    assert proc.stderr.count("sparsekit: error: ") == len(bad), proc.stderr
+
+
 def test_help_lists_groups_options_and_recipes(tmp_path, capsys):
     code, out, _ = run_cli(["--help"], tmp_path, capsys)
     assert code == 0
@@ -340,8 +365,8 @@ def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
         else:
             sent.append(box[0])
 
-    monkeypatch.setattr(cli, "launched_by_torchrun", lambda: True)
-    monkeypatch.setattr(cli, "init", lambda: None)
+    monkeypatch.setattr(D, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(D, "init", lambda: None)
     monkeypatch.setattr(D, "is_distributed", lambda: True)
     monkeypatch.setattr(D.dist, "broadcast_object_list", broadcast)
     resolved = ["lr=0.1", "hydra.run.dir='/runs/a'", "resume=true"]
@@ -383,7 +408,7 @@ def test_under_torchrun_rank_0_alone_resolves_resume(monkeypatch):
 
     monkeypatch.setattr(cli, "resume_argv", lambda argv: ["plain"])
     assert cli.shared_resume_argv(["lr=0.1"]) == ["plain"]  # no resume=: no broadcast
-    monkeypatch.setattr(cli, "launched_by_torchrun", lambda: False)
+    monkeypatch.setattr(D, "launched_by_torchrun", lambda: False)
     assert cli.shared_resume_argv(["resume=true"]) == ["plain"]
     assert len(sent) == 3
 
@@ -394,6 +419,7 @@ def test_hydra_argv_is_the_one_rewrite_of_the_command_line(tmp_path, monkeypatch
     flag or ``resume=DIR`` makes none (resume replays the recorded overrides in that run's
     directory, then the new ones); under torchrun every rank takes rank 0's directory."""
     import sparsekit.run.cli as cli
+    import sparsekit.run.distributed as D
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli.time, "strftime", lambda fmt, *a: "2026-01-01_00-00-00")
@@ -429,13 +455,13 @@ def test_hydra_argv_is_the_one_rewrite_of_the_command_line(tmp_path, monkeypatch
         asked.append(code)
         return "runs/rank0"
 
-    monkeypatch.setattr(cli, "launched_by_torchrun", lambda: True)
-    monkeypatch.setattr(cli, "init", lambda: None)
-    monkeypatch.setattr(cli, "from_rank0", rank0_made)
+    monkeypatch.setattr(D, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(D, "init", lambda: None)
+    monkeypatch.setattr(D, "from_rank0", rank0_made)
     assert cli.hydra_argv(["train.seed=4"]) == ["train.seed=4", "hydra.run.dir='runs/rank0'"]
     assert asked == [cli.EXIT_RUNTIME]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [*made, "old"]
-    monkeypatch.setattr(cli, "from_rank0", lambda make, code: make())  # rank 0 makes it
+    monkeypatch.setattr(D, "from_rank0", lambda make, code: make())  # rank 0 makes it
     assert cli.hydra_argv(["train.seed=4"])[-1] == f"hydra.run.dir='runs/{stamp}_2'"
 
 

@@ -39,14 +39,8 @@ from torch import nn
 
 from sparsekit.errors import FileFormatError, UnsafeFileError, UsageError
 from sparsekit.models.registry import register_model
+from sparsekit.names import AUTO_CLASSES  # model.task -> the transformers Auto class
 
-# model.task -> the transformers Auto class that builds it
-AUTO_CLASSES = {
-    "causal_lm": "AutoModelForCausalLM",
-    "masked_lm": "AutoModelForMaskedLM",
-    "sequence_classification": "AutoModelForSequenceClassification",
-    "feature_extraction": "AutoModel",
-}
 # attention implementations built into transformers; any other name (a hub kernel such as
 # "kernels-community/flash-attn") would make transformers look it up online
 SAFE_ATTENTION = ("eager", "sdpa")

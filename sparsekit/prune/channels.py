@@ -43,8 +43,8 @@ from sparsekit.prune.schedules import Linear, OneShot, Schedule
 from sparsekit.nn.select import (PRUNABLE_TYPES, as_patterns, include_patterns,
                                  name_matches)
 from sparsekit.nn.select import check_finite_weight
+from sparsekit.names import SCOPES
 
-SCOPES = ("layer", "global")
 PLAN_FORMAT = "sparsekit.channel_plan"
 PLAN_VERSION = 1
 

@@ -45,9 +45,9 @@ from sparsekit.checks import check_int
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.nn.calibration import eval_mode, to_device
 from sparsekit.prune.schedules import lr_at
+from sparsekit.names import DISTILL_LOSSES as LOSSES
+from sparsekit.names import DISTILL_TARGETS as TARGETS
 
-LOSSES = ("auto", "kl", "cosine", "mse")
-TARGETS = ("auto", "logits", "last_hidden", "pooled")
 EMBEDDING_TASKS = ("feature_extraction", "embedding")
 
 __all__ = ["DistillRun", "Distiller", "distill_", "embedding_agreement", "kl_loss",

@@ -8,46 +8,19 @@ that reduction dimension, as sparse tensor cores want.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.errors import UsageError
+from sparsekit.names import parse_pattern  # noqa: F401 - torch-free, re-exported here
 
 if TYPE_CHECKING:
     from sparsekit.nn.shards import ShardComm
 
-_NM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _CHUNK = 1 << 24  # elements per pass of the global selection: bounds temporary memory
 _EXCLUDED = torch.iinfo(torch.int32).max
-
-
-def parse_pattern(pattern: str) -> tuple[int, int] | None:
-    """``"unstructured"`` -> None; ``"N:M"`` (0 < N < M) -> ``(N, M)``.
-
-    >>> parse_pattern("2:4")
-    (2, 4)
-    >>> parse_pattern("unstructured") is None
-    True
-    """
-    if not isinstance(pattern, str):
-        raise ConfigTypeError(
-            f"pattern must be a string ('unstructured' or 'N:M'), got {pattern!r}"
-        )
-    if pattern == "unstructured":
-        return None
-    match = _NM.match(pattern)
-    if match is None:
-        raise UsageError(
-            f"unknown pattern {pattern!r}: allowed are 'unstructured' or 'N:M' with 0 < N < M, "
-            "for example '2:4', '1:4', '4:8'"
-        )
-    n, m = int(match.group(1)), int(match.group(2))
-    if not 0 < n < m:
-        raise UsageError(f"pattern {pattern!r}: N:M needs 0 < N < M (N kept out of every M)")
-    return n, m
 
 
 def gemm_view(weight: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,8 @@ from sparsekit.prune.report import LayerSparsity, SparsityReport
 from sparsekit.prune.schedules import OneShot, Schedule
 from sparsekit.nn.select import name_matches, select_modules
 from sparsekit.prune.stores import pick_store
+from sparsekit.names import SCOPES
 
-SCOPES = ("layer", "global")
 STATE_VERSION = 1
 _LEVEL = "the fraction of weights set to zero"
 

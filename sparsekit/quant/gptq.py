@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
+from sparsekit.names import QUANT_METHODS as METHODS
 from sparsekit.nn import shards
 from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.patterns import parse_pattern
@@ -55,8 +56,6 @@ from sparsekit.prune.sparsegpt import dead_inputs, inverse_cholesky, sparsegpt_p
 from sparsekit.quant.formats import Format, Scheme, get_scheme
 from sparsekit.quant.modules import QuantLinear
 from sparsekit.quant.numerics import absmax_scale, quantize
-
-METHODS = ("rtn", "gptq")
 
 
 @dataclass(frozen=True)

@@ -33,19 +33,20 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from sparsekit.run.config import PLUGIN_KEYS, Config, choices, enum_fields
-from sparsekit.data import check_data_name
-from sparsekit.run.distributed import (
-    from_rank0,
-    init,
-    is_main,
-    launched_by_torchrun,
-    set_launch_env,
+from sparsekit.run.config import (
+    Config,
+    checks_registries,
+    choices,
+    enum_fields,
+    plugin_keys,
+    without_registries,
 )
 from sparsekit.errors import SparsekitError, StorageError, UsageError
-from sparsekit.io.files import unique_dir
-from sparsekit.models import check_model_name
 from sparsekit.run.resources import conf_dir, recipes_dir
+
+# torch (and what imports it: the registries, models, data, run/distributed) is imported only
+# after the command line passed its first check (:func:`main`): a mistake is answered in about
+# a second, not after torch's import
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
@@ -78,7 +79,8 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("sparsekit_choices", choices_help, replace=True,
                                     use_cache=False)
     cs = ConfigStore.instance()
-    cs.store(name="sparsekit_schema", node=Config)
+    with without_registries():  # the defaults (checked in full by every run): no torch here
+        cs.store(name="sparsekit_schema", node=Config)
     for name in recipe_names():
         node = OmegaConf.load(recipes_dir() / f"{name}.yaml")
         cs.store(group="recipe", name=name, node=node, package="_global_")
@@ -86,10 +88,16 @@ def register_configs() -> None:
 
 def to_config(cfg: DictConfig) -> Config:
     """The composed Hydra config as the :class:`~sparsekit.run.config.Config` dataclass,
-    validated."""
+    validated (within :func:`~sparsekit.run.config.without_registries`: all but the names
+    registries hold and the input paths, importing no torch)."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
     config = OmegaConf.to_object(cfg)  # each dataclass checks its values (__post_init__)
     assert isinstance(config, Config)
+    if not checks_registries():
+        return config
+    from sparsekit.data import check_data_name
+    from sparsekit.models import check_model_name
+
     check_model_name(config.model.name, config.model._target_)
     check_data_name(config.data.name, config.data._target_)
     from sparsekit.run.loading import check_input_paths
@@ -233,9 +241,11 @@ def check_overrides(overrides: Sequence[str]) -> None:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             variant = base
             composed = compose("config", overrides=base)
-            from sparsekit.run.loading import check_input_paths
+            config = to_config(composed)
+            if checks_registries():
+                from sparsekit.run.loading import check_input_paths
 
-            check_input_paths(to_config(composed))  # data=text's data.path too, before the run
+                check_input_paths(config)  # data=text's data.path too, before the run
             for i, o in sweeps:
                 values = zip(list(o.sweep_string_iterator())[1:], list(o.sweep_iterator())[1:])
                 for text, value in values:
@@ -281,12 +291,12 @@ def imports_code(overrides: Sequence[object]) -> list[str]:
 
 def needs_plugin(overrides: Sequence[object]) -> list[str]:
     """The recorded overrides that name an installed plugin (an entry point) where a built-in
-    is expected (:data:`~sparsekit.run.config.PLUGIN_KEYS`): a run directory never chooses
+    is expected (:func:`~sparsekit.run.config.plugin_keys`): a run directory never chooses
     which plugin code runs (``sparsekit.registry.from_file``); ``none`` is no scheme."""
     flagged = []
     for o in overrides:
         key, eq, value = str(o).partition("=")
-        registry = PLUGIN_KEYS.get(key.lstrip("+~"))
+        registry = plugin_keys().get(key.lstrip("+~"))
         if registry is not None and eq and value != "none" and not registry.in_code(value):
             flagged.append(f"{o} (not a built-in {registry.kind}: a plugin?)")
     return flagged
@@ -396,6 +406,8 @@ def shared_resume_argv(argv: list[str]) -> list[str]:
     :func:`~sparsekit.run.distributed.from_rank0`). Each rank resolving on its own raced with
     rank 0's Hydra rewriting the run's ``.hydra`` files in place: another rank could read them
     half-written and find no run to continue (seen once in CI)."""
+    from sparsekit.run.distributed import from_rank0, init, launched_by_torchrun
+
     if not launched_by_torchrun() or not any(a.startswith("resume=") for a in argv):
         return resume_argv(argv)
     init()
@@ -420,6 +432,9 @@ def unique_run_dir(argv: list[str]) -> list[str]:
     if (any(a.lstrip("+").startswith(key + "=") for a in argv)
             or any(a in _FLAGS_WITHOUT_CHECK for a in argv)):
         return argv
+    from sparsekit.io.files import unique_dir
+    from sparsekit.run.distributed import from_rank0, init, launched_by_torchrun
+
     parent = Path("multirun") if sweep else RUNS
 
     def make() -> str:
@@ -431,6 +446,18 @@ def unique_run_dir(argv: list[str]) -> list[str]:
     else:
         made = make()
     return [*argv, _dir_override(key, made)]
+
+
+def first_check(argv: Sequence[str]) -> None:
+    """:func:`check_overrides` without the registries and input paths
+    (:func:`~sparsekit.run.config.without_registries`), importing no torch: a mistake in the
+    syntax, a key, a group option, a fixed choice or a number is one line and exit 2 in about a
+    second. ``resume=`` (the recorded overrides are read later) and flags that only print skip
+    it; :func:`hydra_argv` checks everything after it."""
+    if any(a in _FLAGS_WITHOUT_CHECK or a.startswith("resume=") for a in argv):
+        return
+    with without_registries():
+        check_overrides([a for a in argv if not a.startswith("-")])
 
 
 def hydra_argv(argv: Sequence[str]) -> list[str]:
@@ -459,6 +486,8 @@ def _app(cfg: DictConfig) -> None:
         summary = run(config, HydraConfig.get().runtime.output_dir, resume=resume)
     except Exception as e:  # reported here: Hydra would print its own lines first
         report_runtime_error(e)
+    from sparsekit.run.distributed import is_main
+
     if is_main():
         print(summary["table"])
 
@@ -478,8 +507,12 @@ class SweepFigures(Callback):
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``sparsekit`` console script and ``python -m sparsekit``."""
     register_configs()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first_check(argv)
+    from sparsekit.run.distributed import set_launch_env
+
     set_launch_env()  # torchrun: NCCL multicast off unless the user exported otherwise
-    args = hydra_argv(sys.argv[1:] if argv is None else argv)
+    args = hydra_argv(argv)
     try:
         _run_hydra(args)
     except OSError as e:  # Hydra creating the run directory, before the run starts

@@ -13,26 +13,25 @@ True
 from __future__ import annotations
 
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from sparsekit.accel.layers import SPARSITIES, precisions, scheme_precision
-from sparsekit.prune import distill, pruner, schedules
-from sparsekit.prune.channels import CHANNEL_CRITERIA
-from sparsekit.prune.criteria import CRITERIA, get_criterion, is_solver
-from sparsekit.run import distributed
+from sparsekit import names
 from sparsekit.errors import UsageError
-from sparsekit.models.hf import AUTO_CLASSES
-from sparsekit.prune.patterns import parse_pattern
-from sparsekit.quant.formats import SCHEMES
-from sparsekit.quant.gptq import METHODS
+from sparsekit.names import parse_pattern
+from sparsekit.prune import schedules
+
+if typing.TYPE_CHECKING:
+    from sparsekit.registry import Registry
 
 PATTERN_HELP = "'unstructured', 'none' or 'N:M' with 0 < N < M (e.g. '2:4')"
 
@@ -45,21 +44,71 @@ def _choices(name: str, values: Iterable[str], doc: str) -> type[StrEnum]:
 
 
 # fixed sets, each taken from the module that implements it
-Scope = _choices("Scope", pruner.SCOPES, "Pruner/ChannelPruner scope: per layer or global.")
+Scope = _choices("Scope", names.SCOPES, "Pruner/ChannelPruner scope: per layer or global.")
 ScheduleKind = _choices("ScheduleKind", schedules.SCHEDULES, "When masks move (schedules.py).")
-HFTask = _choices("HFTask", AUTO_CLASSES, "What a transformers model is built for.")
-Distributed = _choices("Distributed", distributed.MODES, "How ranks share the model.")
+HFTask = _choices("HFTask", names.AUTO_CLASSES, "What a transformers model is built for.")
+Distributed = _choices("Distributed", names.DISTRIBUTED_MODES, "How ranks share the model.")
 # fixed sets of the run itself (train.py, tracking.py)
 Task = _choices("Task", ("classification", "lm", "embedding"),
                "classification (accuracy) | lm (perplexity) | embedding (mean cosine to the "
                "dense model's pooled embeddings)")
-DistillLoss = _choices("DistillLoss", distill.LOSSES, "Distiller losses (prune/distill.py).")
-DistillTarget = _choices("DistillTarget", distill.TARGETS, "What the Distiller matches.")
+DistillLoss = _choices("DistillLoss", names.DISTILL_LOSSES, "Distiller losses (prune/distill.py).")
+DistillTarget = _choices("DistillTarget", names.DISTILL_TARGETS, "What the Distiller matches.")
 FeatureLoss = _choices("FeatureLoss", ("cosine", "mse"), "Per-layer feature matching loss.")
 Optimizer = _choices("Optimizer", ("adam", "adamw", "sgd"), "train.make_optimizer's names.")
 LRSchedule = _choices("LRSchedule", ("constant", "cosine"), "train.lr_at's schedules.")
 TrackerKind = _choices("TrackerKind", ("tensorboard", "none"), "Where metrics go.")
+QuantMethod = _choices("QuantMethod", names.QUANT_METHODS,
+                       "rtn: round to nearest | gptq: GPTQ's error compensation (int4)")
 Device = _choices("Device", ("auto", "cpu", "cuda"), "auto: cuda when visible.")
+
+
+# The registries (criteria, quantization schemes, accel variants) are filled by modules that
+# import torch: they are imported on first use, so that the schema alone loads in well under a
+# second and the command line's first check (:func:`without_registries`) answers before torch.
+_REGISTRIES = contextvars.ContextVar("sparsekit_config_registries", default=True)
+
+
+@contextlib.contextmanager
+def without_registries() -> Iterator[None]:
+    """Within this block, config checks that need a registry (criterion, quantization scheme,
+    accel precision and sparsity, channel criterion; what a criterion or scheme allows) are
+    skipped and nothing imports torch; every other check runs. The CLI checks the command line
+    this way first, then in full."""
+    token = _REGISTRIES.set(False)
+    try:
+        yield
+    finally:
+        _REGISTRIES.reset(token)
+
+
+def checks_registries() -> bool:
+    """False within :func:`without_registries`."""
+    return _REGISTRIES.get()
+
+
+def _criteria():  # noqa: ANN202 - the module sparsekit.prune.criteria
+    from sparsekit.prune import criteria
+
+    return criteria
+
+
+def _channel_criteria() -> Registry:
+    from sparsekit.prune.channels import CHANNEL_CRITERIA
+
+    return CHANNEL_CRITERIA
+
+
+def _schemes() -> Registry:
+    from sparsekit.quant.formats import SCHEMES
+
+    return SCHEMES
+
+
+def _kernels():  # noqa: ANN202 - the module sparsekit.accel.layers
+    from sparsekit.accel import layers
+
+    return layers
 
 
 @functools.cache
@@ -176,8 +225,9 @@ class _Checked:
         for name, enum in enum_fields(type(self)).items():
             if getattr(self, name) is not None:
                 self._choice(name, enum)
-        for name, allowed in self._open.items():
-            self._choice(name, allowed())
+        if checks_registries():
+            for name, allowed in self._open.items():
+                self._choice(name, allowed())
         self.check()
 
     def check(self) -> None:
@@ -269,7 +319,7 @@ class ChannelConfig(_Checked):
     channels removed per layer (0 disables it)."""
 
     _key: ClassVar[str] = "prune.channel"
-    _open: ClassVar = {"criterion": CHANNEL_CRITERIA.names}
+    _open: ClassVar = {"criterion": lambda: _channel_criteria().names()}
     ratio: float = number(0.0, 0, 1, high_open=True)
     criterion: str = "magnitude"
     scope: Scope = Scope.layer
@@ -278,7 +328,8 @@ class ChannelConfig(_Checked):
     exclude: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        self._choice("criterion", CHANNEL_CRITERIA.names())
+        if checks_registries():
+            self._choice("criterion", _channel_criteria().names())
 
 
 @dataclass
@@ -314,7 +365,7 @@ class PruneConfig(_Checked):
     ``sparsekit.criteria`` entry point)."""
 
     _key: ClassVar[str] = "prune"
-    _open: ClassVar = {"criterion": lambda: CRITERIA}
+    _open: ClassVar = {"criterion": lambda: _criteria().CRITERIA}
     pattern: str = "2:4"
     sparsity: float | None = number(None, 0, 1, high_open=True)
     criterion: str = "magnitude"
@@ -340,8 +391,8 @@ class PruneConfig(_Checked):
                 f"(which implies {1 - nm[0] / nm[1]:g}); set prune.sparsity=null"
             )
         given = self.options.given()
-        if given and self.criterion in CRITERIA:
-            takes = tuple(getattr(get_criterion(self.criterion), "options", ()))
+        if given and checks_registries() and self.criterion in _criteria().CRITERIA:
+            takes = tuple(getattr(_criteria().get_criterion(self.criterion), "options", ()))
             wrong = [k for k in given if k not in takes]
             if wrong:
                 raise ConfigError(
@@ -375,17 +426,18 @@ class QuantConfig(_Checked):
     model before quantization and with round-to-nearest, for summary.json's ``variants``."""
 
     _key: ClassVar[str] = "quant"
-    _open: ClassVar = {"scheme": lambda: ("none", *SCHEMES.names()), "method": lambda: METHODS}
+    _open: ClassVar = {"scheme": lambda: ("none", *_schemes().names()), }
     scheme: str = "none"
     qat: bool = False
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
-    method: str = "rtn"
+    method: QuantMethod = QuantMethod.rtn
     act_order: bool = False
     compare: bool = False
 
     def check(self) -> None:
-        if self.method == "gptq" and self.scheme != "none" and not SCHEMES[self.scheme].grouped:
+        if (self.method == "gptq" and self.scheme != "none" and checks_registries()
+                and not _schemes()[self.scheme].grouped):
             raise ConfigError(f"quant.method=gptq quantizes int4 weights; quant.scheme="
                               f"{self.scheme} takes quant.method=rtn")
         if self.method == "gptq" and self.qat:
@@ -474,7 +526,8 @@ class AccelConfig(_Checked):
     (null: where the inputs allow; false: torch.compile's reduce-overhead mode)."""
 
     _key: ClassVar[str] = "accel"
-    _open: ClassVar = {"precision": precisions, "sparsity": lambda: SPARSITIES}
+    _open: ClassVar = {"precision": lambda: _kernels().precisions(),
+                       "sparsity": lambda: _kernels().SPARSITIES}
     enabled: bool = False
     precision: str = "bf16"
     sparsity: str = "2:4"
@@ -646,7 +699,8 @@ class Config(_Checked):
             # text for an embedding model: no next token to predict; agreement with the dense
             # model's embeddings is what is measured (and what fine-tuning distils)
             self.data.task = Task.embedding
-        if is_solver(p.criterion) and p.fine_tune and self.schedule.kind != "oneshot":
+        if (checks_registries() and _criteria().is_solver(p.criterion) and p.fine_tune
+                and self.schedule.kind != "oneshot"):
             raise ConfigError(
                 f"prune.criterion={p.criterion} is one shot: set schedule=oneshot (prune at "
                 "schedule.start, then fine-tune) or prune.fine_tune=false"
@@ -659,7 +713,8 @@ class Config(_Checked):
         if joint_gptq(self) and self.quant.act_order:
             raise ConfigError("quant.act_order=true cannot go with a joint SparseGPT + GPTQ "
                               "sweep (N:M groups must stay consecutive columns)")
-        own = None if self.quant.scheme == "none" else scheme_precision(self.quant.scheme)
+        own = (None if self.quant.scheme == "none" or not checks_registries()
+               else _kernels().scheme_precision(self.quant.scheme))
         if self.accel.enabled and own is not None and self.accel.precision != own:
             raise ConfigError(
                 f"accel.precision={self.accel.precision} cannot run quant.scheme="
@@ -712,10 +767,11 @@ def _used_by(cfg: Config) -> list[tuple[str, object, bool, str]]:
     ]
 
 
-#: the registry-backed keys: a run directory's recorded value must be registered in code (built
-#: in), never an installed plugin (``sparsekit.registry.from_file``)
-PLUGIN_KEYS = {"prune.criterion": CRITERIA, "prune.channel.criterion": CHANNEL_CRITERIA,
-               "quant.scheme": SCHEMES}
+def plugin_keys() -> dict[str, Registry]:
+    """The registry-backed keys: a run directory's recorded value must be registered in code
+    (built in), never an installed plugin (``sparsekit.registry.from_file``)."""
+    return {"prune.criterion": _criteria().CRITERIA,
+            "prune.channel.criterion": _channel_criteria(), "quant.scheme": _schemes()}
 
 
 def check_include(include: list[str], option: str) -> None:

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsekit.nn.shards import is_distributed, is_initialized, rank, world_size
+from sparsekit.names import DISTRIBUTED_MODES as MODES
 
 BACKENDS = ("auto", "gloo", "nccl")
-MODES = ("auto", "none", "ddp", "fsdp2")
 # NVLink SHARP / multicast off: on the shared H200 hosts this project is measured on, a
 # communicator using it could hang the GPU (docs/distributed.md). Set by the command line under
 # torchrun (set_launch_env), never by library calls; export other values to override.
