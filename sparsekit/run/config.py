@@ -519,7 +519,7 @@ class BenchConfig(_Checked):
 
 @dataclass
 class AccelConfig(_Checked):
-    """``precision``: one with dense and 2:4 accel variants registered (accel.kernels).
+    """``precision``: one with dense and 2:4 accel variants registered (accel.layers).
     ``siblings``: layers fed one tensor (q/k/v, gate/up) as one GEMM (``sk.accelerate``).
     ``decode_dense``: under sparsity auto, a bf16 copy of a 2:4 layer for the decode batch
     sizes where dense is faster (``sk.PlanOptions``). ``capture``: sparsekit's own CUDA graphs
