@@ -15,6 +15,9 @@ another. For a masked LM (``task="masked_lm"``) an item is the window with ``mlm
 of its positions (at least one; fixed per window, so evaluation is deterministic) replaced by the
 mask token, and targets that are the original tokens there and -100 (ignored) elsewhere.
 
+:func:`held_out_text` windows all of another text (``data.eval_path``) for evaluation instead
+of the held-out part.
+
 The token stream is cached under ``cache_dir`` by a SHA-256 of the files' bytes, the
 tokenizer's serialized form and ``text_field``; ``seq_len`` and the split fractions are not part
 of the key because windows are views of the cached stream.
@@ -42,9 +45,9 @@ SUFFIXES = (".txt", ".jsonl")
 VERSION = 1
 
 
-def text_files(path: str | os.PathLike) -> list[Path]:
+def text_files(path: str | os.PathLike, option: str = "data.path") -> list[Path]:
     """The .txt/.jsonl files ``path`` names (a file, a directory searched recursively, or a
-    glob), sorted; a one-line :class:`UsageError` when there are none."""
+    glob), sorted; a one-line :class:`UsageError` naming ``option`` when there are none."""
     text = os.fspath(path)
     p = Path(text).expanduser()
     if any(c in text for c in "*?["):
@@ -53,13 +56,13 @@ def text_files(path: str | os.PathLike) -> list[Path]:
         files = [f for f in p.rglob("*") if f.is_file()]
     elif p.is_file():
         if p.suffix not in SUFFIXES:
-            raise UsageError(f"data.path={text!r}: not a .txt or .jsonl file")
+            raise UsageError(f"{option}={text!r}: not a .txt or .jsonl file")
         return [p]
     else:
-        raise UsageError(f"data.path={text!r}: no such file or directory")
+        raise UsageError(f"{option}={text!r}: no such file or directory")
     files = sorted(f for f in files if f.suffix in SUFFIXES and f.is_file())
     if not files:
-        raise UsageError(f"data.path={text!r} matches no .txt or .jsonl file")
+        raise UsageError(f"{option}={text!r} matches no .txt or .jsonl file")
     return files
 
 
@@ -152,6 +155,32 @@ class MaskedWindows(Dataset):
         chosen[int(torch.randint(len(x), (1,), generator=g))] = True
         target = torch.where(chosen, x, torch.full_like(x, -100))
         return torch.where(chosen, torch.full_like(x, self.mask_id), x), target
+
+
+def held_out_text(
+    path: str | os.PathLike,
+    tokenizer: Any,
+    seq_len: int,
+    cache_dir: str | os.PathLike,
+    task: str = "causal_lm",
+    text_field: str = "text",
+    mlm_probability: float = 0.15,
+    seed: int = 0,
+) -> Dataset:
+    """All of the text in ``path`` (``data.eval_path``) as held-out evaluation windows of a
+    ``causal_lm`` (or ``feature_extraction``) model, masked windows of a ``masked_lm`` one; a
+    one-line error naming ``data.eval_path`` when it is missing or shorter than one window."""
+    files = text_files(path, "data.eval_path")
+    stream = token_stream(files, tokenizer, cache_dir, text_field)
+    if len(stream) < seq_len + 1:
+        raise UsageError(f"data.eval_path={os.fspath(path)!r} is too short: {len(stream)} tokens, "
+                         f"less than one window of data.seq_len+1={seq_len + 1}")
+    if task == "masked_lm":
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+        if mask_id is None:
+            raise UsageError("model.task=masked_lm needs a tokenizer with a mask token")
+        return MaskedWindows(stream, seq_len, int(mask_id), mlm_probability, seed + 2)
+    return ByteWindows(stream, seq_len)
 
 
 def text_data(

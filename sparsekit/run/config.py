@@ -311,6 +311,22 @@ class DataConfig(_Checked):
     path: str | None = None
     tokenizer: str | None = None
     seq_len: int = number(128, 1)
+    # data=text: held-out evaluation on all of this text instead of data.path's held-out part
+    # (a domain the run neither calibrates nor trains on)
+    eval_path: str | None = None
+    # model=hf causal LM, data=text: teacher_samples sequences written by the dense model itself
+    # (sparsekit.data.teacher; 0: none), each BOS + seq_len tokens: the first
+    # teacher_first_tokens from its full distribution, the rest at teacher_temperature (0:
+    # greedy) within the teacher_top_p nucleus, teacher_batch_size at a time, seeded by
+    # teacher_seed. teacher_mix: the fraction of the training and calibration windows that are
+    # teacher samples (1: data-free, data.path then optional); evaluation never sees them.
+    teacher_samples: int = number(0, 0)
+    teacher_mix: float = number(0.5, 0, 1, low_open=True)
+    teacher_temperature: float = number(1.0, 0, 100)
+    teacher_top_p: float = number(0.95, 0, 1, low_open=True)
+    teacher_first_tokens: int = number(0, 0)
+    teacher_batch_size: int = number(16, 1)
+    teacher_seed: int = number(0, 0, 2**32 - 1)
 
 
 @dataclass
@@ -685,8 +701,18 @@ class Config(_Checked):
                     f"{option}"
                 )
 
+    def _check_teacher(self) -> None:
+        d, m = self.data, self.model
+        if d.teacher_samples and not (m.name == "hf" and m._target_ is None
+                                      and d.name == "text" and d._target_ is None):
+            raise ConfigError(
+                f"data.teacher_samples={d.teacher_samples} needs a causal LM to write them and "
+                f"text to window them: model=hf and data=text (this run: model={m.name}, "
+                f"data={d.name}); or recipe=llm_datafree_24_distill")
+
     def check(self) -> None:
         self._check_inputs_used()
+        self._check_teacher()
         for section in (self.model, self.data):
             if section._target_ is None:
                 check_builtin_kwargs(section._key, section.name, dict(section.kwargs))
@@ -764,6 +790,7 @@ def _used_by(cfg: Config) -> list[tuple[str, object, bool, str]]:
         ("model.task", m.task, hf, "model=hf"),
         ("data.path", d.path, text, "data=text (local .txt/.jsonl files)"),
         ("data.tokenizer", d.tokenizer, text or hf, "data=text or model=hf"),
+        ("data.eval_path", d.eval_path, text, "data=text (local .txt/.jsonl files)"),
     ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,14 +175,33 @@ def check_input_paths(cfg: Config, *, complete: bool = True) -> None:
         raise UsageError(f"model.config={m.config!r}: no such file (a config.json, or a dict)")
     if m.checkpoint and not Path(m.checkpoint).expanduser().is_file():
         raise UsageError(f"model.checkpoint={m.checkpoint!r} does not exist or is not a file")
-    if complete and d.name == "text" and d._target_ is None and not d.path:
-        raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
+    if complete and d.name == "text" and d._target_ is None:
+        check_text_sources(cfg)
     if d.path is not None:
         text_files(d.path)
+    if d.eval_path is not None:
+        text_files(d.eval_path, "data.eval_path")
     tok = None if d.tokenizer is None else Path(d.tokenizer).expanduser()
     if tok is not None and not (tok.is_dir() or (tok.is_file() and tok.suffix.lower() == ".gguf")):
         raise UsageError(f"data.tokenizer={d.tokenizer!r}: no such directory (a directory "
                          "holding tokenizer files, or a .gguf file)")
+
+
+def check_text_sources(cfg: Config) -> None:
+    """data=text has text for every part of the run: data.path, or data-free teacher samples
+    (``data.teacher_mix=1``) with held-out text in data.eval_path; one-line UsageError."""
+    d = cfg.data
+    if d.path:
+        return
+    if not d.teacher_samples or d.teacher_mix < 1:
+        mix = (f" (data.teacher_mix={d.teacher_mix:g} mixes teacher samples with it; 1 is "
+               "data-free)" if d.teacher_samples else "")
+        raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)"
+                         f"{mix}")
+    if not d.eval_path:
+        raise UsageError("data.teacher_mix=1 without data.path leaves nothing to evaluate on: "
+                         "give data.eval_path=FILE|DIR|GLOB (held-out text, never teacher "
+                         "samples)")
 
 
 def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
@@ -216,24 +236,67 @@ def load_hf(cfg: Config) -> tuple[nn.Module, Any]:
         return model, None  # exported without tokenizer files
 
 
-def build_run_data(cfg: Config, hf_model: nn.Module | None, tokenizer: Any) -> DataBundle:
-    """The run's data; ``data=text`` is tokenized with the model's tokenizer."""
+def build_run_data(cfg: Config, hf_model: nn.Module | None, tokenizer: Any,
+                   device: torch.device | None = None) -> DataBundle:
+    """The run's data; ``data=text`` is tokenized with the model's tokenizer, evaluated on
+    ``data.eval_path`` when given, and mixed with teacher samples (:func:`teacher_data`,
+    sampled on ``device``) when ``data.teacher_samples`` > 0."""
     if cfg.data.name != "text" or cfg.data._target_ is not None:
         return build_data(cfg.data.name, cfg.data._target_, cfg.data.kwargs, cfg.cache_dir)
-    from sparsekit.data.hf_text import text_data
+    from sparsekit.data.hf_text import held_out_text, text_data
 
-    if not cfg.data.path:
-        raise UsageError("data=text needs data.path=FILE|DIR|GLOB (local .txt/.jsonl files)")
+    d = cfg.data
+    check_text_sources(cfg)
     if tokenizer is None:
-        if not cfg.data.tokenizer:
+        if not d.tokenizer:
             raise UsageError("data=text needs a tokenizer: model=hf model.path=DIR, or "
                              "data.tokenizer=DIR")
         from sparsekit.models.hf import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer, "data.tokenizer")
+        tokenizer = load_tokenizer(d.tokenizer, "data.tokenizer")
     task = "causal_lm" if hf_model is None else hf_model._sparsekit_spec["kwargs"]["task"]
-    return text_data(cfg.data.path, tokenizer, cfg.data.seq_len,
-                     cache_root(cfg.cache_dir) / "data", task=task, **cfg.data.kwargs)
+    cache = cache_root(cfg.cache_dir) / "data"
+    text = None if not d.path else text_data(d.path, tokenizer, d.seq_len, cache, task=task,
+                                             **d.kwargs)
+    held_out = None
+    if d.eval_path:
+        keep = {k: v for k, v in d.kwargs.items()
+                if k in ("text_field", "mlm_probability", "seed")}
+        held_out = held_out_text(d.eval_path, tokenizer, d.seq_len, cache, task=task, **keep)
+    if d.teacher_samples:
+        return teacher_data(cfg, hf_model, task, text, held_out, device)
+    if held_out is not None:
+        text.eval = held_out
+    return text
+
+
+def teacher_data(cfg: Config, model: nn.Module | None, task: str, text: DataBundle | None,
+                 held_out: Any, device: torch.device | None) -> DataBundle:
+    """``data.teacher_samples`` sequences of ``data.seq_len + 1`` tokens written by the dense
+    causal LM ``model`` (moved to ``device``; cached under the data cache), mixed into the
+    training and calibration windows at ``data.teacher_mix``
+    (:func:`sparsekit.data.teacher.mix_bundle`); ``data.teacher`` of the bundle's info says
+    how they were made."""
+    from sparsekit.data.teacher import PrintProgress, mix_bundle, teacher_samples
+
+    d = cfg.data
+    if model is None or task != "causal_lm":
+        raise UsageError(f"data.teacher_samples={d.teacher_samples} needs a causal LM teacher "
+                         f"(model=hf with model.task=causal_lm); this model is {task}")
+    if device is not None:
+        model.to(device)
+    options = dict(seed=d.teacher_seed, temperature=d.teacher_temperature,
+                   top_p=d.teacher_top_p, first_tokens=d.teacher_first_tokens,
+                   batch_size=d.teacher_batch_size)
+    cache = cache_root(cfg.cache_dir) / "data"
+    quiet = is_quiet(cfg.train.quiet)
+    t0 = time.perf_counter()
+    tokens = teacher_samples(model, d.teacher_samples, d.seq_len + 1, cache_dir=cache,
+                             on_progress=None if quiet else PrintProgress(), **options)
+    bundle = mix_bundle(text, tokens, d.teacher_mix, held_out)
+    bundle.info["teacher"].update(options, seq_len=d.seq_len + 1,
+                                  seconds=round(time.perf_counter() - t0, 2))
+    return bundle
 
 
 def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
@@ -256,5 +319,5 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
 
 
 __all__ = ["build_run_data", "check_input_paths", "check_model_takes_data", "check_task_fits",
-           "export_hf", "load_dense", "load_hf",
-           "load_safetensors"]
+           "check_text_sources", "export_hf", "load_dense", "load_hf", "load_safetensors",
+           "teacher_data"]

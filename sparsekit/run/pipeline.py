@@ -357,7 +357,7 @@ def stage_dense(ctx: RunContext) -> None:
     if cfg.model.name == "hf":
         ctx.hf_model, ctx.tokenizer = load_hf(cfg)
         embedding_run(ctx)
-    ctx.data = build_run_data(cfg, ctx.hf_model, ctx.tokenizer)
+    ctx.data = build_run_data(cfg, ctx.hf_model, ctx.tokenizer, ctx.device)
     ctx.model, ctx.dense_source = _dense_model(ctx)
     # a copy of the dense model only when something reads it: the distillation teacher, the
     # speed references (forward, generation) and the embedding reference (an LLM one-shot run
@@ -808,6 +808,7 @@ def run_summary(ctx: RunContext) -> dict[str, Any]:
         "generation": ctx.generation or None,
         "accel": ctx.accel,
         "dense_source": ctx.dense_source,
+        "teacher_samples": ctx.data.info.get("teacher"),
         "device": str(ctx.device),
         "finetune_steps": ctx.steps,
         "model_path": str(ctx.model_path),
