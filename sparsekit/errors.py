@@ -49,6 +49,11 @@ class ModelCallError(SparsekitError, ValueError):
     the layer or the batch and says how to pass ``calibration_fn``."""
 
 
+class RunPaused(SparsekitError):
+    """A run stopped on purpose at its time budget (``train.max_minutes``) after writing its
+    resume checkpoint: ``resume=true`` continues it. Not a failure."""
+
+
 class NumericsError(SparsekitError, ValueError):
     """Non-finite weights, activations or statistics where a finite value is needed: names the
     layer."""

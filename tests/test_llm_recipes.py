@@ -298,3 +298,28 @@ def test_tokens_per_s_on_a_gpu(hf_dirs, tmp_path, capsys):
                                          / s["dense"]["tokens_per_s"])
     ways = s["generation"]["dense_ways"]
     assert s["dense"]["tokens_per_s"] == ways[s["generation"]["dense_way"]] == max(ways.values())
+
+
+def test_recovery_recipe_pauses_at_its_time_budget_and_resumes(hf_dirs, tmp_path, capsys):
+    """llm_alps_recon_24_distill on a tiny Llama: ALPS + block reconstruction calibrated on
+    text and teacher samples, bf16 distillation; train.max_minutes stops it after the first
+    step (the line says so, exit 0, run state "paused"), resume=RUN_DIR finishes it with the
+    fine-tuning's throughput in the summary."""
+    tiny = [a for a in TINY if not a.startswith("train.finetune_steps")]
+    args = ["recipe=llm_alps_recon_24_distill", f"model.path={hf_dirs['llama']}",
+            f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}", *tiny,
+            "train.finetune_steps=4", "train.finetune_warmup=0", "data.teacher_samples=8",
+            "data.teacher_batch_size=4", "prune.options.reconstruct_steps=3",
+            "prune.options.iters=20", "train.max_minutes=0.00001", "train.checkpoint_every=1"]
+    code, out, err = run_cli(args, tmp_path, capsys)
+    assert code == 0, err
+    assert "paused: train.max_minutes=1e-05 reached at fine-tuning step 1 of 4" in out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "run_state.json").read_text())["state"] == "paused"
+    assert not (run_dir / "summary.json").exists()
+    code, out, err = run_cli([f"resume={run_dir}", "train.max_minutes=0"], tmp_path, capsys)
+    assert code == 0, err
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["sparsity"] == 0.5 and s["finetune_steps"] == 4
+    assert s["finetune"]["steps_this_process"] == 3 and s["finetune"]["tokens_per_s"] > 0
+    assert s["finetune"]["precision"] == "bf16"

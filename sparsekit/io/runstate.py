@@ -32,7 +32,7 @@ from sparsekit.errors import FileFormatError, UsageError
 
 VERSION = 1
 STATE_FILE = "run_state.json"
-RUN_STATES = ("running", "failed", "finished")
+RUN_STATES = ("running", "paused", "failed", "finished")
 
 
 def previous_path(path: str | os.PathLike) -> Path:
@@ -139,7 +139,8 @@ def load_latest_checkpoint(path: str | os.PathLike, *, discard: bool = False) ->
 
 
 def write_run_state(run_dir: str | os.PathLike, state: str, error: str | None = None) -> None:
-    """Record ``state`` (running | failed | finished) of the run in ``run_dir``, atomically."""
+    """Record ``state`` (running | paused | failed | finished) of the run in ``run_dir``,
+    atomically."""
     if state not in RUN_STATES:
         raise ValueError(f"run state {state!r}; allowed: {', '.join(RUN_STATES)}")
     info = {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

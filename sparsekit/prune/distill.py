@@ -244,7 +244,7 @@ class DistillRun(list):
 PRECISIONS = ("fp32", "bf16")
 
 
-def _batch_tokens(batch: Any) -> int:
+def batch_tokens(batch: Any) -> int:
     """Tokens (a 2-D integer tensor's or ``input_ids``' elements) or samples of a batch."""
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else (
         batch[0] if isinstance(batch, (tuple, list)) and batch else batch)
@@ -378,7 +378,7 @@ def distill_(
             if pruner is not None:
                 pruner.step(step)
             run.append(float(loss.detach()))
-            run.steps_done, run.tokens = step + 1, run.tokens + _batch_tokens(batch)
+            run.steps_done, run.tokens = step + 1, run.tokens + batch_tokens(batch)
             now = time.perf_counter()
             run.seconds = seconds0 + now - start
             if on_log is not None and (step % log_every == 0 or step == steps - 1):

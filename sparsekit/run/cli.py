@@ -41,7 +41,7 @@ from sparsekit.run.config import (
     plugin_keys,
     without_registries,
 )
-from sparsekit.errors import SparsekitError, StorageError, UsageError
+from sparsekit.errors import RunPaused, SparsekitError, StorageError, UsageError
 from sparsekit.run.resources import conf_dir, recipes_dir
 
 # torch (and what imports it: the registries, models, data, run/distributed) is imported only
@@ -484,6 +484,9 @@ def _app(cfg: DictConfig) -> None:
     resume = str(config.resume).lower() not in ("false", "none", "no", "0")
     try:
         summary = run(config, HydraConfig.get().runtime.output_dir, resume=resume)
+    except RunPaused as e:  # on purpose, checkpoint written: one line, exit 0
+        print(f"paused: {e}", flush=True)
+        return
     except Exception as e:  # reported here: Hydra would print its own lines first
         report_runtime_error(e)
     from sparsekit.run.distributed import is_main

@@ -57,6 +57,8 @@ DistillTarget = _choices("DistillTarget", names.DISTILL_TARGETS, "What the Disti
 FeatureLoss = _choices("FeatureLoss", ("cosine", "mse"), "Per-layer feature matching loss.")
 Optimizer = _choices("Optimizer", ("adam", "adamw", "sgd"), "train.make_optimizer's names.")
 LRSchedule = _choices("LRSchedule", ("constant", "cosine"), "train.lr_at's schedules.")
+TrainPrecision = _choices("TrainPrecision", ("fp32", "bf16"),
+                          "fine-tuning arithmetic: fp32 | bf16 autocast (float32 weights)")
 TrackerKind = _choices("TrackerKind", ("tensorboard", "none"), "Where metrics go.")
 QuantMethod = _choices("QuantMethod", names.QUANT_METHODS,
                        "rtn: round to nearest | gptq: GPTQ's error compensation (int4)")
@@ -501,6 +503,16 @@ class TrainConfig(_Checked):
     log_every: int = number(50, 1)
     eval_every: int = number(250, 1)
     checkpoint_every: int = number(250, 1)
+    # fine-tuning arithmetic: fp32, or bf16 autocast (weights and optimizer stay float32)
+    precision: TrainPrecision = TrainPrecision.fp32
+    # stop fine-tuning after this many minutes (0: no limit), writing the resume checkpoint:
+    # `resume=true` goes on where it stopped (a GPU lent for 10 minutes a call, a queue slot)
+    max_minutes: float = number(0.0, 0, 10**6)
+    # fine-tuning arithmetic: fp32, or bf16 autocast (weights and optimizer stay float32)
+    precision: TrainPrecision = TrainPrecision.fp32
+    # stop fine-tuning after this many minutes (0: no limit), writing the resume checkpoint:
+    # `resume=true` goes on where it stopped (a GPU lent for 10 minutes a call, a queue slot)
+    max_minutes: float = number(0.0, 0)
     distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = number(0, 0, 2**32 - 2)  # numpy seeds are < 2**32; the run also uses seed + 1
     device: Device = Device.auto

@@ -86,6 +86,8 @@ class RunContext:
         default_factory=lambda: {"dense": {}, "compressed": {}})
     accel: dict[str, Any] = dataclasses.field(default_factory=dict)
     fast: Any = None  # the AcceleratedModel (accel.enabled, on CUDA)
+    # fine-tuning's cost: tokens/s and peak memory as last logged, steps done in this process
+    finetune: dict[str, Any] = dataclasses.field(default_factory=dict)
     generation: dict[str, Any] = dataclasses.field(default_factory=dict)  # a causal LM's
     model_path: Path | None = None
     hf_export: dict | None = None

@@ -60,9 +60,11 @@ from sparsekit.run.context import (  # noqa: F401  (CHECKPOINT, Callback: public
     RunContext,
     default_callbacks,
     register_callback,
+    save_finetune_checkpoint,
 )
 from sparsekit.errors import (
     FileFormatError,
+    RunPaused,
     StorageError,
     storage_errors,
 )
@@ -493,13 +495,32 @@ def stage_fine_tune(ctx: RunContext) -> None:
     if ctx.steps <= ctx.start:
         return
     train_model = D.wrap_ddp(ctx.model, ctx.device) if ctx.mode == "ddp" else ctx.model
-    fit(train_model, ctx.data.train, ctx.optimizer, steps=ctx.steps, lr=t.finetune_lr,
-        batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=ctx.start,
-        warmup=t.finetune_warmup, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
-        dropout=t.finetune_dropout, pruner=ctx.pruner,
-        distiller=distiller(ctx), distill_alpha=t.distill.alpha,
-        on_step=ctx.step_hook("finetune"), quiet=ctx.quiet,
-        desc="fine-tuning", shard=ctx.mode != "none", log_every=t.log_every)
+    hook = ctx.step_hook("finetune")
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        ctx.finetune.update({k.split("/")[1]: round(v, 3) for k, v in metrics.items()
+                             if k in ("train/tokens_per_s", "train/peak_memory_gb")})
+        hook(step, metrics)
+
+    start = time.perf_counter()
+    done = fit(train_model, ctx.data.train, ctx.optimizer, steps=ctx.steps, lr=t.finetune_lr,
+               batch_size=cfg.data.batch_size, seed=t.seed + 1, start_step=ctx.start,
+               warmup=t.finetune_warmup, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
+               dropout=t.finetune_dropout, pruner=ctx.pruner,
+               distiller=distiller(ctx), distill_alpha=t.distill.alpha,
+               on_step=on_step, quiet=ctx.quiet, desc="fine-tuning",
+               shard=ctx.mode != "none", log_every=t.log_every, precision=str(t.precision),
+               max_seconds=t.max_minutes * 60 if t.max_minutes > 0 else None)
+    ctx.finetune.update(steps_this_process=done - ctx.start, precision=str(t.precision),
+                        seconds_this_process=round(time.perf_counter() - start, 1))
+    if done < ctx.steps:
+        if done > ctx.start:
+            D.barrier()
+            save_finetune_checkpoint(ctx, done - 1)
+            D.barrier()
+        raise RunPaused(f"train.max_minutes={t.max_minutes:g} reached at fine-tuning step "
+                        f"{done} of {ctx.steps}; the checkpoint is written: continue with "
+                        f"sparsekit resume={ctx.run_dir}")
 
 
 def distiller(ctx: RunContext) -> sk.Distiller | None:
@@ -811,6 +832,7 @@ def run_summary(ctx: RunContext) -> dict[str, Any]:
         "teacher_samples": ctx.data.info.get("teacher"),
         "device": str(ctx.device),
         "finetune_steps": ctx.steps,
+        "finetune": ctx.finetune or None,
         "model_path": str(ctx.model_path),
         "hf": ctx.hf_export,
         "run_dir": str(ctx.run_dir),
@@ -861,6 +883,10 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False,
         for name, stage in STAGES:
             ctx.emit("on_stage", name)
             stage(ctx)
+    except RunPaused as e:
+        if D.is_main():
+            write_run_state(run_dir, "paused", str(e))
+        raise
     except BaseException as e:
         if D.is_main() and not isinstance(e, KeyboardInterrupt):  # Ctrl-C: can continue
             try:

@@ -9,6 +9,7 @@ see exactly the batches the interrupted one would have seen.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit.run import distributed as D
-from sparsekit.prune.distill import Distiller, embedding_agreement, kl_loss
+from sparsekit.prune.distill import Distiller, batch_tokens, embedding_agreement, kl_loss
 from sparsekit.prune.schedules import lr_at
 from sparsekit.nn.calibration import to_device, eval_mode
 from sparsekit.errors import UsageError
@@ -163,7 +164,9 @@ def fit(
     desc: str = "train",
     shard: bool = False,
     log_every: int = 1,
-) -> None:
+    precision: str = "fp32",
+    max_seconds: float | None = None,
+) -> int:
     """Train ``model`` (in eval mode if ``dropout=False``) for steps ``start_step .. steps - 1``.
     After each optimizer step the ``pruner`` (a :class:`~sparsekit.prune.scheduled.ScheduledPruner`:
     masks or channels) steps (the optimizer follows any parameters it replaced), then
@@ -177,17 +180,32 @@ def fit(
     ``shard``: under torchrun, with ``model`` wrapped in DDP or FSDP2 (which average gradients
     over ranks), each rank trains on its equal slice of every global batch of ``batch_size``, so
     a step equals one process's step on the whole batch; the loss reported is the mean over
-    ranks."""
+    ranks.
+
+    ``precision="bf16"``: forward passes (and the teacher's) under bf16 autocast, the weights
+    and optimizer in float32. ``max_seconds``: stop at the first step boundary past it.
+    Logged metrics also hold ``train/tokens_per_s`` (input tokens of a language model's
+    batches, samples otherwise, per second since ``start_step``) and, on CUDA,
+    ``train/peak_memory_gb``. Returns the number of steps done (``steps`` when it finished;
+    fewer when ``max_seconds`` stopped it)."""
     model.train(dropout)
     device = next(model.parameters()).device
     distiller = _distiller(distiller, teacher, distill_alpha, temperature)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, tokens = time.perf_counter(), 0
     bar = progress(range(start_step, steps), quiet, desc=desc, initial=start_step, total=steps)
     for step in bar:
+        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+            return step
         lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr_now
         x, y = _step_batch(dataset, batch_size, seed, step, shard, device)
-        loss = _step_loss(model, x, y, distiller, distill_alpha)
+        tokens += batch_tokens(x)
+        with autocast:
+            loss = _step_loss(model, x, y, distiller, distill_alpha)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip > 0:
@@ -197,7 +215,14 @@ def fit(
             follow_parameters(optimizer, model)  # channel pruning made new, narrower ones
         if on_step is not None:
             logged = step % log_every == 0 or step == steps - 1
-            on_step(step, _step_metrics(loss, lr_now, shard) if logged else {})
+            metrics = _step_metrics(loss, lr_now, shard) if logged else {}
+            if logged:
+                metrics["train/tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
+                if device.type == "cuda":
+                    metrics["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(
+                        device) / 2**30
+            on_step(step, metrics)
+    return steps
 
 
 def _step_batch(dataset: Dataset, batch_size: int, seed: int, step: int, shard: bool,
