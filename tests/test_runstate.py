@@ -99,7 +99,7 @@ def test_run_state_file(tmp_path):
     assert read_run_state(tmp_path)["state"] == "running"
     write_run_state(tmp_path, "failed", "ValueError: boom")
     assert read_run_state(tmp_path)["error"] == "ValueError: boom"
-    with pytest.raises(ValueError, match="allowed: running, failed, finished"):
-        write_run_state(tmp_path, "paused")
+    with pytest.raises(ValueError, match="allowed: running, paused, failed, finished"):
+        write_run_state(tmp_path, "stopped")
     (tmp_path / "run_state.json").write_text("{not json")
     assert read_run_state(tmp_path) is None
