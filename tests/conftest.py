@@ -1,3 +1,4 @@
+import logging
 import os
 
 import pytest
@@ -28,6 +29,15 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _run_log_off():
+    """A CLI run in this process (Hydra) leaves the ``sparsekit`` loggers at INFO with handlers
+    on that test's captured stderr: silent again after each test."""
+    yield
+    for name in ("sparsekit", "sparsekit.table"):
+        logging.getLogger(name).setLevel(logging.NOTSET)
 
 
 @pytest.fixture(scope="session")

@@ -182,6 +182,30 @@ def test_recipe_smoke(recipe, tmp_path, capsys):
                                          (10 if recipe.startswith("stdlib") else 20))
 
 
+def test_progress_lines_and_the_run_log_without_a_terminal(tmp_path, capsys, monkeypatch):
+    """stdout and stderr not terminals (captured): every long loop logs plain lines with its
+    count, elapsed time and ETA to stderr, and sparsekit.log holds them, the stage lines and
+    the end-of-run table."""
+    import sparsekit.progress
+
+    monkeypatch.delenv("SPARSEKIT_QUIET", raising=False)
+    monkeypatch.setattr(sparsekit.progress, "QUIET_FIRST_S", 0.0)  # lines from the first item
+    tiny = [a for a in TINY_MNIST if a != "train.quiet=true"]
+    code, out, err = run_cli([f"cache_dir={tmp_path / 'cache'}", *tiny], tmp_path, capsys)
+    assert code == 0, err
+    assert "\r" not in err and "\x1b" not in err
+    for line in ("dense training: 4/40 (10%), ", "fine-tuning: 20/20 (100%), ", "stage dense ...",
+                 "stage fine_tune ..."):
+        assert line in err, err
+    eta = re.search(r"^dense training: 20/40 \(50%\), [\d.]+ s elapsed, ETA [\d.]+ s$", err, re.M)
+    assert eta, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    log = (run_dir / "sparsekit.log").read_text()
+    assert eta.group(0) in log and "stage fine_tune ..." in log
+    assert out.strip().splitlines()[-1] in log  # the table's last line
+    assert "stage dense" not in out  # stdout keeps the table alone
+
+
 def test_second_run_reuses_cached_baseline(tmp_path, capsys):
     args = [f"cache_dir={tmp_path / 'cache'}", *TINY_MNIST, "train.finetune_steps=0",
             "bench=off", "tracker=none", "hydra.run.dir=r1"]

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from sparsekit.progress import progress
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.patterns import parse_pattern
@@ -197,7 +198,7 @@ def sensitivity(
     table = SensitivityTable(levels, baseline, {}, {}, pattern, criterion, higher_is_better)
     options = {"pattern": pattern, "criterion": criterion, "calibration": calibration,
                "calibration_fn": calibration_fn, "criterion_options": criterion_options}
-    for name, module in layers.items():
+    for name, module in progress(layers.items(), desc="sensitivity: layers", total=len(layers)):
         try:
             values = _measure_layer(model, evaluate, name, module, levels, nm, options, table)
         finally:

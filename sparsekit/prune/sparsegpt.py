@@ -54,6 +54,7 @@ from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 from sparsekit.nn.select import check_finite_weight
 from sparsekit.prune.masks import original_weight
 from sparsekit.nn.shards import ShardComm
+from sparsekit.progress import progress
 from sparsekit.prune.patterns import prune_count
 from sparsekit.prune.reconstruct import Reconstruct, reconstruct_block
 
@@ -521,7 +522,8 @@ def _prune_full(
     Not sequential: one pass collects every group's Hessian from the dense model (all of them
     alive at once), then every group is solved."""
     sequential = solve[4]
-    for chunk in [[g] for g in groups] if sequential else [groups]:
+    chunks = [[g] for g in groups] if sequential else [groups]
+    for chunk in progress(chunks, desc="sparsegpt: layers", total=len(chunks)):
         hessians = [_Hessian() for _ in chunk]
         handles = [modules[g[0]].register_forward_pre_hook(h.hook, with_kwargs=True)
                    for g, h in zip(chunk, hessians)]
@@ -634,7 +636,7 @@ def _prune_blocks(
     refit = solve[6]
     hidden = inputs.hidden
     dense = list(hidden) if refit is not None else None  # the dense model's stream
-    for index, block in enumerate(blocks):
+    for index, block in progress(enumerate(blocks), desc="sparsegpt: blocks", total=len(blocks)):
         items = inputs.items(index, hidden)
         chunk = by_block.get(index, [])
         targets = None

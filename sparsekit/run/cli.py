@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import re
 import sys
@@ -493,6 +494,7 @@ def _app(cfg: DictConfig) -> None:
 
     if is_main():
         print(summary["table"])
+        logging.getLogger("sparsekit.table").info(summary["table"])  # sparsekit.log only
 
 
 class SweepFigures(Callback):

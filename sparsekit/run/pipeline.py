@@ -71,7 +71,7 @@ from sparsekit.errors import (
 from sparsekit.data import DataBundle
 from sparsekit.io.cache import cache_root
 from sparsekit.models import build_model
-from sparsekit.progress import is_quiet
+from sparsekit.progress import LOG, format_seconds, is_quiet
 from sparsekit.io.runstate import (
     load_latest_checkpoint,
     previous_path,
@@ -841,6 +841,24 @@ def run_summary(ctx: RunContext) -> dict[str, Any]:
     }
 
 
+#: stages that may take minutes: a line on the ``sparsekit`` logger (stderr and the run's
+#: sparsekit.log under the CLI) when they start
+LONG_STAGES = ("dense", "sensitivity", "prune", "fine_tune", "quantize", "evaluate", "benchmark",
+               "accelerate", "generate", "export_hf")
+
+
+def timed_stage(name: str, stage: Any, ctx: RunContext) -> None:
+    """Run ``stage(ctx)`` with a line when a long one starts (:data:`LONG_STAGES`) and one
+    with its time when any stage took a second or more."""
+    if name in LONG_STAGES:
+        LOG.info(f"stage {name} ...")
+    started = time.perf_counter()
+    stage(ctx)
+    took = time.perf_counter() - started
+    if took >= 1:
+        LOG.info(f"stage {name}: done in {format_seconds(took)}")
+
+
 #: the stages of a run, in order; each reads and fills the :class:`RunContext`
 STAGES: tuple[tuple[str, Any], ...] = (
     ("setup", stage_setup),
@@ -882,7 +900,7 @@ def run(cfg: Config, run_dir: str | os.PathLike, resume: bool = False,
     try:
         for name, stage in STAGES:
             ctx.emit("on_stage", name)
-            stage(ctx)
+            timed_stage(name, stage, ctx)
     except RunPaused as e:
         if D.is_main():
             write_run_state(run_dir, "paused", str(e))
