@@ -179,3 +179,24 @@ def test_cache_round_trip_and_key(llama, tmp_path, monkeypatch):
         third = teacher_samples(llama, 4, 10, seed=2, cache_dir=tmp_path)
     assert torch.equal(third, first) and any("unreadable" in str(x.message) for x in w)
     assert torch.equal(teacher_samples(llama, 4, 10, seed=2, cache_dir=tmp_path), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_samples_are_reproducible_and_greedy_matches(llama):
+    """On the GPU: in bf16 the generator lives on the model's device and the same seed gives
+    the same tensor; greedy sampling over the KV cache equals the no-cache argmax loop."""
+    model = transformers.LlamaForCausalLM(llama.config).eval()
+    model.load_state_dict(llama.state_dict())
+    model = model.cuda().to(torch.bfloat16)
+    a = teacher_samples(model, 6, 24, seed=5, batch_size=4, first_tokens=2)
+    b = teacher_samples(model, 6, 24, seed=5, batch_size=4, first_tokens=2)
+    assert torch.equal(a, b) and a.device.type == "cpu" and a.shape == (6, 24)
+    assert not torch.equal(a, teacher_samples(model, 6, 24, seed=6, batch_size=4, first_tokens=2))
+    model = model.float()  # greedy against the no-cache loop in float32 (no bf16 near ties)
+    got = teacher_samples(model, 1, 12, temperature=0)
+    ids = torch.tensor([[1]], device="cuda")
+    with torch.no_grad():
+        for _ in range(11):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert got[0].tolist() == ids[0].cpu().tolist()
