@@ -1,6 +1,7 @@
 """Atomic file writes: readers never see a half-written file; a killed writer keeps the old.
 
-Written files follow the umask (as ``open`` would create them, not mkstemp's 0600), and the
+Written files follow the umask (as ``open`` would create them, not mkstemp's 0600, nor the
+0600 that safetensors' ``save_file`` gives the files it writes), and the
 temporary files of writers that were killed (``.NAME.*.tmp``, older than this process) are
 removed the next time ``NAME`` is written.
 """
@@ -33,6 +34,16 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
+def follow_umask(*paths: str | os.PathLike) -> None:
+    """Give files written by a library that sets its own mode (safetensors' ``save_file``
+    writes 0600, also through transformers' ``save_pretrained``) the umask's permissions, as
+    ``open`` would have created them; a directory: every file under it."""
+    mode = _file_mode()
+    for path in map(Path, paths):
+        for f in [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file()]:
+            os.chmod(f, mode)
+
+
 def _remove_orphans(path: Path) -> None:
     """Delete ``.NAME.*.tmp`` files left beside ``path`` by writers that were killed."""
     limit = min(_STARTED, time.time() - _STALE_S)
@@ -57,8 +68,8 @@ def atomic_write(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        os.chmod(tmp, _file_mode())
         write(tmp)
+        os.chmod(tmp, _file_mode())  # after: a writer may replace the file (safetensors: 0600)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         if previous is not None and path.exists():

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import FileFormatError, UnsafeFileError, UsageError
+from sparsekit.io.files import follow_umask
 from sparsekit.models.registry import register_model
 from sparsekit.names import AUTO_CLASSES  # model.task -> the transformers Auto class
 
@@ -399,6 +400,7 @@ def export_pretrained(model: nn.Module, out_dir: str | os.PathLike,
         model.save_pretrained(os.fspath(out), state_dict=hf_state_dict(model))
     if tokenizer is not None:
         tokenizer.save_pretrained(os.fspath(out))
+    follow_umask(out)
     return out
 
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import UsageError
+from sparsekit.io.files import follow_umask
 from sparsekit.io.zeros import is_2to4, mask_from_zeros
 
 # the directory beside <run>/hf/ that holds the export
@@ -227,4 +228,5 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike,
                  f"({sparsity['global_sparsity']:.3f})")
     if tokenizer is not None:
         tokenizer.save_pretrained(os.fspath(out))
+    follow_umask(out)
     return {"compressed_tensors": f"written: {what}", "compressed_tensors_dir": str(out)}

@@ -26,7 +26,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -87,11 +87,41 @@ def register_configs() -> None:
         cs.store(group="recipe", name=name, node=node, package="_global_")
 
 
+_SPECIAL = re.compile(r"_(target|args|partial|recursive|convert)_")
+_TARGETS = ("model._target_", "data._target_")  # the schema's two documented factories
+
+
+def check_keys(cfg: DictConfig, schema: type = Config, prefix: str = "") -> None:
+    """Refuse keys the schema does not have: a ``+key=VALUE`` added to a section of the schema
+    (``+prune.foo=1``) is an unknown key, as is a Hydra special key (``_target_``, ``_args_``,
+    ...) anywhere but ``model._target_`` and ``data._target_``, free-form dicts included;
+    nothing added is silently ignored."""
+    fields = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) \
+        else None
+    for key in cfg:
+        full = f"{prefix}{key}"
+        if str(key) == "hydra" and not prefix:
+            continue
+        if (fields is not None and key not in fields) or (
+                _SPECIAL.fullmatch(str(key)) and full not in _TARGETS):
+            parent = prefix.rstrip(".")
+            if fields is None:
+                raise UsageError(f"{full}: unknown key; Hydra's special keys (_target_, _args_, "
+                                 f"...) are allowed only as {' and '.join(_TARGETS)}")
+            raise UsageError(f"{full}: unknown key; allowed keys"
+                             f"{' in ' + parent if parent else ''}: {', '.join(fields)}")
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_none():
+            sub = OmegaConf.get_type(node)
+            check_keys(node, sub if dataclasses.is_dataclass(sub) else dict, f"{full}.")
+
+
 def to_config(cfg: DictConfig) -> Config:
     """The composed Hydra config as the :class:`~sparsekit.run.config.Config` dataclass,
     validated (within :func:`~sparsekit.run.config.without_registries`: all but the names
-    registries hold and the input paths, importing no torch)."""
+    registries hold and the input paths, importing no torch); no key beyond the schema's (:func:`check_keys`)."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    check_keys(cfg)
     config = OmegaConf.to_object(cfg)  # each dataclass checks its values (__post_init__)
     assert isinstance(config, Config)
     if not checks_registries():
@@ -220,6 +250,120 @@ def report_runtime_error(err: BaseException) -> None:
     raise SystemExit(exit_code(err))
 
 
+FILE_RECIPE = "file:"
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _option_values(override: Override) -> list[object]:
+    """The options a group override picks (each value of a sweep; none for ``~group``)."""
+    if override.is_sweep_override():
+        return list(override.sweep_string_iterator())
+    value = override.value()
+    return list(value) if isinstance(value, list) else [value]
+
+
+def check_group_options(overrides: Sequence[str]) -> None:
+    """Every config group option on the command line is a packaged one: an option of conf/'s
+    groups or recipes/, never a path to another YAML file (``recipe=../../tmp/x``,
+    ``model=/tmp/x``: Hydra would load it, and a ``_target_`` in it would be imported).
+    ``recipe=file:PATH`` names a recipe file explicitly: it is checked and registered
+    (:func:`register_file_recipe`). Hydra's own groups (``hydra/launcher=...``) take plain
+    names only."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    for o in parsed:
+        group = o.key_or_group
+        if "/" in group:
+            if not group.startswith("hydra/") or not all(
+                    _PLAIN.fullmatch(part) for part in group.split("/")):
+                raise UsageError(f"{o.input_line}: unknown config group {group!r}; groups: "
+                                 f"{', '.join(['recipe', *_groups()])}")
+        elif not _is_group(o):
+            continue
+        for value in _option_values(o):
+            if value is None:
+                continue
+            if group == "recipe" and isinstance(value, str) and value.startswith(FILE_RECIPE):
+                register_file_recipe(value)
+                continue
+            if "/" in group:
+                ok = isinstance(value, str) and _PLAIN.fullmatch(value) and ".." not in value
+                if not ok:
+                    raise UsageError(f"{group}={value}: not an option name (a plain name, "
+                                     "not a path)")
+                continue
+            allowed = group_options(group)
+            if value not in allowed:
+                file_form = "; a recipe of your own: recipe=file:PATH" if group == "recipe" else ""
+                raise UsageError(f"{group}={value}: unknown option; allowed: "
+                                 f"{', '.join(allowed)}{file_form}")
+
+
+def _groups() -> list[str]:
+    return sorted(p.name for p in conf_dir().iterdir() if p.is_dir())
+
+
+def _recipe_file_error(value: str, why: str) -> UsageError:
+    return UsageError(f"recipe={value}: {why} (recipe=file:PATH names a YAML overlay of config "
+                      "keys and 'override /GROUP: OPTION' defaults; docs/cli.md#your-own-recipe)")
+
+
+def check_recipe_file(node: object, value: str) -> None:
+    """A recipe file holds config keys of the schema and a defaults list of packaged group
+    options only: no ``hydra`` key, no ``_target_`` (or other Hydra special key) anywhere,
+    no defaults entry that is a path: nothing read from a file picks code."""
+    if not isinstance(node, DictConfig):
+        raise _recipe_file_error(value, "not a YAML mapping")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    for key in node:
+        if key != "defaults" and key not in fields:
+            raise _recipe_file_error(value, f"unknown key {key!r}; allowed: defaults, "
+                                     f"{', '.join(sorted(fields))}")
+
+    def walk(n: object, where: str) -> None:
+        if isinstance(n, DictConfig):
+            for k in n:
+                if _SPECIAL.fullmatch(str(k)):
+                    raise _recipe_file_error(value, f"{where}{k}: a file may not name code")
+                walk(n._get_node(k), f"{where}{k}.")
+        elif isinstance(n, ListConfig):
+            for i, item in enumerate(n._iter_ex(resolve=False)):
+                walk(item, f"{where}{i}.")
+
+    walk(node, "")
+    defaults = node.get("defaults", [])
+    if not isinstance(defaults, ListConfig):
+        raise _recipe_file_error(value, "defaults is not a list")
+    for entry in defaults:
+        if entry == "_self_":
+            continue
+        item = OmegaConf.to_container(entry) if isinstance(entry, DictConfig) else None
+        key, option = next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 \
+            else (None, None)
+        group = str(key).removeprefix("override /") if key is not None else ""
+        if (not str(key).startswith("override /") or group not in _groups()
+                or option not in group_options(group)):
+            raise _recipe_file_error(value, f"defaults entry {entry!r} is not "
+                                     "'override /GROUP: OPTION' with a packaged option")
+
+
+def register_file_recipe(value: str) -> None:
+    """Register ``recipe=file:PATH``'s file as that option of the ``recipe`` group, after
+    :func:`check_recipe_file`; the path is the user's, typed as a file."""
+    path = Path(value[len(FILE_RECIPE):]).expanduser()
+    if not path.is_file():
+        raise _recipe_file_error(value, "no such file")
+    if path.suffix not in (".yaml", ".yml"):
+        raise _recipe_file_error(value, "not a .yaml file")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable or invalid YAML is one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise _recipe_file_error(value, f"cannot read it: {first}") from None
+    check_recipe_file(node, value)
+    group, _, name = f"recipe/{value}".rpartition("/")
+    ConfigStore.instance().store(group=group, name=name, node=node, package="_global_")
+
+
 def _is_group(override: Override) -> bool:
     """Whether ``override`` picks a config group option (``prune=nm24``, ``recipe=...``)."""
     group = override.key_or_group
@@ -231,9 +375,11 @@ def check_overrides(overrides: Sequence[str]) -> None:
     print one line and exit with code 2. The config is composed once, with the first value of
     each sweep; every other value of a swept key is set on a copy of it (as Hydra applies a
     ``key=value`` override), and only a swept group option is composed anew."""
-    overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
     variant = list(overrides)
     try:
+        check_group_options(overrides)
+        overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+        variant = list(overrides)
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         sweeps = [(i, o) for i, o in enumerate(parsed) if o.is_sweep_override()]
         base = list(overrides)
@@ -263,8 +409,6 @@ def check_overrides(overrides: Sequence[str]) -> None:
         print(f"sparsekit: error: {line}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
 
-
-_SPECIAL = re.compile(r"_(target|args|partial|recursive|convert)_")
 
 
 def imports_code(overrides: Sequence[object]) -> list[str]:
@@ -418,7 +562,15 @@ def shared_resume_argv(argv: list[str]) -> list[str]:
 def _dir_override(key: str, path: Path | str) -> str:
     """The override that runs Hydra in directory ``path`` (``key``: ``hydra.run.dir``, or
     ``hydra.sweep.dir`` for a sweep's parent), quoted for Hydra's parser."""
-    return f"{key}='{path}'"
+    return f"{key}={hydra_quote(str(path))}"
+
+
+def hydra_quote(text: str) -> str:
+    """``text`` as a single-quoted value of Hydra's override grammar that parses back to
+    ``text`` (a run directory may hold ``'``, ``\\``, ``${``, spaces, commas)."""
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+    return "'" + text.replace("${", "\\${") + "'"
 
 
 def unique_run_dir(argv: list[str]) -> list[str]:
@@ -472,6 +624,11 @@ def hydra_argv(argv: Sequence[str]) -> list[str]:
     argv = shared_resume_argv(list(argv))
     if not any(a in _FLAGS_WITHOUT_CHECK for a in argv):
         check_overrides([a for a in argv if not a.startswith("-")])
+    else:  # --cfg, --help, ...: still no YAML file but the packaged ones (or recipe=file:)
+        try:
+            check_group_options([a for a in argv if "=" in a and not a.startswith("-")])
+        except (HydraException, ValueError) as e:
+            fail(e)
     return unique_run_dir(argv)
 
 
