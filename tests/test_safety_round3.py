@@ -16,7 +16,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.io.files import atomic_torch_save
-from sparsekit.run.cli import check_overrides, hydra_argv, main
+from sparsekit.run.cli import check_overrides, hydra_argv, main, register_configs
 from test_security import plant_run
 
 pytestmark = pytest.mark.usefixtures("no_network")
@@ -57,6 +57,7 @@ def test_recipe_file_form_runs_a_checked_overlay(tmp_path, monkeypatch, capsys):
         "# @package _global_\ndefaults:\n  - override /prune: unstructured\n"
         "prune:\n  sparsity: 0.7\n")
     monkeypatch.chdir(tmp_path)
+    register_configs()
     check_overrides(["recipe=file:mine.yaml", "train.finetune_steps=10"])  # no exit: valid
     main(["recipe=file:mine.yaml", "--cfg", "job"])
     out = capsys.readouterr().out
@@ -90,6 +91,7 @@ def test_recipe_file_that_names_code_or_a_path_is_refused(tmp_path, monkeypatch,
     ("+_target_=evilmod.f", "_target_"),
 ])
 def test_target_anywhere_in_an_override_is_an_unknown_key(override, key, capsys):
+    register_configs()
     with pytest.raises(SystemExit) as exit_:
         check_overrides([override])
     assert exit_.value.code == 2

@@ -82,6 +82,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     with without_registries():  # the defaults (checked in full by every run): no torch here
         cs.store(name="sparsekit_schema", node=Config)
+    cs.repo.pop("recipe", None)  # a recipe=file: of an earlier main() in this process
     for name in recipe_names():
         node = OmegaConf.load(recipes_dir() / f"{name}.yaml")
         cs.store(group="recipe", name=name, node=node, package="_global_")
@@ -119,7 +120,8 @@ def check_keys(cfg: DictConfig, schema: type = Config, prefix: str = "") -> None
 def to_config(cfg: DictConfig) -> Config:
     """The composed Hydra config as the :class:`~sparsekit.run.config.Config` dataclass,
     validated (within :func:`~sparsekit.run.config.without_registries`: all but the names
-    registries hold and the input paths, importing no torch); no key beyond the schema's (:func:`check_keys`)."""
+    registries hold and the input paths, importing no torch); no key beyond the schema's
+    (:func:`check_keys`)."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
     check_keys(cfg)
     config = OmegaConf.to_object(cfg)  # each dataclass checks its values (__post_init__)
