@@ -19,12 +19,13 @@ install() {
   fi
   export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 }
-run_stages() {
-  python3 tools/eval_llm_real.py --model "$W/smollm2.gguf" --text "$W/text" --train code \
-    --eval man,info --state-dir "$W/state" --out "$W/llm_real.json" \
-    --distill-minutes "${MINUTES:-8}" --distill-steps "${STEPS:-4000}" \
-    --stages "$1" 2>&1 | tee -a "$OUT/llm_real.log"
-  cp "$W/llm_real.json" "$OUT/llm_real.json"
+run_stages() {  # results go straight to $OUT (a call stopped at its limit keeps them)
+  if [ -f "$W/llm_real.json" ]; then cp "$W/llm_real.json" "$OUT/llm_real.json"; fi
+  timeout "${LIMIT:-560}" python3 tools/eval_llm_real.py --model "$W/smollm2.gguf" \
+    --text "$W/text" --train code --eval man,info --state-dir "$W/state" \
+    --out "$OUT/llm_real.json" --distill-minutes "${MINUTES:-8}" \
+    --distill-steps "${STEPS:-4000}" --stages "$1" 2>&1 | tee -a "$OUT/llm_real.log" || true
+  cp "$OUT/llm_real.json" "$W/llm_real.json"
 }
 case $step in
   part1)
@@ -62,7 +63,7 @@ EOF
     install
     mkdir -p "$W/text" && cp .evaltext/man.txt .evaltext/info.txt "$W/text/"
     python3 tools/eval_llm_real.py --prepare-text "$W/text" --domains code --chars code=40000000
-    run_stages "${STAGES:-dense,sparsegpt@code,alps@code,alps+recon@code,alps+recon@teacher,alps+recon@mix}"
+    run_stages "${STAGES:-dense,alps@code,alps+recon@code,alps+recon@mix,sparsegpt@code,gptq4@code,alps+recon@teacher,sparsegpt+recon@code}"
     ;;
   stages)
     install
