@@ -1,35 +1,37 @@
-"""Token generation on an accelerated Hugging Face causal LM: HF's own ``generate()`` (greedy,
-sampling, its logits processors and stopping criteria), with the model's forward routed to two
-compiled runners over one static KV cache:
+"""sparsekit's own token generation for a Hugging Face causal LM: a prefill, then one decode
+step per new token, over a static KV cache, the loop gpt-fast's (``prefill`` +
+``decode_n_tokens``), the model called through its public forward with HF's ``StaticCache``
+(no patch of HF's ``generate``, its classes or its configs).
 
 - prefill (a prompt of L tokens): the prompt is left-padded to a bucket (a power of two, at
   least 16) with its attention mask zero there, so every prompt length in a bucket runs one
-  compiled graph; the 2:4 layers see M = batch x bucket rows (the large-M kernels);
+  compiled graph; the 2:4 layers see M = batch x bucket rows (the large-M kernels); only the
+  last position's logits are computed;
 - decode (one token per sequence): M = batch rows, the small-M kernels
   (:mod:`sparsekit.accel.kernels.triton24.format`).
 
-Both are ``torch.compile``d; on CUDA each is replayed as sparsekit's own CUDA graph per input
-signature and cache (:class:`~sparsekit.accel.graphs.GraphCache`; torch's CUDA-graph trees skip
-graphs whose inputs are mutated, as the cache's position counters are). The cache is
-sparsekit's, one per (batch, length), reset between calls, so its tensors keep their addresses
-and the graphs stay valid; the prefill computes the logits of the last position only.
-Compiles are counted in the model's report (``report.compiles``): one per prefill bucket and
-one per batch size for decode (the cache's layers are allocated before its first use, so its
-second use compiles nothing new), and a prompt that fills its bucket exactly runs without a
-mask: one more graph for that length. The host seconds of the calls that built a graph
-(compiled, warmed up and captured it) add up per kind in ``report.seconds``
-(``generate_prefill``, ``generate_decode``): where a first generate's time goes.
+Both run one ``torch.compile``d forward (its graph per input shape); on CUDA each shape is
+replayed as sparsekit's own CUDA graph (:class:`~sparsekit.accel.graphs.GraphCache`; torch's
+CUDA-graph trees skip graphs whose inputs are mutated, as the cache's position counters are).
+Every step's inputs have fixed shapes: the attention mask spans the whole cache (the causal
+mask hides the positions not yet written), positions are per sequence (left padding). The
+cache is sparsekit's, one per (batch, length), reset between calls, so its tensors keep their
+addresses and the graphs stay valid. Compiles are counted in the model's report
+(``report.compiles``): one per prefill bucket and one per batch size for decode. The host
+seconds of the calls that built a graph (compiled, warmed up and captured it) add up per kind
+in ``report.seconds`` (``generate_prefill``, ``generate_decode``).
 
-HF's loop checks after each token whether every sequence has finished, which makes the host
-wait for the GPU every step; here that check is read a few steps late
-(:mod:`sparsekit.accel.lagged_stop`), so the host queues the next steps while the GPU runs,
-with the same returned sequences.
+The next token is chosen as HF's ``generate`` chooses it (:mod:`sparsekit.accel.sampling`,
+options as :mod:`sparsekit.accel.decoding` resolves them): greedy or sampled, temperature,
+top-k, top-p, repetition penalty, ``min_new_tokens``, end-of-sequence ids (finished sequences
+get the pad id). Whether every sequence has finished is read a few steps late
+(:class:`~sparsekit.accel.lagged_stop.LaggedStopCheck`), so the host queues the next steps
+while the GPU runs; the sequences returned are those of a per-step check.
 
 On CUDA, a model on HF's SDPA attention runs its decode steps' attention on sparsekit's
 kernel (:mod:`sparsekit.accel.kernels.attention.decode`: grouped-query heads read once,
-unfilled cache
-positions skipped) for the duration of each generate call; ``SPARSEKIT_DECODE_ATTENTION=0``
-keeps HF's.
+unfilled cache positions skipped) for the duration of each generate call (HF's public
+``set_attn_implementation``); ``SPARSEKIT_DECODE_ATTENTION=0`` keeps HF's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import contextlib
 import inspect
 import logging
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,7 @@ import torch
 from torch import nn
 
 from sparsekit import _compat
-from sparsekit.accel import graphs, lagged_stop
+from sparsekit.accel import decoding, graphs, lagged_stop, sampling
 from sparsekit.accel.kernels.attention import decode as attention
 
 log = logging.getLogger(__name__)
@@ -75,21 +76,41 @@ def check_generates(model: nn.Module) -> None:
                         f"causal LM such as LlamaForCausalLM), got {type(model).__name__}")
 
 
+def _text_config(model: nn.Module) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def vocab_size(model: nn.Module) -> int:
+    """The number of token ids ``model`` embeds."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embed, nn.Embedding):
+        return embed.num_embeddings
+    return int(_text_config(model).vocab_size)
+
+
 class Generator:
-    """The runners and caches behind :meth:`AcceleratedModel.generate` for one model."""
+    """The runners and caches behind :meth:`AcceleratedModel.generate` for one model (any
+    Hugging Face causal LM: ``compile=False`` runs its forward as it is)."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, compile: bool,
-                 backend: str, count: Callable[[int], None], notes: list[str],
-                 inductor: dict | None = None, seconds: dict[str, float] | None = None):
+                 backend: str = "inductor", count: Callable[[int], None] = lambda n: None,
+                 notes: list[str] | None = None, inductor: dict | None = None,
+                 seconds: dict[str, float] | None = None):
         check_generates(model)
         self.model = model
         self.device = device
         self.count = count
         self.caches: dict[tuple[int, int], Any] = {}
         forward = type(model).forward.__get__(model)
-        self.forward = forward
-        # generate reads the last position's logits only: the prefill asks for just those
-        self.last_logits = "logits_to_keep" in inspect.signature(forward).parameters
+        params = inspect.signature(forward).parameters
+        # transformers >= 5.2x names the forward's cache argument ``cache``
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.cache_position = "cache_position" in params  # transformers 4.x
+        # the prefill asks for the last position's logits only
+        self.last_logits = "logits_to_keep" in params
+        self.vocab = vocab_size(model)
+        self.max_positions = getattr(_text_config(model), "max_position_embeddings", None)
         # one compiled forward: prefill and decode are its graphs for their input shapes; the
         # model's inductor options (siblings' MergeSameCalls pass: without it each member of a
         # fused group would run the group's whole GEMM)
@@ -98,12 +119,12 @@ class Generator:
         self.compiled = compile
         self.capture = compile and device.type == "cuda"
         self.graphs: dict[tuple[int, str], graphs.GraphCache] = {}
-        self.notes = notes
+        self.notes = [] if notes is None else notes
         self.seconds = {} if seconds is None else seconds  # report.seconds: graph-building calls
         self.attention = attention_for(model, device)
         if self.attention is not None:
-            notes.append("generate: decode attention on sparsekit's kernel (grouped-query "
-                         "heads read once, unfilled cache positions skipped)")
+            self.notes.append("generate: decode attention on sparsekit's kernel (grouped-query "
+                              "heads read once, unfilled cache positions skipped)")
 
     def _cache(self, batch: int, length: int) -> Any:
         from transformers import StaticCache
@@ -118,18 +139,18 @@ class Generator:
             cache.reset()
         return cache
 
-    def _replay(self, kind: str, cache: Any, args: tuple, kwargs: dict) -> Any:
-        """``run(*args, past_key_values=cache, **kwargs)`` from its CUDA graph, or None when the
-        call cannot be captured. A new signature is warmed up and captured, which runs the model
-        (warm-up) and so advances the cache's position counters: they are put back before each
-        warm-up and before the first replay (``GraphCache(reset=...)``)."""
+    def _replay(self, kind: str, cache: Any, kwargs: dict) -> Any:
+        """``run(**kwargs)`` on ``cache`` from its CUDA graph, or None when the call cannot be
+        captured. A new signature is warmed up and captured, which runs the model (warm-up)
+        and so advances the cache's position counters: they are put back before each warm-up
+        and before the first replay (``GraphCache(reset=...)``)."""
         gc = self.graphs.get((id(cache), kind))
         if gc is None:
-            def bound(*a, **kw):
-                return self.run(*a, past_key_values=cache, **kw)
+            def bound(**kw):
+                return self.run(**{self.cache_arg: cache}, **kw)
             gc = self.graphs[(id(cache), kind)] = graphs.GraphCache(bound)
         found: list[torch.Tensor] = []
-        key = graphs.input_key((args, kwargs), found)
+        key = graphs.input_key(((), kwargs), found)
         if key is None:
             return None
         if key in gc.graphs:
@@ -147,7 +168,7 @@ class Generator:
 
         gc.reset = reset
         before, t0 = gc.compiled, time.perf_counter()
-        out = gc.run(args, kwargs)  # a new signature: compiled if new, warmed up, captured
+        out = gc.run((), kwargs)  # a new signature: compiled if new, warmed up, captured
         self._spent(kind, t0)
         self.count(gc.compiled - before)
         if out is None:
@@ -155,107 +176,110 @@ class Generator:
             self.notes.append(f"generate: {kind} not captured ({gc.why}); compiled only")
         return out
 
-    @contextlib.contextmanager
-    def _routed(self, cache: Any):
-        """The model's forward routed to the prefill or decode runner for the call."""
-        def forward(*args, **kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None:
-                ids = kwargs["inputs_embeds"]
-            decode = ids.shape[1] == 1
-            if not decode and self.last_logits:
-                kwargs["logits_to_keep"] = 1
-            for name in ("past_key_values", "cache"):
-                if kwargs.get(name) is cache:
-                    del kwargs[name]
-            if self.capture:
-                out = self._replay("decode" if decode else "prefill", cache, args, kwargs)
-                if out is not None:
-                    return out
+    def _forward(self, kind: str, cache: Any, **kwargs: Any) -> torch.Tensor:
+        """The last position's logits (batch, vocab) of one prefill or decode call on
+        ``cache``: its CUDA graph on CUDA, else the compiled (or plain) forward."""
+        out = self._replay(kind, cache, kwargs) if self.capture else None
+        if out is None:
             before = _compat.compiled_graph_count() if self.compiled else 0
             t0 = time.perf_counter()
-            out = self.run(*args, past_key_values=cache, **kwargs)
+            out = self.run(**{self.cache_arg: cache}, **kwargs)
             if self.compiled:
                 new = _compat.compiled_graph_count() - before
                 if new:
-                    self._spent("decode" if decode else "prefill", t0)
+                    self._spent(kind, t0)
                 self.count(new)
-            return out
+        return out.logits[:, -1]
 
-        config = self.model.config
-        before = config._attn_implementation
-        self.model.forward = forward
-        if self.attention is not None:
-            config._attn_implementation = self.attention
+    @contextlib.contextmanager
+    def _attention(self):
+        """The model on sparsekit's decode attention for the call (when it has one)."""
+        if self.attention is None:
+            yield
+            return
+        before = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.attention)
         try:
             yield
         finally:
-            del self.model.forward
-            config._attn_implementation = before
+            self.model.set_attn_implementation(before)
 
     def _spent(self, kind: str, t0: float) -> None:
         """Add the seconds since ``t0`` (a call that built a ``kind`` graph) to the report."""
         key = f"generate_{kind}"
         self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
-        """HF ``generate`` on the routed model; returns the sequences (prompt + new tokens,
-        without sparsekit's padding), as ``model.generate`` does."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else \
-                type(input_ids).__name__
-            raise ValueError(f"generate: input_ids must be a 2-D tensor (batch, tokens), got "
-                             f"{got}")
-        for key in ("past_key_values", "cache_implementation", "return_dict_in_generate",
-                    "num_beams", "assistant_model"):
-            if kwargs.get(key) not in (None, False, 1):
-                raise ValueError(f"generate: {key}= is not supported on an accelerated model "
-                                 f"(it runs its own static cache, greedy or sampling, and "
-                                 f"returns the sequences)")
-        new = max_new_tokens if max_new_tokens is not None else \
-            self.model.generation_config.max_new_tokens
-        if not isinstance(new, int) or new < 1:
-            raise ValueError(f"generate: max_new_tokens must be a positive int, got {new!r}")
-        input_ids = input_ids.to(self.device)
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Generate from ``input_ids`` (batch, tokens) with Hugging Face's keyword arguments
+        (:data:`sparsekit.accel.decoding.SUPPORTED`); returns the sequences, prompt included,
+        as ``model.generate`` does: (batch, tokens + new), shorter when every sequence ended
+        early."""
+        opts = decoding.resolve(getattr(self.model, "generation_config", None), kwargs,
+                                self.vocab)
+        mask = decoding.check_inputs(input_ids, kwargs.get("attention_mask"), self.vocab)
         batch, length = input_ids.shape
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        attention_mask = attention_mask.to(self.device)
+        new = opts.new_tokens(length)
+        if self.max_positions is not None and length + new > self.max_positions:
+            raise ValueError(f"generate: a prompt of {length} tokens and max_new_tokens={new} "
+                             f"pass the model's max_position_embeddings "
+                             f"({self.max_positions}): at most {self.max_positions - length} "
+                             f"new tokens")
+        if opts.generator is not None and opts.generator.device.type != self.device.type:
+            raise ValueError(f"generate: generator is on {opts.generator.device}, the model on "
+                             f"{self.device}: make it with torch.Generator(device=...)")
+        with torch.no_grad(), self._attention(), _compat.recompile_limit():
+            return self._loop(input_ids.to(self.device, torch.long), mask.to(self.device),
+                              new, opts)
+
+    def _loop(self, ids: torch.Tensor, mask: torch.Tensor, new: int,
+              opts: decoding.Decoding) -> torch.Tensor:
+        """Prefill, then ``new`` - 1 decode steps (gpt-fast's loop); see :meth:`generate`."""
+        batch, length = ids.shape
         padded = bucket(length)
         pad = padded - length
-        if pad:
-            pad_id = self._pad_id()
-            input_ids = torch.cat([input_ids.new_full((batch, pad), pad_id), input_ids], 1)
-            attention_mask = torch.cat([attention_mask.new_zeros((batch, pad)),
-                                        attention_mask], 1)
-        cache = self._cache(batch, cache_length(padded, new))
-        kwargs.setdefault("pad_token_id", self._pad_id())
-        with self._routed(cache), torch.no_grad(), warnings.catch_warnings(), \
-                lagged_stop.installed(input_ids.shape[1] + new), _compat.recompile_limit():
-            # transformers >= 5.2x renamed generate's past_key_values to cache (older: no cache)
-            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated",
-                                    category=FutureWarning)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      max_new_tokens=new, past_key_values=cache,
-                                      disable_compile=True, **kwargs)
-        return out[:, pad:]
-
-    def _pad_id(self) -> int:
-        gc = self.model.generation_config
-        for pid in (gc.pad_token_id, gc.eos_token_id, getattr(self.model.config, "pad_token_id",
-                                                               None)):
-            if isinstance(pid, (list, tuple)):
-                pid = pid[0] if pid else None
-            if pid is not None:
-                return int(pid)
-        return 0
-
+        size = cache_length(padded, new)
+        cache = self._cache(batch, size)
+        device = self.device
+        # the mask over the whole cache: the bucket's padding, the prompt's, every later token
+        full = torch.cat([mask.new_zeros((batch, pad)), mask,
+                          mask.new_ones((batch, size - padded))], 1)
+        prompt_mask = full[:, :padded]
+        positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
+        prompt = torch.cat([ids.new_full((batch, pad), opts.pad or 0), ids], 1)
+        tokens = torch.empty((batch, padded + new), dtype=torch.long, device=device)
+        tokens[:, :padded] = prompt
+        step = {"attention_mask": full, "use_cache": True}
+        first = dict(step, input_ids=prompt, position_ids=positions)
+        if self.last_logits:
+            first["logits_to_keep"] = 1
+        if self.cache_position:
+            first["cache_position"] = torch.arange(padded, device=device)
+        logits = self._forward("prefill", cache, **first)
+        position = positions[:, -1:] + 1
+        choose = sampling.NextToken(opts, prompt, prompt_mask, logits.shape[-1])
+        stop = None
+        if opts.eos:
+            stop = lagged_stop.LaggedStopCheck(padded + new,
+                                               lagged_stop.LAG if lagged_stop.enabled() else 0)
+        steps = new
+        for t in range(new):
+            token = choose(logits, t)
+            tokens[:, padded + t] = token
+            if stop is not None and stop(choose.unfinished, token, padded + t + 1):
+                steps = t + 1 - stop.finish()
+                break
+            if t + 1 < new:
+                inputs = dict(step, input_ids=token[:, None], position_ids=position + t)
+                if self.cache_position:
+                    inputs["cache_position"] = torch.arange(padded + t, padded + t + 1,
+                                                            device=device)
+                logits = self._forward("decode", cache, **inputs)
+        return tokens[:, pad:padded + steps].clone()
 
 def attention_for(model: nn.Module, device: torch.device) -> str | None:
     """The attention implementation generate switches ``model`` to: sparsekit's
-    (:data:`sparsekit.accel.kernels.attention.decode.NAME`) for a model on HF's SDPA on CUDA, unless
-    ``SPARSEKIT_DECODE_ATTENTION=0``; else None (the model's own)."""
+    (:data:`sparsekit.accel.kernels.attention.decode.NAME`) for a model on HF's SDPA on CUDA,
+    unless ``SPARSEKIT_DECODE_ATTENTION=0``; else None (the model's own)."""
     if device.type != "cuda" or not attention.enabled():
         return None
     if getattr(model.config, "_attn_implementation", None) != "sdpa":

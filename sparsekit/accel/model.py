@@ -117,14 +117,17 @@ class AcceleratedModel(nn.Module):
         self.__dict__["runner"] = self._compile("reduce-overhead")
         return None
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
-        """Hugging Face ``generate`` on the accelerated causal LM (greedy, or sampling with
-        ``do_sample=True`` and HF's other sampling options): the prompt runs on the large-M
-        (prefill) kernels, each new token on the small-M (decode) kernels, both compiled (CUDA
-        graphs on CUDA) over a static KV cache kept by sparsekit. Prompts are left-padded to a
-        bucket (the next power of two, at least 16), so prompt lengths in one bucket share one
-        compiled graph (:mod:`sparsekit.accel.generate`). Returns the sequences, prompt
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Generate from a causal LM (HF's): ``input_ids`` (batch, tokens) and Hugging Face's
+        keyword arguments for greedy or sampled decoding (``attention_mask`` with left padding,
+        ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``, ... and ``generator``, a
+        torch.Generator for the draws: :data:`sparsekit.accel.decoding.SUPPORTED`; anything
+        else is an error). sparsekit's own loop: the prompt runs on the large-M (prefill)
+        kernels, each new token on the small-M (decode) kernels, both compiled (CUDA graphs
+        on CUDA) over a static KV cache kept by sparsekit. Prompts are left-padded to a
+        bucket (the next power of two, at least 16), so prompt lengths in one bucket share
+        one compiled graph (:mod:`sparsekit.accel.generate`). Returns the sequences, prompt
         included, as ``model.generate`` does; ``report.compiles`` counts the graphs built.
 
         >>> ids = fast.generate(input_ids, max_new_tokens=8)  # doctest: +SKIP
@@ -137,7 +140,7 @@ class AcceleratedModel(nn.Module):
                             notes=self.report.notes, inductor=self.options.inductor,
                             seconds=self.report.seconds)
             self.__dict__["generator"] = gen
-        return gen.generate(input_ids, attention_mask, max_new_tokens, **kwargs)
+        return gen.generate(input_ids, **kwargs)
 
     def _count(self, new: int) -> None:
         """Add ``new`` compiled graphs to the report (a warning past ``max_compiles``)."""
