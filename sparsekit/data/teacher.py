@@ -27,7 +27,6 @@ import inspect
 import json
 import math
 import os
-import time
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
@@ -41,6 +40,7 @@ from torch.utils.data import Dataset
 from sparsekit.data.bundle import DataBundle
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.io.files import atomic_write
+from sparsekit.progress import progress
 
 VERSION = 1
 Progress = Callable[[int, int], None]
@@ -364,15 +364,17 @@ def mix_bundle(text: DataBundle | None, tokens: torch.Tensor, mix: float,
     return DataBundle(train=train, eval=eval_set, calibration=calibration, info=info)
 
 
-class PrintProgress:
-    """An ``on_progress`` that prints ``teacher samples: done/n`` at most every ``every``
-    seconds (and at the end)."""
+def progress_callback(n: int, quiet: bool = False) -> Progress:
+    """An ``on_progress`` for ``n`` samples that draws sparsekit's progress
+    (:func:`sparsekit.progress.progress`: a bar on a terminal, else lines on the ``sparsekit``
+    logger); nothing when ``quiet``."""
+    ticks = iter(progress(range(n), quiet, desc="teacher samples", total=n))
+    seen = 0
 
-    def __init__(self, every: float = 10.0) -> None:
-        self.every, self.t0, self.last = every, time.perf_counter(), 0.0
+    def tick(done: int, total: int) -> None:
+        nonlocal seen
+        for _ in range(done - seen + (done >= total)):  # one more at the end closes the bar
+            next(ticks, None)
+        seen = done
 
-    def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter() - self.t0
-        if done == total or now - self.last >= self.every:
-            self.last = now
-            print(f"teacher samples: {done}/{total} ({now:.1f} s)", flush=True)
+    return tick

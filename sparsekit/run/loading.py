@@ -277,7 +277,7 @@ def teacher_data(cfg: Config, model: nn.Module | None, task: str, text: DataBund
     training and calibration windows at ``data.teacher_mix``
     (:func:`sparsekit.data.teacher.mix_bundle`); ``data.teacher`` of the bundle's info says
     how they were made."""
-    from sparsekit.data.teacher import PrintProgress, mix_bundle, teacher_samples
+    from sparsekit.data.teacher import mix_bundle, progress_callback, teacher_samples
 
     d = cfg.data
     if model is None or task != "causal_lm":
@@ -289,10 +289,10 @@ def teacher_data(cfg: Config, model: nn.Module | None, task: str, text: DataBund
                    top_p=d.teacher_top_p, first_tokens=d.teacher_first_tokens,
                    batch_size=d.teacher_batch_size)
     cache = cache_root(cfg.cache_dir) / "data"
-    quiet = is_quiet(cfg.train.quiet)
     t0 = time.perf_counter()
     tokens = teacher_samples(model, d.teacher_samples, d.seq_len + 1, cache_dir=cache,
-                             on_progress=None if quiet else PrintProgress(), **options)
+                             on_progress=progress_callback(d.teacher_samples, cfg.train.quiet),
+                             **options)
     bundle = mix_bundle(text, tokens, d.teacher_mix, held_out)
     bundle.info["teacher"].update(options, seq_len=d.seq_len + 1,
                                   seconds=round(time.perf_counter() - t0, 2))

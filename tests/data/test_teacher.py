@@ -181,6 +181,23 @@ def test_cache_round_trip_and_key(llama, tmp_path, monkeypatch):
     assert torch.equal(teacher_samples(llama, 4, 10, seed=2, cache_dir=tmp_path), first)
 
 
+
+def test_progress_lines_count_the_samples(llama, caplog, monkeypatch):
+    import logging
+
+    from sparsekit.data.teacher import progress_callback
+
+    monkeypatch.setattr("sparsekit.progress.QUIET_FIRST_S", 0.0)  # no 5 s of silence
+    monkeypatch.delenv("SPARSEKIT_QUIET", raising=False)  # CI sets it
+    caplog.set_level(logging.INFO, logger="sparsekit")
+    teacher_samples(llama, 5, 6, batch_size=2, on_progress=progress_callback(5))
+    lines = [r.getMessage() for r in caplog.records if "teacher samples" in r.getMessage()]
+    assert lines and lines[-1].startswith("teacher samples: 5/5 (100%)")
+    caplog.clear()
+    teacher_samples(llama, 5, 6, batch_size=2, on_progress=progress_callback(5, quiet=True))
+    assert not caplog.records
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bf16_samples_are_reproducible_and_greedy_matches(llama):
