@@ -18,6 +18,7 @@ import sparsekit as sk
 from sparsekit.run.cli import main, recipe_names
 from sparsekit.data import build_data
 from sparsekit.io.runstate import read_run_state, write_run_state
+from sparsekit.run import pipeline
 from sparsekit.run.train import evaluate
 
 # tiny sizes so that every recipe runs end to end in a few seconds
@@ -204,6 +205,10 @@ def test_progress_lines_and_the_run_log_without_a_terminal(tmp_path, capsys, mon
     assert eta.group(0) in log and "stage fine_tune ..." in log
     assert out.strip().splitlines()[-1] in log  # the table's last line
     assert "stage dense" not in out  # stdout keeps the table alone
+    # on a CPU the speed rows are CPU time, and no speedup is claimed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["speedup"] is None and summary["speed_notes"][0] == pipeline.CPU_SPEED
+    assert "| latency b=1 (ms, CPU time) |" in out and "Speedup not measured on CPU" in out
 
 
 def test_second_run_reuses_cached_baseline(tmp_path, capsys):

@@ -161,8 +161,9 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
         assert summaries[int(n)]["tensorboard_logdir"].endswith(label.split("/", 1)[1])
         comp_run, dense_run, s = mine[0], mine[1], summaries[int(n)]
         assert {"train/loss", "train/lr", "eval/accuracy", "sparsity/global", "sparsity/conv2",
-                "speed/latency_ms", "speed/throughput", "speed/speedup", "size/bytes",
+                "speed/latency_ms", "speed/throughput", "size/bytes",
                 "final/sparsity"} <= set(tags[comp_run])
+        assert "speed/speedup" not in tags[comp_run]  # CPU time is no speedup
         # the dense run: the same tags for the same quantities (speed with its spread)
         speed = {f"speed/{k}{end}" for k in ("latency_ms", "throughput")
                  for end in ("", "_p10", "_p90")}
@@ -208,8 +209,8 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
     assert "prune.sparsity" in marked and infos[:len(marked)] == marked
     # the compressed model's metrics first, the dense reference once, last
     assert [m["name"]["tag"] for m in experiment["metricInfos"]] == [
-        "final/accuracy/compressed", "final/sparsity", "final/size_bytes", "final/speedup",
-        "final/accuracy/dense"]
+        "final/accuracy/compressed", "final/sparsity", "final/size_bytes",
+        "final/accuracy/dense"]  # no final/speedup on a CPU
     # what the dashboard warns about ("cannot process domain type"): a hparam that is not a
     # number and declares no values
     for info in experiment["hparamInfos"]:
@@ -391,7 +392,11 @@ def test_speed_and_pareto_figures_say_when_a_difference_is_within_noise():
     assert fig.axes[0].get_xlim()[0] == 0  # bars from zero: no zoomed axis
     clear = {"dense": {"latency_ms": 2.0, "latency_ms_p10": 1.9, "latency_ms_p90": 2.1},
              "compressed": {"latency_ms": 1.0, "latency_ms_p10": 0.9, "latency_ms_p90": 1.1}}
-    assert figures.speed_spread(clear).axes[0].get_title() == "compressed 2.00x"
+    assert figures.speed_spread(clear).axes[0].get_title() == "compressed 2.00x faster"
+    slower = {"dense": clear["compressed"], "compressed": clear["dense"]}
+    fig = figures.speed_spread(slower, cpu=True)  # a slowdown, labelled so; CPU time
+    assert fig.axes[0].get_title() == "compressed 2.00x slower"
+    assert fig._suptitle.get_text().startswith("CPU time (speedup not measured on CPU)")
     assert figures.speed_spread({"dense": {}, "compressed": {}}) is None
     equal = {"latency_ms": 0.1 + 0.2, "latency_ms_p10": 0.3, "latency_ms_p90": 0.3}
     assert figures.speed_spread({"dense": equal, "compressed": equal}) is not None

@@ -81,11 +81,12 @@ def _range(side: Mapping[str, Any], key: str) -> tuple[float, float, float]:
             max(float(side.get(f"{key}_p90", mid)), mid))
 
 
-def speed_spread(speed: Mapping[str, Mapping[str, Any]]) -> Any | None:
+def speed_spread(speed: Mapping[str, Mapping[str, Any]], cpu: bool = False) -> Any | None:
     """One panel per speed figure measured for both models (``speed``: ``{"dense": {...},
     "compressed": {...}}`` as in a run summary): a bar from zero to each model's median with
-    its p10-p90 range as a whisker, and in the title the ratio, or "within noise" where the
-    two ranges overlap."""
+    its p10-p90 range as a whisker, and in the title the ratio ("N x slower" where it is a
+    slowdown), or "within noise" where the two ranges overlap. ``cpu``: the figures are CPU
+    time, titled so (a masked model runs dense kernels on a CPU: no speedup to show)."""
     keys = [(k, label) for k, label in SPEED_AXES
             if all(speed.get(n, {}).get(k) for n in ("dense", "compressed"))]
     if Figure is None or not keys:
@@ -104,10 +105,13 @@ def speed_spread(speed: Mapping[str, Mapping[str, Any]]) -> Any | None:
         ax.set_xlabel(label, fontsize=8)
         noise = d10 <= c90 and c10 <= d90
         ratio = dm / cm if key == "latency_ms" else cm / dm
-        ax.set_title("within noise (p10-p90 overlap)" if noise else f"compressed {ratio:.2f}x",
-                     fontsize=9)
+        title = (f"compressed {ratio:.2f}x faster" if ratio >= 1
+                 else f"compressed {1 / ratio:.2f}x slower")
+        ax.set_title("within noise (p10-p90 overlap)" if noise else title, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle("speed: median, whiskers p10-p90 over the repeats", fontsize=9)
+    fig.suptitle("CPU time (speedup not measured on CPU): median, whiskers p10-p90 over the "
+                 "repeats" if cpu else "speed: median, whiskers p10-p90 over the repeats",
+                 fontsize=9)
     fig.tight_layout()
     return fig
 

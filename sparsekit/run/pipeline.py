@@ -269,6 +269,33 @@ SPEEDS = (("latency_ms", "latency b=1 (ms)", ".3f"),
           ("tokens_per_s", "generation (tokens/s, b=1)", ",.1f"))
 
 
+#: what a CPU run says instead of a speedup
+CPU_SPEED = ("speedup not measured on CPU: a pruned model runs dense kernels there (sparse "
+             "tensor cores are a GPU's), so the speed rows are CPU time, not a speedup")
+
+
+def speed_notes(speed: dict[str, dict[str, float]], device: str) -> list[str]:
+    """What the speed figures mean: on a CPU, :data:`CPU_SPEED`; and every figure where the
+    compressed model is slower than dense beyond the noise (p10-p90 ranges apart), as a
+    slowdown.
+
+    >>> speed_notes({"dense": {"latency_ms": 1.0}, "compressed": {"latency_ms": 5.0}}, "cpu")[1]
+    'slowdown: compressed is 5.0x slower than dense (latency b=1, CPU time)'
+    """
+    d, c = speed.get("dense", {}), speed.get("compressed", {})
+    measured = [(key, label) for key, label, _ in SPEEDS if d.get(key) and c.get(key)]
+    notes = [CPU_SPEED] if device == "cpu" and measured else []
+    for key, label in measured:
+        slower = c[key] / d[key] if key == "latency_ms" else d[key] / c[key]
+        apart = (c.get(key + "_p10", c[key]) > d.get(key + "_p90", d[key]) if key == "latency_ms"
+                 else c.get(key + "_p90", c[key]) < d.get(key + "_p10", d[key]))
+        if slower > 1 and apart:
+            what = label.split(" (")[0]
+            notes.append(f"slowdown: compressed is {slower:.1f}x slower than dense ({what}"
+                         f"{', CPU time' if device == 'cpu' else ''})")
+    return notes
+
+
 def with_spread(side: dict[str, Any], key: str, fmt: str) -> str:
     """``median (p10-p90)`` of a speed figure in a summary's dense/compressed entry; ``-``
     when it was not measured.
@@ -297,8 +324,10 @@ def summary_table(s: dict[str, Any]) -> str:
         ("size (bytes)", size(d["size_bytes"]), size(c["size_bytes"])),
     ]
     generation = s.get("generation") or {}
+    cpu = s.get("device") == "cpu"
     for key, label, fmt in SPEEDS:
         if key in d or key in c or (key == "tokens_per_s" and generation):
+            label = label.replace(")", ", CPU time)", 1) if cpu else label
             rows.append((label, with_spread(d, key, fmt), with_spread(c, key, fmt)))
     lines = ["| | dense | compressed |", "| --- | ---: | ---: |"]
     lines += [f"| {a} | {b} | {c_} |" for a, b, c_ in rows]
@@ -306,6 +335,7 @@ def summary_table(s: dict[str, Any]) -> str:
     if any(k in d for k, _, _ in SPEEDS):
         lines.append("Speed: median over bench.repeats calls (p10-p90 in brackets); ranges that "
                      "overlap are within noise.")
+    lines += [f"{note[0].upper()}{note[1:]}." for note in s.get("speed_notes") or ()]
     if generation.get("skipped"):
         lines.append(f"Generation speed skipped: {generation['skipped']}.")
     elif generation.get("dense_way"):
@@ -758,7 +788,8 @@ def stage_summarize(ctx: RunContext) -> None:
     if s["speedup"] is not None:
         tracker.scalars({"speed/speedup": s["speedup"]}, step)
     if ctx.speed["dense"] or ctx.speed["compressed"]:
-        tracker.figure("speed/spread", figures.speed_spread(ctx.speed), step)
+        tracker.figure("speed/spread", figures.speed_spread(ctx.speed, ctx.device.type == "cpu"),
+                       step)
     # compressed first, the dense reference once, at the end: hparams' columns in this order
     final = {f"final/{m}/compressed": ctx.comp_eval[m],
              "final/sparsity": ctx.report.global_sparsity,
@@ -825,7 +856,8 @@ def run_summary(ctx: RunContext) -> dict[str, Any]:
         "channels": None if ctx.channel_report is None else ctx.channel_report.to_dict(),
         "quant": None if ctx.quant_report is None else ctx.quant_report.to_dict(),
         "variants": ctx.variants or None,
-        "speedup": speedup(speed),
+        "speedup": None if ctx.device.type == "cpu" else speedup(speed),
+        "speed_notes": speed_notes(speed, ctx.device.type),
         "generation": ctx.generation or None,
         "accel": ctx.accel,
         "dense_source": ctx.dense_source,
