@@ -29,6 +29,11 @@ AUTO_CLASSES = {
     "feature_extraction": "AutoModel",
 }
 
+#: quant.group_size / group_size=: the int4 weight schemes' groups (quant/formats.py): a fixed
+#: group of inputs per scale, one scale per output channel, or per layer the largest that fits
+INT4_GROUP_SIZES = (128, 64, 32)
+GROUP_SIZE_CHOICES = (*INT4_GROUP_SIZES, "channel", "auto")
+
 _NM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -56,3 +61,21 @@ def parse_pattern(pattern: str) -> tuple[int, int] | None:
     if not 0 < n < m:
         raise UsageError(f"pattern {pattern!r}: N:M needs 0 < N < M (N kept out of every M)")
     return n, m
+
+
+def check_group_size(group_size: object, option: str = "group_size") -> int | str | None:
+    """``group_size`` as one of :data:`GROUP_SIZE_CHOICES` (a number given as text, as on the
+    command line, becomes an int), or None; UsageError naming ``option`` and the choices.
+
+    >>> check_group_size("64"), check_group_size("auto"), check_group_size(None)
+    (64, 'auto', None)
+    """
+    if group_size is None:
+        return None
+    value = group_size
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or value not in GROUP_SIZE_CHOICES:
+        raise UsageError(f"{option}={group_size!r} is not allowed; choose one of: "
+                         f"{', '.join(map(str, GROUP_SIZE_CHOICES))}")
+    return value

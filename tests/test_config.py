@@ -163,7 +163,8 @@ def test_enum_fields_take_strings_and_give_plain_values():
     assert listed["schedule.kind"] == ("oneshot", "linear", "cubic")
     assert listed["quant.scheme"] == ("none", "int8_weight_only", "fp8_weight_only", "int8",
                                       "fp8", "int8_static", "fp8_static", "fp8_static_tensor",
-                                      "int4_weight", "int4_weight_channel")
+                                      "int4_weight", "int4_weight_g64", "int4_weight_g32",
+                                      "int4_weight_channel")
     assert listed["quant.method"] == ("rtn", "gptq")
     assert listed["accel.precision"] == ("bf16", "fp8", "fp8w", "int8", "int4")
     for key, values in listed.items():  # each value is accepted, and nothing else

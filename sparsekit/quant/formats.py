@@ -11,9 +11,11 @@ whole weight (``max |W| / 448``, torchao's default fp8 granularity). With its st
 scale the GEMM's whole rescale is then one scalar, which a kernel taking only a scalar in its
 epilogue (cuSPARSELt's fp8 ``alpha``) applies inside the GEMM. The 4-bit weight-only schemes
 (W4A16, activations stay in the model's dtype) have one scale per *group* of input channels:
-``int4_weight`` one per 128 consecutive inputs of each output channel, ``int4_weight_channel``
-one per output channel (a single group spanning the input); see :mod:`sparsekit.quant.modules`
-for how those layers store them. Activation scales are:
+``int4_weight`` one per 128 consecutive inputs of each output channel, ``int4_weight_g64`` and
+``int4_weight_g32`` one per 64 and 32, ``int4_weight_channel`` one per output channel (a single
+group spanning the input); see :mod:`sparsekit.quant.modules` for how those layers store them.
+``quantize_``'s and ``prepare_qat_``'s ``group_size`` (``quant.group_size``) picks among them
+per model or, with ``"auto"``, per layer (:func:`layer_scheme`). Activation scales are:
 
 - dynamic (``int8``, ``fp8``): one scale per token (per sample for convolutions), from the
   activation itself at every call. Nothing to calibrate; one extra pass over each row.
@@ -34,6 +36,8 @@ True
 'tensor'
 >>> get_scheme("int4_weight").group_size, get_scheme("int4_weight").weight.qmin
 (128, -8.0)
+>>> layer_scheme("int4_weight", "auto", "mlp.up", 576).name  # 576 = 64 * 9
+'int4_weight_g64'
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsekit.errors import ConfigTypeError, UsageError
+from sparsekit.names import INT4_GROUP_SIZES, check_group_size
 from sparsekit.registry import Registry
 
 
@@ -162,13 +167,19 @@ def register_scheme(scheme: Scheme) -> None:
     SCHEMES.register(scheme.name, scheme)
 
 
+# the int4 weight schemes by group size (names.INT4_GROUP_SIZES, largest first; "channel": one
+# group spanning the input)
+INT4_GROUP_SCHEMES = {128: "int4_weight", 64: "int4_weight_g64", 32: "int4_weight_g32",
+                      "channel": "int4_weight_channel"}
+
 for _scheme in (Scheme("int8_weight_only", INT8, None), Scheme("fp8_weight_only", FP8, None),
                 Scheme("int8", INT8, INT8),
                 Scheme("fp8", FP8, FP8), Scheme("int8_static", INT8, INT8, static=True),
                 Scheme("fp8_static", FP8, FP8, static=True),
                 Scheme("fp8_static_tensor", FP8, FP8, static=True,
                        weight_granularity="tensor"),
-                Scheme("int4_weight", INT4, None, weight_granularity="group", group_size=128),
+                *(Scheme(INT4_GROUP_SCHEMES[g], INT4, None, weight_granularity="group",
+                         group_size=g) for g in INT4_GROUP_SIZES),
                 Scheme("int4_weight_channel", INT4, None)):
     register_scheme(_scheme)
 
@@ -181,3 +192,48 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
         raise UsageError(f"unknown quantization scheme {scheme!r}; allowed: "
                          f"{', '.join(map(repr, SCHEMES.names()))}")
     return SCHEMES[scheme]
+
+
+def check_scheme_group_size(scheme: str | Scheme, group_size: object,
+                            option: str = "group_size") -> int | str | None:
+    """:func:`~sparsekit.names.check_group_size`, and a UsageError when a group size is given
+    for a scheme other than the int4 weight ones."""
+    scheme = get_scheme(scheme)
+    group = check_group_size(group_size, option)
+    if group is not None and not scheme.grouped:
+        raise UsageError(f"{option}={group} applies to the int4 weight schemes "
+                         f"({', '.join(INT4_GROUP_SCHEMES.values())}), not {scheme.name!r}")
+    return group
+
+
+def fitting_group_sizes(in_features: int) -> list[int | str]:
+    """The int4 group sizes that divide ``in_features`` (largest first), then ``"channel"``
+    (which always fits).
+
+    >>> fitting_group_sizes(576), fitting_group_sizes(1536), fitting_group_sizes(100)
+    ([64, 32, 'channel'], [128, 64, 32, 'channel'], ['channel'])
+    """
+    return [g for g in INT4_GROUP_SIZES if in_features % g == 0] + ["channel"]
+
+
+def layer_scheme(scheme: str | Scheme, group_size: object, layer: str,
+                 in_features: int) -> Scheme:
+    """The scheme a Linear ``layer`` with ``in_features`` inputs is quantized with under
+    ``scheme`` and ``group_size`` (one of :data:`~sparsekit.names.GROUP_SIZE_CHOICES`):
+    ``scheme`` itself when ``group_size`` is None; else the int4 scheme of that group
+    (``scheme`` must be an int4 one), the one-line UsageError naming the layer, its input
+    size and the group sizes that fit when the group does not divide it; ``"auto"``: the
+    largest of 128, 64, 32 dividing ``in_features``, else one scale per output channel."""
+    scheme = get_scheme(scheme)
+    group = check_scheme_group_size(scheme, group_size)
+    if group is None:
+        return scheme
+    fits = fitting_group_sizes(in_features)
+    if group == "auto":
+        group = fits[0]
+    elif group not in fits:
+        raise UsageError(f"layer {layer!r}: in_features={in_features} is not a multiple of "
+                         f"group_size={group}; group sizes that fit it: "
+                         f"{', '.join(map(str, fits))} (or group_size=auto: the largest "
+                         "that fits, per layer; or exclude the layer)")
+    return SCHEMES[INT4_GROUP_SCHEMES[group]]

@@ -25,7 +25,7 @@ error, so quantizing a finalized 2:4 model keeps its pattern.
 
 ``act_order`` processes columns in order of decreasing ``diag H`` (the GPTQ paper's "act-order"
 heuristic); the group scales are then computed up front from the unquantized weight (the
-reference's ``static_groups``), so every group stays a contiguous block of 128 inputs and the
+reference's ``static_groups``), so every group stays a contiguous block of inputs and the
 layer's storage does not change. It cannot be combined with an N:M pattern, whose groups must
 stay consecutive columns.
 
@@ -233,22 +233,25 @@ def gptq_sweep(
 def gptq_quantize(
     model: nn.Module,
     modules: dict[str, nn.Linear],
-    scheme: str | Scheme,
+    scheme: str | Scheme | dict[str, str | Scheme],
     calibration: Iterable[Any],
     method: GPTQ,
     calibration_fn: CalibrationFn | None = None,
 ) -> tuple[dict[str, QuantLinear], dict[str, float]]:
     """GPTQ-quantize ``modules`` (qualified name -> Linear of ``model``) with the grouped
-    (int4) ``scheme``, layer by layer on the ``calibration`` batches; returns the quantized
+    (int4) ``scheme`` (or one per layer: name -> scheme), layer by layer on the
+    ``calibration`` batches; returns the quantized
     layers, leaving the swap to the caller, and each one's relative output error on its
     calibration inputs (:class:`SweepResult`, without the bias). The
     float layers are overwritten with their dequantized (and, with ``method.pattern``, pruned)
     weights as the sweep goes, so later layers calibrate on the quantized model's outputs.
     Under torchrun every Hessian is averaged over all ranks."""
-    scheme = get_scheme(scheme)
-    if not scheme.grouped:
-        raise UsageError(f"method='gptq' quantizes int4 weights (int4_weight, "
-                         f"int4_weight_channel), not {scheme.name!r}")
+    schemes = {name: get_scheme(scheme[name] if isinstance(scheme, dict) else scheme)
+               for name in modules}
+    for s in schemes.values():
+        if not s.grouped:
+            raise UsageError(f"method='gptq' quantizes int4 weights (int4_weight, "
+                             f"int4_weight_g64, ..., int4_weight_channel), not {s.name!r}")
     for name, m in modules.items():
         if not isinstance(m, nn.Linear):
             raise UsageError(f"gptq: layer {name!r} is a {type(m).__name__}; GPTQ takes Linear "
@@ -256,13 +259,14 @@ def gptq_quantize(
     results: dict[str, SweepResult] = {}
 
     def solver(name: str, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r = gptq_sweep(w, h, scheme.weight, scheme.layer_group_size(w.shape[1]), method, name)
+        own = schemes[name]
+        r = gptq_sweep(w, h, own.weight, own.layer_group_size(w.shape[1]), method, name)
         results[name] = r
         return r.weight, r.keep
 
     sparsegpt_prune(model, dict(modules), dict.fromkeys(modules, 0.0), None, calibration,
                     calibration_fn, method.blocksize, method.percdamp, shards.comm(),
                     solver=solver)
-    layers = {name: QuantLinear.from_quantized(modules[name], scheme, r.q, r.scale)
+    layers = {name: QuantLinear.from_quantized(modules[name], schemes[name], r.q, r.scale)
               for name, r in results.items()}
     return layers, {name: r.rel_error for name, r in results.items()}

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsekit.errors import UsageError
-from sparsekit.quant.formats import Scheme
+from sparsekit.quant.formats import Scheme, check_scheme_group_size, layer_scheme
 from sparsekit.quant.modules import (
     QuantConv,
     QuantLinear,
@@ -107,16 +107,24 @@ def plan_layers(
     status: str,
     verb: str,
     strict: bool,
-) -> tuple[QuantReport, dict[str, nn.Module]]:
-    """The report of what ``verb`` (quantize_, prepare_qat_) does to every layer, and the layers
-    it takes: chosen ones whose dtype and shape ``scheme`` supports. ``strict``: ValueError
-    naming the layers it cannot take instead of skipping them. A chosen Linear whose input
-    dimension is not a multiple of an int4 scheme's group size is always a ValueError naming
-    it (a silently unquantized layer would miss the model's size target). A taken layer with
-    a NaN or inf weight raises NumericsError naming it (its scales would be NaN)."""
-    report = QuantReport(scheme.name)
+    group_size: object = None,
+) -> tuple[QuantReport, dict[str, nn.Module], dict[str, Scheme]]:
+    """The report of what ``verb`` (quantize_, prepare_qat_) does to every layer, the layers
+    it takes (chosen ones whose dtype and shape ``scheme`` supports) and the scheme of each
+    (``scheme``, or with ``group_size`` the int4 scheme of the layer's group:
+    :func:`~sparsekit.quant.formats.layer_scheme`). ``strict``: ValueError naming the layers
+    it cannot take instead of skipping them. A chosen Linear whose input dimension is not a
+    multiple of an int4 scheme's group size is always a ValueError naming it and the group
+    sizes that fit (a silently unquantized layer would miss the model's size target). A taken
+    layer with a NaN or inf weight raises NumericsError naming it (its scales would be NaN)."""
+    try:
+        group_size = check_scheme_group_size(scheme, group_size)
+    except UsageError as e:
+        raise UsageError(f"{verb}({scheme.name!r}): {e}") from None
+    schemes: dict[str, Scheme] = {}
     todo: dict[str, nn.Module] = {}
     read_by_parent = _read_by_parent(model)
+    layers = []
     for name, m in all_layers(model).items():
         layer = QuantLayer(name, kind(m), status)
         if name not in chosen:
@@ -125,15 +133,25 @@ def plan_layers(
             layer.status, layer.reason = "skipped", read_by_parent[name]
         elif (reason := unsupported_reason(m, scheme)) is not None:
             layer.status, layer.reason = "skipped", reason
-        elif (odd := odd_group_reason(m, scheme)) is not None:
-            raise UsageError(f"{verb}({scheme.name!r}): layer {name!r}: {odd}")
         else:
+            own = scheme
+            if group_size is not None:  # an int4 scheme: Linear layers only
+                try:
+                    own = layer_scheme(scheme, group_size, name, m.in_features)
+                except UsageError as e:
+                    raise UsageError(f"{verb}({scheme.name!r}): {e}") from None
+            if (odd := odd_group_reason(m, own)) is not None:
+                raise UsageError(f"{verb}({scheme.name!r}): layer {name!r}: {odd}")
             check_finite_weight(name, m.weight, "quantizing")
-            todo[name] = m
-        report.layers.append(layer)
+            todo[name], schemes[name] = m, own
+            if group_size == "auto":
+                layer.reason = f"group_size=auto: {own.name}"
+        layers.append(layer)
+    used = list(dict.fromkeys(s.name for s in schemes.values())) or [scheme.name]
+    report = QuantReport(",".join(used), layers)
     if strict and report.skipped:
         raise UsageError(f"{verb}({scheme.name!r}, strict=True) cannot take: {report.skipped}")
-    return report, todo
+    return report, todo, schemes
 
 
 def after_swap(model: nn.Module) -> None:

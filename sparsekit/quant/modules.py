@@ -48,7 +48,7 @@ from torch import nn
 from sparsekit import _compat
 from sparsekit.errors import UsageError
 from sparsekit.nn.calibration import conv_pads, im2col
-from sparsekit.quant.formats import Format, Scheme, get_scheme
+from sparsekit.quant.formats import Format, Scheme, fitting_group_sizes, get_scheme
 from sparsekit.quant.kernels import scaled_matmul
 from sparsekit.quant.numerics import (
     dequantize,
@@ -97,8 +97,9 @@ def odd_group_reason(module: nn.Module, scheme: str | Scheme) -> str | None:
     k, g = module.in_features, scheme.layer_group_size(module.in_features)
     if k % g == 0:
         return None
-    return (f"in_features={k} is not a multiple of {scheme.name}'s group size {g}; exclude the "
-            "layer or use int4_weight_channel (one scale per output channel)")
+    return (f"in_features={k} is not a multiple of {scheme.name}'s group size {g}; group sizes "
+            f"that fit it: {', '.join(map(str, fitting_group_sizes(k)))} (group_size=...; "
+            "auto: the largest that fits, per layer), or exclude the layer")
 
 
 _compat.check_module_apply()  # _QuantWeight overrides nn.Module._apply(fn, recurse)

@@ -141,6 +141,7 @@ def prepare_qat_(
     strict: bool = False,
     calibration: Iterable[Any] | None = None,
     calibration_fn: CalibrationFn | None = None,
+    group_size: int | str | None = None,
 ) -> QuantReport:
     """Insert fake quantization into the selected Linear/ConvNd layers, in place.
 
@@ -149,23 +150,26 @@ def prepare_qat_(
     under pruning (the Pruner may be created before or after). A layer the scheme cannot take
     is skipped with the reason in the report; ``strict=True`` raises instead. ValueError for an
     unknown scheme or a layer already quantized or prepared. A static scheme's ranges start
-    from the ``calibration`` batches when given (see the module docstring)."""
+    from the ``calibration`` batches when given (see the module docstring). ``group_size``:
+    an int4 scheme's group, per model or ``"auto"`` per layer, as in
+    :func:`~sparsekit.quant.quantize.quantize_`."""
     scheme = get_scheme(scheme)
     chosen = select_float_layers(model, include, exclude, "prepare_qat_")
-    report, todo = plan_layers(model, chosen, scheme, "qat", "prepare_qat_", strict)
+    report, todo, schemes = plan_layers(model, chosen, scheme, "qat", "prepare_qat_", strict,
+                                        group_size)
     start = {}
     if scheme.static and calibration is not None:
         start = input_absmax(model, todo, calibration, calibration_fn)
     for name, m in todo.items():
         if find_mask(m) is None and not parametrize.is_parametrized(m, "weight"):
             attach_mask(m)  # all ones: holds the mask slot ahead of the fake quantization
-        parametrize.register_parametrization(m, "weight", WeightFakeQuant(scheme.name))
+        parametrize.register_parametrization(m, "weight", WeightFakeQuant(schemes[name].name))
         if scheme.static:
             m.register_buffer(AMAX_BUFFER, start.get(name, torch.zeros(1, device=m.weight.device)))
         if scheme.activation is not None:
             conv_dims = None if isinstance(m, nn.Linear) else m.weight.dim() - 2
             m.register_forward_pre_hook(ActivationFakeQuant(scheme.name, conv_dims))
-        setattr(m, QAT_ATTR, scheme.name)
+        setattr(m, QAT_ATTR, schemes[name].name)
     return report
 
 

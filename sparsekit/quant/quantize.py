@@ -71,6 +71,7 @@ def quantize_(
     calibration_fn: CalibrationFn | None = None,
     strict: bool = False,
     method: str | GPTQ = "rtn",
+    group_size: int | str | None = None,
 ) -> QuantReport:
     """Replace the selected Linear/ConvNd layers of ``model`` by quantized ones, in place.
 
@@ -82,6 +83,12 @@ def quantize_(
     layer's relative output error on the inputs the sweep gave it), and
     ``GPTQ(pattern="2:4", act_order=..., percdamp=...)`` sets its options, a pattern pruning
     N:M in the same sweep (joint SparseGPT + GPTQ, on a model with no pruner attached).
+    ``group_size`` (int4 schemes; None: the scheme's own): 128, 64 or 32 inputs per scale,
+    ``"channel"`` (one per output channel) or ``"auto"`` (per layer the largest of 128, 64,
+    32 dividing its input size, else per channel); a group that does not divide a layer's
+    input size is a one-line ValueError naming the layer, its input size and the group sizes
+    that fit. Each layer then holds the int4 scheme of its group (``int4_weight``,
+    ``int4_weight_g64``, ``int4_weight_g32``, ``int4_weight_channel``).
     Weights are quantized from their current
     values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
     cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
@@ -105,12 +112,13 @@ def quantize_(
                          "inputs: pass calibration=<iterable of batches>")
     chosen = select_float_layers(model, include, exclude, "quantize_")
     _check_no_masks(chosen)
-    report, chosen_ok = plan_layers(model, chosen, scheme, "quantized", "quantize_", strict)
+    report, chosen_ok, schemes = plan_layers(model, chosen, scheme, "quantized", "quantize_",
+                                             strict, group_size)
     scales: dict[str, torch.Tensor | None] = dict.fromkeys(chosen_ok)
     if scheme.static:
         scales = _static_scales(model, scheme, report, chosen_ok, calibration, calibration_fn,
                                 strict)
-    todo, errors = _quantized_layers(model, scheme, chosen, chosen_ok, scales, gptq,
+    todo, errors = _quantized_layers(model, schemes, chosen, chosen_ok, scales, gptq,
                                      calibration, calibration_fn)
     for layer in report.layers:
         layer.rel_error = errors.get(layer.name)
@@ -122,16 +130,16 @@ def quantize_(
 
 
 def _quantized_layers(
-    model: nn.Module, scheme: Scheme, chosen: dict[str, nn.Module],
+    model: nn.Module, schemes: dict[str, Scheme], chosen: dict[str, nn.Module],
     chosen_ok: dict[str, nn.Module], scales: dict[str, torch.Tensor | None],
     gptq: GPTQ | None, calibration: Iterable[Any] | None, calibration_fn: CalibrationFn | None,
 ) -> tuple[dict[str, nn.Module], dict[str, float]]:
-    """The quantized module of each layer of ``chosen_ok`` (not yet swapped in) and each one's
-    relative output error on ``calibration`` (none without it): by GPTQ when ``gptq`` is
-    given, else by rounding to nearest."""
+    """The quantized module of each layer of ``chosen_ok`` (not yet swapped in; in its scheme
+    of ``schemes``) and each one's relative output error on ``calibration`` (none without
+    it): by GPTQ when ``gptq`` is given, else by rounding to nearest."""
     if gptq is not None:
-        return gptq_quantize(model, chosen_ok, scheme, list(calibration), gptq, calibration_fn)
-    todo = {name: quantized_module(m, scheme, input_scale=scales[name])
+        return gptq_quantize(model, chosen_ok, schemes, list(calibration), gptq, calibration_fn)
+    todo = {name: quantized_module(m, schemes[name], input_scale=scales[name])
             for name, m in chosen_ok.items()}
     errors = ({} if calibration is None else
               _layer_errors(model, chosen, todo, calibration, calibration_fn))

@@ -107,6 +107,12 @@ def _schemes() -> Registry:
     return SCHEMES
 
 
+def _schemes_module():  # noqa: ANN202 - the module sparsekit.quant.formats
+    from sparsekit.quant import formats
+
+    return formats
+
+
 def _kernels():  # noqa: ANN202 - the module sparsekit.accel.layers
     from sparsekit.accel import layers
 
@@ -441,7 +447,11 @@ class QuantConfig(_Checked):
     ``prune.criterion=sparsegpt`` (N:M, no fine-tuning) pruning and quantization are then one
     sweep (joint SparseGPT + GPTQ). ``act_order``: GPTQ's columns by decreasing Hessian diagonal
     (not with a joint N:M sweep). ``compare``: with ``method=gptq``, also evaluate the pruned
-    model before quantization and with round-to-nearest, for summary.json's ``variants``."""
+    model before quantization and with round-to-nearest, for summary.json's ``variants``.
+    ``group_size`` (int4 schemes; null: the scheme's own): 128, 64 or 32 inputs per weight
+    scale, ``channel`` (one per output channel) or ``auto`` (per layer the largest of 128, 64,
+    32 dividing its input size, else channel); a group that does not divide a selected
+    layer's input size stops the run with one line naming the layer and the sizes that fit."""
 
     _key: ClassVar[str] = "quant"
     _open: ClassVar = {"scheme": lambda: ("none", *_schemes().names()), }
@@ -452,8 +462,20 @@ class QuantConfig(_Checked):
     method: QuantMethod = QuantMethod.rtn
     act_order: bool = False
     compare: bool = False
+    group_size: Any = None  # null or one of names.GROUP_SIZE_CHOICES
 
     def check(self) -> None:
+        if self.group_size is not None:
+            if self.scheme == "none":
+                raise ConfigError(f"quant.group_size={self.group_size} needs an int4 "
+                                  "quant.scheme (int4_weight, int4_weight_channel)")
+            try:
+                self.group_size = names.check_group_size(self.group_size, "quant.group_size")
+                if checks_registries():  # the scheme takes groups: an int4 one
+                    _schemes_module().check_scheme_group_size(self.scheme, self.group_size,
+                                                              "quant.group_size")
+            except UsageError as e:
+                raise ConfigError(str(e)) from None
         if (self.method == "gptq" and self.scheme != "none" and checks_registries()
                 and not _schemes()[self.scheme].grouped):
             raise ConfigError(f"quant.method=gptq quantizes int4 weights; quant.scheme="
@@ -797,7 +819,7 @@ def _used_by(cfg: Config) -> list[tuple[str, object, bool, str]]:
     hf = m.name == "hf" and m._target_ is None
     text = d.name == "text" and d._target_ is None
     return [
-        ("model.path", m.path, hf, "model=hf (a local transformers directory)"),
+        ("model.path", m.path, hf, "model=hf (a local transformers directory or .gguf file)"),
         ("model.config", m.config, hf, "model=hf (a transformers config: random weights)"),
         ("model.task", m.task, hf, "model=hf"),
         ("data.path", d.path, text, "data=text (local .txt/.jsonl files)"),

@@ -468,7 +468,7 @@ def stage_qat_prep(ctx: RunContext) -> None:
     if q.scheme != "none" and q.qat:
         # a static scheme's activation ranges start from the calibration batches
         sk.prepare_qat_(ctx.model, q.scheme, include=list(q.include), exclude=list(q.exclude),
-                        calibration=ctx.calibration)
+                        calibration=ctx.calibration, group_size=q.group_size)
 
 
 def stage_shard(ctx: RunContext) -> None:
@@ -597,7 +597,8 @@ def stage_quantize(ctx: RunContext) -> None:
     if q.scheme == "none":
         return
     joint = joint_gptq(cfg)
-    selection = {"include": list(q.include), "exclude": list(q.exclude)}
+    selection = {"include": list(q.include), "exclude": list(q.exclude),
+                 "group_size": q.group_size}
     if q.qat:
         ctx.quant_report = sk.convert_(ctx.model)
     elif q.method == "gptq":
@@ -628,7 +629,8 @@ def compare_variants(ctx: RunContext, joint: bool) -> None:
         sk.prune_(ref, pattern=str(p.pattern), criterion="sparsegpt",
                   calibration=ctx.calibration, include=list(p.include), exclude=list(p.exclude))
     ctx.variants[pruned_name] = ctx.evaluate(ref)[metric]
-    sk.quantize_(ref, q.scheme, include=list(q.include), exclude=list(q.exclude))
+    sk.quantize_(ref, q.scheme, include=list(q.include), exclude=list(q.exclude),
+                 group_size=q.group_size)
     ctx.variants[f"{pruned_name}+{q.scheme}/rtn"] = ctx.evaluate(ref)[metric]
     del ref
 
