@@ -154,6 +154,25 @@ def plan_layers(
     return report, todo, schemes
 
 
+def check_layer_groups(model: nn.Module, scheme: Scheme, group_size: object,
+                       include: str | Sequence[str], exclude: str | Sequence[str],
+                       option: str = "quant.group_size") -> None:
+    """Before any work: every Linear ``include``/``exclude`` select takes ``scheme`` (an int4
+    one) at ``group_size``; else the one-line UsageError :func:`plan_layers` would give when
+    quantizing, naming ``option``, the layer, its input size and the group sizes that fit."""
+    if not scheme.grouped:
+        return
+    chosen = select_modules(model, include, exclude, types=(nn.Linear,))
+    for name, m in chosen.items():
+        try:
+            own = layer_scheme(scheme, group_size, name, m.in_features)
+            if (odd := odd_group_reason(m, own)) is not None:
+                raise UsageError(f"layer {name!r}: {odd}")
+        except UsageError as e:
+            given = scheme.name if group_size is None else f"{scheme.name}, {option}={group_size}"
+            raise UsageError(f"quantization ({given}): {e}") from None
+
+
 def after_swap(model: nn.Module) -> None:
     """What a model needs once quantized layers replaced some of its own: a transformers
     model's ``save_pretrained`` writes their dequantized weights instead of dropping their

@@ -80,6 +80,8 @@ from sparsekit.io.runstate import (
     write_run_state,
 )
 from sparsekit.prune.sensitivity import SensitivityTable
+from sparsekit.quant.formats import get_scheme
+from sparsekit.quant.layers import check_layer_groups
 from sparsekit.run.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
 from sparsekit.run.train import eval_batches, fit, get_batch, make_optimizer, task_loss
 
@@ -138,15 +140,28 @@ def dense_model(cfg: Config, data: DataBundle, device: torch.device, tracker: Tr
     return _dense_model(ctx)
 
 
+def check_quant_groups(model: nn.Module, cfg: Config) -> None:
+    """An int4 ``quant.scheme``'s groups (``quant.group_size``) fit every selected layer: the
+    one line naming a layer that does not fit, before the dense model is trained or
+    evaluated (not with channel pruning, which changes the layers' input sizes first)."""
+    q = cfg.quant
+    if q.scheme == "none" or cfg.prune.channel.ratio > 0:
+        return
+    check_layer_groups(model, get_scheme(q.scheme), q.group_size, list(q.include),
+                       list(q.exclude))
+
+
 def _dense_model(ctx: RunContext) -> tuple[nn.Module, str]:
     cfg, device = ctx.cfg, ctx.device
     if ctx.hf_model is not None:
         m = cfg.model
         what = f"hf {m.path}" if m.path else "hf model.config (random weights)"
+        check_quant_groups(ctx.hf_model, cfg)
         return ctx.hf_model.to(device), what
     torch.manual_seed(cfg.train.seed)  # the initial weights too: same config, same baseline
     model = build_model(cfg.model.name, cfg.model._target_, cfg.model.kwargs).to(device)
     check_model_takes_data(model, ctx.data, cfg)
+    check_quant_groups(model, cfg)
     if cfg.model.checkpoint:
         load_dense(model, cfg.model.checkpoint)
         return model, f"checkpoint {cfg.model.checkpoint}"

@@ -116,3 +116,50 @@ def test_gptq_at_group_64_beats_round_to_nearest():
         errors[method] = float((out - ref).norm() / ref.norm())
         assert report.layers[0].rel_error == pytest.approx(errors[method], rel=0.05)
     assert errors["gptq"] < 0.5 * errors["rtn"], errors
+
+
+LLM = ["data.seq_len=32", "prune.calibration_batches=2", "data.eval_batches=2",
+       "data.batch_size=4", "train.quiet=true", "tracker=none"]
+
+
+def test_cli_group_size_quantizes_each_layer_at_that_group(hf_dirs, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from test_cli import run_cli
+
+    # the tiny Llama's inputs are 32 (attention, gate/up) and 64 (down): group 32 fits all
+    code, _, err = run_cli(["recipe=llm_sparsegpt_24_int4", f"model.path={hf_dirs['llama']}",
+                            f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
+                            "quant.group_size=32", *LLM], tmp_path, capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    pruned = sk.load(run_dir / "model.safetensors")
+    layers = {n: m for n, m in pruned.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        assert layer.scheme == "int4_weight_g32" and layer.group_size == 32, name
+        assert layer.weight_scale.shape[1] == layer.in_features // 32, name
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["quant.group_size=64"], "in_features=32 is not a multiple of group_size=64; group sizes "
+                              "that fit it: 32, channel"),
+    ([], "in_features=32 is not a multiple of int4_weight's group size 128; group sizes that "
+         "fit it: 32, channel"),
+    (["quant.group_size=48"], "quant.group_size=48 is not allowed; choose one of: 128, 64, 32, "
+                              "channel, auto"),
+    (["quant.scheme=int8", "quant.method=rtn", "quant.group_size=64"],
+     "quant.group_size=64 applies to the int4 weight schemes"),
+])
+def test_cli_group_that_does_not_fit_is_one_line_before_any_work(args, expected, hf_dirs,
+                                                                  tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from test_cli import run_cli
+
+    code, _, err = run_cli(["recipe=llm_sparsegpt_24_int4", f"model.path={hf_dirs['llama']}",
+                            f"data.path={hf_dirs['text']}", f"cache_dir={tmp_path / 'c'}",
+                            "quant.scheme=int4_weight", *args, *LLM], tmp_path, capsys)
+    assert code in (1, 2)
+    assert err.count("\n") == 1 and err.startswith("sparsekit: error: "), err
+    assert expected in err, err
+    assert "layer 'model.layers.0" in err or "quant.group_size=" in err, err
+    assert not list(tmp_path.glob("runs/*/summary.json"))
