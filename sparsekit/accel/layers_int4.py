@@ -11,7 +11,8 @@ built from:
   they are;
 - a float ``nn.Linear`` or a QuantLinear of another scheme, whose (dequantized) weight is
   quantized here by round to nearest: symmetric, ``scale = max |group| / 7``, half to even,
-  group ``group_size`` (128, or K when K is smaller).
+  group ``group_size`` (128, or K when K is smaller; for a K that is no multiple of 128 the
+  largest of 64 and 32 dividing it, else K: one scale per output row).
 A 2:4 layer's weight must hold at most 2 nonzeros in every group of 4 along K (rounding keeps
 zeros at zero). K must be a multiple of 64 and of the group size (ValueError naming the shape).
 
@@ -53,6 +54,7 @@ from sparsekit.accel.kernels.int4 import op as int4_op
 from sparsekit.accel.kernels.mma_sp import op as mma_op
 from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.accel.kernels.int4 import format as w4a16
+from sparsekit.names import INT4_GROUP_SIZES
 
 PREFILLS = ("dequant", "bf16_2:4")
 
@@ -75,14 +77,18 @@ def int4_weights(layer: nn.Module, group_size: int = w4a16.GROUP_SIZE
                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(q (N, K) int8, scales (N, K / g) float32, g) of ``layer``: an int4 QuantLinear's own
     values, else round to nearest of its float (or dequantized) weight with group
-    ``min(group_size, K)``."""
+    ``min(group_size, K)`` or, where that does not divide K, the largest of the int4 schemes'
+    smaller groups (64, 32) that does, else K (per output row)."""
     w, scale = layer.weight.detach(), getattr(layer, "weight_scale", None)
     if w.dtype == torch.int8 and scale is not None and scale.dim() == 2 \
             and hasattr(layer, "group_size"):
         return w, scale.detach().float(), int(layer.group_size)
     if hasattr(layer, "dequantized_weight"):
         w = layer.dequantized_weight(torch.float32)
-    group = min(group_size, w.shape[1])
+    k = w.shape[1]
+    group = min(group_size, k)
+    if k % group:
+        group = next((g for g in INT4_GROUP_SIZES if g < group and k % g == 0), k)
     q, scales = rtn_int4(w, group)
     return q, scales, group
 

@@ -815,7 +815,17 @@ class Planner:
 
     def _plan_int4_configs(self, model: nn.Module, chosen: dict[str, dict]) -> None:
         """The mma.sp kernel's int4 configurations per int4 2:4 layer shape and token bucket
-        (:func:`plan_int4_config`, cached like the other decode plans), set on each layer."""
+        (:func:`plan_int4_config`, cached like the other decode plans), set on each layer; a
+        note where int4 2:4 layers decode on the Triton kernel because the mma.sp int4 format
+        does not take their shape or group (int4_weight_g64, _g32, or K not a multiple of 128)."""
+        off = {(m.out_features, m.in_features, m.group_size) for m in model.modules()
+               if getattr(m, "variant", "") == "int4_2:4" and m.mvalues is None
+               and sk24_mma.check_int4(m.out_features, m.in_features, m.group_size)}
+        if off and not sk24_mma.reason():
+            shapes = ", ".join(f"{n}x{k} g{g}" for n, k, g in sorted(off))
+            self.report.notes.append(
+                f"decode: int4 2:4 layers {shapes} run the Triton kernel (the mma.sp int4 "
+                f"kernel takes K and the group in multiples of {sk24_mma.INT4_COLUMNS})")
         for mod in model.modules():
             if getattr(mod, "mvalues", None) is None:
                 continue

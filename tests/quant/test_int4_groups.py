@@ -147,7 +147,7 @@ def test_cli_group_size_quantizes_each_layer_at_that_group(hf_dirs, tmp_path, ca
          "fit it: 32, channel"),
     (["quant.group_size=48"], "quant.group_size=48 is not allowed; choose one of: 128, 64, 32, "
                               "channel, auto"),
-    (["quant.scheme=int8", "quant.method=rtn", "quant.group_size=64"],
+    (["quant.scheme=int8", "quant.method=rtn", "quant.compare=false", "quant.group_size=64"],
      "quant.group_size=64 applies to the int4 weight schemes"),
 ])
 def test_cli_group_that_does_not_fit_is_one_line_before_any_work(args, expected, hf_dirs,
