@@ -110,9 +110,8 @@ def test_opcheck_int4_ops():
 def test_odd_shapes_refused_naming_the_shape():
     with pytest.raises(ValueError, match=r"8x96.*not a multiple of 64"):
         w4a16.pack(_q24(8, 96, sparse=False), _scales(8, 1))
-    with pytest.raises(ValueError, match=r"int4_dense layer \(8x192\).*group_size 128.*not a "
-                                         r"multiple of group_size"):
-        layers_int4.Int4Dense(nn.Linear(192, 8))  # RTN's default group: 128
+    # RTN's default group 128 does not divide 192: the largest group that does (64)
+    assert layers_int4.Int4Dense(nn.Linear(192, 8)).group_size == 64
     with pytest.raises(ValueError, match=r"8x192.*group_size must be a multiple of 64"):
         w4a16.pack(_q24(8, 192, sparse=False), _scales(8, 4))  # 4 groups of 48
     with pytest.raises(ValueError, match=r"scales \(8, 5\) do not fit the weight 8x192"):
