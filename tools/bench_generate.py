@@ -56,12 +56,11 @@ runs. JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -388,11 +387,13 @@ def eager_tokens(model, ids, new: int) -> torch.Tensor:
 
 
 def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device,
-                   siblings: bool = False, exclude: tuple[str, ...] = (), head: str = "bf16"):
+                   siblings: bool = False, exclude: tuple[str, ...] = (), head: str = "bf16",
+                   mma_sp: str = "auto"):
     """sparsekit's way: ``accelerate`` (timed; without the example's warm-up compile, a graph
     generate never runs; ``siblings``: q/k/v and gate/up as one GEMM each, under inductor;
     ``exclude``: modules left as they are; ``head``: the precision of the layers without 2:4
-    zeros, the LM head, ``PlanOptions.dense_precision``), then ``fast.generate``."""
+    zeros, the LM head, ``PlanOptions.dense_precision``; ``mma_sp``: ``PlanOptions.mma_sp``),
+    then ``fast.generate``."""
     t0 = time.perf_counter()
     # on CPU (smoke) dynamo without inductor: the structure and numerics, not the speed
     backend = "inductor" if device.type == "cuda" else "eager"
@@ -400,7 +401,7 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device,
                          device=device, exclude=exclude,
                          compile=sk.CompileOptions(backend=backend, warmup=False),
                          plan=sk.PlanOptions(siblings=siblings and backend == "inductor",
-                                             dense_precision=head))
+                                             dense_precision=head, mma_sp=mma_sp))
     kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
     configs: dict[str, int] = {}  # layers per mma.sp configuration (per M bucket)
     for mod in fast.model.modules():
@@ -485,7 +486,7 @@ INDUCTOR_FLAGS = {
 }
 
 # --precisions tokens: (way, accelerate's precision, sparsity, every fp8 layer on the mma.sp
-# kernel: SPARSEKIT_SK24_MMA=all)
+# kernel: PlanOptions(mma_sp="all"))
 SK_WAYS = {"bf16": ("sk_bf16_2:4", "bf16", "2:4", False),
            "fp8": ("sk_fp8_2:4", "fp8", "2:4", False),
            "int4": ("sk_int4_2:4", "int4", "2:4", False),
@@ -513,10 +514,10 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
             # the dense int4 way: every Linear but the LM head, as the 2:4 ways (whose LM
             # head, without 2:4 zeros, runs as --head), unless --head quantizes it too
             exclude = ("lm_head",) if sparsity == "dense" and args.head == "bf16" else ()
-            with env("SPARSEKIT_SK24_MMA", "all" if mma else None):
-                ways[name], infos[name], fast = sk_generate_fn(
-                    copy.deepcopy(master), ids, new, precision, sparsity, device,
-                    args.siblings, exclude=exclude, head=args.head)
+            ways[name], infos[name], fast = sk_generate_fn(
+                copy.deepcopy(master), ids, new, precision, sparsity, device,
+                args.siblings, exclude=exclude, head=args.head,
+                mma_sp="all" if mma else "auto")
             infos[name].update(report=fast.report, fast=fast)
         except Exception as e:  # noqa: BLE001  (a way that fails is recorded, not fatal)
             errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -543,7 +544,7 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
             ways[f"dense_{way}"] = hf_generate_fn(copies[key], new, DENSE_HF[way])
     for name in args.per_step.split(",") if args.per_step and not smoke else ():
         if name in ways:  # the same model and graphs, HF's stop check after every step
-            ways[f"{name}_perstep"] = per_step(ways[name])
+            ways[f"{name}_perstep"] = per_step(ways[name], infos[name]["fast"])
             infos[f"{name}_perstep"] = {k: v for k, v in infos.get(name, {}).items()
                                         if k not in OBJECTS}
     return {n: (fn, infos.get(n, {})) for n, fn in ways.items()}, errors
@@ -574,27 +575,17 @@ def decode_step_ms(fast, batch: int, replays: int = 50) -> float | None:
     return None
 
 
-@contextlib.contextmanager
-def env(name: str, value: str | None):
-    """``os.environ[name] = value`` within the block (``None``: left as it is), restored after."""
-    before = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def per_step(run):
-    """``run`` with sparsekit's lagged stop check off (``SPARSEKIT_LAGGED_STOP=0``): HF's loop
-    then waits for the GPU after every token."""
+def per_step(run, fast):
+    """``run`` (a ``fast.generate``) with sparsekit's lagged stop check off
+    (``PlanOptions(lagged_stop=False)``): HF's loop then waits for the GPU after every
+    token."""
     def wrapped(ids):
-        with env("SPARSEKIT_LAGGED_STOP", "0"):
+        plan = fast.plan
+        fast.plan = dataclasses.replace(plan, lagged_stop=False)
+        try:
             return run(ids)
+        finally:
+            fast.plan = plan
     return wrapped
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from sparsekit.accel import graphs
 from sparsekit.accel import siblings as siblings_
+from sparsekit.accel.kernels import switches
 from sparsekit.accel.convert import ConvAsLinear, conv_skip_reason, split_attention_
 from sparsekit.accel.layers import SPARSITIES, check_precision
 from sparsekit.accel.model import AcceleratedModel
@@ -72,6 +73,17 @@ def accelerate(
     ``plan``: a :class:`PlanOptions` (None: ``PlanOptions()``)."""
     options, compiled = _compile_options(compile)
     plan = _plan_options(plan)
+    with switches.using(plan.switches()):  # the kernels read the plan's choices
+        fast = _accelerate(model, example_inputs, precision, sparsity, include, exclude,
+                           device, options, compiled, plan)
+    fast.plan = plan
+    return fast
+
+
+def _accelerate(model: nn.Module, example_inputs: Any, precision: str, sparsity: str,
+                include: Any, exclude: Any, device: Any, options: CompileOptions,
+                compiled: bool, plan: PlanOptions) -> AcceleratedModel:
+    """:func:`accelerate` with its options checked and the plan's kernel choices current."""
     report = _check_options(precision, sparsity, plan)
     device = _device_of(device)
     report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

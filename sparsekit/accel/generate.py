@@ -31,7 +31,7 @@ while the GPU runs; the sequences returned are those of a per-step check.
 On CUDA, a model on HF's SDPA attention runs its decode steps' attention on sparsekit's
 kernel (:mod:`sparsekit.accel.kernels.attention.decode`: grouped-query heads read once,
 unfilled cache positions skipped) for the duration of each generate call (HF's public
-``set_attn_implementation``); ``SPARSEKIT_DECODE_ATTENTION=0`` keeps HF's.
+``set_attn_implementation``); ``PlanOptions(decode_attention=False)`` keeps HF's.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ class Generator:
 def attention_for(model: nn.Module, device: torch.device) -> str | None:
     """The attention implementation generate switches ``model`` to: sparsekit's
     (:data:`sparsekit.accel.kernels.attention.decode.NAME`) for a model on HF's SDPA on CUDA,
-    unless ``SPARSEKIT_DECODE_ATTENTION=0``; else None (the model's own)."""
+    unless ``PlanOptions(decode_attention=False)``; else None (the model's own)."""
     if device.type != "cuda" or not attention.enabled():
         return None
     if getattr(model.config, "_attn_implementation", None) != "sdpa":

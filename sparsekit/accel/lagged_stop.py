@@ -10,23 +10,23 @@ loop stops and :meth:`~LaggedStopCheck.finish` says how many steps ran past that
 loop drops their tokens (pad tokens: every sequence had finished). At ``max_length`` it reads
 every pending flag at once, so the loop never runs past its cache. With sampling, the extra
 steps still draw from the random generator, so its state after the call is up to :data:`LAG`
-draws further on than after HF's per-step check. ``SPARSEKIT_LAGGED_STOP=0`` checks every
-step (lag 0).
+draws further on than after HF's per-step check. ``PlanOptions(lagged_stop=False)`` checks
+every step (lag 0).
 """
 
 from __future__ import annotations
 
 import collections
-import os
-
 import torch
+
+from sparsekit.accel.kernels import switches
 
 LAG = 2  # steps between a flag's copy and its read
 
 
 def enabled() -> bool:
-    """False when ``SPARSEKIT_LAGGED_STOP=0``."""
-    return os.environ.get("SPARSEKIT_LAGGED_STOP", "1") != "0"
+    """False under the current plan's ``PlanOptions(lagged_stop=False)``."""
+    return switches.current().lagged_stop
 
 
 class LaggedStopCheck:

@@ -14,7 +14,8 @@ from sparsekit import _compat
 from sparsekit.accel import graphs
 from sparsekit.accel import epilogue
 from sparsekit.accel.epilogue import uses_alpha_path
-from sparsekit.accel.options import CompileOptions
+from sparsekit.accel.kernels import switches
+from sparsekit.accel.options import CompileOptions, PlanOptions
 from sparsekit.accel.report import AccelReport
 from sparsekit.nn.calibration import tree_map
 
@@ -49,6 +50,8 @@ class AcceleratedModel(nn.Module):
         self.sparsekit_report = report
         self.device = device
         self.options = options
+        # the plan's choices (accelerate sets it); generate runs with its kernel switches
+        self.plan = PlanOptions()
         self.clone_outputs = options.clone_outputs
         self.max_compiles = max_compiles
         self.fuse_gelu: Any = None  # an epilogue.FuseGelu when the model runs one
@@ -132,15 +135,16 @@ class AcceleratedModel(nn.Module):
 
         >>> ids = fast.generate(input_ids, max_new_tokens=8)  # doctest: +SKIP
         """
-        gen = self.__dict__.get("generator")
-        if gen is None:
-            from sparsekit.accel.generate import Generator
-            gen = Generator(self.model, self.device, compile=self.compiled,
-                            backend=self.options.backend, count=self._count,
-                            notes=self.report.notes, inductor=self.options.inductor,
-                            seconds=self.report.seconds)
-            self.__dict__["generator"] = gen
-        return gen.generate(input_ids, **kwargs)
+        with switches.using(self.plan.switches()):  # decode attention, lagged stop
+            gen = self.__dict__.get("generator")
+            if gen is None:
+                from sparsekit.accel.generate import Generator
+                gen = Generator(self.model, self.device, compile=self.compiled,
+                                backend=self.options.backend, count=self._count,
+                                notes=self.report.notes, inductor=self.options.inductor,
+                                seconds=self.report.seconds)
+                self.__dict__["generator"] = gen
+            return gen.generate(input_ids, **kwargs)
 
     def _count(self, new: int) -> None:
         """Add ``new`` compiled graphs to the report (a warning past ``max_compiles``)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparsekit import _compat
+from sparsekit.accel.kernels import switches as kernel_switches
 from sparsekit.accel.layers import check_precision
 from sparsekit.errors import UsageError
 
@@ -120,7 +121,18 @@ class PlanOptions:
     ``decode_dense`` (``sparsity="auto"``, CUDA): a 2:4 layer keeps a bf16 dense copy of its
     weight (2 bytes per weight) and runs ``F.linear`` on it at the decode token counts (M <= 32)
     where bf16 dense was timed faster than both its 2:4 paths; False keeps no copy (less
-    memory; those batches then run slower than dense)."""
+    memory; those batches then run slower than dense).
+
+    The kernels (CUDA; :mod:`sparsekit.accel.kernels.switches`): ``mma_sp``: "auto" (bf16 and
+    int4 2:4 layers decode on the mma.sp library where it is built and loads; an fp8 layer
+    where its decode plan timed it faster than the Triton kernel), "all" (every fp8 2:4 layer
+    too, untimed) or "off" (the Triton 2:4 kernels only). ``cslt_epilogue``: an fp8 2:4 layer
+    with one static activation scale and one weight scale runs scale, bias (and GELU) inside
+    the cuSPARSELt GEMM on sparsekit's binding where it is built (False: torch's binding, the
+    epilogue as separate ops). ``decode_attention``: ``generate`` attends with sparsekit's
+    decode attention kernel on a model on HF's SDPA (False: HF's SDPA). ``lagged_stop``:
+    ``generate`` reads HF's "all finished?" flag two steps late instead of waiting for the GPU
+    after every token (same tokens)."""
 
     min_speedup: float = 1.0
     dense_precision: str = "bf16"
@@ -130,6 +142,10 @@ class PlanOptions:
     whole_model: bool | None = None
     siblings: bool = False
     decode_dense: bool = True
+    mma_sp: str = "auto"
+    cslt_epilogue: bool = True
+    decode_attention: bool = True
+    lagged_stop: bool = True
 
     def __post_init__(self) -> None:
         speedup = self.min_speedup
@@ -137,9 +153,18 @@ class PlanOptions:
                 not speedup > 0:
             raise UsageError(f"PlanOptions.min_speedup must be a number > 0, got {speedup!r}")
         check_precision("PlanOptions.dense_precision", self.dense_precision)
-        for name in ("fused_quant", "search_algs", "cache", "siblings", "decode_dense"):
+        for name in ("fused_quant", "search_algs", "cache", "siblings", "decode_dense",
+                     "cslt_epilogue", "decode_attention", "lagged_stop"):
             _check_flag("PlanOptions", name, getattr(self, name))
         _check_flag("PlanOptions", "whole_model", self.whole_model, optional=True)
+        if not isinstance(self.mma_sp, str) or self.mma_sp not in kernel_switches.MMA_SP:
+            raise UsageError(f"PlanOptions.mma_sp must be one of {kernel_switches.MMA_SP}, got "
+                             f"{self.mma_sp!r}")
+
+    def switches(self) -> kernel_switches.Switches:
+        """The kernel choices the kernels read while this plan is current."""
+        return kernel_switches.Switches(self.mma_sp, self.cslt_epilogue, self.decode_attention,
+                                 self.lagged_stop)
 
 
 __all__ = ["MODES", "CompileOptions", "PlanOptions"]

@@ -209,13 +209,19 @@ def test_accelerated_model_lists_tensors_once():
 
 def test_own_binding_ships_and_says_why_it_is_off(monkeypatch):
     """The binding's C++ source is package data; where it cannot be used, load() gives None and
-    reason() says why (turned off, or no CUDA) instead of failing."""
+    reason() says why (no CUDA) instead of failing; ``PlanOptions(cslt_epilogue=False)`` (was
+    SPARSEKIT_CSLT_EXT=0) keeps the layers off it even where it loads."""
+    from sparsekit.accel.kernels import switches
     from sparsekit.accel.kernels.cusparselt import ext as cslt_ext
+    from sparsekit.accel.kernels.cusparselt import op as cslt_op
 
     assert cslt_ext.SOURCE.is_file() and "cusparseLtMatmul" in cslt_ext.SOURCE.read_text()
-    monkeypatch.setenv("SPARSEKIT_CSLT_EXT", "0")
     cslt_ext.load.cache_clear()
     try:
-        assert cslt_ext.load() is None and "SPARSEKIT_CSLT_EXT=0" in cslt_ext.reason()
+        assert cslt_ext.load() is None and cslt_ext.reason() == "no CUDA device"
     finally:
         cslt_ext.load.cache_clear()
+    monkeypatch.setattr(cslt_ext, "load", lambda: object())  # as if built and loaded
+    assert cslt_op.alpha_path()
+    with switches.using(sk.PlanOptions(cslt_epilogue=False).switches()):
+        assert not cslt_op.alpha_path()

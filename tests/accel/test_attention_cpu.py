@@ -11,6 +11,7 @@ from interpreted import run_interpreted
 import sparsekit as sk
 from sparsekit.accel.kernels.attention import op as attn_op
 from sparsekit.accel import generate
+from sparsekit.accel.kernels import switches
 from sparsekit.accel.kernels.attention import decode as attention
 
 
@@ -178,9 +179,9 @@ def test_generate_switches_attention_on_cuda_only(monkeypatch):
     assert generate.attention_for(model, torch.device("cpu")) is None
     assert generate.attention_for(model, torch.device("cuda")) == attention.NAME
     assert generate.attention_for(_llama("eager"), torch.device("cuda")) is None
-    monkeypatch.setenv("SPARSEKIT_DECODE_ATTENTION", "0")
-    assert generate.attention_for(model, torch.device("cuda")) is None
-    monkeypatch.delenv("SPARSEKIT_DECODE_ATTENTION")
+    with switches.using(sk.PlanOptions(decode_attention=False).switches()):
+        assert generate.attention_for(model, torch.device("cuda")) is None
+    assert generate.attention_for(model, torch.device("cuda")) == attention.NAME
 
     def old_transformers():
         raise ImportError("cannot import name 'AttentionMaskInterface'")

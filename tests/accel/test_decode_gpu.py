@@ -1,5 +1,7 @@
 """The small-M 2:4 kernel and generate() on a CUDA GPU (skipped without one)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,7 +131,7 @@ def test_lagged_stop_check_returns_the_per_step_sequences(monkeypatch):
     eos = int(free[0, 13])  # row 0 ends within its first 3 new tokens
     got = {}
     for lagged in ("1", "0"):
-        monkeypatch.setenv("SPARSEKIT_LAGGED_STOP", lagged)
+        fast.plan = dataclasses.replace(fast.plan, lagged_stop=lagged == "1")
         got[lagged] = [fast.generate(b, max_new_tokens=12, eos_token_id=eos).cpu()
                        for b in (ids[:1], ids)]
     for a, b in zip(got["1"], got["0"]):

@@ -41,7 +41,6 @@ def test_max_length_reads_every_pending_flag():
 
 @pytest.mark.parametrize("lagged", ["1", "0"])
 def test_generate_with_early_eos_equals_hf(lagged, monkeypatch):
-    monkeypatch.setenv("SPARSEKIT_LAGGED_STOP", lagged)
     made = []
     real = LaggedStopCheck.__init__
 
@@ -52,7 +51,9 @@ def test_generate_with_early_eos_equals_hf(lagged, monkeypatch):
     model, ref = _tiny_llama()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
     fast = sk.accelerate(model, {"input_ids": ids}, device="cpu",
-                         compile=sk.CompileOptions(backend="eager"))
+                         compile=sk.CompileOptions(backend="eager"),
+                         plan=sk.PlanOptions(lagged_stop=lagged == "1"))
+    assert fast.plan.lagged_stop == (lagged == "1")
     free = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     # EOS = row 0's third new token: row 0 ends there, row 1 at its first such token (or not)
     eos = int(free[0, 11 + 2])

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import sparsekit as sk
 from sparsekit.accel import build, libload
+from sparsekit.accel.kernels import switches
 from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.accel.kernels.mma_sp import op as mma_op
 from test_decode_cpu import masked_24 as decode_masked_24
@@ -119,13 +121,20 @@ def test_refuses_bad_weights():
         sk24_mma.compress(masked_24(32, 128), "rows")
 
 
-def test_load_off_the_gpu_says_why(monkeypatch):
-    monkeypatch.setenv("SPARSEKIT_SK24_MMA", "0")
+def test_load_off_the_gpu_says_why_and_plan_options_choose_the_kernel():
     sk24_mma.load.cache_clear()
     try:
-        assert sk24_mma.load() is None and "SPARSEKIT_SK24_MMA=0" in sk24_mma.reason()
+        assert sk24_mma.load() is None and sk24_mma.reason() == "no CUDA device"
     finally:
         sk24_mma.load.cache_clear()
+    # PlanOptions.mma_sp (was SPARSEKIT_SK24_MMA): "off" turns the kernel off, "all" puts fp8
+    # weights on it untimed; the defaults outside accelerate
+    assert sk24_mma.enabled() and sk24_mma.dtypes() == (torch.bfloat16,)
+    with switches.using(sk.PlanOptions(mma_sp="off").switches()):
+        assert not sk24_mma.enabled()
+    with switches.using(sk.PlanOptions(mma_sp="all").switches()):
+        assert sk24_mma.enabled() and sk24_mma.dtypes() == sk24_mma.DTYPES
+    assert sk24_mma.enabled() and sk24_mma.dtypes() == (torch.bfloat16,)
 
 
 def emulate_e4m3(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

@@ -20,16 +20,17 @@ HF models use it through the attention implementation :data:`NAME`
 takes run here, everything else (prefill, sliding windows, soft-capping, position biases,
 float masks, dropout) goes to HF's own SDPA function unchanged.
 :class:`sparsekit.accel.generate.Generator` turns it on for the generate calls of a model on
-CUDA; ``SPARSEKIT_DECODE_ATTENTION=0`` keeps HF's SDPA.
+CUDA; ``PlanOptions(decode_attention=False)`` keeps HF's SDPA.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from sparsekit.accel.kernels import switches
 
 NAME = "sparsekit_sdpa"
 DTYPES = (torch.bfloat16, torch.float16)
@@ -39,8 +40,8 @@ G_PAD = 16        # query heads of a group padded to tl.dot's smallest tile
 
 
 def enabled() -> bool:
-    """Whether generate uses this attention (``SPARSEKIT_DECODE_ATTENTION``, default on)."""
-    return os.environ.get("SPARSEKIT_DECODE_ATTENTION", "1") != "0"
+    """Whether generate uses this attention (``PlanOptions.decode_attention``, default on)."""
+    return switches.current().decode_attention
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

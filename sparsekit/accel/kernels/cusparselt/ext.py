@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from sparsekit.accel.kernels import switches
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cslt_epilogue.cpp"
@@ -41,17 +42,15 @@ def cusparselt_dirs() -> tuple[str, str]:
 
 
 def enabled() -> bool:
-    """False when ``SPARSEKIT_CSLT_EXT=0`` (torch's binding and plain-torch epilogues only)."""
-    return os.environ.get("SPARSEKIT_CSLT_EXT", "1") != "0"
+    """False under ``PlanOptions(cslt_epilogue=False)`` (torch's binding and plain-torch
+    epilogues only)."""
+    return switches.current().cslt_epilogue
 
 
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled binding (``sparse24_mm_alpha``), or None when it is turned off, there is no
     CUDA, or the build fails (:func:`reason` says which)."""
-    if not enabled():
-        _why.append("turned off (SPARSEKIT_CSLT_EXT=0)")
-        return None
     if not torch.cuda.is_available():
         _why.append("no CUDA device")
         return None

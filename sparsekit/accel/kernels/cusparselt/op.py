@@ -97,9 +97,9 @@ def _sparse24_mm_alpha_fake(x, packed, bias, out_features, alg_id, alpha, gelu):
 
 
 def alpha_path() -> bool:
-    """Whether the 8-bit 2:4 layers may use :func:`sparse24_mm_alpha` on CUDA (the binding
-    builds; it is built here on the first call)."""
-    return cslt_ext.load() is not None
+    """Whether the 8-bit 2:4 layers may use :func:`sparse24_mm_alpha` on CUDA: the current
+    plan allows it (``PlanOptions.cslt_epilogue``) and the binding is built and loads."""
+    return cslt_ext.enabled() and cslt_ext.load() is not None
 
 
 @functools.cache

@@ -58,11 +58,11 @@ called through ctypes on torch's current stream (CUDA graphs capture it). Where 
 CUDA device, the library is not built or fails a check, or it fails its self-check (once per
 process: every configuration against the reference on a small weight), :func:`load` returns
 None and :func:`reason` says why; the layers then keep the Triton kernel.
-``SPARSEKIT_SK24_MMA=0`` turns it off. bf16 layers always take it; an fp8 layer starts on the
-Triton kernel and, where the library runs fp8 weights with f16 x (:func:`choosable`), the
+``PlanOptions(mma_sp="off")`` turns it off. bf16 layers always take it; an fp8 layer starts on
+the Triton kernel and, where the library runs fp8 weights with f16 x (:func:`choosable`), the
 decode plan times both kernels on the layer's shape and keeps the faster
-(:func:`sparsekit.accel.planner.time_decode_choice`); ``SPARSEKIT_SK24_MMA=all`` puts every fp8
-layer on this kernel untimed (:func:`dtypes`).
+(:func:`sparsekit.accel.planner.time_decode_choice`); ``PlanOptions(mma_sp="all")`` puts every
+fp8 layer on this kernel untimed (:func:`dtypes`).
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from sparsekit.accel import build, libload
+from sparsekit.accel.kernels import switches
 from sparsekit.accel.kernels.triton24 import format as sk24
 
 log = logging.getLogger(__name__)
@@ -340,16 +340,13 @@ def reference(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
 
 
 def enabled() -> bool:
-    """False when ``SPARSEKIT_SK24_MMA=0``."""
-    return os.environ.get("SPARSEKIT_SK24_MMA", "1") != "0"
+    """False under ``PlanOptions(mma_sp="off")``."""
+    return switches.current().mma_sp != "off"
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built library (``sk24_mma_launch``), or None (:func:`reason` says why)."""
-    if not enabled():
-        _why.append("turned off (SPARSEKIT_SK24_MMA=0)")
-        return None
     if not torch.cuda.is_available():
         _why.append("no CUDA device")
         return None
@@ -550,10 +547,10 @@ def reason() -> str | None:
 
 def dtypes() -> tuple[torch.dtype, ...]:
     """The weight dtypes the layers put in this format untimed: bf16; fp8 too with
-    ``SPARSEKIT_SK24_MMA=all`` (on the fp8 x fp8 kernel where it passed its self-check, else
+    ``PlanOptions(mma_sp="all")`` (on the fp8 x fp8 kernel where it passed its self-check, else
     with f16 or bf16 x). Otherwise an fp8 layer goes there only where its decode plan timed
     it faster than the Triton kernel (:func:`choosable`)."""
-    return DTYPES if os.environ.get("SPARSEKIT_SK24_MMA", "1") == "all" else (torch.bfloat16,)
+    return DTYPES if switches.current().mma_sp == "all" else (torch.bfloat16,)
 
 
 def layout_for(weight: torch.Tensor) -> str:
