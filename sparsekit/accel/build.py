@@ -1,13 +1,20 @@
-"""Build sparsekit's CUDA library ahead of time: ``python -m sparsekit.accel.build``.
+"""Build sparsekit's CUDA libraries ahead of time: ``python -m sparsekit.accel.build``.
 
-The mma.sp 2:4 kernel (``kernels/mma_sp/csrc/sk24_mma.cu``,
-:mod:`sparsekit.accel.kernels.mma_sp.launch`) is a plain shared library compiled by nvcc for
-sm_90. It is built here, never by the library at run time:
-by ``pip install`` on a machine with a GPU and the CUDA toolkit (``setup.py`` calls
-:func:`install_hook`), or by this command after installing (or in a checkout). The binary goes
-into the package itself (``sparsekit/accel/_lib/``), beside ``manifest.json``, which records per
-library its file, sha256, size, the sha256 of the sources it was built from and its version;
-:mod:`sparsekit.accel.libload` opens only a file that matches it.
+Two libraries, built here and never by the library at run time:
+- the mma.sp 2:4 kernel (``kernels/mma_sp/csrc/sk24_mma.cu``,
+  :mod:`sparsekit.accel.kernels.mma_sp.launch`): a plain shared library compiled by nvcc for
+  sm_90, no torch needed;
+- sparsekit's cuSPARSELt binding (``kernels/cusparselt/csrc/cslt_epilogue.cpp``,
+  :mod:`sparsekit.accel.kernels.cusparselt.ext`): a torch C++ extension against the installed
+  torch and its cuSPARSELt wheel (rebuilt when torch changes).
+
+``pip install`` builds them on a machine with an sm_90 GPU and the CUDA toolkit (``setup.py``
+calls :func:`install_hook`; the binding only where pip's build environment has torch, e.g.
+``--no-build-isolation``), this command at any time after installing (or in a checkout). The
+binaries go into the package itself (``sparsekit/accel/_lib/``), beside ``manifest.json``, which
+records per library its file, sha256, size, the sha256 of the sources it was built from, its
+version (and the torch it was built against); :mod:`sparsekit.accel.libload` opens only a file
+that matches it.
 
 Without the library the layers run the Triton 2:4 kernels: 1.4-3.2x slower per decode GEMM
 shape (README, Quickstart). ``--check`` reports what is built without building.
@@ -38,6 +45,11 @@ SK24_MMA_SOURCES = ("kernels/mma_sp/csrc/sk24_mma.cu",)
 # the functions the loader requires in the file before it opens it (libload)
 SK24_MMA_SYMBOLS = ("sk24_mma_launch", "sk24_mma_version", "sk24_mma_e4m3_launch")
 ARCH = "sm_90"
+CSLT = "cslt_epilogue"
+CSLT_MODULE = "sparsekit_cslt_v2"  # the extension's Python module (PyInit_<name>)
+CSLT_SOURCES = ("kernels/cusparselt/csrc/cslt_epilogue.cpp",)
+CSLT_VERSION = 2
+CSLT_SYMBOLS = (f"PyInit_{CSLT_MODULE}",)
 
 
 def source_hash(sources: tuple[str, ...], root: Path = HERE) -> str:
@@ -103,12 +115,15 @@ def _write_manifest(lib_dir: Path, libraries: dict) -> None:
     os.replace(tmp, lib_dir / MANIFEST)
 
 
-def up_to_date(lib_dir: Path | None = None) -> bool:
-    """Whether ``lib_dir`` (default the package's ``_lib/``) holds the mma.sp library built
-    from the current sources, with the hash its manifest records."""
+def up_to_date(lib_dir: Path | None = None, name: str = SK24_MMA,
+               sources: tuple[str, ...] = SK24_MMA_SOURCES, **extra: str) -> bool:
+    """Whether ``lib_dir`` (default the package's ``_lib/``) holds library ``name`` built from
+    the current ``sources`` (and with the ``extra`` manifest fields, e.g. the torch version),
+    with the hash its manifest records."""
     lib_dir = lib_dir or LIB_DIR
-    entry = read_manifest(lib_dir).get(SK24_MMA)
-    if not isinstance(entry, dict) or entry.get("source_sha256") != source_hash(SK24_MMA_SOURCES):
+    entry = read_manifest(lib_dir).get(name)
+    if not isinstance(entry, dict) or entry.get("source_sha256") != source_hash(sources) or \
+            any(entry.get(k) != v for k, v in extra.items()):
         return False
     path = lib_dir / str(entry.get("file", ""))
     return path.is_file() and entry.get("sha256") == _sha256(path)
@@ -139,6 +154,58 @@ def build_sk24_mma(lib_dir: Path | None = None, nvcc: str | None = None) -> Path
     return path
 
 
+def cusparselt_dirs() -> tuple[str, str]:
+    """(include dir, lib dir) of the cuSPARSELt wheel beside torch (``nvidia/cusparselt*``)."""
+    for entry in map(Path, sys.path):
+        for base in sorted(entry.glob("nvidia/cusparselt*")):
+            if (base / "include" / "cusparseLt.h").exists():
+                return str(base / "include"), str(base / "lib")
+    raise RuntimeError("no nvidia/cusparselt*/include/cusparseLt.h on sys.path (the "
+                       "nvidia-cusparselt wheel torch loads)")
+
+
+def _torch_versions() -> dict[str, str]:
+    import torch
+
+    return {"torch": str(torch.__version__), "torch_cuda": str(torch.version.cuda)}
+
+
+def build_cslt(lib_dir: Path | None = None) -> Path:
+    """Compile sparsekit's cuSPARSELt binding against the installed torch (its C++ extension
+    builder, in a temporary directory) into ``lib_dir/sparsekit_cslt_v2.so`` and record it with
+    the torch version; RuntimeError naming what failed (no torch, CUDA toolkit or cuSPARSELt
+    headers)."""
+    lib_dir = lib_dir or LIB_DIR
+    try:
+        import torch  # noqa: F401  (the extension is built against this torch)
+        from torch.utils.cpp_extension import load
+    except ImportError as e:
+        raise RuntimeError(f"the cuSPARSELt binding builds against torch: {e}") from None
+    inc, lib = cusparselt_dirs()
+    # CUDA headers from the nvidia wheels where the toolkit lacks one ATen includes
+    wheels = Path(inc).parents[1]
+    extra = [str(d) for d in sorted(wheels.glob("*/include")) if (d / "cusparse.h").exists()]
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(lib_dir, 0o755)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            load(name=CSLT_MODULE, sources=[str(HERE / CSLT_SOURCES[0])],
+                 extra_include_paths=[inc, *extra], with_cuda=True, verbose=False,
+                 build_directory=tmp,
+                 extra_ldflags=[f"-L{lib}", "-l:libcusparseLt.so.0", f"-Wl,-rpath,{lib}"])
+        except Exception as e:  # noqa: BLE001  (the builder raises many kinds)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise RuntimeError(f"the cuSPARSELt binding did not build: {first}") from None
+        fd, part = tempfile.mkstemp(suffix=".so", dir=lib_dir)
+        os.close(fd)
+        shutil.copyfile(Path(tmp) / f"{CSLT_MODULE}.so", part)
+    os.chmod(part, 0o755)
+    path = lib_dir / f"{CSLT_MODULE}.so"
+    os.replace(part, path)
+    record(lib_dir, CSLT, path, CSLT_SOURCES, CSLT_VERSION, **_torch_versions())
+    return path
+
+
 def record(lib_dir: Path, name: str, path: Path, sources: tuple[str, ...], version: int,
            **extra: str) -> None:
     """Write ``path``'s (a file in ``lib_dir``) sha256, size, the sources' hash and ``version``
@@ -166,31 +233,51 @@ def install_hook(lib_dir: Path) -> str:
                 f"is not built, the Triton kernels run instead (1.4-3.2x slower); install the "
                 f"toolkit and run {COMMAND}")
     try:
-        path = build_sk24_mma(lib_dir, nvcc)
+        line = f"sparsekit: built the mma.sp CUDA kernel into {build_sk24_mma(lib_dir, nvcc)}"
     except (OSError, RuntimeError) as e:
         return f"sparsekit: the mma.sp kernel did not build ({str(e)[:200]}); retry: {COMMAND}"
-    return f"sparsekit: built the mma.sp CUDA kernel into {path}"
+    try:
+        build_cslt(lib_dir)
+        return line + " and the cuSPARSELt binding"
+    except (OSError, RuntimeError) as e:
+        return f"{line}; the cuSPARSELt binding not ({str(e)[:160]}): {COMMAND} builds it"
+
+
+def _cslt_current() -> bool:
+    try:
+        versions = _torch_versions()
+    except ImportError:
+        return False
+    return up_to_date(None, CSLT, CSLT_SOURCES, **versions)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=COMMAND, description="Build sparsekit's CUDA library "
-                                 "(the mma.sp 2:4 kernel, sm_90) into the installed package.")
+    ap = argparse.ArgumentParser(prog=COMMAND, description="Build sparsekit's CUDA libraries "
+                                 "(the mma.sp 2:4 kernel for sm_90, the cuSPARSELt binding) into "
+                                 "the installed package.")
     ap.add_argument("--check", action="store_true",
-                    help="say whether the built library is up to date; build nothing")
+                    help="say whether the built libraries are up to date; build nothing")
     ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    ap.add_argument("--only", choices=("mma", "cslt"), help="build one library only")
     args = ap.parse_args(argv)
-    if args.check or (up_to_date() and not args.force):
-        ok = up_to_date()
-        print(f"sparsekit: the mma.sp library in {LIB_DIR} is "
-              f"{'up to date' if ok else f'not built or stale (run {COMMAND})'}")
-        return 0 if ok else 1
-    try:
-        path = build_sk24_mma()
-    except (OSError, RuntimeError) as e:
-        print(f"{COMMAND}: error: {e}", file=sys.stderr)
-        return 1
-    print(f"sparsekit: built {path}")
-    return 0
+    wanted = [(label, current, make) for label, current, make in (
+        ("mma", up_to_date, build_sk24_mma), ("cslt", _cslt_current, build_cslt))
+        if args.only in (None, label)]
+    names = {"mma": "the mma.sp library", "cslt": "the cuSPARSELt binding"}
+    rc = 0
+    for label, current, make in wanted:
+        if args.check or (current() and not args.force):
+            ok = current()
+            print(f"sparsekit: {names[label]} in {LIB_DIR} is "
+                  f"{'up to date' if ok else f'not built or stale (run {COMMAND})'}")
+            rc |= not ok
+            continue
+        try:
+            print(f"sparsekit: built {make()}")
+        except (OSError, RuntimeError) as e:
+            print(f"{COMMAND}: error: {names[label]}: {e}", file=sys.stderr)
+            rc = 1
+    return rc
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import platform
@@ -29,6 +31,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from sparsekit.accel import build
 
@@ -45,12 +48,14 @@ class Refused(RuntimeError):
 class Spec:
     """What the caller expects of a library: its manifest ``name``, the ``version`` it calls,
     the ``sources`` (relative to ``sparsekit/accel``) it must have been built from, and the
-    ``symbols`` it calls."""
+    ``symbols`` it calls; ``require``: (manifest field, value) pairs it must match too (e.g.
+    the torch a C++ extension was built against)."""
 
     name: str
     version: int
     sources: tuple[str, ...]
     symbols: tuple[str, ...]
+    require: tuple[tuple[str, str], ...] = ()
 
 
 def _owner_mode(st: os.stat_result, what: str) -> None:
@@ -153,6 +158,10 @@ def _manifest_entry(spec: Spec, dir_fd: int, where: Path) -> dict:
     if entry.get("version") != spec.version:
         raise Refused(f"{spec.name} in {where} is version {entry.get('version')!r}, this "
                       f"sparsekit calls version {spec.version} (rebuild: {build.COMMAND})")
+    for key, value in spec.require:
+        if entry.get(key) != value:
+            raise Refused(f"{spec.name} in {where} was built for {key} {entry.get(key)!r}, this "
+                          f"is {value!r} (rebuild: {build.COMMAND})")
     if entry.get("source_sha256") != build.source_hash(spec.sources):
         raise Refused(f"{spec.name} in {where} was built from other sources than this "
                       f"sparsekit's (rebuild: {build.COMMAND})")
@@ -218,4 +227,22 @@ def load(spec: Spec, lib_dir: Path | None = None) -> ctypes.CDLL:
         os.close(fd)
 
 
-__all__ = ["LIB_DIR", "Refused", "Spec", "exported_functions", "load", "open_checked"]
+def load_module(spec: Spec, module: str, lib_dir: Path | None = None) -> ModuleType:
+    """``spec``'s library as the Python extension module ``module`` (a torch C++ extension),
+    imported after :func:`open_checked`; Refused on anything wrong, the import's own error
+    included."""
+    fd, path = open_checked(spec, lib_dir)
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(module, str(path))
+        found = importlib.util.spec_from_file_location(module, str(path), loader=loader)
+        mod = importlib.util.module_from_spec(found)
+        loader.exec_module(mod)
+        return mod
+    except Exception as e:  # noqa: BLE001  (an extension's init may raise anything)
+        raise Refused(f"{path} does not import ({type(e).__name__}: {str(e)[:200]})") from None
+    finally:
+        os.close(fd)
+
+
+__all__ = ["LIB_DIR", "Refused", "Spec", "exported_functions", "load", "load_module",
+           "open_checked"]

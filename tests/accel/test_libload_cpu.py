@@ -244,12 +244,19 @@ def test_install_hook_compiles_nothing_without_a_gpu_and_says_so_in_one_line(tmp
     assert not (tmp_path / "_lib").exists()
 
 
+def _no_cslt_build(lib_dir=None):
+    raise RuntimeError("the cuSPARSELt binding builds against torch: faked")
+
+
 def test_install_hook_and_command_build_and_record_the_library(tmp_path, monkeypatch, capsys):
     nvcc = _fake_nvcc(tmp_path)
     monkeypatch.setattr(build, "find_nvcc", lambda: str(nvcc))
     monkeypatch.setattr(build, "gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr(build, "build_cslt", _no_cslt_build)
     d = tmp_path / "_lib"
-    assert "built the mma.sp CUDA kernel" in build.install_hook(d)
+    line = build.install_hook(d)
+    assert "built the mma.sp CUDA kernel" in line and "\n" not in line
+    assert "the cuSPARSELt binding not (" in line and "python -m sparsekit.accel.build" in line
     assert "-arch=sm_90" in (nvcc.parent / "calls").read_text()
     entry = build.read_manifest(d)[build.SK24_MMA]
     assert entry["version"] == sk24_mma.VERSION == build.source_version()
@@ -258,10 +265,64 @@ def test_install_hook_and_command_build_and_record_the_library(tmp_path, monkeyp
     with pytest.raises(libload.Refused, match="not a 64-bit little-endian ELF"):
         libload.load(SPEC, d)  # hash and permissions pass; "built" is no ELF file
     monkeypatch.setattr(build, "LIB_DIR", d)
-    assert build.main(["--check"]) == 0 and "up to date" in capsys.readouterr().out
+    assert build.main(["--check", "--only", "mma"]) == 0
+    assert "up to date" in capsys.readouterr().out
     calls = (nvcc.parent / "calls").read_text().count("\n")
-    assert build.main([]) == 0 and (nvcc.parent / "calls").read_text().count("\n") == calls
-    assert build.main(["--force"]) == 0
+    assert build.main(["--only", "mma"]) == 0
+    assert (nvcc.parent / "calls").read_text().count("\n") == calls
+    assert build.main(["--force", "--only", "mma"]) == 0
     assert (nvcc.parent / "calls").read_text().count("\n") == calls + 1
     (d / "sk24_mma.so").write_bytes(b"changed")
-    assert build.main(["--check"]) == 1 and "not built or stale" in capsys.readouterr().out
+    assert build.main(["--check", "--only", "mma"]) == 1
+    assert "not built or stale" in capsys.readouterr().out
+    # the binding is not built here (the hook's cslt build faked to fail): --check says so
+    assert build.main(["--check"]) == 1
+    assert "the cuSPARSELt binding in" in capsys.readouterr().out
+
+
+def test_cslt_binding_is_never_compiled_at_run_time_and_checked_when_loaded(
+        tmp_path, monkeypatch):
+    # CUDA faked: not built -> None with the build command, the C++ builder never called; a
+    # library recorded for another torch, or planted, refused before it is imported
+    import torch.utils.cpp_extension as cpp
+
+    from sparsekit.accel.kernels.cusparselt import ext
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled at run time")
+    monkeypatch.setattr(cpp, "load", no_compile)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    d = tmp_path / "_lib"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    monkeypatch.setattr(libload, "LIB_DIR", d)
+    ext.load.cache_clear()
+    try:
+        assert ext.load() is None and "not built" in ext.reason()
+        assert "python -m sparsekit.accel.build" in ext.reason()
+        marker = tmp_path / "ran"
+        init = f"void *PyInit_{build.CSLT_MODULE}(void) {{ return 0; }}\n"
+        so = _cc(tmp_path, "cslt", C_LIBRARY + init, marker)
+        shutil.copy(so, d / f"{build.CSLT_MODULE}.so")
+        build.record(d, build.CSLT, d / f"{build.CSLT_MODULE}.so", build.CSLT_SOURCES,
+                     build.CSLT_VERSION, torch="1.0", torch_cuda=str(torch.version.cuda))
+        ext.load.cache_clear()
+        assert ext.load() is None and "was built for torch '1.0'" in ext.reason()
+        build.record(d, build.CSLT, d / f"{build.CSLT_MODULE}.so", build.CSLT_SOURCES,
+                     build.CSLT_VERSION, torch=str(torch.__version__),
+                     torch_cuda=str(torch.version.cuda))
+        (d / f"{build.CSLT_MODULE}.so").write_bytes(so.read_bytes() + b"planted")
+        ext.load.cache_clear()
+        assert ext.load() is None and "sha256" in ext.reason()
+        assert not marker.exists()
+        # recorded as it is: it passes the file's checks, its (fake) PyInit fails the import,
+        # a one-line refusal, not an exception
+        (d / f"{build.CSLT_MODULE}.so").write_bytes(so.read_bytes())
+        build.record(d, build.CSLT, d / f"{build.CSLT_MODULE}.so", build.CSLT_SOURCES,
+                     build.CSLT_VERSION, torch=str(torch.__version__),
+                     torch_cuda=str(torch.version.cuda))
+        ext.load.cache_clear()
+        assert ext.load() is None and "does not import" in ext.reason()
+        assert marker.exists()  # the checks passed: only now did its constructor run
+    finally:
+        ext.load.cache_clear()
