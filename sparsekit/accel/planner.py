@@ -766,8 +766,9 @@ class Planner:
         if self.device.type != "cuda":
             return
         dense = self.sparsity == "auto" and self.options.decode_dense
-        if sk24_mma.reason() and any(getattr(m, "dkernel", "") == "triton"
-                                     for m in model.modules()):
+        if sk24_mma.reason() and any(getattr(m, "dkernel", "") == "triton" or (
+                getattr(m, "variant", "") == "int4_2:4" and m.path == "triton")
+                for m in model.modules()):
             self.report.notes.append(f"decode: the mma.sp 2:4 kernel is not used "
                                      f"({sk24_mma.reason()}); the Triton kernel runs")
         chosen: dict[str, dict] = {}
