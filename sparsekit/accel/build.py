@@ -240,7 +240,7 @@ def install_hook(lib_dir: Path) -> str:
         build_cslt(lib_dir)
         return line + " and the cuSPARSELt binding"
     except (OSError, RuntimeError) as e:
-        return f"{line}; the cuSPARSELt binding not ({str(e)[:160]}): {COMMAND} builds it"
+        return f"{line}; not the cuSPARSELt binding ({str(e)[:160]}): {COMMAND} builds it"
 
 
 def _cslt_current() -> bool:

@@ -256,7 +256,7 @@ def test_install_hook_and_command_build_and_record_the_library(tmp_path, monkeyp
     d = tmp_path / "_lib"
     line = build.install_hook(d)
     assert "built the mma.sp CUDA kernel" in line and "\n" not in line
-    assert "the cuSPARSELt binding not (" in line and "python -m sparsekit.accel.build" in line
+    assert "not the cuSPARSELt binding (" in line and "python -m sparsekit.accel.build" in line
     assert "-arch=sm_90" in (nvcc.parent / "calls").read_text()
     entry = build.read_manifest(d)[build.SK24_MMA]
     assert entry["version"] == sk24_mma.VERSION == build.source_version()
