@@ -6,16 +6,23 @@ are warnings or errors; the internal errors are one line; files get the promised
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import stat
+import sys
 
 import pytest
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import sparsekit as sk
+from sparsekit.errors import FileFormatError, UnsafeFileError
 from sparsekit.io.files import atomic_torch_save
+from sparsekit.quant.formats import get_scheme
 from sparsekit.run.cli import check_overrides, hydra_argv, main, register_configs
 from test_security import plant_run
 
@@ -139,3 +146,140 @@ def test_hf_export_follows_the_umask(tmp_path, hf_dirs, umask_022):
     out = export_pretrained(model, tmp_path / "hf", quiet=True)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
     assert "model.safetensors" in modes and set(modes.values()) == {umask_022}, modes
+
+
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "config.json"])
+@pytest.mark.parametrize("loader", ["tokenizer", "model"])
+def test_a_directory_with_remote_code_is_refused_never_prompted(tmp_path, hf_dirs, monkeypatch,
+                                                                file, loader):
+    from sparsekit.models.hf import load_pretrained, load_tokenizer
+
+    d = tmp_path / "llama"
+    shutil.copytree(hf_dirs["llama"], d)
+    marker = tmp_path / "pwned"
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                               "from transformers import PreTrainedTokenizerFast as EvilTok\n"
+                               "from transformers import LlamaConfig as EvilConfig\n")
+    data = json.loads((d / file).read_text())
+    data["auto_map"] = {"AutoTokenizer": ["evil.EvilTok", "evil.EvilTok"],
+                        "AutoConfig": "evil.EvilConfig"}
+    (d / file).write_text(json.dumps(data))
+    monkeypatch.setattr("builtins.input", lambda *a: "y")  # transformers' question: answered y
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    with pytest.raises(UnsafeFileError, match=rf"\({file}\): auto_map names model code") as e:
+        (load_tokenizer if loader == "tokenizer" else load_pretrained)(d)
+    assert "\n" not in str(e.value) and "model.path=" in str(e.value)
+    assert not marker.exists()
+
+
+# --- 2. checkpoint contents against their format ---------------------------------------------
+
+def _quantized(scheme: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 4))
+    sk.quantize_(model, scheme, calibration=[torch.randn(2, 128)] if "static" in scheme
+                 else None)
+    return model
+
+
+def _fresh() -> nn.Module:
+    return nn.Sequential(nn.Linear(128, 4))
+
+
+@pytest.mark.parametrize("scheme,tensor,value,why", [
+    ("int4_weight", "weight", 8, r"0\.weight: 1 of 512 \(e\.g\. 8\.0 .*int4's \[-8, 7\]"),
+    ("int4_weight_channel", "weight", -9, r"0\.weight: 1 of 512 .*\[-8, 7\]"),
+    ("int4_weight", "weight_scale", float("nan"), r"0\.weight_scale: 1 of 4 .*finite and pos"),
+    ("int4_weight", "weight_scale", 0.0, r"0\.weight_scale: .*finite and positive"),
+    ("int4_weight", "weight_scale", -0.5, r"0\.weight_scale: .*finite and positive"),
+    ("int8_weight_only", "weight", -128, r"0\.weight: .*int8's \[-127, 127\]"),
+    ("int8_weight_only", "weight_scale", float("inf"), r"0\.weight_scale: .*finite"),
+    ("fp8_weight_only", "weight", float("nan"), r"0\.weight: .*fp8's \[-448, 448\]"),
+    ("int8_static", "input_scale", 0.0, r"0\.input_scale: 1 of 1 .*finite and positive"),
+    ("fp8_static", "input_scale", float("nan"), r"0\.input_scale: .*finite and positive"),
+])
+def test_a_checkpoint_outside_its_format_is_refused_naming_the_tensor(tmp_path, scheme, tensor,
+                                                                      value, why):
+    model = _quantized(scheme)
+    with torch.no_grad():
+        getattr(model[0], tensor).view(-1)[0] = value
+    sk.save(model, tmp_path / "q.safetensors")
+    with pytest.raises(FileFormatError, match=why) as e:
+        sk.load(tmp_path / "q.safetensors", model=_fresh())
+    assert "q.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_with_another_dtype_or_scale_shape_is_refused(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = _quantized("int4_weight_channel")
+    sk.save(model, tmp_path / "q.safetensors")
+    with safe_open(tmp_path / "q.safetensors", "pt") as f:
+        meta = f.metadata()
+    for key, change, why in [("0.weight", lambda t: t.float(), r"0\.weight is torch\.float32"),
+                             ("0.weight_scale", lambda t: t.reshape(2, 2),
+                              r"0\.weight_scale has shape \[2, 2\]; the model's 0\.weight_sc"),
+                             ("0.weight_scale", lambda t: t.to(torch.int32), "weight_scale")]:
+        tensors = load_file(tmp_path / "q.safetensors")
+        tensors[key] = change(tensors[key])
+        save_file(tensors, tmp_path / "bad.safetensors", metadata=meta)
+        with pytest.raises(FileFormatError, match=why):
+            sk.load(tmp_path / "bad.safetensors", model=_fresh())
+
+
+_SCALES = st.one_of(st.floats(1e-6, 10.0), st.sampled_from(
+    [0.0, -0.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e-30]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(scheme=st.sampled_from(["int4_weight", "int4_weight_channel", "int8_weight_only",
+                               "fp8_weight_only", "int8_static", "fp8"]),
+       low=st.one_of(st.integers(-8, 0), st.integers(-300, 0)),
+       high=st.one_of(st.integers(0, 7), st.integers(0, 300)),
+       special=st.sampled_from([None, None, float("nan"), float("inf"), 1e4]),
+       scales=st.one_of(st.lists(st.floats(1e-6, 10.0), min_size=5, max_size=5),
+                        st.lists(_SCALES, min_size=5, max_size=5)),
+       seed=st.integers(0, 2**16))
+def test_loading_a_checkpoint_refuses_or_reproduces_its_outputs(tmp_path, scheme, low, high,
+                                                                special, scales, seed):
+    """Random stored values (any range, NaN, inf) and scales (zero, negative, NaN, inf, tiny):
+    sk.load either refuses with a FileFormatError, exactly when a value is outside the format
+    or a scale is not finite and positive, or gives the outputs of the model that was saved."""
+    model = _quantized(scheme)
+    q = model[0]
+    g = torch.Generator().manual_seed(seed)
+    fmt = get_scheme(scheme).weight
+    with torch.no_grad():
+        raw = torch.randint(low, high + 1, q.weight.shape, generator=g).float()
+        if special is not None:
+            raw.view(-1)[seed % raw.numel()] = special
+        if fmt.integer:
+            raw = raw.nan_to_num(nan=fmt.qmax + 1, posinf=fmt.qmax + 1).clamp(-128, 127)
+        q.weight.copy_(raw.to(q.weight.dtype))
+        q.weight_scale.copy_(torch.tensor(scales[:q.weight_scale.numel()] * 4)[
+            :q.weight_scale.numel()].reshape(q.weight_scale.shape))
+        if "input_scale" in q._buffers:
+            q.input_scale.fill_(scales[-1])
+    stored = q.weight.float()
+    values_ok = bool((stored.isfinite() & (stored >= fmt.qmin) & (stored <= fmt.qmax)).all())
+    scale_ts = [q.weight_scale] + ([q.input_scale] if "input_scale" in q._buffers else [])
+    scales_ok = all(bool((t.isfinite() & (t > 0)).all()) for t in scale_ts)
+    path = tmp_path / f"q{seed}.safetensors"
+    sk.save(model, path)
+    x = torch.randn(3, 128, generator=g)
+    try:
+        back = sk.load(path, model=_fresh())
+    except FileFormatError as e:
+        assert not (values_ok and scales_ok), f"refused a valid checkpoint: {e}"
+        event("refused")
+        return
+    event("loaded")
+    assert values_ok and scales_ok, "loaded values outside the format without a word"
+    torch.testing.assert_close(back(x), model(x), rtol=0, atol=0, equal_nan=True)
+    if get_scheme(scheme).activation is None:  # weight-only: the float64 formula
+        w = stored.double().reshape(4, -1, q.group_size if hasattr(q, "group_size") else 128)
+        ref = x.double() @ (w * q.weight_scale.double().reshape(4, -1, 1)).reshape(4, 128).T
+        torch.testing.assert_close(back(x).double(), ref + q.bias.double(), rtol=1e-5,
+                                   atol=1e-4)

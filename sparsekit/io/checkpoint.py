@@ -165,19 +165,22 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 # (``apply(model, plan)``), so storage imports nothing above it. Rebuilt in this order.
 SECTIONS = ("channels", "quant")
 _OWNERS = {"channels": "sparsekit.prune.channels", "quant": "sparsekit.quant"}
-_PLANS: Registry[tuple[Callable[[nn.Module], Any], Callable[[nn.Module, Any], Any]]] = Registry(
-    "checkpoint section")
+_Check = Callable[[nn.Module, Any, str], None]
+_PLANS: Registry[tuple[Callable[[nn.Module], Any], Callable[[nn.Module, Any], Any],
+                       _Check | None]] = Registry("checkpoint section")
 # ``load(accelerate=...)`` hands the loaded model to sparsekit.accel, which registers itself
 _ACCELERATE: list[Callable[..., nn.Module]] = []
 
 
 def register_plan(section: str, plan: Callable[[nn.Module], Any],
-                  apply: Callable[[nn.Module, Any], Any]) -> None:
+                  apply: Callable[[nn.Module, Any], Any], check: _Check | None = None) -> None:
     """Store ``plan(model)`` under ``section`` in every file :func:`save` writes, and call
-    ``apply(model, plan)`` on the fresh model before :func:`load` reads the weights."""
+    ``apply(model, plan)`` on the fresh model before :func:`load` reads the weights;
+    ``check(model, plan, path)`` after it read them: the loaded values against their format
+    (a :class:`~sparsekit.errors.FileFormatError` naming the tensor)."""
     if section not in SECTIONS:
         raise UsageError(f"checkpoint section {section!r} is not one of {SECTIONS}")
-    _PLANS.register(section, (plan, apply))
+    _PLANS.register(section, (plan, apply, check))
 
 
 def register_accelerator(accelerate: Callable[..., nn.Module]) -> None:
@@ -443,10 +446,17 @@ def _load(path: str | os.PathLike, model: nn.Module | None, device: torch.device
     sd = load_state_dict(path)
     current = model.state_dict(keep_vars=True)
     for key, t in sd.items():
+        if key in current and current[key].shape != t.shape:
+            raise FileFormatError(f"{path}: {key} has shape {list(t.shape)}; the model's "
+                                  f"{key} has shape {list(current[key].shape)}")
         # take the stored dtype (e.g. bf16) in place, so tied parameters stay tied
         if key in current and current[key].dtype != t.dtype:
             current[key].data = current[key].data.to(t.dtype)
     model.load_state_dict(sd, strict=strict)
+    for section in SECTIONS:
+        check = _PLANS[section][2] if header.get(section) and section in _PLANS else None
+        if check is not None:
+            check(model, header[section], os.fspath(path))
     model.to(device)
     if accelerate is not None:
         if not torch.cuda.is_available():

@@ -85,6 +85,23 @@ def check_config_offline(config: Any, where: str) -> None:
             check_config_offline(value, where)
 
 
+# The JSON files of a model or tokenizer directory that transformers reads and that can name
+# code of the directory's own (``auto_map``: AutoTokenizer, AutoConfig, AutoModel*, processors)
+CODE_NAMING_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json",
+                     "processor_config.json", "feature_extractor_config.json")
+
+
+def check_dir_offline(directory: Path, option: str, path: str | os.PathLike) -> None:
+    """Refuse a model or tokenizer directory whose JSON files (:data:`CODE_NAMING_FILES`) name
+    code of their own (``auto_map``) or a hub kernel (:func:`check_config_offline`): one line
+    naming ``option`` and the file. Without this, transformers asks on a terminal whether to
+    run the directory's code, and "y" runs it; sparsekit never asks."""
+    for name in CODE_NAMING_FILES:
+        if (directory / name).is_file():
+            config = _read_config_json(directory / name, option)
+            check_config_offline(config, f"{option}={os.fspath(path)!r} ({name})")
+
+
 def transformers_module() -> Any:
     """``import transformers``, or a :class:`UsageError` saying how to install it."""
     try:
@@ -281,7 +298,7 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None,
     config: dict = {}
     if gguf is None:
         config = _read_config_json(directory / "config.json", "model.path")
-        check_config_offline(config, f"{where} (config.json)")
+        check_dir_offline(directory, "model.path", path)
         if task is None:
             task = task_from_architectures(config.get("architectures"))
     else:
@@ -290,7 +307,8 @@ def load_pretrained(path: str | os.PathLike, task: str | None = None,
     try:
         with quiet_progress(quiet):
             model, info = _auto_class(task).from_pretrained(
-                os.fspath(directory), local_files_only=True, output_loading_info=True, **kwargs)
+                os.fspath(directory), local_files_only=True, output_loading_info=True,
+                trust_remote_code=False, **kwargs)
     except (OSError, ValueError, KeyError, NotImplementedError) as e:
         source = f" from GGUF file {gguf}" if gguf else ""
         raise FileFormatError(f"{where}: cannot load a {task} model{source}: "
@@ -337,10 +355,12 @@ def load_tokenizer(path: str | os.PathLike, option: str = "model.path") -> Any:
                 "tokenizer.save_pretrained(DIR), or set data.tokenizer=DIR"
             )
         gguf = p / name
+    check_dir_offline(p, option, path)
     tf = transformers_module()
     kwargs = {} if gguf is None else {"gguf_file": _gguf_kwargs(gguf)["gguf_file"]}
     try:
-        return tf.AutoTokenizer.from_pretrained(os.fspath(p), local_files_only=True, **kwargs)
+        return tf.AutoTokenizer.from_pretrained(os.fspath(p), local_files_only=True,
+                                                trust_remote_code=False, **kwargs)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise FileFormatError(
             f"{option}={os.fspath(path)!r} holds no loadable tokenizer ({str(e).splitlines()[0]});"

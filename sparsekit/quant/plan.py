@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-from sparsekit.errors import UsageError
+from sparsekit.errors import FileFormatError, UsageError
 from sparsekit.io import checkpoint
 from sparsekit.quant.formats import SCHEMES
 from sparsekit.registry import from_file
@@ -72,4 +73,45 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
     after_swap(model)
 
 
-checkpoint.register_plan("quant", quant_plan, apply_quant_plan)
+def _bad(t: torch.Tensor, bad: torch.Tensor) -> str:
+    """``n of N (e.g. VALUE at INDEX)`` for the entries of ``t`` where ``bad`` is true."""
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    return f"{int(bad.sum())} of {t.numel()} (e.g. {t[index].item()!r} at {list(index)})"
+
+
+def check_quant_values(model: nn.Module, plan: dict[str, dict[str, Any]], path: str) -> None:
+    """The loaded values of every quantized layer in ``plan`` against its scheme's format:
+    the weight in the format's dtype and shape with values in [qmin, qmax] (int8 [-127, 127],
+    int4 [-8, 7], float8 finite within +-448), scales float, of the layer's scale shape,
+    finite and positive. A :class:`~sparsekit.errors.FileFormatError` naming ``path``, the
+    tensor and what its format allows (a checkpoint with other values would give other
+    outputs than the model that was saved, without a word)."""
+    for name, spec in plan.items():
+        module = model.get_submodule(name)
+        scheme = SCHEMES[spec["scheme"]]
+        fmt, where = scheme.weight, f"{path}: {name}"
+        w = module.weight
+        if w.dtype != fmt.dtype or list(w.shape) != list(spec["weight_shape"]):
+            raise FileFormatError(f"{where}.weight is {w.dtype} {list(w.shape)}; {scheme.name} "
+                                  f"stores {fmt.dtype} {spec['weight_shape']}")
+        values = w.float()
+        bad = ~values.isfinite() | (values < fmt.qmin) | (values > fmt.qmax)
+        if bool(bad.any()):
+            raise FileFormatError(f"{where}.weight: {_bad(values, bad)} values outside "
+                                  f"{fmt.name}'s [{fmt.qmin:g}, {fmt.qmax:g}]")
+        expected = ((w.shape[0], w.shape[1] // module.group_size) if scheme.grouped
+                    else (w.shape[0],))
+        scales = [("weight_scale", module.weight_scale, expected)]
+        if "input_scale" in module._buffers:
+            scales.append(("input_scale", module.input_scale, (1,)))
+        for key, t, shape in scales:
+            if not t.dtype.is_floating_point or t.dtype.itemsize < 2 or tuple(t.shape) != shape:
+                raise FileFormatError(f"{where}.{key} is {t.dtype} {list(t.shape)}; "
+                                      f"{scheme.name} stores float32 {list(shape)}")
+            bad = ~t.isfinite() | (t <= 0)
+            if bool(bad.any()):
+                raise FileFormatError(f"{where}.{key}: {_bad(t, bad)} scales not finite and "
+                                      "positive")
+
+
+checkpoint.register_plan("quant", quant_plan, apply_quant_plan, check_quant_values)
