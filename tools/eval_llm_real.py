@@ -231,7 +231,7 @@ class Lab:
             n = a.calib_n + a.teacher_n
             start = time.perf_counter()
             self._teacher = teacher_samples(self.dense, n, a.seq_len, seed=a.seed,
-                                            temperature=1.0, top_p=0.95,
+                                            temperature=1.0, top_p=0.95, first_tokens=4,
                                             batch_size=a.sample_batch,
                                             cache_dir=self.state_dir / "teacher")
             self.teacher_seconds = time.perf_counter() - start
