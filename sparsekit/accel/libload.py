@@ -4,7 +4,8 @@ Every check that can be made on the file is made before ``dlopen`` (which runs a
 constructors):
 
 1. the directory (``sparsekit/accel/_lib/``), ``manifest.json`` and the library are owned by
-   you or root and writable by no one else (group/others write bits clear), neither file is a
+   you or root and writable by no one else (the others' write bit clear, the group's too
+   unless the group is the owner's private one, as ``umask 002`` gives), neither file is a
    symbolic link, and no directory above is writable by others without the sticky bit (so that
    no one else can replace the file between these checks and the load);
 2. the manifest names the library and records the version this sparsekit calls and the sha256
@@ -58,11 +59,28 @@ class Spec:
     require: tuple[tuple[str, str], ...] = ()
 
 
+def _private_group(st: os.stat_result) -> bool:
+    """Whether ``st``'s group is its owner's own (a user private group, as ``umask 002``
+    systems give every user: named as the owner, no other member, no other user's primary
+    group), so that group write lets no one else write."""
+    try:
+        import grp
+        import pwd
+
+        owner = pwd.getpwuid(st.st_uid).pw_name
+        group = grp.getgrgid(st.st_gid)
+    except (ImportError, KeyError):
+        return False
+    return (group.gr_name == owner and set(group.gr_mem) <= {owner}
+            and all(u.pw_gid != st.st_gid or u.pw_name == owner for u in pwd.getpwall()))
+
+
 def _owner_mode(st: os.stat_result, what: str) -> None:
-    """Refused unless ``st`` is owned by this user or root and not writable by group/others."""
+    """Refused unless ``st`` is owned by this user or root and writable by no one else: not by
+    others, nor by its group unless that is the owner's private group."""
     if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
         raise Refused(f"{what} is owned by uid {st.st_uid}, not by you or root")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not _private_group(st)):
         raise Refused(f"{what} is writable by group or others (mode "
                       f"{stat.S_IMODE(st.st_mode):o}): only the owner may write it")
 

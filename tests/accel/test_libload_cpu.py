@@ -104,12 +104,41 @@ def test_truncated_library_is_refused(lib_dir):
 
 
 @pytest.mark.parametrize("what", ["library", "directory", "manifest"])
-def test_group_or_other_writable_files_are_refused(lib_dir, what):
+def test_group_or_other_writable_files_are_refused(lib_dir, what, monkeypatch):
+    import grp
+
     d, marker = lib_dir
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: grp.struct_group(("staff", "x", gid, [])))
     path = {"library": d / "sk24_mma.so", "directory": d, "manifest": d / build.MANIFEST}[what]
     for mode in (0o757, 0o775):
         os.chmod(path, mode)
         refused(d, "writable by group or others")
+    assert not marker.exists()
+
+
+def test_group_write_is_accepted_only_for_the_owners_private_group(lib_dir, monkeypatch):
+    # umask 002 systems: a pip-installed library is group-writable, its group the owner's own
+    import grp
+    import pwd
+
+    d, marker = lib_dir
+    os.chmod(d / "sk24_mma.so", 0o775)
+    owner = pwd.getpwuid(os.stat(d).st_uid).pw_name
+    gid = os.stat(d).st_gid
+    group = grp.struct_group((owner, "x", gid, []))
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: group)
+    monkeypatch.setattr(pwd, "getpwall", lambda: [])  # no other user has it as primary group
+    libload.load(SPEC, d)
+    assert marker.exists()
+    marker.unlink()
+    for shared in (grp.struct_group(("staff", "x", gid, [])),
+                   grp.struct_group((owner, "x", gid, [owner, "mallory"]))):
+        monkeypatch.setattr(grp, "getgrgid", lambda gid, g=shared: g)
+        refused(d, "writable by group or others")
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: group)
+    mallory = pwd.struct_passwd(("mallory", "x", 4242, gid, "", "/home/mallory", "/bin/sh"))
+    monkeypatch.setattr(pwd, "getpwall", lambda: [mallory])  # her primary group: shared
+    refused(d, "writable by group or others")
     assert not marker.exists()
 
 
