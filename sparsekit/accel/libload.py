@@ -195,8 +195,8 @@ def open_checked(spec: Spec, lib_dir: Path | None = None) -> tuple[int, Path]:
     fd. Refused on anything wrong."""
     where = Path(os.path.realpath(lib_dir or LIB_DIR))
     if not (where / build.MANIFEST).exists():
-        raise Refused(f"not built (no {where / build.MANIFEST}; with the CUDA toolkit: "
-                      f"{build.COMMAND})")
+        raise Refused(f"not built: no {where / build.MANIFEST}, {build.COMMAND} builds it "
+                      f"with the CUDA toolkit")
     _check_ancestors(where)
     try:
         dir_fd = os.open(where, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

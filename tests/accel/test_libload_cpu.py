@@ -172,7 +172,7 @@ def test_symlink_stale_source_and_missing_manifest_are_refused(lib_dir, tmp_path
     with pytest.raises(libload.Refused, match=f"calls version {SPEC.version + 1}"):
         libload.load(newer, d)
     (d / build.MANIFEST).unlink()
-    refused(d, r"not built .*python -m sparsekit.accel.build")
+    refused(d, r"not built: .*python -m sparsekit.accel.build builds it")
     assert not marker.exists()
 
 
@@ -355,3 +355,26 @@ def test_cslt_binding_is_never_compiled_at_run_time_and_checked_when_loaded(
         assert marker.exists()  # the checks passed: only now did its constructor run
     finally:
         ext.load.cache_clear()
+
+
+def test_the_fallback_is_one_line_in_the_accelerate_report(tmp_path, monkeypatch, fake_cuda):
+    # a GPU machine without the built library: the decode plan's note says the Triton kernel
+    # runs and how to build the library
+    from torch import nn
+
+    from sparsekit.accel.options import CompileOptions, PlanOptions
+    from sparsekit.accel.planner import Planner
+    from sparsekit.accel.report import AccelReport
+
+    monkeypatch.setattr(libload, "LIB_DIR", tmp_path / "_lib")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    assert sk24_mma.load() is None
+    report = AccelReport("bf16", "2:4", 1.0, "")
+    planner = Planner(torch.device("cuda"), "bf16", "2:4", PlanOptions(cache=False),
+                      CompileOptions(), False, report)
+    model = nn.Sequential(nn.Linear(4, 4))
+    model[0].dkernel = "triton"  # a 2:4 layer that fell back
+    planner.plan_decode(model)
+    notes = [n for n in report.notes if "mma.sp" in n]
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert "Triton kernel runs" in notes[0] and "python -m sparsekit.accel.build" in notes[0]
