@@ -8,6 +8,7 @@
 #   bash tools/device_llm_accuracy.sh part1        # carry .whl .m1: stash the first half
 #   bash tools/device_llm_accuracy.sh oneshot      # carry .m2 .evaltext: assemble, one shot
 #   STAGES=... MINUTES=8 bash tools/device_llm_accuracy.sh stages   # more stages, same state
+# (EXTRA="--teacher-n 2048" passes more options; LIMIT=560 bounds the call's seconds)
 # Results: $OUT/llm_real.json (merged across calls through /tmp/llm/llm_real.json).
 set -euo pipefail
 step=${1:?part1 | oneshot | stages | probe}
@@ -24,7 +25,7 @@ run_stages() {  # results go straight to $OUT (a call stopped at its limit keeps
   timeout "${LIMIT:-560}" python3 tools/eval_llm_real.py --model "$W/smollm2.gguf" \
     --text "$W/text" --train code --eval man,info --state-dir "$W/state" \
     --out "$OUT/llm_real.json" --distill-minutes "${MINUTES:-8}" \
-    --distill-steps "${STEPS:-4000}" --stages "$1" 2>&1 | tee -a "$OUT/llm_real.log" || true
+    --distill-steps "${STEPS:-4000}" ${EXTRA:-} --stages "$1" 2>&1 | tee -a "$OUT/llm_real.log" || true
   cp "$OUT/llm_real.json" "$W/llm_real.json"
 }
 case $step in
