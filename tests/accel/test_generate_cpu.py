@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import sparsekit as sk
-from sparsekit.accel import decoding, sampling
+from sparsekit import _compat
+from sparsekit.accel import decoding, graphs, sampling
 from sparsekit.accel.generate import Generator
 
 transformers = pytest.importorskip("transformers")
@@ -97,6 +98,7 @@ GREEDY_OPTIONS = [
     {"eos_token_id": "first", "min_new_tokens": 6},  # barred until 6 are new
     {"eos_token_id": ["first", 5, 9]},  # several stop tokens; pad: the first of them
     {"max_length": 12},  # prompt included
+    {"max_length": 8},  # one new token: the prefill's, no decode step
 ]
 
 
@@ -347,3 +349,67 @@ def test_decoding_resolve_defaults_and_generation_config():
     cfg = transformers.GenerationConfig(eos_token_id=[3, 4], top_k=7, do_sample=True)
     d = decoding.resolve(cfg, {"top_k": 9}, vocab=VOCAB)
     assert (d.top_k, d.eos, d.pad, d.do_sample) == (9, (3, 4), 3, True)  # pad: the first eos
+
+
+class _ReplayedCall:
+    """Stands in for graphs.CapturedCall on CPU as a CUDA graph behaves: the capture runs
+    nothing (the cache's counters do not move), a replay runs the call on the static inputs
+    (the call's tensors copied in) and writes its output into the one output object every
+    replay returns."""
+
+    def __init__(self, fn, args, kwargs, pool):
+        from sparsekit.nn.calibration import tree_map
+
+        self.fn, self.static, self.inputs, self.out = fn, tree_map(torch.clone, (args, kwargs)),\
+            [], None
+        graphs.input_key(self.static, self.inputs)
+
+    def __call__(self, tensors):
+        for dst, src in zip(self.inputs, tensors):
+            dst.copy_(src)
+        out = self.fn(*self.static[0], **self.static[1])
+        if self.out is None:
+            self.out = out
+        else:
+            self.out.logits.copy_(out.logits)
+        return self.out
+
+
+def test_graph_replay_path_gives_hf_tokens(monkeypatch):
+    """The CUDA path's logic on CPU (graphs replaced by :class:`_ReplayedCall`, streams by
+    no-ops, sparsekit's decode attention's CPU reference switched on): warm-ups that advance
+    the cache, reset, replays that overwrite one output: HF's tokens, one graph per kind,
+    replayed by the next call, and the model's attention implementation put back."""
+    import contextlib
+
+    from sparsekit.accel import generate
+    from sparsekit.accel.kernels.attention import decode
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(graphs, "CapturedCall", _ReplayedCall)
+    monkeypatch.setattr(_compat, "clear_cublas_workspaces", lambda: None)
+    monkeypatch.setattr(generate, "attention_for", lambda model, device: decode.register())
+    model = _model("llama", torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    gen = Generator(model, torch.device("cpu"), compile=False)
+    gen.capture = True  # as on CUDA
+    ids, mask = _left_padded()
+    want = _hf(model, ids, attention_mask=mask, max_new_tokens=9, do_sample=False,
+               pad_token_id=0, eos_token_id=[2, 5])
+    for _ in range(2):  # the second call replays the first's graphs
+        got = gen.generate(ids, attention_mask=mask, max_new_tokens=9, pad_token_id=0,
+                           eos_token_id=[2, 5])
+        _assert_greedy_equal(model, got, want, mask)
+        assert model.config._attn_implementation == "sdpa"
+    assert sorted(kind for _, kind in gen.graphs) == ["decode", "prefill"]
+    assert all(len(g.graphs) == 1 for g in gen.graphs.values())
