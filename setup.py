@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _kernel_builder():
-    """sparsekit/accel/build.py loaded by path (standard library only: pip's build environment
+    """sparsekit/accel/build/ loaded by path (standard library only: pip's build environment
     has neither torch nor sparsekit)."""
-    spec = importlib.util.spec_from_file_location("_sparsekit_build",
-                                                  ROOT / "sparsekit" / "accel" / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "_sparsekit_build", ROOT / "sparsekit" / "accel" / "build" / "__init__.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

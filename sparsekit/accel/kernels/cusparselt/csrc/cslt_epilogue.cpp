@@ -9,7 +9,7 @@
 // row-major, alignment 16); bias bf16 (N,) or none. The descriptors mirror torch's binding with
 // transpose_result=True. bf16/fp16 inputs are refused: cuSPARSELt 0.8.0 crashes (a host
 // segfault) on a 16-bit input with the GELU epilogue, and torch's binding already takes bias.
-// Built ahead of time by `python -m sparsekit.accel.build` (sparsekit/accel/build.py); the
+// Built ahead of time by `python -m sparsekit.accel.build` (sparsekit/accel/build/); the
 // plan of each (shape, epilogue, algorithm) is made once and kept, so a call costs one
 // cusparseLtMatmul.
 //

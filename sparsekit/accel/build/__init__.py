@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # sparsekit/accel
 LIB_DIR = HERE / "_lib"
 MANIFEST = "manifest.json"
 COMMAND = "python -m sparsekit.accel.build"
@@ -278,7 +278,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{COMMAND}: error: {names[label]}: {e}", file=sys.stderr)
             rc = 1
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())
