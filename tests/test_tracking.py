@@ -331,6 +331,7 @@ def test_one_run_with_hparams_text_and_histograms(tiny_run):
     start = plugin_data_pb2.HParamsPluginData.FromString(
         plugins["_hparams_/session_start_info"]).session_start_info
     assert start.hparams["prune.pattern"].string_value == "2:4"
+    assert start.hparams["recipe"].string_value == "default"  # no recipe=: the default run
     assert "train.finetune_steps" not in start.hparams  # not set: in the config text only
     assert {"summary/text_summary", "config/text_summary"} <= set(acc.Tags()["tensors"])
     hist = acc.Tags()["histograms"]

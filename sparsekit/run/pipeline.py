@@ -848,7 +848,7 @@ def hparam_domains() -> dict[str, list[str]]:
     from sparsekit.models import registered_models
 
     domains = {key: list(values) for key, values in choices().items()}
-    domains["recipe"] = ["none", *sorted(p.stem for p in recipes_dir().glob("*.yaml"))]
+    domains["recipe"] = ["default", *sorted(p.stem for p in recipes_dir().glob("*.yaml"))]
     domains["model.name"] = sorted(registered_models())
     domains["data.name"] = [*BUILTIN_DATA, *TOKENIZED_DATA]
     domains["prune.pattern"] = ["unstructured", "none", "2:4", "1:4", "4:8"]

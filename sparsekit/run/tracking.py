@@ -306,7 +306,7 @@ class Tracker:
         if self.writer is None:
             return
         domains = dict(domains or {})
-        flat = {"recipe": recipe_of(overrides) or "none", **flatten(config)}
+        flat = {"recipe": recipe_of(overrides) or "default", **flatten(config)}
         keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides
                 if "=" in o and not o.lstrip("+~").startswith(_NOT_IN_NAME)]
         hp: dict[str, Any] = {}
