@@ -19,10 +19,11 @@ if _WORKER:
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked ``slow`` first (in their collected order). The README's ``-n 2 --dist
-    loadfile --no-loadscope-reorder`` hands each worker a whole file at a time (a module
-    fixture is built once), the files in this order: those with long tests start first, and
-    the short ones fill both workers at the end."""
+    """Tests marked ``slow`` first (in their collected order), for the runs that include them
+    (``-m slow``, ``-m ""``; the default leaves them out). The README's ``-n 2 --dist loadfile
+    --no-loadscope-reorder`` hands each worker a whole file at a time (a module fixture is
+    built once), the files in this order: those with long tests start first, and the short
+    ones fill both workers at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

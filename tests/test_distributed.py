@@ -280,7 +280,6 @@ needs_gloo = pytest.mark.skipif(
 
 
 @needs_gloo
-@pytest.mark.slow
 def test_replicated_and_sharded_masks_on_two_gloo_ranks():
     """Every check above in one pair of spawned ranks (each spawn imports torch and sparsekit
     twice over: the checks share it)."""

@@ -50,8 +50,9 @@ def uninterrupted(tmp_path_factory) -> Path:
     return root / "full"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], CHANNELS], ids=["masks", "channels"])
+# masks: the default run's kill-and-resume test; channels and the dense-training kill: slow
+@pytest.mark.parametrize("extra", [[], pytest.param(CHANNELS, marks=pytest.mark.slow)],
+                         ids=["masks", "channels"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, extra, uninterrupted):
     killed = sparsekit([*TINY, *extra, f"cache_dir={tmp_path / 'cache'}",
                         "hydra.run.dir=runs/killed"], tmp_path,

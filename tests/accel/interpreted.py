@@ -13,14 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -c code`` with ``TRITON_INTERPRET=1``, the project and this folder (the tests'
-    own imports) on the path."""
+def run_interpreted(code: str, timeout: int = 300,
+                    args: tuple[str, ...] | list[str] = ()) -> subprocess.CompletedProcess:
+    """``python -c code *args`` with ``TRITON_INTERPRET=1``, the project and this folder (the
+    tests' own imports) on the path."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent),
                                           os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def compile_sm90(kernel, signature: dict, constants: dict, num_warps: int = 4):

@@ -189,6 +189,7 @@ def test_generate_switches_attention_on_cuda_only(monkeypatch):
     assert generate.attention_for(model, torch.device("cuda")) is None
 
 
+@pytest.mark.slow  # a whole generate; the attention function's decode: the test above
 def test_accelerated_generate_on_the_decode_attention_equals_hf(monkeypatch):
     # as on CUDA: generate switches the model to sparsekit's attention (here its CPU
     # reference) for the call, and back after it

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the GPU benchmark's whole pipeline on CPU; its parts: the tests below
 def test_bench_gpu_smoke_writes_json_and_markdown(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--smoke", "--out-dir",
            str(tmp_path)]

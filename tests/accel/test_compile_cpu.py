@@ -62,8 +62,12 @@ def _cache(tmp_path, monkeypatch):
     torch._dynamo.reset()
 
 
+# the default run traces each model and each precision once (llama-int8, bert-bf16, vit-fp8);
+# the other pairs are slow
 @pytest.mark.parametrize("build,precision", [
-    (_llama, "bf16"), (_llama, "fp8"), (_llama, "int8"), (_bert, "int8"), (_bert, "bf16"),
+    pytest.param(_llama, "bf16", marks=pytest.mark.slow),
+    pytest.param(_llama, "fp8", marks=pytest.mark.slow), (_llama, "int8"),
+    pytest.param(_bert, "int8", marks=pytest.mark.slow), (_bert, "bf16"),
     (_vit, "fp8")], ids=["llama-bf16", "llama-fp8", "llama-int8", "bert-int8", "bert-bf16",
                          "vit-fp8"])
 def test_accelerated_models_trace_without_graph_breaks(build, precision):
@@ -92,6 +96,7 @@ def test_accelerated_models_trace_without_graph_breaks(build, precision):
     assert err < {"bf16": 0.03, "fp8": 0.12, "int8": 0.05}[precision]
 
 
+@pytest.mark.slow  # the graph-break count of the test above says the same; this compiles too
 def test_fullgraph_compile_of_accelerated_llama():
     torch.manual_seed(0)
     model, x = _llama()
@@ -764,7 +769,7 @@ class _Mlp(nn.Module):
         return self.fc2(h) + h.mean()  # fc2's input is also used elsewhere: fc1 still fuses
 
 
-@pytest.mark.parametrize("functional", [False, True])
+@pytest.mark.parametrize("functional", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_gelu_moves_into_the_epilogue_of_per_tensor_fp8_layers(functional):
     """fp8_static_tensor layers run sparse24_mm_alpha; the pre-grad pass folds the GELU after fc1
     into its GEMM (one rewrite, no gelu left in the graph) and the compiled model equals the

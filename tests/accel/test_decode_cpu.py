@@ -82,17 +82,19 @@ def test_op_passes_opcheck():
 
 
 _INTERPRETED = r"""
+import sys
 import torch
 from sparsekit.accel.kernels.triton24 import format as sk24
 from tests.accel.test_decode_cpu import masked_24
 split = {"BLOCK_N": 16, "BLOCK_W": 16, "SPLIT_K": 4}
+quick = sys.argv[1:] == ["quick"]  # the first case of each dtype, without the rest below
 for dtype in (torch.bfloat16, torch.float8_e4m3fn):
     # the three ways to multiply (0, 1: CUDA cores, 2: tl.dot), whole rows (K 512) and
     # split over 2, 3 (unevenly) or 4 programs (K 2048), M over one tile and over two (33);
     # x as (M, K) and as its position planes
     for m, k, config in ((1, 512, None), (20, 512, None), (3, 2048, None),
                          (33, 2048, {**split, "MODE": 2}), (2, 2048, {**split, "MODE": 0}),
-                         (7, 2048, {**split, "MODE": 1, "SPLIT_K": 3})):
+                         (7, 2048, {**split, "MODE": 1, "SPLIT_K": 3}))[:1 if quick else 6]:
         w = masked_24(48, k, seed=m).to(dtype)
         values, meta = sk24.compress(w)
         x = torch.randn(m, k).to(dtype)
@@ -107,16 +109,20 @@ for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         # every split-K launch leaves its tile counters at zero
         assert int(sk24.counters(x.device).abs().sum()) == 0
 # bf16 x with an fp8 weight (weight-only layers): every way to multiply widens the weight
-for m, config in ((1, None), (5, {**split, "MODE": 1}), (3, {**split, "MODE": 0}),
-                  (20, {**split, "MODE": 2})):
-    w = masked_24(48, 2048, seed=m).to(torch.float8_e4m3fn)
+for m, k, config in ((1, 512, None),) if quick else (
+        (1, 2048, None), (5, 2048, {**split, "MODE": 1}), (3, 2048, {**split, "MODE": 0}),
+        (20, 2048, {**split, "MODE": 2})):
+    w = masked_24(48, k, seed=m).to(torch.float8_e4m3fn)
     values, meta = sk24.compress(w)
-    x = torch.randn(m, 2048).bfloat16()
+    x = torch.randn(m, k).bfloat16()
     ws = torch.rand(48) + 0.5
     ref = sk24.reference(x, values, meta, None, ws, None).float()
     y = sk24.launch(x, values, meta, None, ws, None, config=config).float()
     err = ((y - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, ("bf16 x, fp8 weight", m, err)
+if quick:
+    print("ok")
+    sys.exit()
 try:
     sk24.launch(x.half(), values, meta, None, None, None)
 except ValueError as e:
@@ -134,17 +140,27 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # every case (minutes under the interpreter); the quick test runs the first
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
     out = run_interpreted(_INTERPRETED)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_triton_kernel_under_interpreter_quick():
+    # the kernel on its first case, bf16 and fp8 (scales, bias, position planes), at M = 1
+    pytest.importorskip("triton")
+    out = run_interpreted(_INTERPRETED, args=["quick"])
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 _WIDEN = """
+import sys
 import torch
 from sparsekit.accel.kernels.triton24 import format as sk24
 from test_decode_cpu import masked_24
-for n, k in ((5, 512), (17, 1024), (40, 2048)):  # row and group tails of a program's block
+shapes = ((5, 512), (17, 1024), (40, 2048))  # row and group tails of a program's block
+for n, k in shapes[:1] if sys.argv[1:] == ["quick"] else shapes:
     w = masked_24(n, k, seed=n)
     w[0, :4] = torch.tensor([0.0, 0.0, 0.0, 1.5])  # one kept value, at the last position
     w[1, :8] = 0.0  # groups with none
@@ -156,10 +172,12 @@ print("ok")
 """
 
 
-def test_widen_kernel_under_interpreter_is_the_exact_widening():
-    # the weight-only fp8 prefill's one-pass widening against the weight it stores, bitwise
+@pytest.mark.parametrize("shapes", [pytest.param("all", marks=pytest.mark.slow), "quick"])
+def test_widen_kernel_under_interpreter_is_the_exact_widening(shapes):
+    # the weight-only fp8 prefill's one-pass widening against the weight it stores, bitwise;
+    # quick: the first shape (a row tail), all: the group tails too
     pytest.importorskip("triton")
-    out = run_interpreted(_WIDEN)
+    out = run_interpreted(_WIDEN, args=[shapes])
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -185,6 +203,7 @@ def test_widen_op_is_decompress_behind_one_op():
     assert not any("where" in t for t in targets)
 
 
+@pytest.mark.slow  # a GPU compiler build (Triton for sm_90); the gpu tests build it for real
 def test_widen_kernel_compiles_for_sm90():
     """The widening kernel reaches the GPU compiler (no GPU needed: Triton compiles for an
     sm_90 target here), fp8 values in, bf16 out."""
@@ -198,6 +217,7 @@ def test_widen_kernel_compiles_for_sm90():
     assert "st.global" in kernel.asm["ptx"]
 
 
+@pytest.mark.slow  # a GPU compiler build (Triton for sm_90); the gpu tests build it for real
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_triton_kernel_compiles_for_sm90_with_bf16_x_and_an_fp8_weight(mode):
     """The weight-only layers' operand mix reaches the GPU compiler (no GPU needed: Triton
@@ -347,7 +367,9 @@ def _tiny_llama():
     return model, ref.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("kernel", ["triton", "mma"])
+# mma: the same generation on the mma.sp format's CPU reference (its routing and config: the
+# planner tests below); slow, as each parameter compiles the model anew
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("mma", marks=pytest.mark.slow)])
 def test_generate_equals_hf_generate_and_bounds_compiles(kernel, monkeypatch):
     # the mma.sp format where its library loads (a CUDA GPU); here its CPU reference
     monkeypatch.setattr(sk24_mma, "usable", lambda w: kernel == "mma")

@@ -145,7 +145,9 @@ def test_odd_shapes_refused_naming_the_shape():
 CASES = [(64, 64), (32, 64), (128, 64), (64, 128)]
 
 
-def _check_interpreted_kernels() -> None:
+def _check_interpreted_kernels(quick: bool = False) -> None:
+    """Every case; ``quick``: the first tile case and the first row case, sparse and dense
+    (the default run's sibling of the slow test)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from sparsekit.accel.kernels.int4 import kernel as w4a16_triton
@@ -153,20 +155,20 @@ def _check_interpreted_kernels() -> None:
     assert isinstance(w4a16_triton.int4_kernel, InterpretedFunction)
     n, k = 24, 128  # 24 rows: the last BLOCK_N tile is partly masked
     for sparse in (True, False):
-        for group, block_k in CASES:
+        for group, block_k in CASES[:1] if quick else CASES:
             q = _q24(n, k, seed=group + block_k, sparse=sparse)
             s = _scales(n, k // group)
             bias = torch.randn(n).bfloat16()
             packed = w4a16.pack_24(q, s)[:2] if sparse else w4a16.pack(q, s)[:1]
             run = w4a16.launch_24 if sparse else w4a16.launch
             # CUDA cores up to 4 rows, tl.dot beyond; 40: two M tiles (once per kernel)
-            for m in (1, 17, 40) if block_k == 128 else (1, 17):
+            for m in (1, 17, 40) if block_k == 128 else (1, 17)[:1 if quick else 2]:
                 x = torch.randn(m, k).bfloat16()
                 b = bias if m != 1 else None
                 y = run(x, *packed, s, b, config={"BLOCK_N": 16, "BLOCK_K": block_k})
                 _close_bf16(y, _ref64(x, q, s, b))
                 print(f"ok sparse={sparse} group={group} BLOCK_K={block_k} M={m}")
-    _check_interpreted_row_kernels()
+    _check_interpreted_row_kernels(quick)
 
 
 # the word-tile kernels of M <= 4: (K, group, U, SPLIT_K): one iteration per group with an
@@ -174,10 +176,10 @@ def _check_interpreted_kernels() -> None:
 ROW_CASES = [(320, 64, 1, 2), (256, 128, 2, 2), (256, 256, None, None)]
 
 
-def _check_interpreted_row_kernels() -> None:
+def _check_interpreted_row_kernels(quick: bool = False) -> None:
     n = 40  # two BLOCK_N tiles of 32, the second partly masked
     for sparse in (True, False):
-        for k, group, u, split in ROW_CASES:
+        for k, group, u, split in ROW_CASES[:1] if quick else ROW_CASES:
             q = _q24(n, k, seed=k + group, sparse=sparse)
             s = _scales(n, k // group)
             bias = torch.randn(n).bfloat16()
@@ -185,7 +187,7 @@ def _check_interpreted_row_kernels() -> None:
             run = w4a16.launch_24 if sparse else w4a16.launch
             config = None if u is None else {"BLOCK_N": 32, "U": u, "SPLIT_K": split,
                                               "num_warps": 1}
-            for m in (1, 2, 3):  # BLOCK_M 1, 2 and 4 (a padded row)
+            for m in (1, 2, 3)[:1 if quick else 3]:  # BLOCK_M 1, 2 and 4 (a padded row)
                 x = torch.randn(m, k).bfloat16()
                 b = bias if m != 1 else None
                 y = run(x, *packed, s, b, config=config)
@@ -193,16 +195,28 @@ def _check_interpreted_row_kernels() -> None:
                 print(f"ok rows sparse={sparse} K={k} group={group} M={m}")
 
 
-@pytest.mark.slow  # a fresh process: importing torch dominates (the kernels take ~2 s)
-def test_triton_kernels_interpreted_equal_reference():
+def _interpret_this_file(*args: str) -> str:
+    """This file run as a script under the interpreter (its ``__main__`` block); its stdout."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok ") == 2 * (2 * len(CASES) + 1) + 2 * 3 * len(ROW_CASES)
+    return run.stdout
+
+
+@pytest.mark.slow  # every tile and row case (the quick test below runs the first of each)
+def test_triton_kernels_interpreted_equal_reference():
+    out = _interpret_this_file()
+    assert out.count("ok ") == 2 * (2 * len(CASES) + 1) + 2 * 3 * len(ROW_CASES)
+
+
+def test_triton_kernels_interpreted_equal_reference_quick():
+    # both kernels (tile, row), sparse and dense, on their first case at M = 1
+    out = _interpret_this_file("quick")
+    assert out.count("ok ") == 2 * 2
 
 
 _WIDEN_24 = """
@@ -255,6 +269,7 @@ def test_int4_widen_op_is_the_prefill_weight_behind_one_op():
     assert torch.equal(layer(x), want)
 
 
+@pytest.mark.slow  # a GPU compiler build (Triton for sm_90); the gpu tests build it for real
 def test_int4_widen_kernel_compiles_for_sm90():
     """The widening kernel reaches the GPU compiler (no GPU needed: Triton compiles for an
     sm_90 target here)."""
@@ -423,7 +438,7 @@ def test_accelerate_precision_int4(sparsity, variant):
     assert (y.double() - ref).norm() / ref.norm() < 0.12
 
 if __name__ == "__main__":
-    _check_interpreted_kernels()
+    _check_interpreted_kernels(quick=sys.argv[1:] == ["quick"])
 
 
 def test_2_4_layer_decodes_on_the_sparse_tensor_core_format_where_it_fits(monkeypatch):

@@ -39,7 +39,8 @@ def test_max_length_reads_every_pending_flag():
         LaggedStopCheck(5, lag=-1)
 
 
-@pytest.mark.parametrize("lagged", ["1", "0"])
+# "0" (the check off) is the plain loop test_decode_cpu's generate tests run; slow here
+@pytest.mark.parametrize("lagged", ["1", pytest.param("0", marks=pytest.mark.slow)])
 def test_generate_with_early_eos_equals_hf(lagged, monkeypatch):
     made = []
     real = LaggedStopCheck.__init__
