@@ -21,7 +21,7 @@ import torch
 # torch.Generator the draws use, on the model's device)
 SUPPORTED = ("attention_mask", "max_new_tokens", "max_length", "min_new_tokens", "do_sample",
              "temperature", "top_k", "top_p", "repetition_penalty", "eos_token_id",
-             "pad_token_id", "generator")
+             "pad_token_id", "generation_config", "generator")
 # HF arguments taken only at the value that changes nothing (None is HF's "unset" too)
 NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True,
            "return_dict_in_generate": False, "output_scores": False, "output_logits": False,
@@ -91,9 +91,10 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
     return isinstance(value, numbers.Real) and value == neutral
 
 
-def check_kwargs(kwargs: dict[str, Any], config: Any) -> None:
+def check_kwargs(kwargs: dict[str, Any], configs: dict[str, Any]) -> None:
     """ValueError for an argument generate does not take (or takes only at its neutral value),
-    or a setting of the model's ``generation_config`` it cannot honour."""
+    or a setting of a generation config (``configs``: by the name errors give it) that it
+    cannot honour."""
     for name, value in kwargs.items():
         if name in SUPPORTED:
             continue
@@ -103,12 +104,13 @@ def check_kwargs(kwargs: dict[str, Any], config: Any) -> None:
         raise ValueError(f"generate: {shown} is not supported ({WHAT}); it takes "
                          f"{', '.join(SUPPORTED)}"
                          + (f", and {name} only as {NEUTRAL[name]!r}" if name in NEUTRAL else ""))
-    for name, neutral in CONFIG_NEUTRAL.items():
-        value = _config_value(config, name)
-        if name not in kwargs and not _is_neutral(value, neutral):
-            raise ValueError(f"generate: the model's generation_config sets {name}={value!r}, "
-                             f"which sparsekit's generate does not support ({WHAT}); pass "
-                             f"{name}={neutral!r} or change model.generation_config")
+    for where, config in configs.items():
+        for name, neutral in CONFIG_NEUTRAL.items():
+            value = _config_value(config, name)
+            if name not in kwargs and not _is_neutral(value, neutral):
+                raise ValueError(f"generate: {where} sets {name}={value!r}, which sparsekit's "
+                                 f"generate does not support ({WHAT}); pass {name}={neutral!r} "
+                                 f"or change {where}")
 
 
 def _int(name: str, value: Any, low: int) -> int:
@@ -134,47 +136,74 @@ def _token(name: str, value: Any, vocab: int) -> int:
     return int(value)
 
 
-def _eos(value: Any, vocab: int) -> tuple[int, ...]:
+def _eos(name: str, value: Any, vocab: int) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     ids = value if isinstance(value, (list, tuple)) else [value]
-    return tuple(_token("eos_token_id", i, vocab) for i in ids)
+    return tuple(_token(name, i, vocab) for i in ids)
+
+
+def _configs(model_config: Any, given: Any) -> dict[str, Any]:
+    """The generation configs a call reads, first to last, by the name errors give them: the
+    call's ``generation_config`` (HF's: its fields over the model's), the model's."""
+    configs = {}
+    if given is not None:
+        from transformers import GenerationConfig
+
+        if not isinstance(given, GenerationConfig):
+            raise TypeError(f"generate: generation_config must be a transformers "
+                            f"GenerationConfig, got {type(given).__name__}")
+        configs["generation_config"] = given
+    if model_config is not None:
+        configs["model.generation_config"] = model_config
+    return configs
 
 
 def resolve(config: Any, kwargs: dict[str, Any], vocab: int) -> Decoding:
     """The :class:`Decoding` of a call's ``kwargs`` (its keyword arguments but the ids) over
     the model's generation ``config`` (None: HF's defaults only); ``vocab``: the model's
-    vocabulary size (token ids must be below it)."""
-    check_kwargs(kwargs, config)
+    vocabulary size (token ids must be below it). A value a generation config gave is named
+    with it in errors."""
+    configs = _configs(config, kwargs.get("generation_config"))
+    check_kwargs(kwargs, configs)
+    names: dict[str, str] = {}
 
     def get(name: str) -> Any:
         value = kwargs.get(name)
-        if value is None:
-            value = _config_value(config, name)
+        names[name] = name
+        for where, cfg in configs.items():
+            if value is None and _config_value(cfg, name) is not None:
+                value = _config_value(cfg, name)
+                names[name] = f"{name} (from {where})"
         return DEFAULTS.get(name) if value is None else value
 
-    do_sample = get("do_sample")
+    v = {name: get(name) for name in ("do_sample", "max_new_tokens", "max_length",
+                                      "min_new_tokens", "temperature", "top_k", "top_p",
+                                      "repetition_penalty", "eos_token_id", "pad_token_id")}
+    do_sample = v["do_sample"]
     if type(do_sample) is not bool:
-        raise TypeError(f"generate: do_sample must be True or False, got {do_sample!r}")
-    new = get("max_new_tokens")
-    temperature = _real("temperature", get("temperature"), lambda t: t > 0 or not do_sample,
-                        "a number > 0 (with do_sample=True)")
+        raise TypeError(f"generate: {names['do_sample']} must be True or False, got "
+                        f"{do_sample!r}")
     generator = kwargs.get("generator")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generate: generator must be a torch.Generator, got {generator!r}")
-    eos = _eos(get("eos_token_id"), vocab)
-    pad = get("pad_token_id")
-    pad = _token("pad_token_id", pad, vocab) if pad is not None else (eos[0] if eos else None)
+    eos = _eos(names["eos_token_id"], v["eos_token_id"], vocab)
+    pad = v["pad_token_id"]
+    pad = _token(names["pad_token_id"], pad, vocab) if pad is not None else \
+        (eos[0] if eos else None)
+    new = v["max_new_tokens"]
     return Decoding(
-        max_new_tokens=None if new is None else _int("max_new_tokens", new, 1),
-        max_length=_int("max_length", get("max_length"), 1),
-        min_new_tokens=_int("min_new_tokens", get("min_new_tokens"), 0),
-        do_sample=do_sample, temperature=temperature,
-        top_k=_int("top_k", get("top_k"), 0),
-        top_p=_real("top_p", get("top_p"), lambda p: 0 <= p <= 1, "a number in [0, 1]"),
-        repetition_penalty=_real("repetition_penalty", get("repetition_penalty"),
+        max_new_tokens=None if new is None else _int(names["max_new_tokens"], new, 1),
+        max_length=_int(names["max_length"], v["max_length"], 1),
+        min_new_tokens=_int(names["min_new_tokens"], v["min_new_tokens"], 0),
+        do_sample=do_sample,
+        temperature=_real(names["temperature"], v["temperature"],
+                          lambda t: t > 0 or not do_sample, "a number > 0 (with do_sample=True)"),
+        top_k=_int(names["top_k"], v["top_k"], 0),
+        top_p=_real(names["top_p"], v["top_p"], lambda p: 0 <= p <= 1, "a number in [0, 1]"),
+        repetition_penalty=_real(names["repetition_penalty"], v["repetition_penalty"],
                                  lambda r: r > 0, "a number > 0"),
         eos=eos, pad=pad, generator=generator)
 

@@ -413,3 +413,25 @@ def test_graph_replay_path_gives_hf_tokens(monkeypatch):
         assert model.config._attn_implementation == "sdpa"
     assert sorted(kind for _, kind in gen.graphs) == ["decode", "prefill"]
     assert all(len(g.graphs) == 1 for g in gen.graphs.values())
+
+
+def test_generation_config_argument_sits_between_the_call_and_the_models():
+    model = _model()
+    gen = Generator(model, torch.device("cpu"), compile=False)
+    ids = _ids()
+    model.generation_config.repetition_penalty = 1.6  # under the call's config
+    given = transformers.GenerationConfig(max_new_tokens=5, repetition_penalty=0.8,
+                                          pad_token_id=0)
+    want = _hf(model, ids, generation_config=given, top_k=3)
+    got = gen.generate(ids, generation_config=given, top_k=3)
+    assert torch.equal(got, want) and got.shape[1] == 7 + 5
+    with pytest.raises(TypeError, match="GenerationConfig") as e:
+        gen.generate(ids, generation_config={"max_new_tokens": 2})
+    _message(e)
+    with pytest.raises(ValueError, match=r"generation_config sets num_beams=2") as e:
+        gen.generate(ids, generation_config=transformers.GenerationConfig(num_beams=2))
+    _message(e)
+    # a bad value a config gave: the error says where it came from
+    model.generation_config.pad_token_id = -1
+    with pytest.raises(ValueError, match=r"pad_token_id \(from model.generation_config\)"):
+        gen.generate(ids, max_new_tokens=2)
