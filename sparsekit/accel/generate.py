@@ -219,11 +219,12 @@ class Generator:
         mask = decoding.check_inputs(input_ids, kwargs.get("attention_mask"), self.vocab)
         batch, length = input_ids.shape
         new = opts.new_tokens(length)
-        if self.max_positions is not None and length + new > self.max_positions:
+        limit = self.max_positions
+        if limit is not None and length + new > limit:
+            room = (f"at most {limit - length} new tokens" if length < limit else
+                    "the prompt alone fills it")
             raise ValueError(f"generate: a prompt of {length} tokens and max_new_tokens={new} "
-                             f"pass the model's max_position_embeddings "
-                             f"({self.max_positions}): at most {self.max_positions - length} "
-                             f"new tokens")
+                             f"pass the model's max_position_embeddings ({limit}): {room}")
         if opts.generator is not None and opts.generator.device.type != self.device.type:
             raise ValueError(f"generate: generator is on {opts.generator.device}, the model on "
                              f"{self.device}: make it with torch.Generator(device=...)")

@@ -341,6 +341,14 @@ def test_bad_input_is_a_one_line_error(ids, mask, error, match):
     _message(e)
 
 
+def test_prompt_filling_the_model_positions_is_a_one_line_error():
+    gen = Generator(_model(max_positions=16), torch.device("cpu"), compile=False)
+    with pytest.raises(ValueError, match="the prompt alone fills it") as e:
+        gen.generate(_ids(1, 16), max_new_tokens=1)
+    _message(e)
+    assert gen.generate(_ids(1, 15), max_new_tokens=1).shape == (1, 16)
+
+
 def test_decoding_resolve_defaults_and_generation_config():
     d = decoding.resolve(None, {}, vocab=VOCAB)
     assert (d.max_new_tokens, d.max_length, d.do_sample, d.top_k, d.eos, d.pad) == \
