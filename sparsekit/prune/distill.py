@@ -205,11 +205,18 @@ class Distiller:
         return student_out, self.compare(student_out, teacher_out, batch)
 
 
-def _check_distill(model: nn.Module, batches: Iterable[Any], steps: int,
-                   pruner: Any) -> Iterable[Any]:
+def _check_distill(model: nn.Module, batches: Iterable[Any], steps: int, pruner: Any,
+                   warmup: int = 0, precision: str = "fp32",
+                   max_seconds: float | None = None) -> Iterable[Any]:
     """distill_'s argument checks; the batches as a re-iterable (a one-pass iterator listed)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigTypeError(f"steps must be an integer >= 0, got {steps!r}")
+    check_int("warmup", warmup, 0)
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision={precision!r} is not allowed; choose one of: "
+                         f"{', '.join(PRECISIONS)}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise UsageError(f"max_seconds={max_seconds!r} must be > 0 (or None: no limit)")
     if pruner is None and any(
             bool((m.weight == 0).any()) for m in model.modules()
             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() > 1):
@@ -316,85 +323,95 @@ def distill_(
     the Pruner, prune, distill, then ``pruner.finalize()``. Returns the loss per step as a
     :class:`DistillRun` (a list, with the run's cost: tokens/s, peak memory, seconds).
 
-    ``precision="bf16"``: the student's and teacher's forward passes under bf16 autocast (the
-    weights and optimizer stay float32; CUDA, or CPU where autocast supports it).
-    ``max_seconds``: stop after this much wall time (at a step boundary; ``finished`` is then
-    False). ``checkpoint``: a file where the model, optimizer, losses and step are saved
-    atomically every ``checkpoint_every`` seconds and at the end, and from which a later call
-    with the same model structure, batches and ``steps`` resumes (the learning-rate schedule
-    and the batch order continue where they stopped). ``on_log(step, metrics)`` every
-    ``log_every`` steps: ``distill/loss``, ``distill/lr``, ``distill/tokens_per_s``.
+    ``precision="bf16"``: forward passes under bf16 autocast (float32 weights, optimizer);
+    ``max_seconds``: stop at the first step past it. ``checkpoint``: a file saved atomically
+    every ``checkpoint_every`` seconds and at the end, from which a later call with the same
+    model, batches and ``steps`` resumes exactly. ``on_log(step, metrics)`` every
+    ``log_every`` steps (``distill/loss``, ``distill/lr``, ``distill/tokens_per_s``).
 
-    >>> torch.manual_seed(0) and None
+    >>> import copy, sparsekit as sk; torch.manual_seed(0) and None
     >>> teacher = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    >>> student = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    >>> _ = student.load_state_dict(teacher.state_dict())
-    >>> import sparsekit as sk
-    >>> pruner = sk.Pruner(student, pattern="2:4")
-    >>> pruner.step(0)
+    >>> student = copy.deepcopy(teacher)
+    >>> pruner = sk.Pruner(student, pattern="2:4"); pruner.step(0)
     True
     >>> losses = distill_(student, teacher, [torch.randn(32, 8)], steps=20, lr=1e-2,
     ...                   pruner=pruner)
     >>> losses[-1] < losses[0], sk.sparsity_report(pruner.finalize()).global_sparsity
     (True, 0.5)
     """
-    batches = _check_distill(model, batches, steps, pruner)
-    check_int("warmup", warmup, 0)
-    if precision not in PRECISIONS:
-        raise UsageError(f"precision={precision!r} is not allowed; choose one of: "
-                         f"{', '.join(PRECISIONS)}")
-    if max_seconds is not None and not max_seconds > 0:
-        raise UsageError(f"max_seconds={max_seconds!r} must be > 0 (or None: no limit)")
-    d = Distiller(teacher, task=task, **distiller)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    device = next(model.parameters()).device
+    batches = list(_check_distill(model, batches, steps, pruner, warmup, precision, max_seconds))
+    loop = _Loop(Distiller(teacher, task=task, **distiller), batches, steps, lr, warmup,
+                 grad_clip, pruner, precision, max_seconds, on_log, log_every)
+    optimizer = torch.optim.AdamW(loop.params(model), lr=lr, weight_decay=weight_decay)
     path = None if checkpoint is None else os.fspath(checkpoint)
     run = _resume(path, model, optimizer, steps) if path else DistillRun()
-    batches = list(batches)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    start, saved, tokens0 = time.perf_counter(), time.perf_counter(), run.tokens
-    seconds0 = run.seconds
     model.train(dropout)
     try:
-        for step in range(run.steps_done, steps):
-            if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+        loop.run(model, optimizer, run, path, checkpoint_every)
+    finally:
+        model.eval()
+    return run
+
+
+class _Loop:
+    """:func:`distill_`'s steps, from where ``run`` stopped (its settings as attributes)."""
+
+    def __init__(self, distiller: Distiller, batches: list, steps: int, lr: float, warmup: int,
+                 grad_clip: float, pruner: Any, precision: str, max_seconds: float | None,
+                 on_log: Callable[[int, dict[str, float]], None] | None,
+                 log_every: int) -> None:
+        self.d, self.batches, self.steps, self.lr, self.warmup = (distiller, batches, steps, lr,
+                                                                  warmup)
+        self.grad_clip, self.pruner, self.precision = grad_clip, pruner, precision
+        self.max_seconds, self.on_log, self.log_every = max_seconds, on_log, log_every
+
+    @staticmethod
+    def params(model: nn.Module) -> list[nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def run(self, model: nn.Module, optimizer: torch.optim.Optimizer, run: DistillRun,
+            path: str | None, checkpoint_every: float) -> None:
+        device = next(model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                  enabled=self.precision == "bf16")
+        start = saved = time.perf_counter()
+        tokens0, seconds0 = run.tokens, run.seconds
+        for step in range(run.steps_done, self.steps):
+            if self.max_seconds is not None and time.perf_counter() - start >= self.max_seconds:
                 run.finished = False
                 break
-            lr_now = lr_at(step, steps, lr, warmup)
+            lr_now = lr_at(step, self.steps, self.lr, self.warmup)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            batch = to_device(batches[step % len(batches)], device)
+            batch = to_device(self.batches[step % len(self.batches)], device)
             with autocast:
-                _, loss = d(model, batch)
+                _, loss = self.d(model, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.float().backward()
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params(model), self.grad_clip)
             optimizer.step()
-            if pruner is not None:
-                pruner.step(step)
+            if self.pruner is not None:
+                self.pruner.step(step)
             run.append(float(loss.detach()))
             run.steps_done, run.tokens = step + 1, run.tokens + batch_tokens(batch)
             now = time.perf_counter()
-            run.seconds = seconds0 + now - start
-            if on_log is not None and (step % log_every == 0 or step == steps - 1):
-                on_log(step, {"distill/loss": run[-1], "distill/lr": lr_now,
-                              "distill/tokens_per_s": (run.tokens - tokens0) / (now - start)})
+            run.seconds, run.tokens_per_s = (seconds0 + now - start,
+                                             (run.tokens - tokens0) / (now - start))
+            if self.on_log is not None and (step % self.log_every == 0 or
+                                            step == self.steps - 1):
+                on = {"distill/loss": run[-1], "distill/lr": lr_now,
+                      "distill/tokens_per_s": run.tokens_per_s}
+                self.on_log(step, on)
             if path and now - saved >= checkpoint_every:
                 _save_state(path, model, optimizer, run)
                 saved = now
-    finally:
-        model.eval()
-    elapsed = time.perf_counter() - start
-    run.tokens_per_s = (run.tokens - tokens0) / elapsed if elapsed > 0 else 0.0
-    run.peak_memory_gb = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    if path:
-        _save_state(path, model, optimizer, run)
-    return run
+        if device.type == "cuda":
+            run.peak_memory_gb = torch.cuda.max_memory_allocated(device) / 2**30
+        if path:
+            _save_state(path, model, optimizer, run)
 
 
 @torch.no_grad()

@@ -71,6 +71,39 @@ def _relative_error(outs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor
     return num / max(den, 1e-30)
 
 
+def _fit(block: nn.Module, params: dict[str, nn.Parameter], keep: dict[str, torch.Tensor],
+         feed: Callable[[nn.Module, tuple], torch.Tensor], items: Sequence[tuple],
+         targets: Sequence[torch.Tensor], settings: Reconstruct) -> None:
+    """The Adam steps of :func:`reconstruct_block` (gradients on), on float32 master copies
+    of ``params`` (so small steps are not lost where a block runs in half precision), each
+    step on one calibration item, masked gradients, cosine-decayed learning rate."""
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items()}
+    optimizer = torch.optim.Adam(list(masters.values()), lr=settings.lr)
+    scale = sum(float(t.float().pow(2).mean()) for t in targets) / len(targets)
+    for p in params.values():
+        p.requires_grad_(True)
+    for step in range(settings.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.5 * settings.lr * (1 + math.cos(math.pi * step / settings.steps))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(masters[n])
+        i = step % len(items)
+        out = feed(block, items[i])
+        loss = (out.float() - targets[i].float()).pow(2).mean() / max(scale, 1e-30)
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        for (n, master), g in zip(masters.items(), grads):
+            master.grad = None if g is None else (g.float() * keep[n] if n in keep else
+                                                  g.float())
+        optimizer.step()
+        with torch.no_grad():
+            for n in keep:
+                masters[n].mul_(keep[n])
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(masters[n])
+
+
 def reconstruct_block(
     block: nn.Module,
     feed: Callable[[nn.Module, tuple], torch.Tensor],
@@ -101,35 +134,9 @@ def reconstruct_block(
     flags = {n: p.requires_grad for n, p in params.items()}
     with torch.no_grad():
         settings.loss_before.append(_relative_error([feed(block, it) for it in items], targets))
-    # fp32 master copies where a block runs in half precision, so small steps are not lost
-    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items()}
-    optimizer = torch.optim.Adam(list(masters.values()), lr=settings.lr)
-    scale = sum(float(t.float().pow(2).mean()) for t in targets) / len(targets)
     try:
         with torch.enable_grad():
-            for p in params.values():
-                p.requires_grad_(True)
-            for step in range(settings.steps):
-                lr = 0.5 * settings.lr * (1 + math.cos(math.pi * step / settings.steps))
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(masters[n])
-                i = step % len(items)
-                out = feed(block, items[i])
-                loss = (out.float() - targets[i].float()).pow(2).mean() / max(scale, 1e-30)
-                grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-                for (n, master), g in zip(masters.items(), grads):
-                    master.grad = None if g is None else (
-                        g.float() * keep[n] if n in keep else g.float())
-                optimizer.step()
-                with torch.no_grad():
-                    for n in keep:
-                        masters[n].mul_(keep[n])
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(masters[n])
+            _fit(block, params, keep, feed, items, targets, settings)
     finally:
         for n, p in params.items():
             p.requires_grad_(flags[n])

@@ -392,14 +392,10 @@ def sparsegpt_prune(
     ``blocksize``: columns per lazy-update block (a multiple of M for N:M); ``percdamp``: the
     Hessian damping, a fraction of ``mean(diag H)``. ``sequential`` (default): each layer's
     Hessian comes from the model with the layers before it already pruned, so it compensates
-    their error; False: every Hessian comes from the dense model (the layers before are
-    pruned only after all Hessians of their block, or of the model, are collected).
-    ``layer_solver`` replaces :func:`obs_prune` for each weight matrix (another one-shot
-    method on the same Hessians, e.g. :func:`sparsekit.prune.alps.admm_prune`).
-    ``refit`` (with ``steps > 0``): after each transformer block is pruned, its weights are
-    fitted to the dense model's block outputs (:mod:`sparsekit.prune.reconstruct`); the next
-    blocks are then calibrated on the refitted block's outputs. Models without repeated blocks
-    are pruned without it (a warning says so).
+    their error; False: every Hessian comes from the dense model. ``layer_solver`` replaces
+    :func:`obs_prune` for each weight matrix (another one-shot method on the same Hessians,
+    e.g. :func:`sparsekit.prune.alps.admm_prune`); ``refit``: block reconstruction
+    (:mod:`sparsekit.prune.reconstruct`).
 
     >>> torch.manual_seed(0) and None
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))

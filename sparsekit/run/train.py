@@ -173,56 +173,51 @@ def fit(
     ``on_step(step, metrics)`` runs (logging, evaluation, checkpoints). Distillation:
     ``distiller`` (a :class:`Distiller`), or ``teacher`` with ``temperature`` (KL on the logits);
     its loss weighs ``distill_alpha``, the task loss ``1 - distill_alpha`` (unlabeled data at 1).
-    ``metrics`` is ``{"train/loss", "train/lr"}`` every ``log_every`` steps and at the last
-    step, and empty otherwise, so the loss is read back from the device (and averaged over
-    ranks) only when it is logged.
-
-    ``shard``: under torchrun, with ``model`` wrapped in DDP or FSDP2 (which average gradients
-    over ranks), each rank trains on its equal slice of every global batch of ``batch_size``, so
-    a step equals one process's step on the whole batch; the loss reported is the mean over
-    ranks.
-
-    ``precision="bf16"``: forward passes (and the teacher's) under bf16 autocast, the weights
-    and optimizer in float32. ``max_seconds``: stop at the first step boundary past it.
-    Logged metrics also hold ``train/tokens_per_s`` (input tokens of a language model's
-    batches, samples otherwise, per second since ``start_step``) and, on CUDA,
-    ``train/peak_memory_gb``. Returns the number of steps done (``steps`` when it finished;
-    fewer when ``max_seconds`` stopped it)."""
+    ``metrics`` (:func:`_step_metrics`) every ``log_every`` steps and at the last step, empty
+    otherwise (the loss is read back from the device only then). ``shard``: under torchrun,
+    with ``model`` wrapped in DDP or FSDP2, each rank trains on its equal slice of every global
+    batch (the loss reported is the mean over ranks). ``precision="bf16"``: bf16 autocast;
+    ``max_seconds``: stop at the first step past it. Returns the steps done."""
     model.train(dropout)
     device = next(model.parameters()).device
     distiller = _distiller(distiller, teacher, distill_alpha, temperature)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start, tokens = time.perf_counter(), 0
+    autocast, start, tokens = _autocast(device, precision), time.perf_counter(), 0
     bar = progress(range(start_step, steps), quiet, desc=desc, initial=start_step, total=steps)
     for step in bar:
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             return step
-        lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
         for group in optimizer.param_groups:
-            group["lr"] = lr_now
+            group["lr"] = lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
         x, y = _step_batch(dataset, batch_size, seed, step, shard, device)
         tokens += batch_tokens(x)
         with autocast:
             loss = _step_loss(model, x, y, distiller, distill_alpha)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
+        _optimizer_step(model, optimizer, loss, grad_clip)
         if pruner is not None and pruner.step(step):
             follow_parameters(optimizer, model)  # channel pruning made new, narrower ones
         if on_step is not None:
             logged = step % log_every == 0 or step == steps - 1
-            metrics = _step_metrics(loss, lr_now, shard) if logged else {}
-            if logged:
-                metrics["train/tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
-                if device.type == "cuda":
-                    metrics["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(
-                        device) / 2**30
-            on_step(step, metrics)
+            on_step(step, _step_metrics(loss, lr_now, shard, tokens, start, device)
+                    if logged else {})
     return steps
+
+
+def _autocast(device: torch.device, precision: str) -> torch.autocast:
+    """bf16 autocast on ``device`` for ``precision="bf16"`` (off for fp32); resets the CUDA
+    peak-memory counter that the logged metrics read."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                    grad_clip: float) -> None:
+    """Backward, gradient clipping (``grad_clip`` > 0: the largest total norm), one step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
 
 
 def _step_batch(dataset: Dataset, batch_size: int, seed: int, step: int, shard: bool,
@@ -234,11 +229,17 @@ def _step_batch(dataset: Dataset, batch_size: int, seed: int, step: int, shard: 
     return to_device(x, device), y.to(device)
 
 
-def _step_metrics(loss: torch.Tensor, lr: float, shard: bool) -> dict[str, float]:
-    """The logged metrics of a step: its loss (read back from the device, the mean over ranks
-    when ``shard``) and learning rate."""
+def _step_metrics(loss: torch.Tensor, lr: float, shard: bool, tokens: int, start: float,
+                  device: torch.device) -> dict[str, float]:
+    """The logged metrics of a step: ``train/loss`` (read back from the device, the mean over
+    ranks when ``shard``), ``train/lr``, ``train/tokens_per_s`` (``tokens`` seen since
+    ``start``, a perf_counter time) and on CUDA ``train/peak_memory_gb``."""
     loss_value = D.mean_over_ranks(loss.detach()) if shard else loss.detach()
-    return {"train/loss": loss_value.item(), "train/lr": lr}
+    metrics = {"train/loss": loss_value.item(), "train/lr": lr,
+               "train/tokens_per_s": tokens / max(time.perf_counter() - start, 1e-9)}
+    if device.type == "cuda":
+        metrics["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return metrics
 
 
 def _distiller(distiller: Distiller | None, teacher: nn.Module | None, distill_alpha: float,
