@@ -31,10 +31,11 @@ NEG_INF = float("-inf")
 
 def seen_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """(batch, vocab) bool: which tokens each row of ``ids`` holds where ``mask`` is nonzero."""
-    # masked positions write to an extra column, dropped: a token at a padded position and
-    # at a real one both set True, in any order
+    # masked positions (and ids past the scores' vocabulary, which no score can penalize)
+    # write to an extra column, dropped: a token at a padded position and at a real one both
+    # set True, in any order
     seen = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.bool, device=ids.device)
-    seen.scatter_(1, torch.where(mask.bool(), ids, vocab), True)
+    seen.scatter_(1, torch.where(mask.bool() & (ids < vocab), ids, vocab), True)
     return seen[:, :vocab]
 
 

@@ -443,3 +443,32 @@ def test_generation_config_argument_sits_between_the_call_and_the_models():
     model.generation_config.pad_token_id = -1
     with pytest.raises(ValueError, match=r"pad_token_id \(from model.generation_config\)"):
         gen.generate(ids, max_new_tokens=2)
+
+
+def test_seen_tokens_ignores_padding_even_for_a_token_also_in_the_prompt():
+    ids = torch.tensor([[5, 7, 5, 9], [5, 5, 6, 6]])
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    seen = sampling.seen_tokens(ids, mask, vocab=10)
+    assert seen.nonzero().tolist() == [[0, 5], [0, 9], [1, 5], [1, 6]]  # 7: padding only
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_processing_equals_hfs_processor_chain_on_random_scores(seed):
+    """sampling.process against HF's own processors (public classes), on random scores with
+    repeated values (ties at the top-k and top-p edges) and a random seen set."""
+    from transformers.generation import logits_process as lp
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-8, 8, (3, 40), generator=g).float() / 4  # many ties
+    ids = torch.randint(0, 40, (3, 6), generator=g)
+    mask = torch.ones_like(ids)
+    k, p, t, r = 1 + seed * 3, 0.3 + 0.2 * seed, 0.5 + 0.4 * seed, 1.1 + 0.3 * seed
+    chain = lp.LogitsProcessorList([
+        lp.RepetitionPenaltyLogitsProcessor(r),
+        lp.MinNewTokensLengthLogitsProcessor(6, 2, [3, 4]),
+        lp.TemperatureLogitsWarper(t), lp.TopKLogitsWarper(k), lp.TopPLogitsWarper(p)])
+    bar = torch.zeros(40, dtype=torch.bool)
+    bar[[3, 4]] = True
+    mine = sampling.process(scores, seen=sampling.seen_tokens(ids, mask, 40), penalty=r,
+                            bar_eos=bar, do_sample=True, temperature=t, k=k, p=p)
+    torch.testing.assert_close(mine, chain(ids, scores.clone()), rtol=0, atol=0)
