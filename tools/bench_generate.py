@@ -29,7 +29,7 @@ Sections (``--sections``, default both):
   naming int4dense: the same int4 weights without 2:4, on sparsekit's int4 dense kernel: the
   comparison issue 32 asks for where torchao's int4 does not run; ``--head``: the LM head's
   precision in the compressed ways, bf16 by default as in the dense ways), ``<way>_perstep``
-  for the ways in ``--per-step`` (the same model and graphs with HF's stop check after every
+  for the ways in ``--per-step`` (the same model and graphs with the stop flag read after every
   token instead of sparsekit's lagged one: what the lag is worth), and the peers
   ``torchao_fp8_dense`` and ``torchao_int4_wo`` (weight-only int4, HF's static cache +
   compile) when torchao runs. Each way's time is paired (alternating ABBA blocks,
@@ -543,7 +543,7 @@ def build_ways(args, master, ids, new: int, device) -> tuple[dict, dict]:
         else:
             ways[f"dense_{way}"] = hf_generate_fn(copies[key], new, DENSE_HF[way])
     for name in args.per_step.split(",") if args.per_step and not smoke else ():
-        if name in ways:  # the same model and graphs, HF's stop check after every step
+        if name in ways:  # the same model and graphs, the stop flag read after every step
             ways[f"{name}_perstep"] = per_step(ways[name], infos[name]["fast"])
             infos[f"{name}_perstep"] = {k: v for k, v in infos.get(name, {}).items()
                                         if k not in OBJECTS}
@@ -577,7 +577,7 @@ def decode_step_ms(fast, batch: int, replays: int = 50) -> float | None:
 
 def per_step(run, fast):
     """``run`` (a ``fast.generate``) with sparsekit's lagged stop check off
-    (``PlanOptions(lagged_stop=False)``): HF's loop then waits for the GPU after every
+    (``PlanOptions(lagged_stop=False)``): the loop then waits for the GPU after every
     token."""
     def wrapped(ids):
         plan = fast.plan
@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "hf_default (compiled, default mode), hf_eager (not compiled), sk "
                          "(sparsekit's generate on the dense model, its decode attention too)")
     ap.add_argument("--per-step", default="dense_sk,sk_bf16_2:4",
-                    help="generate: sparsekit ways also timed with HF's stop check after "
+                    help="generate: sparsekit ways also timed with the stop flag read after "
                          "every token (sparsekit's lagged check off), as <way>_perstep")
     ap.add_argument("--siblings", action=argparse.BooleanOptionalAction, default=True,
                     help="generate: sparsekit's ways (dense_sk too) with "

@@ -131,7 +131,7 @@ class PlanOptions:
     the cuSPARSELt GEMM on sparsekit's binding where it is built (False: torch's binding, the
     epilogue as separate ops). ``decode_attention``: ``generate`` attends with sparsekit's
     decode attention kernel on a model on HF's SDPA (False: HF's SDPA). ``lagged_stop``:
-    ``generate`` reads HF's "all finished?" flag two steps late instead of waiting for the GPU
+    ``generate`` reads its "all finished?" flag two steps late instead of waiting for the GPU
     after every token (same tokens)."""
 
     min_speedup: float = 1.0

@@ -27,7 +27,7 @@ class Switches:
     (every fp8 layer too, untimed) or "off" (the Triton kernels only). ``cslt_epilogue``:
     sparsekit's cuSPARSELt binding (scales, bias, GELU in the GEMM). ``decode_attention``:
     generate's decode attention kernel. ``lagged_stop``: generate's stop flag read two steps
-    late (False: HF's check after every token)."""
+    late (False: read after every token)."""
 
     mma_sp: str = "auto"
     cslt_epilogue: bool = True
