@@ -195,3 +195,19 @@ def test_cli_runs_a_recipe_on_a_gguf_file(tiny_gguf, hf_dirs, tmp_path, capsys):
     back = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf",
                                                             local_files_only=True)
     assert back.config.hidden_size == tiny_gguf["model"].config.hidden_size
+
+
+def test_data_tokenizer_may_name_a_gguf_file(tiny_gguf, tmp_path):
+    from sparsekit.run.config import Config
+    from sparsekit.run.loading import check_input_paths
+
+    cfg = Config()
+    cfg.data.tokenizer = str(tiny_gguf["file"])
+    check_input_paths(cfg, complete=False)  # a .gguf file is a tokenizer source
+    other = tmp_path / "vocab.bin"
+    other.write_bytes(b"x")
+    cfg.data.tokenizer = str(other)
+    with pytest.raises(UsageError, match="or a .gguf file"):
+        check_input_paths(cfg, complete=False)
+    tok = hf.load_tokenizer(tiny_gguf["file"], "data.tokenizer")
+    assert tok("def the(x):").input_ids == tiny_gguf["tokenizer"]("def the(x):").input_ids
