@@ -1,5 +1,6 @@
-"""The docs pages besides the README: docs/gpu.md's example runs as written, and every script
-in tools/ has a test and a line in docs/tools.md."""
+"""The docs pages besides the README: docs/gpu.md's example and docs/architecture.md's kernel
+walk-through run as written, and every script in tools/ has a test and a line in
+docs/tools.md."""
 
 import re
 from pathlib import Path
@@ -14,6 +15,14 @@ GPU_EXAMPLES = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "gpu.md").rea
 def test_gpu_md_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(GPU_EXAMPLES[index], f"docs/gpu.md example {index}", "exec"), {})
+
+
+def test_architecture_md_kernel_walk_through_runs():
+    """The walk-through registers a kernel, a layer runs it (CPU: its reference), and it is
+    unregistered again."""
+    (example,) = re.findall(r"```python\n(.*?)```",
+                            (ROOT / "docs" / "architecture.md").read_text(), re.S)
+    exec(compile(example, "docs/architecture.md example", "exec"), {})
 
 
 def test_every_tool_has_a_test_and_a_line_in_docs_tools_md():

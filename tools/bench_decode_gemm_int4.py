@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit.accel.kernels.int4 import op as int4_op
-from sparsekit.accel import layers_int4 as layers_int4
+from sparsekit.accel import layers_int4
 from sparsekit.accel.kernels.int4 import format as w4a16
 from sparsekit.nn.timing import graph_time_us, l2_copies, time_ms
 

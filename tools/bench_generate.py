@@ -74,8 +74,9 @@ import sparsekit as sk
 from sparsekit.accel.kernels.triton24 import op as sk24_op
 from sparsekit import _compat
 from sparsekit.accel import generate, planner
+from sparsekit.accel import kernels as accel_kernels
+from sparsekit.accel.linear import AccelLinear
 from sparsekit.accel.kernels.triton24 import format as sk24
-from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.nn.timing import graph_time_us
 from sparsekit.prune.patterns import nm_mask
 
@@ -402,17 +403,21 @@ def sk_generate_fn(model, ids, new: int, precision: str, sparsity: str, device,
                          compile=sk.CompileOptions(backend=backend, warmup=False),
                          plan=sk.PlanOptions(siblings=siblings and backend == "inductor",
                                              dense_precision=head, mma_sp=mma_sp))
-    kernels: dict[str, int] = {}  # layers per small-M kernel ("mma", "mma8", "triton")
-    configs: dict[str, int] = {}  # layers per mma.sp configuration (per M bucket)
+    kernels: dict[str, int] = {}  # layers per small-M kernel (its format's layout too)
+    configs: dict[str, int] = {}  # layers per small-M configuration (per M bucket)
     for mod in fast.model.modules():
-        variant = getattr(mod, "variant", "")
-        kernel = getattr(mod, "dkernel", "") or (
-            f"{variant.removesuffix('_2:4')}_{mod.path}" if variant.startswith("int4") else "")
-        if kernel:
-            kernels[kernel] = kernels.get(kernel, 0) + 1
-        if getattr(mod, "dconfig", None):  # the mma.sp configuration per M bucket, as planned
-            text = sk24_mma.config_text(mod.dconfig)
-            configs[text] = configs.get(text, 0) + 1
+        if not isinstance(mod, AccelLinear):
+            continue
+        for route in mod.plan.routes:
+            kernel = accel_kernels.get(route.kernel)
+            if not kernel.small_m:
+                continue
+            layout = mod.weights(kernel.name).items().get("layout")
+            name = kernel.name + (f"/{layout}" if layout else "")
+            kernels[name] = kernels.get(name, 0) + 1
+            if route.config:  # the configuration per M bucket, as planned
+                text = kernel.config_text(route.config)
+                configs[text] = configs.get(text, 0) + 1
     info = {"accelerate_s": time.perf_counter() - t0,
             "report_seconds": dict(fast.report.seconds), "decode_kernels": kernels,
             "decode_configs": configs,

@@ -16,6 +16,7 @@ built from:
 A 2:4 layer's weight must hold at most 2 nonzeros in every group of 4 along K (rounding keeps
 zeros at zero). K must be a multiple of 64 and of the group size (ValueError naming the shape).
 
+The kernels come from the registry (:mod:`sparsekit.accel.kernels`), as the layer's plan says.
 Token counts up to 32 (decode) run sparsekit's Triton kernels (``sparsekit::int4_mm``,
 ``sparsekit::int4_24_mm``), which read the packed weight once; a 2:4 layer on CUDA whose
 shape and group the sparse tensor cores' int4 format takes
@@ -37,7 +38,8 @@ On CPU every op runs its plain-torch reference.
 >>> from torch import nn
 >>> lin = nn.Linear(128, 32)
 >>> layer = Int4Dense(lin)
->>> layer.values.shape, layer.values.dtype, layer.scales.shape, layer.group_size
+>>> w = layer.weights(layer.plan.kernels()[0])  # the packed int4 weight its kernels read
+>>> w.values.shape, w.values.dtype, w.scales.shape, layer.group_size
 (torch.Size([32, 64]), torch.uint8, torch.Size([32, 1]), 128)
 >>> tuple(layer(torch.randn(2, 3, 128)).shape)
 (2, 3, 32)
@@ -46,14 +48,10 @@ On CPU every op runs its plain-torch reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.accel.kernels.cusparselt import op as cslt_op
-from sparsekit.accel.kernels.int4 import op as int4_op
-from sparsekit.accel.kernels.mma_sp import op as mma_op
-from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.accel.kernels.int4 import format as w4a16
+from sparsekit.accel.linear import AccelLinear
 from sparsekit.names import INT4_GROUP_SIZES
 
 PREFILLS = ("dequant", "bf16_2:4")
@@ -93,15 +91,8 @@ def int4_weights(layer: nn.Module, group_size: int = w4a16.GROUP_SIZE
     return q, scales, group
 
 
-class _Int4Linear(nn.Module):
-    variant = ""
-    sparse = False
-    uses_alg = False
-    fmt = None
-    path = "triton"  # the decode route (part of the algorithm cache's key)
-    # on the mma.sp kernel (int4 2:4): its configuration per M bucket (sk24_mma.BUCKETS), as
-    # the decode plan chose it (Planner.plan_decode); None: the kernel's defaults
-    dconfig: tuple[tuple[int, ...], ...] | None = None
+class _Int4Linear(AccelLinear):
+    precision = "int4"
 
     def __init__(self, linear: nn.Module, alg_id: int = 0, fused_quant: bool = True,
                  prefill: str = "dequant"):
@@ -113,51 +104,49 @@ class _Int4Linear(nn.Module):
         if prefill not in allowed:
             raise ValueError(f"{self.variant}: prefill must be one of {allowed}, got {prefill!r}")
         self.prefill = prefill
-        try:  # a shape or a weight the format cannot take: the error names this layer
-            q, scales, self.group_size = int4_weights(linear)
-            self._pack(q, scales)
-        except ValueError as e:
-            raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
-                             f"{e}") from None
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else
                              bias.detach().to(torch.bfloat16).contiguous())
-        if prefill == "bf16_2:4":
-            self.register_buffer("packed", cslt_op.pack_24(self.dequantized_weight(torch.bfloat16)))
+        try:  # a shape or a weight the format cannot take: the error names this layer
+            q, scales, self.group_size = int4_weights(linear)
+            reason = w4a16.check_shape(self.out_features, self.in_features, self.group_size)
+            if reason:
+                raise ValueError(reason)
+            source = (q, scales)
+            self.start(source)
+            # "bf16_2:4": the alternative kernel for large M (a bf16 2:4 copy beside the int4
+            # one) instead of the dequantizing one
+            if prefill == "bf16_2:4":
+                self.start(source, large=self.choices["large"][0])
+        except ValueError as e:
+            raise ValueError(f"{self.variant} layer ({self.out_features}x{self.in_features}): "
+                             f"{e}") from None
 
-    def _pack(self, q: torch.Tensor, scales: torch.Tensor) -> None:
-        raise NotImplementedError
+    def shape_text(self) -> str:
+        return f"{super().shape_text()} g{self.group_size}"
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, self.in_features).to(torch.bfloat16)
+
+    def gemm_weight(self, source: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The weight a bf16 GEMM of this layer takes: ``q * scale`` in bf16."""
+        return w4a16.dequantize(*source, torch.bfloat16)
 
     def int_weight(self) -> torch.Tensor:
         """The int4 values (N, K) int8, dense (a 2:4 layer's zeros in place)."""
-        raise NotImplementedError
+        return self.source()[0]
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``q * scale`` (N, K) in ``dtype`` (computed in float32; elementwise ops)."""
-        raise NotImplementedError
+        return w4a16.dequantize(*self.source(), dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if x2d.shape[0] <= w4a16.MAX_M:
-            y = self._decode(x2d)
-        elif self.prefill == "bf16_2:4":
-            y = cslt_op.sparse24_mm(x2d, self.packed, self.bias, self.out_features, self.alg_id,
-                                torch.bfloat16)
-        else:
-            y = F.linear(x2d, self._prefill_weight(), self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-    def _prefill_weight(self) -> torch.Tensor:
-        """The bf16 weight a "dequant" prefill multiplies with (made on each call)."""
-        return self.dequantized_weight(torch.bfloat16)
-
-    def _decode(self, x2d: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @property
+    def path(self) -> str:
+        """The small-M kernel (part of the algorithm cache's key)."""
+        return self.plan.routes[0].kernel
 
     def extra_repr(self) -> str:
-        return (f"{self.in_features}, {self.out_features}, variant={self.variant}, "
-                f"group_size={self.group_size}, prefill={self.prefill}, decode={self.path}"
-                + (f" {sk24_mma.config_text(self.dconfig)}" if self.dconfig else ""))
+        return f"{super().extra_repr()}, group_size={self.group_size}, prefill={self.prefill}"
 
 
 class Int4Dense(_Int4Linear):
@@ -165,57 +154,14 @@ class Int4Dense(_Int4Linear):
 
     variant = "int4_dense"
 
-    def _pack(self, q, scales):
-        values, scales = w4a16.pack(q, scales)
-        self.register_buffer("values", values)
-        self.register_buffer("scales", scales)
-
-    def int_weight(self):
-        return w4a16.unpack(self.values)
-
-    def dequantized_weight(self, dtype=torch.float32):
-        return w4a16.dequantize_packed(self.values, self.scales, dtype)
-
-    def _decode(self, x2d):
-        return int4_op.int4_mm(x2d, self.values, self.scales, self.bias)
-
 
 class Int4Sparse24(_Int4Linear):
     """W4A16 2:4: ``values`` (N, K/4) uint8 (the kept entries), ``meta`` (N, K/32) int32,
-    ``scales`` (N, K / group_size) float32."""
+    ``scales`` (N, K / group_size) float32; on CUDA where the sparse tensor cores' int4 format
+    takes it, that format for decode instead."""
 
     variant = "int4_2:4"
     sparse = True
-
-    def _pack(self, q, scales):
-        values, meta, packed_scales = w4a16.pack_24(q, scales)
-        self.register_buffer("values", values)
-        self.register_buffer("meta", meta)
-        self.register_buffer("scales", packed_scales)
-        # the sparse tensor cores' int4 format (sk24_mma) where it is built and fits
-        mma = sk24_mma.usable_int4(q, self.group_size)
-        formatted = sk24_mma.compress_int4(q, scales) if mma else (None, None, None)
-        for name, t in zip(("mvalues", "mmeta", "mscales"), formatted):
-            self.register_buffer(name, t, persistent=False)
-        self.path = "mma" if mma else "triton"
-
-    def int_weight(self):
-        return w4a16.unpack_24(self.values, self.meta)
-
-    def dequantized_weight(self, dtype=torch.float32):
-        return w4a16.dequantize_packed_24(self.values, self.meta, self.scales, dtype)
-
-    def _prefill_weight(self):
-        # one op (one pass on CUDA): a compiler traces one call, not the dequantization's
-        # elementwise ops a layer (the first generate's compile time)
-        return int4_op.int4_24_widen(self.values, self.meta, self.scales)
-
-    def _decode(self, x2d):
-        if self.mvalues is not None:
-            cfg = None if self.dconfig is None else [v for c in self.dconfig for v in c]
-            return mma_op.sk24_mma_int4_mm(x2d, self.mvalues, self.mmeta, self.mscales, self.bias,
-                                        cfg)
-        return int4_op.int4_24_mm(x2d, self.values, self.meta, self.scales, self.bias)
 
 
 __all__ = ["PREFILLS", "Int4Dense", "Int4Sparse24", "int4_weights", "rtn_int4"]

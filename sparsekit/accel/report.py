@@ -38,7 +38,8 @@ def decide(timings_us: dict[str, float], min_speedup: float = 1.0) -> tuple[str,
 @dataclass
 class LayerDecision:
     """One layer: its GEMM shape (out_features N, in_features K, tokens M of the example
-    input), whether its weight holds 2:4, the variant chosen, why, and timings (us)."""
+    input), whether its weight holds 2:4, the variant chosen, why, timings (us), its plan
+    (which kernel runs which token counts) and the bytes of the weight copies it keeps."""
 
     name: str
     out_features: int
@@ -50,6 +51,8 @@ class LayerDecision:
     timings_us: dict[str, float] = field(default_factory=dict)
     alg_ids: dict[str, int] = field(default_factory=dict)
     confirmed_speedup: float | None = None  # auto: winner re-timed against dense
+    plan: str = ""  # e.g. "M 1-32: sk24; M 33+: cusparselt"
+    weight_bytes: int = 0  # the weight copies the layer keeps (its plan's formats)
 
     @property
     def speedup(self) -> float | None:
@@ -114,14 +117,16 @@ class AccelReport(Report):
         return d
 
     def to_markdown(self) -> str:
-        rows = ["| layer | N x K | M | 2:4 | variant | speedup | reason |",
-                "| --- | --- | --- | --- | --- | --- | --- |"]
+        rows = ["| layer | N x K | M | 2:4 | variant | speedup | plan | weight MiB | reason |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for d in self.layers:
             s = "" if d.speedup is None else f"{d.speedup:.2f}x"
+            mib = f"{d.weight_bytes / 2**20:.2f}" if d.weight_bytes else ""
             rows.append(f"| {d.name} | {d.out_features}x{d.in_features} | {d.tokens} | "
-                        f"{'yes' if d.has_2to4 else 'no'} | {d.variant} | {s} | {d.reason} |")
+                        f"{'yes' if d.has_2to4 else 'no'} | {d.variant} | {s} | {d.plan} | "
+                        f"{mib} | {d.reason} |")
         for name, why in self.skipped.items():
-            rows.append(f"| {name} | | | | skipped | | {why} |")
+            rows.append(f"| {name} | | | | skipped | | | | {why} |")
         head = f"accelerate(precision={self.precision}, sparsity={self.sparsity}, " \
                f"min_speedup={self.min_speedup}) on {self.device}"
         if self.model_speedup is not None:

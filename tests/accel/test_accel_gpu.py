@@ -12,7 +12,7 @@ from torch import nn
 import sparsekit as sk
 from sparsekit.accel.kernels.cusparselt import op as cslt_op
 from sparsekit.accel import algsearch, ops
-from sparsekit.accel import layers as layers
+from sparsekit.accel import layers
 from sparsekit.quant.formats import FP8, INT8
 from sparsekit.quant.numerics import absmax_scale, quantize, weight_scales
 

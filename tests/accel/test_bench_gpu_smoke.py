@@ -67,7 +67,7 @@ def test_bench_gpu_fp8st_column_is_the_alpha_path(tmp_path):
     import torch
     from torch import nn
 
-    from sparsekit.accel import layers as layers
+    from sparsekit.accel import layers
 
     torch.manual_seed(0)
     lin = bench_gpu.magnitude_24_(nn.Linear(64, 32))

@@ -12,7 +12,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.accel import planner
-from sparsekit.accel import layers as layers
+from sparsekit.accel import layers
 from sparsekit.accel.api import output_types_equal
 from sparsekit.quant import QuantLinear
 
@@ -274,7 +274,7 @@ def test_cpu_accelerate_builds_from_quantized_model():
     fast = sk.accelerate(net, x, precision="int8", device="cpu",
                          compile=sk.CompileOptions(backend="eager"))
     assert isinstance(fast.model.a, layers.VARIANTS["int8_2:4"])
-    assert torch.equal(fast.model.a.packed, wq)
+    assert torch.equal(fast.model.a.weights("cusparselt").packed, wq)
     assert torch.equal(fast(x).y, ref)
     with pytest.raises(ValueError, match="precision='int8'"):
         other = _Net().eval()
@@ -429,7 +429,7 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
     table = {("bf16_dense", "bf16_dense"): 10.0, ("bf16_2:4", "fp8_2:4"): 8.0,
              ("fp8_2:4", "fp8_2:4"): 5.0, ("bf16_2:4", "bf16_2:4"): 9.0,
              ("fp8_dense", "fp8_dense"): 7.0}
-    monkeypatch.setattr(planner, "time_model_ms", fake_times(table))
+    monkeypatch.setattr(planner.model, "time_model_ms", fake_times(table))
     net = cur[0] = copy.deepcopy(master)
     fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
                          plan=sk.PlanOptions(whole_model=True))
@@ -445,7 +445,7 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
     def no_timing(*a, **k):
         raise AssertionError("timed despite the cache")
 
-    monkeypatch.setattr(planner, "time_model_ms", no_timing)
+    monkeypatch.setattr(planner.model, "time_model_ms", no_timing)
     net = cur[0] = copy.deepcopy(master)
     fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
                          plan=sk.PlanOptions(whole_model=True))
@@ -457,7 +457,7 @@ def test_whole_model_plan_overrides_per_layer_choice_and_is_cached(tmp_path, mon
         def __missing__(self, key):
             return 10.0 if key == ("bf16_dense", "bf16_dense") else 11.0
 
-    monkeypatch.setattr(planner, "time_model_ms", fake_times(Slow()))
+    monkeypatch.setattr(planner.model, "time_model_ms", fake_times(Slow()))
     net = cur[0] = copy.deepcopy(master)
     fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
                          plan=sk.PlanOptions(whole_model=True, cache=False))
@@ -478,7 +478,7 @@ def _close_call_plans(monkeypatch, tmp_path, alternating: tuple[float, float]):
     # "fp8_2:4" is the same one, timed once as "per_layer")
     monkeypatch.setattr(planner, "time_module",
                         lambda mod, *a: 1.0 if mod.variant == "fp8_2:4" else 2.0)
-    monkeypatch.setattr(planner, "time_model_ms", lambda fn, device, **kw: fn() and (
+    monkeypatch.setattr(planner.model, "time_model_ms", lambda fn, device, **kw: fn() and (
         10.0 if isinstance(net.a, nn.Linear) else 9.5))
     seen = []
 
@@ -487,7 +487,7 @@ def _close_call_plans(monkeypatch, tmp_path, alternating: tuple[float, float]):
         seen.extend([ref_fn.args[0].model, fn.args[0].model])
         return alternating
 
-    monkeypatch.setattr(planner, "time_paired", paired)
+    monkeypatch.setattr(planner.model, "time_paired", paired)
     fast = sk.accelerate(net, torch.randn(96, 64), precision="fp8", sparsity="auto", device="cpu",
                          compile=False, plan=sk.PlanOptions(whole_model=True))
     return master, net, fast, seen
@@ -606,8 +606,8 @@ def test_whole_model_plans_of_a_deep_model_are_timed_on_a_few_blocks(monkeypatch
         variant = getattr(net.model.layers[0].mlp.up_proj, "variant", "bf16_dense")
         return 1.0 + n * cost[variant]
 
-    monkeypatch.setattr(planner, "time_model_ms", fake_time)
-    monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", 0)  # as if it had the weights of an 8B
+    monkeypatch.setattr(planner.model, "time_model_ms", fake_time)
+    monkeypatch.setattr(planner.model, "SHORTEN_MIN_BYTES", 0)  # as if it had the weights of an 8B
     # per layer, bf16 2:4 looks fastest (not wall clock: the per_layer plan must not be fp8 2:4)
     monkeypatch.setattr(planner, "time_module", lambda mod, *a: 1.0 if mod.variant == "bf16_2:4"
                         else 2.0)
@@ -640,8 +640,8 @@ def test_decode_sized_plans_of_a_deep_model_are_timed_whole(monkeypatch):
         variant = getattr(net.model.layers[0].mlp.up_proj, "variant", "bf16_dense")
         return 10.0 if variant == "bf16_2:4" else 9.0
 
-    monkeypatch.setattr(planner, "time_model_ms", fake_time)
-    monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", 0)
+    monkeypatch.setattr(planner.model, "time_model_ms", fake_time)
+    monkeypatch.setattr(planner.model, "SHORTEN_MIN_BYTES", 0)
     monkeypatch.setattr(planner, "time_module", lambda mod, *a: 1.0 if mod.variant == "bf16_2:4"
                         else 2.0)
     r = sk.accelerate(net, x, precision="bf16", sparsity="auto", device="cpu", compile=False,
@@ -696,8 +696,8 @@ def test_a_small_deep_model_is_planned_whole(monkeypatch):
             seen.append((len(m[0]), kw["cold_l2"]))
             return 10.0 if isinstance(m[0][0].fc, nn.Linear) else 5.0
 
-        monkeypatch.setattr(planner, "time_model_ms", fake_time)
-        monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", threshold)
+        monkeypatch.setattr(planner.model, "time_model_ms", fake_time)
+        monkeypatch.setattr(planner.model, "SHORTEN_MIN_BYTES", threshold)
         r = sk.accelerate(m, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
                           plan=sk.PlanOptions(whole_model=True, cache=False)).report
         assert {n for n, _ in seen} == counts and len(m[0]) == 8
@@ -719,8 +719,8 @@ def test_a_model_that_cannot_be_shortened_is_planned_whole(monkeypatch):
         assert kw["cold_l2"] is False  # the whole model: its own cache behaviour
         return 10.0 if isinstance(net.blocks[0].fc, nn.Linear) else 5.0
 
-    monkeypatch.setattr(planner, "time_model_ms", fake_time)
-    monkeypatch.setattr(planner, "SHORTEN_MIN_BYTES", 0)
+    monkeypatch.setattr(planner.model, "time_model_ms", fake_time)
+    monkeypatch.setattr(planner.model, "SHORTEN_MIN_BYTES", 0)
     x = torch.randn(96, 64)  # above DECODE_TOKENS (a decode-sized input is timed whole)
     fast = sk.accelerate(net, x, precision="fp8", sparsity="auto", device="cpu", compile=False,
                          plan=sk.PlanOptions(whole_model=True, cache=False))

@@ -17,14 +17,52 @@ import sparsekit as sk
 from sparsekit.accel.kernels.cusparselt import op as cslt_op
 from sparsekit.accel.kernels.mma_sp import op as mma_op
 from sparsekit.accel.kernels.triton24 import op as sk24_op
-from sparsekit.accel import layers_int4 as layers_int4
+from sparsekit.accel import layers_int4
 from sparsekit.accel.kernels.triton24 import format as sk24
 from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
+from sparsekit.accel import kernels
 from sparsekit.accel.generate import bucket, cache_length
 from sparsekit.accel.layers import VARIANTS
+from sparsekit.accel.linear import LayerPlan, Route
 
-# the module each op a test wraps is looked up in by the layers
+# the module each op a test wraps is looked up in by the kernels
 OP_MODULES = {"sk24_mm": sk24_op, "sk24_mma_mm": mma_op, "sparse24_mm": cslt_op}
+# this file's kernel names: "triton" the 2:4 Triton kernel, "mma" the mma.sp library
+KERNEL = {"triton": "sk24", "mma": "mma_sp"}
+
+
+def small(mod) -> str | None:
+    """The small-M kernel ``mod``'s plan runs (None: none)."""
+    return next((r.kernel for r in mod.plan.routes if kernels.get(r.kernel).small_m), None)
+
+
+def limit(mod) -> int:
+    """The largest M ``mod``'s small-M kernel serves (0: none)."""
+    return next((r.hi for r in mod.plan.routes if kernels.get(r.kernel).small_m), 0)
+
+
+def config(mod):
+    """The configuration per bucket of ``mod``'s small-M route (None: the defaults)."""
+    return next((r.config for r in mod.plan.routes if kernels.get(r.kernel).small_m), None)
+
+
+def dense_m(mod) -> tuple[int, int]:
+    """(lo, hi) of ``mod``'s bf16 dense route, (0, 0) without one."""
+    r = mod.plan.routes[0]
+    return (r.lo, r.hi) if r.kernel == "cublas" else (0, 0)
+
+
+def with_limit(mod, m: int) -> None:
+    """``mod`` on its small-M kernel up to ``m`` tokens (0: its large-M kernel at every M),
+    its weight copies kept."""
+    k, cfg, large = small(mod) or mod.choices["small"][-1], config(mod), mod.plan.routes[-1]
+    mod.use(LayerPlan(((Route(1, m, k, cfg),) if m else ()) + (large,)), keep=True)
+
+
+def runs_small(fn) -> bool:
+    """In a fake ``cold_time_us``: whether ``fn`` (a partial of a layer) runs a small-M
+    kernel."""
+    return kernels.get(fn.func.plan.route(fn.args[0].shape[0]).kernel).small_m
 
 
 def masked_24(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -197,7 +235,8 @@ def test_widen_op_is_decompress_behind_one_op():
     layer = VARIANTS["fp8w_2:4"](lin)
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(lambda x: layer._mm(x))(torch.randn(20, 1024).bfloat16())
+    assert layer.plan.route(40).kernel == "sk24_widen"
+    gm = make_fx(layer)(torch.randn(40, 1024).bfloat16())
     targets = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
     assert any("sk24_widen" in t for t in targets)
     assert not any("where" in t for t in targets)
@@ -255,15 +294,19 @@ def test_layer_decode_path_has_prefill_numerics(variant, kernel, monkeypatch):
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS[variant](lin)
-    assert mod.decode_max_m == sk24.MAX_M and mod.dvalues is not None
+    assert limit(mod) == sk24.MAX_M
     f16 = kernel == "mma16"
-    kernel = "mma" if f16 else kernel
-    assert mod.dkernel == kernel and f"({kernel})" in repr(mod)
+    name = "sk24" if kernel == "triton" else "mma_sp"
+    assert small(mod) == name and f"M 1-32: {name}; M 33+: cusparselt" in repr(mod)
+    if name == "mma_sp":
+        assert mod.weights(name).layout == ("e4m3" if kernel == "mma8" else "paired")
     x = torch.randn(2, 5, 512).bfloat16()
     decode = mod(x)
-    if kernel == "mma":  # an fp8 layer's x widened to f16 where the library takes it
+    if kernel in ("mma", "mma16"):  # an fp8 layer's x widened to f16 where the library takes it
         assert seen == [torch.float16 if f16 else torch.bfloat16]
-    mod.decode_max_m = 0  # the large-M path (cuSPARSELt's op; its reference on CPU)
+    if kernel == "mma8":  # fp8 x fp8: x as the layer quantized it
+        assert seen == [torch.float8_e4m3fn]
+    with_limit(mod, 0)  # the large-M path (cuSPARSELt's op; its reference on CPU)
     prefill = mod(x)
     assert decode.shape == prefill.shape == (2, 5, 64)
     # the same quantization and scales; only where bf16 rounding happens differs
@@ -292,18 +335,21 @@ def test_fp8_weight_only_layers_against_float64(kernel, monkeypatch):
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS["fp8w_2:4"](lin)
-    assert mod.weight_only and mod.dkernel == "triton" and mod.act_scale is None
-    assert mod.dvalues is mod.values and mod.values.dtype == torch.float8_e4m3fn  # one copy
-    assert "packed" not in dict(mod.named_buffers())  # no cuSPARSELt copy: bf16 x cannot go
+    assert mod.weight_only and small(mod) == "sk24" and mod.act_scale is None
+    # one copy, read by both kernels; no cuSPARSELt copy: bf16 x cannot go there
+    assert mod.plan.text() == "M 1-32: sk24; M 33+: sk24_widen" and set(mod.formats) == {"sk24"}
+    assert mod.weights("sk24").values.dtype == torch.float8_e4m3fn
     if kernel == "mma":
-        mod.use_decode_kernel("mma")
-        assert mod.dwide == torch.bfloat16 and mod.dvalues.dim() == 4
+        mod.use(LayerPlan((Route(1, 32, "mma_sp"), mod.plan.routes[-1])))
+        w = mod.weights("mma_sp")
+        assert w.wide == torch.bfloat16 and w.values.dim() == 4
+        assert set(mod.formats) == {"sk24", "mma"}
     x = torch.randn(2, 5, 512).bfloat16()
     ref = _fp8w_reference(lin, x)
     decode = mod(x)  # 10 tokens: the small-M kernel, x never quantized
     name = "sk24_mma_mm" if kernel == "mma" else "sk24_mm"
     assert seen == [(name, torch.bfloat16)]
-    mod.decode_max_m = 0
+    with_limit(mod, 0)
     prefill = mod(x)  # the weight widened, F.linear
     assert len(seen) == 1
     for y in (decode, prefill):
@@ -311,7 +357,8 @@ def test_fp8_weight_only_layers_against_float64(kernel, monkeypatch):
         err = ((y.double() - ref).norm() / ref.norm()).item()
         assert err < 5e-3, err  # bf16 output rounding: activations are not quantized
     dense = VARIANTS["fp8w_dense"](lin)  # the dense weight, widened per call
-    assert dense.weight.dtype == torch.float8_e4m3fn
+    assert dense.plan.text() == "M 1+: cublas_widen"
+    assert dense.weights("cublas_widen").weight.dtype == torch.float8_e4m3fn
     y = dense(x)
     # 2:4 kept the same values: dense and 2:4 layers agree to bf16 rounding
     assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3
@@ -334,7 +381,8 @@ def test_fp8_weight_only_quantlinear_keeps_its_values_through_accelerate():
                          compile=False)
     layer = fast.model[0]
     assert type(layer).__name__ == "FP8WSparse24"
-    assert torch.equal(sk24.decompress(layer.values, layer.meta).float(),
+    w = layer.weights("sk24")
+    assert torch.equal(sk24.decompress(w.values, w.meta).float(),
                        values.float())  # the QuantLinear's own e4m3 values
     got = fast(x)
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
@@ -345,7 +393,8 @@ def test_layer_without_decode_shape_keeps_large_m_path():
     with torch.no_grad():
         lin.weight.copy_(masked_24(32, 96))
     mod = VARIANTS["bf16_2:4"](lin)
-    assert mod.dvalues is None and mod.decode_max_m == 0
+    assert small(mod) is None and mod.plan.text() == "M 1+: cusparselt"
+    assert set(mod.formats) == {"cslt"} and mod.refused["sk24"].startswith("in_features 96")
 
 
 def test_buckets():
@@ -379,8 +428,7 @@ def test_generate_equals_hf_generate_and_bounds_compiles(kernel, monkeypatch):
     fast = sk.accelerate(model, {"input_ids": ids}, device="cpu",
                          compile=sk.CompileOptions(backend="eager"))
     sparse = [m for m in fast.model.modules() if type(m).__name__ == "Sparse24BF16"]
-    assert len(sparse) == 14 and all(m.dvalues is not None and m.dkernel == kernel
-                                     for m in sparse)
+    assert len(sparse) == 14 and all(small(m) == KERNEL[kernel] for m in sparse)
     out = fast.generate(ids, max_new_tokens=8)
     want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
@@ -408,7 +456,7 @@ def test_fp8_weight_only_model_generates_the_float64_models_tokens():
     fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", precision="fp8w",
                          sparsity="2:4", compile=sk.CompileOptions(backend="eager"))
     layers = [m for m in fast.model.modules() if type(m).__name__ == "FP8WSparse24"]
-    assert len(layers) == 14 and all(m.dkernel == "triton" for m in layers)
+    assert len(layers) == 14 and all(small(m) == "sk24" for m in layers)
     out = fast.generate(ids, max_new_tokens=8)
     want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
@@ -439,14 +487,14 @@ def test_generate_sampling_and_errors():
 
 
 def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypatch):
-    from sparsekit.accel import planner
+    from sparsekit.accel.planner import decode as planner
     from sparsekit.nn import timing
 
     lin = nn.Linear(512, 64)
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS["bf16_2:4"](lin)
-    # the small-M kernel (decode_max_m >= M) at 5 us, the large-M path at 8 us, except at M=16
+    # the small-M kernel (routed to for M) at 5 us, the large-M path at 8 us, except at M=16
     # where the small-M kernel loses: the limit stops at 4, and M=32 is not timed
     # and bf16 dense at 6 us (4 us at M=4)
     calls = []
@@ -456,13 +504,13 @@ def test_decode_limit_is_the_last_bucket_where_the_small_m_kernel_wins(monkeypat
         if fn.func is F.linear:
             calls.append((m, "dense"))
             return 4.0 if m == 4 else 6.0
-        small = fn.func.decode_max_m >= m
+        small = runs_small(fn)
         calls.append((m, small))
         return (20.0 if m == 16 else 5.0) if small else 8.0
 
     monkeypatch.setattr(timing, "cold_time_us", fake_time)
     got = planner.time_decode(mod, torch.device("cpu"))
-    assert got["decode_max_m"] == 4
+    assert got["decode_max_m"] == 4 and got["kernel"] == "sk24"
     assert list(got["us"]) == ["1", "4", "16"] and got["us"]["16"] == [20.0, 8.0, 6.0]
     assert calls == [(m, how) for m in (1, 4, 16) for how in (True, False, "dense")]
     note = planner.decode_note(mod, got)
@@ -523,8 +571,7 @@ def _h100_time(fn):
     m = fn.args[0].shape[0]
     if fn.func is F.linear:
         return 6.0 if m == 1 else 7.0
-    small = fn.func.decode_max_m >= m
-    return (5.0 if m == 1 else 14.0) if small else (8.0 if m == 1 else 12.0)
+    return (5.0 if m == 1 else 14.0) if runs_small(fn) else (8.0 if m == 1 else 12.0)
 
 
 def _decode_planned(monkeypatch, tmp_path, sparsity, variant="bf16_2:4", timer=_h100_time,
@@ -533,21 +580,22 @@ def _decode_planned(monkeypatch, tmp_path, sparsity, variant="bf16_2:4", timer=_
     ``plan_decode`` as on CUDA: time_decode runs on CPU with the fake ``timer``."""
     from sparsekit.accel import planner
     from sparsekit.accel.options import CompileOptions, PlanOptions
+    from sparsekit.accel.planner import decode
     from sparsekit.accel.report import AccelReport
     from sparsekit.nn import timing
 
     monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(timing, "cold_time_us", timer)
     calls = []
-    real = planner.time_decode
+    real = decode.time_decode
 
-    def on_cpu(mod, device, dense=False):
+    def on_cpu(mod, device, dense=False, kernel=None):
         calls.append(dense)
-        return real(mod, torch.device("cpu"), dense)
+        return real(mod, torch.device("cpu"), dense, kernel)
 
-    monkeypatch.setattr(planner, "time_decode", on_cpu)
-    int4_plan = planner.plan_int4_config
-    monkeypatch.setattr(planner, "plan_int4_config",
+    monkeypatch.setattr(decode, "time_decode", on_cpu)
+    int4_plan = decode.plan_config
+    monkeypatch.setattr(decode, "plan_config",
                         lambda mod, device: int4_plan(mod, torch.device("cpu")))
     plan = planner.Planner(torch.device("cpu"), variant.split("_")[0], sparsity,
                            PlanOptions(**options), CompileOptions(), False,
@@ -569,14 +617,17 @@ def test_auto_runs_dense_where_dense_beats_both_2to4_paths(monkeypatch, tmp_path
     model, plan, calls = _decode_planned(monkeypatch, tmp_path, "auto", variant)
     assert calls == [True]  # one shape, timed once at every bucket
     mod = model[0]
-    assert mod.dense_m == (2, 32) and mod.decode_max_m == 1 and mod.dvalues is not None
-    assert mod.dense_weight.dtype == torch.bfloat16 and "dense_weight" in dict(
-        mod.named_buffers())
+    assert dense_m(mod) == (2, 32) and limit(mod) == 1 and small(mod) == "sk24"
+    assert mod.plan.text() == "M 1: sk24; M 2-32: cublas; M 33+: cusparselt"
+    assert set(mod.formats) == {"sk24", "bf16", "cslt"}
+    dense_weight = mod.weights("cublas").weight
+    assert dense_weight.dtype == torch.bfloat16
     # the copy is the layer's effective weight: the masked one (fp8: dequantized)
-    want = sk24.decompress(mod.dvalues, mod.dmeta).float()
+    w = mod.weights("sk24")
+    want = sk24.decompress(w.values, w.meta).float()
     if mod.w_scale is not None:
         want = want * mod.w_scale[:, None]
-    assert torch.equal(mod.dense_weight, want.bfloat16())
+    assert torch.equal(dense_weight, want.bfloat16())
     ran = []  # (op, M) of each 2:4 op called
     for op in ("sk24_mm", "sparse24_mm"):
         monkeypatch.setattr(OP_MODULES[op], op, functools.partial(
@@ -584,21 +635,21 @@ def test_auto_runs_dense_where_dense_beats_both_2to4_paths(monkeypatch, tmp_path
             getattr(OP_MODULES[op], op), op))
     x8 = torch.randn(8, 512).bfloat16()
     y = mod(x8)
-    assert torch.equal(y, F.linear(x8, mod.dense_weight, mod.bias)) and ran == []
+    assert torch.equal(y, F.linear(x8, dense_weight, mod.bias)) and ran == []
     x1, x40 = torch.randn(1, 512).bfloat16(), torch.randn(40, 512).bfloat16()
     assert mod(x1).shape == (1, 64) and mod(x40).shape == (40, 64)
     # M=1 on the small-M kernel, M above the last bucket on the large-M path
     assert ran == [("sk24_mm", 1), ("sparse24_mm", 40)]
     # the dense route agrees with the 2:4 path (relative error: bf16 rounding; fp8 W8A8's
     # activation quantization)
-    route = mod.dense_m
-    mod.dense_m = (0, 0)
+    route = mod.plan
+    mod.use(LayerPlan(route.routes[1:]), keep=True)
     y24 = mod(x8)
     assert ran[-1] == ("sparse24_mm", 8)
     err = ((y.float() - y24.float()).norm() / y24.float().norm()).item()
     assert err < (1e-2 if variant == "bf16_2:4" else 6e-2), err
-    mod.dense_m = route
-    assert "bf16 dense for M in [2, 32]" in repr(mod)
+    mod.use(route)
+    assert "M 2-32: cublas" in repr(mod)
     # compiled whole graph: the route is a branch on the input's rows
     compiled = torch.compile(mod, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x8), y) and torch.equal(compiled(x1), mod(x1))
@@ -610,12 +661,13 @@ def test_auto_runs_dense_where_dense_beats_both_2to4_paths(monkeypatch, tmp_path
 
 def test_auto_drops_the_small_m_copy_where_dense_takes_every_count(monkeypatch, tmp_path):
     def dense_everywhere(fn):
-        return 3.0 if fn.func is F.linear else (5.0 if fn.func.decode_max_m else 8.0)
+        return 3.0 if fn.func is F.linear else (5.0 if runs_small(fn) else 8.0)
 
     model, _, _ = _decode_planned(monkeypatch, tmp_path, "auto", timer=dense_everywhere)
     mod = model[0]
-    assert mod.dense_m == (1, 32) and mod.decode_max_m == 0
-    assert mod.dvalues is None and mod.dmeta is None and mod.dense_weight is not None
+    assert dense_m(mod) == (1, 32) and limit(mod) == 0
+    assert mod.plan.text() == "M 1-32: cublas; M 33+: cusparselt"
+    assert set(mod.formats) == {"bf16", "cslt"}  # the small-M copy dropped
 
 
 @pytest.mark.parametrize("sparsity, options", [("2:4", {}), ("auto", {"decode_dense": False})])
@@ -624,10 +676,12 @@ def test_no_dense_copy_when_2to4_is_forced_or_the_option_is_off(monkeypatch, tmp
     model, plan, calls = _decode_planned(monkeypatch, tmp_path, sparsity, **options)
     assert calls == [False]  # timed as before: up to the first bucket the small-M kernel loses
     for mod in model:
-        assert mod.dense_weight is None and mod.dense_m == (0, 0) and mod.decode_max_m == 1
-        assert "dense_weight" not in dict(mod.named_buffers())
-    x8 = torch.randn(8, 512).bfloat16()
-    assert torch.equal(model[0](x8), model[0]._mm(x8))  # the large-M path
+        assert dense_m(mod) == (0, 0) and limit(mod) == 1
+        assert set(mod.formats) == {"sk24", "cslt"}  # no bf16 copy
+    x8 = torch.randn(8, 512).bfloat16()  # the large-M path
+    assert model[0].plan.route(8).kernel == "cusparselt"
+    assert torch.equal(model[0](x8), cslt_op.sparse24_mm(
+        x8, model[0].weights("cusparselt").packed, model[0].bias, 64, 0, torch.bfloat16))
     assert any(n.endswith("slower than bf16 dense at M = 4") for n in plan.report.notes)
     assert not any("runs bf16 dense" in n for n in plan.report.notes)
 
@@ -647,8 +701,9 @@ def test_cached_decode_plan_reproduces_the_routing(monkeypatch, tmp_path):
     again, _, calls = _decode_planned(monkeypatch, tmp_path, "auto", timer=never)
     assert calls == []
     for a, b in zip(first, again):
-        assert (b.dense_m, b.decode_max_m) == (a.dense_m, a.decode_max_m) == ((2, 32), 1)
-        assert torch.equal(a.dense_weight, b.dense_weight)
+        assert (dense_m(b), limit(b)) == (dense_m(a), limit(a)) == ((2, 32), 1)
+        assert a.plan == b.plan
+        assert torch.equal(a.weights("cublas").weight, b.weights("cublas").weight)
 
 
 def test_cache_entry_without_dense_route_is_timed_again_under_auto(monkeypatch, tmp_path):
@@ -661,7 +716,7 @@ def test_cache_entry_without_dense_route_is_timed_again_under_auto(monkeypatch, 
     _, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4")
     assert calls == []
     model, plan, calls = _decode_planned(monkeypatch, tmp_path, "auto")
-    assert calls == [True] and model[0].dense_m == (2, 32)
+    assert calls == [True] and dense_m(model[0]) == (2, 32)
     plan.save()
     _, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4")
     assert calls == []
@@ -678,16 +733,16 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS["bf16_2:4"](lin)
-    assert mod.dkernel == "mma" and mod.dconfig is None
+    assert small(mod) == "mma_sp" and config(mod) is None
     seen = []
 
     def fake_time(fn):
         if fn.func is F.linear:
             return 6.0
         m = fn.args[0].shape[0]
-        if fn.func.decode_max_m < m:  # the large-M path
+        if not runs_small(fn):  # the large-M path
             return 8.0
-        cfg = sk24_mma.config_for([v for c in fn.func.dconfig for v in c], m)
+        cfg = sk24_mma.config_for([v for c in config(fn.func) for v in c], m)
         seen.append((m, cfg))
         # direct loads win at M = 1, staged x from M = 2; (4, 4, 1, 0) beats (8, 4, 1, 0)
         return {(4, 4, 1, 0): 3.0, (8, 4, 1, 0): 4.0}.get(cfg, 3.5) * (1 if m == 1 else 2) \
@@ -696,21 +751,21 @@ def test_planner_picks_the_mma_config_and_the_plan_carries_it(monkeypatch):
     monkeypatch.setattr(timing, "cold_time_us", fake_time)
     entry = planner.time_decode(mod, torch.device("cpu"))
     want = ((4, 4, 1, 0), (8, 4, 1, 1), (8, 4, 1, 1), (8, 4, 1, 1))
-    assert mod.dconfig == want and entry["config"] == [list(c) for c in want]
+    assert config(mod) == want and entry["config"] == [list(c) for c in want]
     assert {(m, c) for m in sk24_mma.BUCKETS for c in cands} <= set(seen)
     assert entry["decode_max_m"] == 32
     fresh = VARIANTS["bf16_2:4"](lin)
     planner.route_decode(fresh, entry, dense=False)
-    text = "(mma 4x4x1x0/8x4x1x1/8x4x1x1/8x4x1x1)"
-    assert fresh.dconfig == want and text in repr(fresh)
-    assert text in planner.decode_note(fresh, entry)
+    text = "mma_sp 4x4x1x0/8x4x1x1/8x4x1x1/8x4x1x1"
+    assert config(fresh) == want and "M 1-32: mma_sp [4x4x1x0/8x4x1x1/" in repr(fresh)
+    assert f"({text})" in planner.decode_note(fresh, entry)
     stale = VARIANTS["bf16_2:4"](lin)  # a plan of the 3-number configurations: defaults run
     planner.route_decode(stale, {**entry, "config": [4, 4, 1]}, dense=False)
-    assert stale.dconfig is None
+    assert config(stale) is None
     x = torch.randn(3, 512).bfloat16()  # the config reaches the op (its CPU reference)
-    fresh.decode_max_m = 0
+    with_limit(fresh, 0)
     want = fresh(x)
-    fresh.decode_max_m = 32
+    with_limit(fresh, 32)
     torch.testing.assert_close(fresh(x).float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -720,10 +775,9 @@ def _fp8_choice_timer(faster: str):
     def fake(fn):
         if fn.func is F.linear:
             return 9.0
-        mod, m = fn.func, fn.args[0].shape[0]
-        if mod.decode_max_m < m:
+        if not runs_small(fn):
             return 8.0
-        return 3.0 if mod.dkernel.startswith(faster) else 5.0
+        return 3.0 if small(fn.func) == KERNEL[faster] else 5.0
     return fake
 
 
@@ -743,13 +797,13 @@ def test_planner_chooses_the_int4_mma_configuration_per_bucket(monkeypatch, tmp_
     def fake_time(fn):
         mod, m = fn.func, fn.args[0].shape[0]
         assert isinstance(mod, layers_int4.Int4Sparse24) and m in fastest
-        return 1.0 if mod.dconfig[0] == fastest[m] else 2.0
+        return 1.0 if config(mod)[0] == fastest[m] else 2.0
 
     model, plan, _ = _decode_planned(monkeypatch, tmp_path, "2:4", "int4_2:4", timer=fake_time)
     want = tuple(fastest[m] for m in sk24_mma.BUCKETS)
-    assert all(m.mvalues is not None and m.dconfig == want for m in model)
+    assert all(small(m) == "mma_sp_int4" and config(m) == want for m in model)
     text = sk24_mma.config_text(want)
-    assert sum("on the mma.sp int4 kernel" in n and text in n for n in plan.report.notes) == 1
+    assert sum("on the mma_sp_int4 kernel" in n and text in n for n in plan.report.notes) == 1
     assert text in repr(model[0])
     seen = []
     real = mma_op.sk24_mma_int4_mm
@@ -757,7 +811,7 @@ def test_planner_chooses_the_int4_mma_configuration_per_bucket(monkeypatch, tmp_
     x = torch.randn(3, 512).bfloat16()
     y = model[0](x)
     assert seen == [[v for c in want for v in c]]  # the op gets the plan's configurations
-    model[0].dconfig = None
+    model[0].use(LayerPlan(tuple(Route(r.lo, r.hi, r.kernel) for r in model[0].plan.routes)))
     assert torch.equal(y, model[0](x)) and seen[-1] is None
     plan.save()
 
@@ -765,7 +819,7 @@ def test_planner_chooses_the_int4_mma_configuration_per_bucket(monkeypatch, tmp_
         raise AssertionError("a cached int4 plan was timed again")
 
     again, _, _ = _decode_planned(monkeypatch, tmp_path, "2:4", "int4_2:4", timer=never)
-    assert all(m.dconfig == want for m in again)
+    assert all(config(m) == want for m in again)
 
 
 def test_fp8_weight_only_layer_decodes_on_the_mma_kernel_where_it_loads(monkeypatch, tmp_path):
@@ -781,19 +835,20 @@ def test_fp8_weight_only_layer_decodes_on_the_mma_kernel_where_it_loads(monkeypa
     def timer(fn):
         if fn.func is F.linear:
             return 9.0
-        timed.append(fn.func.dkernel)
-        return 8.0 if fn.func.decode_max_m < fn.args[0].shape[0] else 3.0
+        timed.append(small(fn.func))
+        return 3.0 if runs_small(fn) else 8.0
     model, plan, calls = _decode_planned(monkeypatch, tmp_path, "2:4", "fp8w_2:4", timer=timer)
     assert calls == [False]  # one shape, one kernel
-    assert timed and set(timed) == {"mma"}
+    assert timed and set(timed) == {"mma_sp"}
     for mod in model:
-        assert mod.dkernel == "mma" and not mod.dchoice and mod.decode_max_m == 32
-        assert mod.dconfig is not None
-        assert torch.equal(sk24_mma.decompress(mod.dvalues, mod.dmeta).float(),
-                           sk24.decompress(mod.values, mod.meta).float())
+        assert small(mod) == "mma_sp" and mod.choices["small"] == ("mma_sp",)
+        assert limit(mod) == 32 and config(mod) is not None
+        mma, own = mod.weights("mma_sp"), mod.weights("sk24_widen")
+        assert torch.equal(sk24_mma.decompress(mma.values, mma.meta).float(),
+                           sk24.decompress(own.values, own.meta).float())
         x = torch.randn(3, 512).bfloat16()
         y = mod(x)
-        mod.decode_max_m = 0
+        with_limit(mod, 0)
         torch.testing.assert_close(y.float(), mod(x).float(), rtol=2e-2, atol=2e-2)
 
 
@@ -812,36 +867,41 @@ def test_fp8_layer_times_both_small_m_kernels_and_keeps_the_faster(monkeypatch, 
     if faster == "mma":  # the configurations of the way x reaches the kernel (CPU: bf16)
         assert wides and set(wides) == {torch.bfloat16}
     for seed, mod in enumerate(model):
-        assert mod.dchoice and mod.dkernel == faster and mod.decode_max_m == 32
+        assert mod.choices["small"] == ("mma_sp", "sk24")
+        assert small(mod) == KERNEL[faster] and limit(mod) == 32
+        assert set(mod.formats) == {"mma" if faster == "mma" else "sk24", "cslt"}
         # the copy holds exactly the layer's 2:4 weight, whichever format it is in
-        got = (sk24_mma if faster == "mma" else sk24).decompress(mod.dvalues, mod.dmeta)
+        w = mod.weights(KERNEL[faster])
+        got = (sk24_mma if faster == "mma" else sk24).decompress(w.values, w.meta)
         lin = nn.Linear(512, 64)
         with torch.no_grad():
             lin.weight.copy_(masked_24(64, 512, seed))
-        fresh = VARIANTS[variant](lin)  # the same weight, in the Triton format
+        fresh = VARIANTS[variant](lin).weights("sk24")  # the same weight, the Triton format
         assert got.dtype == torch.float8_e4m3fn
-        assert torch.equal(got.float(), sk24.decompress(fresh.dvalues, fresh.dmeta).float())
+        assert torch.equal(got.float(), sk24.decompress(fresh.values, fresh.meta).float())
         # the decode path keeps the large-M path's numerics (W8A8: same quantized products)
         x = torch.randn(3, 512).bfloat16()
         y = mod(x)
-        limit, mod.decode_max_m = mod.decode_max_m, 0
+        route = mod.plan
+        with_limit(mod, 0)
         torch.testing.assert_close(y.float(), mod(x).float(), rtol=2e-2, atol=2e-2)
-        mod.decode_max_m = limit
+        mod.use(route)
     other = "triton" if faster == "mma" else "mma"
-    assert any(f"{faster} chosen over {other} (small-M us: M=1 3.0 vs 5.0" in n
-               for n in plan.report.notes)
+    assert any(f"{KERNEL[faster]} chosen over {KERNEL[other]} (small-M us: M=1 3.0 vs 5.0"
+               in n for n in plan.report.notes)
     if faster == "mma":
-        assert model[0].dconfig is not None  # the mma configurations were chosen too
+        assert config(model[0]) is not None  # the mma configurations were chosen too
     plan.save()
 
     def never(fn):
         raise AssertionError("a cached decode plan was timed again")
 
     again, _, calls = _decode_planned(monkeypatch, tmp_path, "2:4", variant, timer=never)
-    assert calls == [] and all(m.dkernel == faster for m in again)
+    assert calls == [] and all(small(m) == KERNEL[faster] for m in again)
     for a, b in zip(model, again):
-        assert torch.equal(a.dvalues.view(torch.uint8), b.dvalues.view(torch.uint8))
-        assert torch.equal(a.dmeta, b.dmeta) and a.dconfig == b.dconfig
+        wa, wb = a.weights(KERNEL[faster]), b.weights(KERNEL[faster])
+        assert torch.equal(wa.values.view(torch.uint8), wb.values.view(torch.uint8))
+        assert torch.equal(wa.meta, wb.meta) and a.plan == b.plan
 
 
 def test_decode_kernel_moves_exactly_and_refuses_what_it_cannot_do():
@@ -849,25 +909,30 @@ def test_decode_kernel_moves_exactly_and_refuses_what_it_cannot_do():
     with torch.no_grad():
         lin.weight.copy_(masked_24(64, 512))
     mod = VARIANTS["fp8_2:4"](lin)
-    assert mod.dkernel == "triton" and not mod.dchoice  # CPU: the mma library is not there
-    values, meta = mod.dvalues.clone(), mod.dmeta.clone()
-    mod.use_decode_kernel("mma")
-    assert mod.dkernel == "mma" and mod.dvalues.dim() == 4  # the fragment-ordered format
-    assert torch.equal(sk24_mma.decompress(mod.dvalues, mod.dmeta).float(),
+    # CPU: the mma library is not there
+    assert small(mod) == "sk24" and mod.choices["small"] == ("sk24",)
+    w = mod.weights("sk24")
+    values, meta = w.values.clone(), w.meta.clone()
+    large = mod.plan.routes[-1]
+    mod.use(LayerPlan((Route(1, 32, "mma_sp"), large)))
+    w = mod.weights("mma_sp")
+    assert set(mod.formats) == {"mma", "cslt"} and w.values.dim() == 4  # fragment-ordered
+    assert torch.equal(sk24_mma.decompress(w.values, w.meta).float(),
                        sk24.decompress(values, meta).float())
-    mod.use_decode_kernel("triton")  # and back, to the very same encoding
-    assert torch.equal(mod.dvalues.view(torch.uint8), values.view(torch.uint8))
-    assert torch.equal(mod.dmeta, meta)
-    with pytest.raises(ValueError, match=r"fp8_2:4 layer \(64x512\): decode kernel must be "
-                                         r"'mma' or 'triton', got 'cuda'"):
-        mod.use_decode_kernel("cuda")
-    mod.dvalues = mod.dmeta = None
-    with pytest.raises(ValueError, match="no small-M weight"):
-        mod.use_decode_kernel("mma")
+    mod.use(LayerPlan((Route(1, 32, "sk24"), large)))  # and back, to the very same encoding
+    w = mod.weights("sk24")
+    assert torch.equal(w.values.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(w.meta, meta)
+    with pytest.raises(ValueError, match="no kernel 'cuda'; registered: "):
+        mod.use(LayerPlan((Route(1, 32, "cuda"), large)))
+    mod.use(LayerPlan((large,)))  # the cuSPARSELt copy alone (here the dense weight): kept
+    with pytest.raises(ValueError, match=r"fp8_2:4 layer \(64x512\): none of its weight "
+                                         r"copies \(cslt\) can be unpacked"):
+        mod.use(LayerPlan((Route(1, 32, "mma_sp"), large)))
 
 
 def test_decode_cost_counts_the_path_each_count_runs():
-    from sparsekit.accel.planner import decode_cost_us
+    from sparsekit.accel.planner.decode import decode_cost_us
 
     entry = {"decode_max_m": 4, "us": {"1": [2, 9, 5], "4": [3, 9, 5], "16": [9, 6, 5]}}
     assert decode_cost_us(entry, [1, 4, 16]) == 2 + 3 + 6

@@ -88,24 +88,23 @@ def test_fp8_layers_decode_on_either_kernel_with_prefill_numerics(variant):
 
     from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
     from sparsekit.accel.layers import VARIANTS
+    from sparsekit.accel.linear import LayerPlan, Route
 
     lin = nn.Linear(4096, 1024).cuda()
     with torch.no_grad():
         lin.weight.copy_(masked_24(1024, 4096).cuda())
     mod = VARIANTS[variant](lin)
-    start = mod.dkernel
-    kernels = ["triton"] + (["mma"] if mod.dchoice or start == "mma" else [])
-    for kernel in kernels:
-        mod.use_decode_kernel(kernel)
+    start, large = mod.plan.routes[0].kernel, mod.plan.routes[-1]
+    for kernel in ["sk24"] + (["mma_sp"] if "mma_sp" in mod.choices["small"] else []):
         for m in (1, 7, 16, 32):
             x = torch.randn(m, 4096, device="cuda").bfloat16()
-            mod.decode_max_m = 32
+            mod.use(LayerPlan((Route(1, 32, kernel), large)), keep=True)
             y = mod(x).float()
-            mod.decode_max_m = 0
+            mod.use(LayerPlan((large,)), keep=True)
             ref = mod(x).float()
             assert ((y - ref).norm() / ref.norm()).item() < 1e-2, (kernel, m)
     if sk24_mma.load() is not None and variant == "fp8w_2:4":
-        assert start == "mma"  # the library's bf16 way takes every weight-only layer
+        assert start == "mma_sp"  # the library's bf16 way takes every weight-only layer
 
 
 def test_generate_on_gpu_equals_masked_eager_model():

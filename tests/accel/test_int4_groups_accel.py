@@ -73,9 +73,9 @@ def test_gpu_group_64_decodes_on_triton_with_a_note():
                         model[2].dequantized_weight().double(), model[2].bias.double())
     fast = sk.accelerate(model, x.cuda(), precision="int4", sparsity="2:4")
     first, last = fast.model[0], fast.model[2]
-    assert (first.group_size, first.path) == (64, "triton")
+    assert (first.group_size, first.path) == (64, "int4_24_triton")
     assert last.group_size == 128
     notes = " | ".join(fast.report.notes)
-    assert f"{1536}x{HIDDEN} g64 run the Triton kernel" in notes, notes
+    assert f"{1536}x{HIDDEN} g64 run the int4_24_triton kernel: the mma_sp_int4" in notes, notes
     y = fast(x.cuda()).double().cpu()
     assert (y - want).norm() / want.norm() < 1e-2

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.accel.kernels.int4 import op as int4_op
-from sparsekit.accel import layers_int4 as layers_int4
-from sparsekit.accel import layers as layers
+from sparsekit.accel import layers_int4
+from sparsekit.accel import layers
 from sparsekit.accel.kernels.triton24 import format as sk24
 from sparsekit.accel.kernels.int4 import format as w4a16
 
@@ -368,7 +368,8 @@ def test_layer_from_linear_equals_f_linear_of_dequantized(cls):
     lin = _linear24()
     layer = cls(lin)
     q, s = layers_int4.rtn_int4(lin.weight, 128)
-    assert torch.equal(layer.int_weight(), q) and torch.equal(layer.scales, s)
+    assert torch.equal(layer.int_weight(), q)
+    assert torch.equal(layer.weights(layer.plan.kernels()[0]).scales, s)
     assert layer.group_size == 128 and layer.bias.dtype == torch.bfloat16
     w = layer.dequantized_weight(torch.float64)
     for shape in ((1, 128), (4, 8, 128), (40, 128)):  # decode op, decode op, prefill
@@ -395,7 +396,8 @@ def test_layer_from_int4_quantlinear_takes_its_values():
         for cls in (layers_int4.Int4Sparse24, layers_int4.Int4Dense):
             layer = cls(ql)
             assert torch.equal(layer.int_weight(), ql.weight)
-            assert torch.equal(layer.scales, ql.weight_scale) and layer.group_size == group
+            assert torch.equal(layer.weights(layer.plan.kernels()[0]).scales, ql.weight_scale)
+            assert layer.group_size == group
             x = torch.randn(3, k).bfloat16()
             ref = F.linear(x.double(), dequant, ql.bias.detach().bfloat16().double())
             _close_bf16(layer(x), ref)
@@ -404,7 +406,10 @@ def test_layer_from_int4_quantlinear_takes_its_values():
 def test_prefill_bf16_24_copy_and_choices():
     lin = _linear24()
     lean, copy = layers_int4.Int4Sparse24(lin), layers_int4.Int4Sparse24(lin, prefill="bf16_2:4")
-    assert not hasattr(lean, "packed") and copy.packed.dtype == torch.bfloat16
+    assert lean.plan.text() == "M 1-32: int4_24_triton; M 33+: int4_24_dequant"
+    assert copy.plan.text() == "M 1-32: int4_24_triton; M 33+: cusparselt"
+    assert set(lean.formats) == {"int4_24"} and set(copy.formats) == {"int4_24", "cslt"}
+    assert copy.weights("cusparselt").packed.dtype == torch.bfloat16
     x = torch.randn(64, 128).bfloat16()
     torch.testing.assert_close(copy(x), lean(x), rtol=2 ** -7, atol=1e-3)
     with pytest.raises(ValueError, match=r"int4_dense: prefill must be one of \('dequant',\)"):
@@ -444,6 +449,7 @@ if __name__ == "__main__":
 def test_2_4_layer_decodes_on_the_sparse_tensor_core_format_where_it_fits(monkeypatch):
     # on a GPU where the mma.sp library loads (here its CPU reference): the layer keeps the
     # int4 mma format too, and its decode equals the Triton format's for every group it takes
+    from sparsekit.accel import kernels
     from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
     monkeypatch.setattr(sk24_mma, "usable_int4",
                         lambda q, group: sk24_mma.check_int4(*q.shape, group) is None)
@@ -455,11 +461,15 @@ def test_2_4_layer_decodes_on_the_sparse_tensor_core_format_where_it_fits(monkey
         layer = layers_int4.Int4Sparse24(lin)
         layer.group_size = group
         q, s = layers_int4.rtn_int4(lin.weight, group)
-        layer._pack(q, s)
-        assert (layer.path == "mma") == mma and (layer.mvalues is not None) == mma
-        assert "mvalues" not in layer.state_dict()  # derived, not saved
+        layer.start((q, s))
+        assert (layer.path == "mma_sp_int4") == mma
+        assert set(layer.formats) == ({"int4_24", "mma_int4"} if mma else {"int4_24"})
+        if mma:  # the copy gives back the layer's values and group scales exactly
+            fmt = kernels.get("mma_sp_int4").format
+            got_q, got_s = fmt.unpack(layer, layer.weights("mma_sp_int4").items())
+            assert torch.equal(got_q, q) and torch.equal(got_s, s)
         x = torch.randn(5, 256, generator=g).bfloat16()
         want = _ref64(x, q, s, layer.bias)
         _close_bf16(layer(x), want)
-        assert (f"decode={'mma' if mma else 'triton'}") in repr(layer)
+        assert f"M 1-32: {'mma_sp_int4' if mma else 'int4_24_triton'}" in repr(layer)
 

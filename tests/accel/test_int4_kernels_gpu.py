@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.accel.kernels.int4 import op as int4_op
-from sparsekit.accel import layers_int4 as layers_int4
+from sparsekit.accel import layers_int4
 from sparsekit.accel.kernels.int4 import format as w4a16
 
 pytestmark = [

@@ -8,7 +8,7 @@ from torch import nn
 from sparsekit.accel.kernels.cusparselt import op as cslt_op
 from sparsekit.accel.kernels.dense import op as dense_op
 from sparsekit.accel import ops
-from sparsekit.accel import layers as layers
+from sparsekit.accel import layers
 from sparsekit.quant import QuantLinear, quantize_
 from sparsekit.quant.formats import FP8, INT8, get_scheme
 from sparsekit.quant.numerics import quantize, row_scales
@@ -109,7 +109,8 @@ def test_accel_layer_built_from_quantlinear_matches_it(scheme, variant):
     ql = model[0]
     assert isinstance(ql, QuantLinear)
     layer = layers.VARIANTS[variant](ql)
-    stored = layer.packed if layer.sparse else layer.weight
+    (w,) = layer.formats.values()  # the one copy it keeps: cuSPARSELt's, or the dense one
+    stored = w.packed if layer.sparse else w.weight
     assert torch.equal(stored.view(torch.uint8), ql.weight.view(torch.uint8))
     assert torch.equal(layer.w_scale, ql.weight_scale)
     static = scheme.endswith("_static")
@@ -117,7 +118,7 @@ def test_accel_layer_built_from_quantlinear_matches_it(scheme, variant):
     if static:
         assert torch.equal(layer.act_scale, ql.input_scale)
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
-    q_accel, _ = layer._quant(x.reshape(-1, 64))
+    q_accel, _ = layer.quant(x.reshape(-1, 64))
     fmt = get_scheme(scheme).activation
     rows = x.reshape(-1, 64)
     q_quant = quantize(rows, ql.input_scale if static else row_scales(rows, fmt), fmt)

@@ -9,6 +9,7 @@ from torch import nn
 from sparsekit.accel.kernels.mma_sp import op as mma_op
 from sparsekit.accel.kernels.mma_sp import launch as sk24_mma
 from sparsekit.accel.layers import VARIANTS
+from sparsekit.accel.linear import LayerPlan
 from test_decode_cpu import masked_24
 
 pytestmark = [pytest.mark.gpu,
@@ -56,15 +57,16 @@ def test_bf16_layer_decodes_on_it_with_prefill_numerics(lib):
     with torch.no_grad():
         lin.weight.copy_(masked_24(1024, 4096))
     mod = VARIANTS["bf16_2:4"](lin.to(torch.bfloat16))
-    assert mod.dkernel == "mma"
+    assert mod.plan.routes[0].kernel == "mma_sp"
     x = torch.randn(3, 4096, device="cuda").to(torch.bfloat16)
     decode = mod(x)
-    mod.decode_max_m = 0
+    w = mod.weights("mma_sp")
+    mod.use(LayerPlan(mod.plan.routes[1:]), keep=True)  # the large-M kernel at every M
     prefill = mod(x)
     torch.testing.assert_close(decode.float(), prefill.float(), rtol=2e-2, atol=2e-2)
     g = torch.cuda.CUDAGraph()  # the ctypes launch is captured on torch's current stream
     with torch.cuda.graph(g):
-        y = mma_op.sk24_mma_mm(x, mod.dvalues, mod.dmeta, None, None, mod.bias)
+        y = mma_op.sk24_mma_mm(x, w.values, w.meta, None, None, mod.bias)
     g.replay()
     torch.testing.assert_close(y.float(), decode.float(), rtol=0, atol=0)
 
@@ -120,7 +122,7 @@ def test_fp8_x_fp8_kernel_is_used_only_where_it_equals_the_reference(lib):
 
 
 def test_int4_every_config_equals_reference_and_the_layer_uses_it(lib):
-    from sparsekit.accel import layers_int4 as layers_int4
+    from sparsekit.accel import layers_int4
 
     w = masked_24(1024, 4096)
     q, scales = layers_int4.rtn_int4(w, 128)
@@ -137,7 +139,7 @@ def test_int4_every_config_equals_reference_and_the_layer_uses_it(lib):
     with torch.no_grad():
         lin.weight.copy_(w)
     layer = layers_int4.Int4Sparse24(lin)
-    assert layer.path == "mma"
+    assert layer.path == "mma_sp_int4"
     x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
     want = x.float() @ layer.dequantized_weight(torch.float32).t() + layer.bias.float()
     got = layer(x).float()

@@ -1,30 +1,24 @@
 """The kernel registry: every kernel the accelerated layers run, with what it supports.
 
 One folder per family: ``dense`` (cuBLAS: bf16, fp8 and int8 dense, fp8 weights widened),
-``cusparselt`` (large-M 2:4 for bf16, fp8 and int8), ``triton24`` (sparsekit's 2:4 format and
+``cusparselt`` (2:4 for bf16, fp8 and int8 at any M), ``triton24`` (sparsekit's 2:4 format and
 its small-M Triton kernel), ``mma_sp`` (the small-M 2:4 CUDA library on the sparse tensor
 cores: bf16, fp8 and int4 weights), ``int4`` (the W4A16 Triton kernels, dense and 2:4) and
 ``attention`` (decode attention over a static KV cache). A folder holds the source, the weight
 format, the custom ops (``op.py``: a CUDA implementation, a plain-torch CPU reference and a
-fake each) and, in its ``__init__``, the registration: one :class:`Format` per way it stores
-a weight and one :class:`Kernel` per way it multiplies.
+fake each) and, in its ``__init__``, the registration: a :class:`Format` per way it keeps a
+weight and a :class:`Kernel` per way it multiplies.
 
-A :class:`Kernel` declares the layers it serves (``kind``, ``precisions``, ``sparse``), the
-token counts it is meant for (``tokens``), a ``check`` of one layer (shape, device, the
-library built: None or why not), the :class:`Format` it reads, its ``run`` (the product of one
-call, in the layer's numerics), the configurations the planner may time (``configs``) and its
-ops. A :class:`Format` declares how it packs a layer's weight, how it unpacks one (to move a
-layer to another format, exactly) and its bytes per weight.
-
-Layers and the planner go through :func:`kernels` and :func:`get`: the kernels for a layer
-in registration order (families in :data:`FAMILIES` order, then each family's order) and
-never name one. A new kernel is one folder here plus its name in :data:`FAMILIES` (or a
-:func:`register` call, as the tests do with a toy kernel).
+Layers and the planner go through :func:`kernels`, :func:`choices` and :func:`get`, and name
+no kernel: a layer's plan (:class:`sparsekit.accel.layers.LayerPlan`) holds kernel names as
+data. A new kernel is one folder here plus its name in :data:`FAMILIES` (or a :func:`register`
+call, as the tests do with a toy kernel): docs/architecture.md walks through one.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +26,7 @@ from typing import Any
 import torch
 
 M_MULTIPLE = 16  # rows the 8-bit and 2:4 CUDA GEMMs take as they are; fewer are padded
-UNBOUNDED = 1 << 30  # a token range's top when the kernel takes any M
-# the families, in the order their kernels are offered (the first a layer takes is its default)
+UNBOUNDED = 1 << 30  # the top of a kernel's token range when it takes any M
 FAMILIES = ("dense", "cusparselt", "mma_sp", "triton24", "int4", "attention")
 
 
@@ -48,43 +41,50 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return out
 
 
-def _never(layer: Any) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class Format:
-    """One way a layer keeps its weight. ``pack(layer, weight)``: the tensors (name -> tensor)
-    of ``weight`` (N, K) in the layer's values dtype (bf16, fp8 e4m3, int8; an int4 layer's
-    int8 values in [-8, 7]); ``unpack(tensors)``: that weight back, exactly (None: the format
-    cannot give it back, e.g. cuSPARSELt's opaque buffer); ``bytes_per_weight(dtype)``: its
-    bytes per dense weight for a weight of ``dtype`` (the report's bytes per layer)."""
+    """One way a layer keeps its weight.
+
+    - ``pack(layer, source)``: the tensors (name -> tensor; other values become plain
+      attributes) of the layer's weight ``source``: (N, K) in the layer's values dtype (bf16,
+      fp8 e4m3, int8), or an int4 layer's (values (N, K) int8 in [-8, 7], scales (N, K / g));
+    - ``unpack(layer, tensors)``: that source back, exactly, or None where the format cannot
+      give it (cuSPARSELt's opaque buffer): a layer moved to another format is re-encoded
+      from one that can;
+    - ``bytes_per_weight(dtype)``: bytes per dense weight for a weight of ``dtype``.
+    """
 
     name: str
-    pack: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]]
+    pack: Callable[[Any, Any], dict[str, Any]]
     bytes_per_weight: Callable[[torch.dtype], float]
-    unpack: Callable[[dict[str, torch.Tensor]], torch.Tensor | None] = lambda t: None
+    unpack: Callable[[Any, dict[str, Any]], Any] = lambda layer, tensors: None
+
+
+def _takes(layer: Any, source: Any) -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
 class Kernel:
     """One kernel a layer may run for some token counts M.
 
-    - ``kind``: the layers it serves ("linear"; "attention" for the decode attention);
+    - ``kind``: the layers it serves ("linear"; "attention" for decode attention);
     - ``precisions``: the layer precisions whose numerics it computes ("bf16", "fp8" (W8A8),
-      "fp8w" (fp8 weight-only), "int8", "int4");
-    - ``sparse``: True for 2:4 weights, False for dense ones, None for either;
-    - ``tokens``: (lo, hi), the M it is meant for (``hi`` :data:`UNBOUNDED`: any);
-    - ``check(layer)``: None when it runs this layer here, else why not (shape, device,
-      library); ``prefer(layer)``: whether a layer takes it untimed over the kernels after it
-      (False: only the planner may choose it, by timing both);
-    - ``format``: the :class:`Format` it reads;
-    - ``run(layer, x2d, weights, config)``: y (M, N) bf16 for x2d (M, K), ``weights`` the
-      tensors of its format (an ``nn.Module`` holding them as buffers), ``config`` one of
-      ``configs`` (or None: the kernel's default);
-    - ``configs(layer, weights)``: the configurations the planner times (empty: none to
-      choose), ``config_text(config)`` their text in the report;
-    - ``ops``: its custom ops (``sparsekit::<op>``), each with a CPU reference and a fake.
+      "fp8w" (fp8 weight-only), "int8", "int4"); ``sparse``: True for 2:4 weights, False for
+      dense ones, None for either;
+    - ``tokens``: (lo, hi), the M it is meant for (``hi`` :data:`UNBOUNDED`: any M; a bounded
+      kernel is a small-M one, offered for the token counts up to ``hi``);
+    - ``check(layer, source)``: None when it runs this layer here, else why not (shape,
+      device, library); ``prefer(layer, source)``: whether the layer takes it untimed over
+      the kernels after it (False: an alternative the planner may time against the default);
+    - ``format``: the :class:`Format` it reads; ``run(layer, x2d, weights, config)``: y (M, N)
+      bf16 for x2d (M, K), ``weights`` the format's tensors as attributes of a module,
+      ``config`` one configuration per bucket of ``buckets`` (or None: the kernel's default);
+    - ``configs(layer, weights)``: the configurations the planner may time (per bucket of
+      ``buckets``, token counts; empty: nothing to choose), ``config_text`` for reports;
+    - ``ops``: its custom ops (``sparsekit::<op>``, each with a CPU reference and a fake);
+      ``note(layers)``: a line for the report about the layers routed to it, or None;
+    - ``order``: where it stands among the kernels (lower first: offered before).
     """
 
     name: str
@@ -95,49 +95,52 @@ class Kernel:
     tokens: tuple[int, int]
     format: Format | None
     run: Callable[..., torch.Tensor]
-    check: Callable[[Any], str | None] = _never
-    prefer: Callable[[Any], bool] = lambda layer: True
+    check: Callable[[Any, Any], str | None] = _takes
+    prefer: Callable[[Any, Any], bool] = lambda layer, source: True
     configs: Callable[[Any, Any], list] = lambda layer, weights: []
+    buckets: tuple[int, ...] = ()
     config_text: Callable[[Any], str] = str
     ops: tuple[str, ...] = field(default=())
+    note: Callable[[list], str | None] = lambda layers: None
+    order: int = 100
+
+    @property
+    def small_m(self) -> bool:
+        """Whether it is meant for small token counts only (decode)."""
+        return self.tokens[1] < UNBOUNDED
 
     def serves(self, layer: Any, kind: str = "linear") -> bool:
-        """Whether this kernel is declared for ``layer``'s kind, precision and pattern (its
-        ``check`` not asked)."""
+        """Whether it is declared for ``layer``'s kind, precision and pattern (its ``check``
+        not asked)."""
         return (self.kind == kind and layer.precision in self.precisions
                 and self.sparse in (None, layer.sparse))
 
-    def covers(self, lo: int, hi: int) -> bool:
-        """Whether token counts ``lo``..``hi`` are inside this kernel's range."""
-        return self.tokens[0] <= lo and hi <= self.tokens[1]
 
-
-_REGISTRY: dict[str, Kernel] = {}
-_FORMATS: dict[str, Format] = {}
+_REGISTRY: dict[str, tuple[int, Kernel]] = {}  # name -> (registration number, kernel)
+_count = itertools.count()
 _loaded: list[bool] = []
 
 
 def register(kernel: Kernel) -> Kernel:
-    """Add ``kernel`` (and its format) to the registry; ValueError on a name taken by another
-    kernel or format. Returns it (usable as a module-level statement)."""
+    """Add ``kernel`` to the registry (returned, so a module registers with one statement);
+    ValueError when its name or its format's name is another kernel's or format's."""
     old = _REGISTRY.get(kernel.name)
-    if old is not None and old is not kernel:
-        raise ValueError(f"kernel {kernel.name!r} is registered already (family {old.family})")
+    if old is not None and old[1] is not kernel:
+        raise ValueError(f"kernel {kernel.name!r} is registered already (family "
+                         f"{old[1].family})")
     if kernel.format is not None:
-        fmt = _FORMATS.get(kernel.format.name)
-        if fmt is not None and fmt is not kernel.format:
-            raise ValueError(f"format {kernel.format.name!r} is registered already")
-        _FORMATS[kernel.format.name] = kernel.format
-    _REGISTRY[kernel.name] = kernel
+        for _, k in _REGISTRY.values():
+            if k.format is not None and k.format.name == kernel.format.name \
+                    and k.format is not kernel.format:
+                raise ValueError(f"weight format {kernel.format.name!r} is registered already "
+                                 f"(kernel {k.name})")
+    _REGISTRY[kernel.name] = (next(_count), kernel)
     return kernel
 
 
 def unregister(name: str) -> None:
-    """Remove kernel ``name`` (and its format when no other kernel reads it)."""
-    kernel = _REGISTRY.pop(name)
-    if kernel.format is not None and all(k.format is not kernel.format
-                                         for k in _REGISTRY.values()):
-        _FORMATS.pop(kernel.format.name, None)
+    """Remove kernel ``name`` (a test's toy kernel)."""
+    _REGISTRY.pop(name)
 
 
 def _load() -> None:
@@ -152,43 +155,41 @@ def get(name: str) -> Kernel:
     _load()
     if name not in _REGISTRY:
         raise ValueError(f"no kernel {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
+    return _REGISTRY[name][1]
 
 
-def get_format(name: str) -> Format:
-    """The registered format ``name``; ValueError naming the registered ones."""
+def kernels(layer: Any = None, source: Any = None, *, small_m: bool | None = None,
+            kind: str = "linear") -> list[Kernel]:
+    """The registered kernels, lowest ``order`` first (then in registration order). With
+    ``layer``: those declared for it (``small_m``: only the small-M ones, or only the others)
+    whose ``check(layer, source)`` passes."""
     _load()
-    if name not in _FORMATS:
-        raise ValueError(f"no weight format {name!r}; registered: {sorted(_FORMATS)}")
-    return _FORMATS[name]
-
-
-def kernels(layer: Any = None, lo: int = 1, hi: int = UNBOUNDED, kind: str = "linear",
-            usable: bool = True) -> list[Kernel]:
-    """The registered kernels, in order; with ``layer``, those declared for it whose token
-    range covers ``lo``..``hi`` and (``usable``) whose ``check`` passes."""
-    _load()
-    out = list(_REGISTRY.values())
+    out = [k for _, k in sorted(_REGISTRY.values(), key=lambda e: (e[1].order, e[0]))]
     if layer is None:
         return out
-    return [k for k in out if k.serves(layer, kind) and k.covers(lo, hi)
-            and (not usable or k.check(layer) is None)]
+    return [k for k in out if k.serves(layer, kind)
+            and (small_m is None or k.small_m == small_m) and k.check(layer, source) is None]
 
 
-def choices(layer: Any, lo: int, hi: int) -> list[Kernel]:
-    """The kernels a layer may run for ``lo``..``hi`` tokens (:func:`kernels`), up to and
-    including the first one it prefers: the first is what it runs untimed when it prefers
-    it, the others are alternatives the planner times (an empty list: none)."""
+def choices(layer: Any, source: Any, small_m: bool) -> list[str]:
+    """The kernels ``layer`` may run (small-M ones or the others), as names: up to and
+    including the first it prefers, which is last (what it runs untimed); those before it are
+    alternatives the planner may time against it. Empty: none it prefers."""
     out = []
-    for k in kernels(layer, lo, hi):
-        out.append(k)
-        if k.prefer(layer):
-            break
-    return out
+    for k in kernels(layer, source, small_m=small_m):
+        out.append(k.name)
+        if k.prefer(layer, source):
+            return out
+    return []
 
 
-def default(layer: Any, lo: int, hi: int) -> Kernel | None:
-    """The kernel ``layer`` runs for ``lo``..``hi`` tokens untimed: the first it prefers
-    among :func:`choices` (None: none)."""
-    preferred = [k for k in choices(layer, lo, hi) if k.prefer(layer)]
-    return preferred[0] if preferred else None
+def refused(layer: Any, source: Any, small_m: bool) -> dict[str, str]:
+    """{kernel: why not} for the kernels declared for ``layer`` whose check fails (for the
+    report: e.g. the mma.sp library not built on this machine)."""
+    _load()
+    return {k.name: why for k in kernels() if k.serves(layer) and k.small_m == small_m
+            for why in [k.check(layer, source)] if why is not None}
+
+
+__all__ = ["FAMILIES", "M_MULTIPLE", "UNBOUNDED", "Format", "Kernel", "choices", "get",
+           "kernels", "pad_rows", "refused", "register", "unregister"]

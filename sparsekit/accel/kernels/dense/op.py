@@ -7,6 +7,7 @@
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from sparsekit import _compat
 from sparsekit.accel.kernels import M_MULTIPLE, pad_rows
@@ -43,4 +44,16 @@ def _scaled_mm_fake(xq, wq, x_scale, w_scale, bias, out_dtype):
     return xq.new_empty((xq.shape[0], wq.shape[0]), dtype=out_dtype)
 
 
-__all__ = ["scaled_mm"]
+def widened_mm(x2d: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """A weight-only fp8 layer's large-M product: bf16 x times the e4m3 values widened to bf16
+    (exact), then the per-channel scales and the bias in float32, as the decode kernels apply
+    them (after the sums, never folded into the weight, which would round it a second time)."""
+    acc = F.linear(x2d.to(torch.bfloat16), q.to(torch.bfloat16))
+    y = acc.float() * w_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
+__all__ = ["scaled_mm", "widened_mm"]

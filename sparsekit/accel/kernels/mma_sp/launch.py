@@ -61,8 +61,8 @@ None and :func:`reason` says why; the layers then keep the Triton kernel.
 ``PlanOptions(mma_sp="off")`` turns it off. bf16 layers always take it; an fp8 layer starts on
 the Triton kernel and, where the library runs fp8 weights with f16 x (:func:`choosable`), the
 decode plan times both kernels on the layer's shape and keeps the faster
-(:func:`sparsekit.accel.planner.time_decode_choice`); ``PlanOptions(mma_sp="all")`` puts every
-fp8 layer on this kernel untimed (:func:`dtypes`).
+(:func:`sparsekit.accel.planner.decode.time_decode_choices`); ``PlanOptions(mma_sp="all")``
+puts every fp8 layer on this kernel untimed (:func:`dtypes`).
 """
 
 from __future__ import annotations
@@ -669,7 +669,7 @@ def config_for(config, m: int) -> tuple[int, ...] | None:
 
 
 def config_text(config) -> str:
-    """A configuration per bucket (``dconfig``, a plan's "config") for reports: "/"-separated."""
+    """A configuration per bucket (a layer plan route's config) for reports: "/"-separated."""
     return "/".join("x".join(map(str, c)) for c in config)
 
 
