@@ -33,10 +33,10 @@ def test_smoke_writes_gemm_and_generate_rows(tmp_path, tool_module):
         assert sum(graphs.values()) <= way["first_call_s"]
     assert "reference_warning" not in gen
     # which small-M kernel the layers decode on (CPU: the Triton format's reference)
-    assert gen["ways"]["sk_bf16_2:4"]["decode_kernels"] == {"triton": 7}  # q k v o gate up down
+    assert gen["ways"]["sk_bf16_2:4"]["decode_kernels"] == {"sk24": 7}  # q k v o gate up down
     # int4dense: the same int4 weights on the dense int4 kernel, no layer on a 2:4 one
     int4_dense = gen["ways"]["sk_int4_dense"]["decode_kernels"]
-    assert sum(int4_dense.values()) == 7 and all(k.startswith("int4_dense_") for k in int4_dense)
+    assert int4_dense == {"int4_triton": 7}
     # the decode plan's notes per way (its timings need CUDA: none on CPU)
     assert all(w["decode_notes"] == [] for n, w in gen["ways"].items() if n.startswith("sk_"))
     # --profile: kernel times need CUDA (bench_models.profile_shares), none on CPU
@@ -56,9 +56,9 @@ def test_smoke_head_precision_puts_the_lm_head_on_int4(tmp_path, tool_module):
         ways = json.loads(out.read_text())["generate"]["1"]["ways"]
         return {name: way["decode_kernels"] for name, way in ways.items()}
 
-    assert kernels("--head", "int4") == {"sk_bf16_2:4": {"triton": 7, "int4_dense_triton": 1},
+    assert kernels("--head", "int4") == {"sk_bf16_2:4": {"sk24": 7, "int4_triton": 1},
                                          "dense_sk": {}}
-    assert kernels() == {"sk_bf16_2:4": {"triton": 7}, "dense_sk": {}}
+    assert kernels() == {"sk_bf16_2:4": {"sk24": 7}, "dense_sk": {}}
 
 
 def test_unknown_precision_is_one_line_naming_the_choices(tmp_path, tool_module, capsys):
