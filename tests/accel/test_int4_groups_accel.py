@@ -35,7 +35,7 @@ def test_float_layer_takes_the_largest_group_that_fits(k, group):
         layer = cls(src)
         q, s = layers_int4.rtn_int4(src.weight, group)
         assert layer.group_size == group and torch.equal(layer.int_weight(), q)
-        assert torch.equal(layer.scales, s)
+        assert torch.equal(layer.weights(layer.plan.kernels()[0]).scales, s)
 
 
 def _two_four(w: torch.Tensor) -> torch.Tensor:
