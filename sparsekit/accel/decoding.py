@@ -1,7 +1,7 @@
 """What sparsekit's generate takes: Hugging Face's keyword arguments for greedy and sampled
-decoding, resolved as HF resolves them (the call's value, else the model's
-``generation_config``, else HF's default) into one frozen :class:`Decoding`, and the prompt's
-ids and attention mask checked. Anything else is a one-line ``ValueError`` (``TypeError`` for
+decoding, resolved as HF resolves them (the call's value, else its ``generation_config``'s,
+else ``model.generation_config``'s, else HF's default) into one frozen :class:`Decoding`, and
+the prompt's ids and attention mask checked. Anything else is a one-line ``ValueError`` (``TypeError`` for
 a value of the wrong type) naming the argument and what is supported.
 
 >>> d = resolve(None, {"do_sample": True, "top_p": 0.9}, vocab=100)
@@ -37,7 +37,7 @@ CONFIG_NEUTRAL = {**NEUTRAL, "min_length": 0, "no_repeat_ngram_size": 0,
                   "dola_layers": None, "max_time": None, "stop_strings": None,
                   "watermarking_config": None, "encoder_repetition_penalty": 1.0,
                   "num_beam_groups": 1, "diversity_penalty": 0.0, "low_memory": None}
-# HF's defaults for what neither the call nor the model's generation_config sets
+# HF's defaults for what neither the call nor a generation config sets
 DEFAULTS = {"max_length": 20, "min_new_tokens": 0, "do_sample": False, "temperature": 1.0,
             "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
 WHAT = ("greedy or sampled decoding, one sequence per prompt, on sparsekit's static cache; "
