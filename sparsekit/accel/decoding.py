@@ -1,8 +1,8 @@
 """What sparsekit's generate takes: Hugging Face's keyword arguments for greedy and sampled
 decoding, resolved as HF resolves them (the call's value, else its ``generation_config``'s,
 else ``model.generation_config``'s, else HF's default) into one frozen :class:`Decoding`, and
-the prompt's ids and attention mask checked. Anything else is a one-line ``ValueError`` (``TypeError`` for
-a value of the wrong type) naming the argument and what is supported.
+the prompt's ids and attention mask checked. Anything else is a one-line ``ValueError``
+(``TypeError`` for a value of the wrong type) naming the argument and what is supported.
 
 >>> d = resolve(None, {"do_sample": True, "top_p": 0.9}, vocab=100)
 >>> (d.do_sample, d.top_k, d.top_p, d.temperature)
