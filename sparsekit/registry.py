@@ -27,7 +27,7 @@ sparsekit.errors.UsageError: unknown colour 'blue'; allowed: 'red'
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from typing import Generic, TypeVar
 
@@ -40,10 +40,13 @@ class Registry(Mapping[str, T], Generic[T]):
     """Objects of one ``kind`` by name; a read-only mapping (``registry[name]``, ``in``, ``len``,
     iteration in registration order, entry points last). ``kind`` names what is registered in
     error messages ("criterion", "quantization scheme"); ``group`` is the entry point group
-    scanned for plugins (None: code registrations only)."""
+    scanned for plugins (None: code registrations only); ``check(obj)`` says what is wrong
+    with a loaded plugin's object (None: it is one), so that a plugin giving something else is
+    one line naming it, not an AttributeError when it is used."""
 
-    def __init__(self, kind: str, group: str | None = None):
-        self.kind, self.group = kind, group
+    def __init__(self, kind: str, group: str | None = None,
+                 check: Callable[[object], str | None] | None = None):
+        self.kind, self.group, self._check = kind, group, check
         self._objects: dict[str, T] = {}
         self._entry_points: dict[str, metadata.EntryPoint] | None = None
         self._loaded_plugins: set[str] = set()  # entry points loaded into _objects
@@ -93,7 +96,16 @@ class Registry(Mapping[str, T], Generic[T]):
                 f"{self.kind} {name!r} (entry point {ep.value!r} of group {self.group!r}) cannot "
                 f"be loaded: {type(e).__name__}: {e}"
             ) from e
-        self._objects[name] = obj() if isinstance(obj, type) else obj
+        try:
+            obj = obj() if isinstance(obj, type) else obj
+        except Exception as e:
+            raise UsageError(f"{self.kind} {name!r} (entry point {ep.value!r} of group "
+                             f"{self.group!r}) cannot be created: {type(e).__name__}: {e}") from e
+        wrong = None if self._check is None else self._check(obj)
+        if wrong is not None:
+            raise ConfigTypeError(f"{self.kind} {name!r} (entry point {ep.value!r} of group "
+                                  f"{self.group!r}) is not a {self.kind}: {wrong}")
+        self._objects[name] = obj
         self._loaded_plugins.add(name)
         return self._objects[name]
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import sys
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.errors import FileFormatError, UnsafeFileError
+from sparsekit.errors import FileFormatError, SparsekitError, UnsafeFileError
 from sparsekit.io.files import atomic_torch_save
 from sparsekit.quant.formats import get_scheme
 from sparsekit.run.cli import check_overrides, hydra_argv, main, register_configs
@@ -283,3 +284,197 @@ def test_loading_a_checkpoint_refuses_or_reproduces_its_outputs(tmp_path, scheme
         ref = x.double() @ (w * q.weight_scale.double().reshape(4, -1, 1)).reshape(4, 128).T
         torch.testing.assert_close(back(x).double(), ref + q.bias.double(), rtol=1e-5,
                                    atol=1e-4)
+
+
+# --- 3. guards that turn silent wrongs into a warning or an error ----------------------------
+
+def test_a_global_threshold_that_empties_a_layer_is_named_in_a_warning_and_the_report():
+    from sparsekit.models.cnn1d import mnist1d_cnn
+
+    model = mnist1d_cnn()  # its classifier's weights start smallest: 90% global empties it
+    with pytest.warns(UserWarning, match=r"pruned layer 'linear' to 100\.0%.*max_layer_spars"):
+        report = sk.prune_(model, 0.9, scope="global")
+    assert bool((model.linear.weight == 0).all())
+    assert set(report.warnings) == {"linear"} and "WARNING" in str(report)
+    after = sk.sparsity_report(model)  # the finalized model alone: still flagged
+    assert set(after.warnings) == {"linear"}
+    assert after.to_dict()["layers"]["linear"]["warning"].startswith("100.0% zeros")
+
+
+def test_a_small_first_layer_pruned_hard_by_a_global_threshold_warns():
+    from sparsekit.models.cnn1d import mnist1d_cnn
+
+    model = mnist1d_cnn()
+    with torch.no_grad():
+        model.conv1.weight.mul_(0.05)  # small first-layer weights, as after training
+    with pytest.warns(UserWarning, match=r"layer 'conv1', the first layer \(160 weights.*"
+                                         r"exclude=\['conv1'\]"):
+        report = sk.prune_(model, 0.9, scope="global", max_layer_sparsity=0.95)
+    assert report.layers["conv1"].sparsity >= 0.5 and "conv1" in report.warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # excluded (as the recipe does): no word
+        sk.prune_(mnist1d_cnn(), 0.9, scope="global", exclude=["conv1"], max_layer_sparsity=0.95)
+
+
+def test_max_layer_sparsity_caps_every_layer_and_keeps_the_global_target():
+    from sparsekit.models.cnn1d import mnist1d_cnn
+
+    model = mnist1d_cnn()
+    weights = {n: m.weight.detach().abs().clone() for n, m in model.named_modules()
+               if isinstance(m, (nn.Conv1d, nn.Linear))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = sk.prune_(model, 0.9, scope="global", max_layer_sparsity=0.95)
+    total = sum(w.numel() for w in weights.values())
+    assert report.zeros == int(0.9 * total + 0.5)  # the global target, exactly
+    capped = {n for n, s in report.layers.items() if s.zeros == int(0.95 * s.numel + 0.5)}
+    assert capped == {"linear"} and all(s.sparsity <= 0.95 for s in report.layers.values())
+    kept = {n: dict(model.named_modules())[n].weight.detach() != 0 for n in weights}
+    # the capped layer keeps its largest weights; the others share one threshold
+    top = weights["linear"].flatten().topk(int(kept["linear"].sum())).values.min()
+    assert bool((weights["linear"][kept["linear"]] >= top).all())
+    free = [n for n in weights if n not in capped]
+    pruned_max = max(float(weights[n][~kept[n]].max()) for n in free)
+    kept_min = min(float(weights[n][kept[n]].min()) for n in free)
+    assert pruned_max <= kept_min
+
+
+@pytest.mark.parametrize("cap,scope,why", [(0.8, "global", "below sparsity=0.9"),
+                                           (0.95, "layer", "scope='global'"),
+                                           (1.0, "global", r"\[0, 1\)")])
+def test_max_layer_sparsity_outside_its_range_is_one_line(cap, scope, why):
+    with pytest.raises(ValueError, match=why):
+        sk.Pruner(nn.Sequential(nn.Linear(8, 8)), 0.9, scope=scope, max_layer_sparsity=cap)
+
+
+def test_the_readme_example_zeroes_no_layer():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                if "scope=\"global\"" in c)
+    code = code.split("sk.quantize_")[0]  # the pruning part
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer named in a warning
+        exec(compile(code, "README example", "exec"), scope)
+    assert max(s.sparsity for s in scope["report"].layers.values()) <= 0.95
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["schedule.end=2000"], "schedule.end=2000"),
+    (["schedule=cubic", "train=lm", "model=tiny_lm", "data=stdlib_text"], "schedule.end=1500"),
+    (["schedule=oneshot", "schedule.start=2500", "schedule.end=2500"], "schedule.start=2500"),
+])
+def test_a_schedule_ending_after_the_last_fine_tuning_step_is_an_error(overrides, key, capsys):
+    register_configs()
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(overrides)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{key} is not before the last fine-tuning step" in err
+    check_overrides([*overrides, "prune.fine_tune=false"])  # pruned without fine-tuning: fine
+
+
+# --- 4. internal errors and unclear messages become one line ---------------------------------
+
+@pytest.fixture
+def bad_plugin(tmp_path, monkeypatch):
+    """An installed-looking criterion plugin ``notone`` whose entry point is not a criterion
+    (a function returning a number)."""
+    from importlib import metadata
+
+    from sparsekit.prune.criteria import CRITERIA
+
+    (tmp_path / "notone_plugin.py").write_text("def make():\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = metadata.EntryPoint(name="notone", value="notone_plugin:make",
+                             group="sparsekit.criteria")
+    monkeypatch.setattr(CRITERIA, "_plugins", lambda rescan=False: {"notone": ep})
+    yield "notone"
+    CRITERIA.unregister("notone")
+
+
+def test_a_criterion_plugin_that_is_not_a_criterion_is_one_line(bad_plugin, tmp_path,
+                                                                monkeypatch, capsys):
+    with pytest.raises(TypeError, match=r"criterion 'notone' \(entry point 'notone_plugin:make'"
+                                        r".*is not a criterion: a criterion has a score"):
+        sk.Pruner(nn.Sequential(nn.Linear(8, 8)), 0.5, criterion=bad_plugin)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:  # before: "internal error: AttributeError"
+        main(["prune.criterion=notone", "prune=unstructured", "train.dense_steps=0"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a criterion" in err
+    assert "internal error" not in err
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _weight_norm() -> nn.Module:
+    model = _mlp()
+    nn.utils.parametrizations.weight_norm(model[0])
+    return model
+
+
+def _meta() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8, device="meta"), nn.ReLU(), nn.Linear(8, 4, device="meta"))
+
+
+_CAL = [torch.randn(4, 8)]
+# (call, what the one line names): each was an AttributeError, RuntimeError or
+# NotImplementedError from deep inside before (the 14 unclear messages and their kin)
+API_CASES = {
+    "Pruner(str)": (lambda: sk.Pruner("model", 0.5), "model must be a torch.nn.Module, got str"),
+    "prune_(None)": (lambda: sk.prune_(None, 0.5), "model must be a torch.nn.Module, got None"),
+    "quantize_(str)": (lambda: sk.quantize_("model", "int8"), "model must be a torch.nn.Module"),
+    "sparsity_report(None)": (lambda: sk.sparsity_report(None), "model must be a torch.nn"),
+    "prepare_qat_(dict)": (lambda: sk.prepare_qat_({}, "int8"), "model must be a torch.nn"),
+    "convert_(str)": (lambda: sk.convert_("m"), "convert_: model must be a torch.nn.Module"),
+    "save(str)": (lambda: sk.save("m", "x.safetensors"), "sk.save: model must be a torch.nn"),
+    "save(path=int)": (lambda: sk.save(_mlp(), 3), "sk.save: path must be a file path"),
+    "Distiller(None)": (lambda: sk.Distiller(None), "sk.Distiller: teacher must be a torch.nn"),
+    "distill_(teacher=str)": (lambda: sk.distill_(_mlp(), "t", _CAL, steps=1),
+                              "sk.distill_: teacher must be a torch.nn.Module"),
+    "sensitivity(str)": (lambda: sk.sensitivity("m", lambda m: 0.0), "sk.sensitivity: model"),
+    "quant_plan(None)": (lambda: sk.quant_plan(None), "quant_plan: model must be a torch.nn"),
+    "channel_plan(int)": (lambda: sk.channel_plan(3), "channel_plan: model must be a torch.nn"),
+    "apply_quant_plan(plan=str)": (lambda: sk.apply_quant_plan(_mlp(), "x"),
+                                   "apply_quant_plan: plan must be a dict"),
+    "apply_channel_plan(plan=str)": (lambda: sk.apply_channel_plan(_mlp(), "x"),
+                                     "apply_channel_plan: plan must be a dict"),
+    "ChannelPruner(str)": (lambda: sk.ChannelPruner("m", torch.randn(1, 8), ratio=0.5),
+                           "sk.ChannelPruner: model must be a torch.nn.Module"),
+    "allocate(str)": (lambda: sk.allocate("bad", 0.5), "allocate: table must be the Sensitiv"),
+    "sparsity_report(meta)": (lambda: sk.sparsity_report(_meta()),
+                              "layer '0' has its weight on the meta device"),
+    "Pruner(weight_norm)": (lambda: sk.Pruner(_weight_norm(), 0.5),
+                            "layer '0': its weight is computed by a parametrization"),
+    "prune_(weight_norm, 2:4)": (lambda: sk.prune_(_weight_norm(), pattern="2:4"),
+                                 "layer '0': its weight is computed"),
+    "wanda(meta batch)": (lambda: sk.prune_(_mlp(), 0.5, criterion="wanda", calibration=[
+        torch.randn(4, 8, device="meta")]), "holds a tensor on the meta device"),
+    "quantize_(meta batch)": (lambda: sk.quantize_(_mlp(), "int8_static", calibration=[
+        torch.randn(4, 8, device="meta")]), "holds a tensor on the meta device"),
+}
+
+
+@pytest.mark.parametrize("case", list(API_CASES))
+def test_wrong_api_arguments_are_one_line_naming_the_argument(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    call, says = API_CASES[case]
+    with pytest.raises((ValueError, TypeError)) as e:
+        call()
+    assert isinstance(e.value, SparsekitError), f"{type(e.value).__name__}: {e.value}"
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_weight_norm_model_saves_its_effective_weights(tmp_path):
+    model = _weight_norm()
+    sk.save(model, tmp_path / "w.safetensors")  # before: 'ParametrizationList' ... 'original'
+    back = sk.load(tmp_path / "w.safetensors", model=_mlp())
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(back(x), model(x))

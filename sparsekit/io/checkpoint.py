@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.checks import check_module
 from sparsekit.io.files import atomic_write
 from sparsekit.errors import (
     ConfigTypeError,
@@ -212,6 +213,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
     2.7-bit group codes, and other sparse tensors as non-zeros plus a 1-bit mask where
     smaller. The rebuild spec ``model._sparsekit_spec`` (set by sparsekit's model builders)
     and the channel / quantization plans are stored in the JSON metadata."""
+    check_module(model, where="sk.save: ")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigTypeError(f"sk.save: path must be a file path (str or os.PathLike), got "
+                              f"{type(path).__name__} {path!r:.60}")
     if getattr(model, "_sparsekit_accelerated", False):
         raise ValueError(
             "sk.save got an accelerated model (its GPU kernels' weights are not portable): "

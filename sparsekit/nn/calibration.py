@@ -158,6 +158,15 @@ class _LayerTrace:
         self._handles.clear()
 
 
+def _check_no_meta(batch: Any) -> None:
+    """UsageError when a tensor of ``batch`` is on the meta device (a shape, no values)."""
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) if t.device.type == "meta" else t, batch)
+    if found:
+        raise UsageError(f"a calibration batch ({describe(batch)}) holds a tensor on the meta "
+                         "device (a shape without values): pass batches of real tensors")
+
+
 def call_model(
     model: nn.Module, batch: Any, calibration_fn: CalibrationFn | None = None, hint: str = _HOW
 ) -> Any:
@@ -171,6 +180,8 @@ def call_model(
             device = next(model.parameters()).device
         except StopIteration:
             device = torch.device("cpu")
+        if device.type != "meta":
+            _check_no_meta(batch)
         batch = to_device(batch, device)
         args, kwargs = model_arguments(model, batch, hint)
         call = model

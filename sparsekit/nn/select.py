@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from sparsekit.checks import check_module
 from sparsekit.errors import ConfigTypeError, NumericsError, UsageError
 
 PRUNABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -95,7 +96,9 @@ def select_modules(
 ) -> dict[str, nn.Module]:
     """Modules of ``types`` whose qualified name matches an include pattern and no exclude
     pattern, in model order. Raises ValueError when an include or exclude pattern matches no
-    module of those types (a typo should not silently prune nothing)."""
+    module of those types (a typo should not silently prune nothing); ConfigTypeError when
+    ``model`` is not a module."""
+    check_module(model)
     candidates = {
         name: m
         for name, m in model.named_modules()

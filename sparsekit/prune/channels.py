@@ -34,7 +34,7 @@ from torch.nn.utils import parametrize
 
 from sparsekit.nn.calibration import call_model, eval_mode, feed
 from sparsekit import _compat
-from sparsekit.checks import check_fraction, check_int
+from sparsekit.checks import check_fraction, check_int, check_mapping, check_module
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.io import checkpoint
 from sparsekit.registry import Registry
@@ -67,7 +67,9 @@ class ChannelCriterion:
 
 
 CHANNEL_CRITERIA: Registry[ChannelCriterion] = Registry(
-    "channel criterion", group="sparsekit.channel_criteria")
+    "channel criterion", group="sparsekit.channel_criteria",
+    check=lambda obj: None if isinstance(obj, ChannelCriterion) else (
+        f"an entry point of this group is a ChannelCriterion, got {type(obj).__name__}"))
 
 
 def register_channel_criterion(name: str, make: Callable[[], tp.importance.Importance], *,
@@ -345,6 +347,7 @@ class ChannelPruner:
         schedule: Schedule | None = None,
         loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
     ) -> None:
+        check_module(model, where="sk.ChannelPruner: ")
         self.ratio = check_fraction("ratio", ratio, _RATIO)
         scorer = channel_criterion(criterion)
         if scope not in SCOPES:
@@ -717,8 +720,8 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
         if b is not None:
             yield k, b, False
     if parametrize.is_parametrized(module):
-        for k, plist in module.parametrizations.items():
-            yield k, plist.original, True
+        for k, plist in module.parametrizations.items():  # several originals (weight_norm):
+            yield k, plist.original if hasattr(plist, "original") else getattr(module, k), True
 
 
 def _plan_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -744,6 +747,7 @@ def channel_plan(model: nn.Module) -> dict[str, Any]:
     >>> plan["modules"][""]["shapes"]
     {'weight': [2, 4], 'bias': [2]}
     """
+    check_module(model, where="channel_plan: ")
     modules = {}
     for name, m in _plan_modules(model):
         shapes = {k: list(t.shape) for k, t, _ in _tensors(m)}
@@ -768,6 +772,8 @@ def apply_channel_plan(model: nn.Module, plan: Mapping[str, Any]) -> nn.Module:
     >>> fresh.load_state_dict(pruned.state_dict())
     <All keys matched successfully>
     """
+    check_module(model, where="apply_channel_plan: ")
+    check_mapping(plan, "apply_channel_plan: plan", "from channel_plan(model)")
     if plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
         raise UsageError(
             f"not a channel plan (format {PLAN_FORMAT!r} version {PLAN_VERSION}): got format "

@@ -94,20 +94,25 @@ class Solver(Protocol):
     ) -> dict[str, torch.Tensor]: ...
 
 
-CRITERIA: Registry[Criterion | Solver] = Registry("criterion", group="sparsekit.criteria")
+def _not_a_criterion(obj: object) -> str | None:
+    """What is wrong with ``obj`` as a criterion (None: it has ``score`` or ``solve``)."""
+    if callable(getattr(obj, "score", None)) or callable(getattr(obj, "solve", None)):
+        return None
+    return (f"a criterion has a score(layers) or a solve(layers, levels, nm) method, got "
+            f"{type(obj).__name__} {obj!r:.60}")
+
+
+CRITERIA: Registry[Criterion | Solver] = Registry("criterion", group="sparsekit.criteria",
+                                                  check=_not_a_criterion)
 
 
 def register_criterion(name: str, criterion: Criterion | Solver) -> None:
     """Make ``criterion`` (an object with ``score`` or ``solve``, see :class:`Criterion` and
     :class:`Solver`) available as ``criterion=name`` in :class:`~sparsekit.Pruner`,
     :func:`~sparsekit.prune_`, :func:`~sparsekit.sensitivity` and ``prune.criterion``."""
-    if not callable(getattr(criterion, "score", None)) and not callable(
-        getattr(criterion, "solve", None)
-    ):
-        raise ConfigTypeError(
-            f"register_criterion({name!r}): a criterion has a score(layers) or a "
-            f"solve(layers, levels, nm) method, got {type(criterion).__name__}"
-        )
+    wrong = _not_a_criterion(criterion)
+    if wrong is not None:
+        raise ConfigTypeError(f"register_criterion({name!r}): {wrong}")
     CRITERIA.register(name, criterion)
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.checks import check_int
+from sparsekit.checks import check_int, check_module
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.nn.calibration import eval_mode, to_device
 from sparsekit.prune.schedules import lr_at
@@ -164,6 +164,7 @@ class Distiller:
         if self.loss == "kl" and self.target != "logits":
             raise UsageError(f"loss='kl' compares distributions: it needs target='logits', not "
                              f"{self.target!r}; use cosine or mse")
+        check_module(teacher, "teacher", "sk.Distiller: ")
         self.teacher, self.task, self.temperature = teacher.eval(), task, temperature
         self.feature_weight, self.feature_loss = feature_weight, feature_loss
 
@@ -209,6 +210,7 @@ def _check_distill(model: nn.Module, batches: Iterable[Any], steps: int, pruner:
                    warmup: int = 0, precision: str = "fp32",
                    max_seconds: float | None = None) -> Iterable[Any]:
     """distill_'s argument checks; the batches as a re-iterable (a one-pass iterator listed)."""
+    check_module(model, where="sk.distill_: ")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigTypeError(f"steps must be an integer >= 0, got {steps!r}")
     check_int("warmup", warmup, 0)

@@ -43,10 +43,20 @@ def find_mask(module: nn.Module) -> WeightMask | None:
     return None
 
 
-def original_weight(module: nn.Module) -> torch.Tensor:
-    """The unmasked weight Parameter (the parametrization's original, or the plain weight)."""
+def original_weight(module: nn.Module, name: str | None = None) -> torch.Tensor:
+    """The unmasked weight Parameter (the parametrization's original, or the plain weight).
+    UsageError for a weight parametrized from several tensors (``weight_norm``'s ``original0``
+    and ``original1``): there is no one weight to mask."""
     if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations.weight.original
+        plist = module.parametrizations.weight
+        if not hasattr(plist, "original"):
+            kinds = ", ".join(type(p).__name__ for p in plist)
+            raise UsageError(
+                f"layer {name or type(module).__name__!r}: its weight is computed by a "
+                f"parametrization ({kinds}) from several tensors; sparsekit prunes one weight "
+                "tensor: fold it "
+                "first (torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight'))")
+        return plist.original
     return module.weight
 
 

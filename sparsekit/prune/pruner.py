@@ -40,7 +40,7 @@ from sparsekit.prune.patterns import (
     prune_count,
     row_mask,
 )
-from sparsekit.prune.report import LayerSparsity, SparsityReport
+from sparsekit.prune.report import NEAR_EMPTY, LayerSparsity, SparsityReport
 from sparsekit.prune.schedules import OneShot, Schedule
 from sparsekit.nn.select import name_matches, select_modules
 from sparsekit.prune.stores import pick_store
@@ -48,6 +48,11 @@ from sparsekit.names import SCOPES
 
 STATE_VERSION = 1
 _LEVEL = "the fraction of weights set to zero"
+# a global threshold pruning the model's first selected layer to this level or more, when that
+# layer holds under FIRST_LAYER_SHARE of the selected weights, is named in a warning: a first
+# layer is the model's only view of its input and pruning it saves little (Gale et al. 2019)
+FIRST_LAYER_LEVEL = 0.5
+FIRST_LAYER_SHARE = 0.05
 
 
 class Pruner:
@@ -67,6 +72,13 @@ class Pruner:
             :func:`sparsekit.prune.criteria.configure_criterion`).
         scope: ``"layer"`` (each layer reaches its target) or ``"global"`` (one threshold over
             all selected layers; for N:M, the ramp enforces the cheapest groups model-wide).
+            A global threshold that leaves a layer at 99% sparsity or more, or prunes a
+            small first layer to 50% or more, names it in a ``UserWarning`` (and the first
+            case in :meth:`report`).
+        max_layer_sparsity: with ``scope="global"`` and an unstructured pattern, the most any
+            one layer is pruned (a fraction in [sparsity, 1)): a layer the threshold would
+            prune beyond it is pruned to it (its lowest scores), and the threshold over the
+            others prunes the rest. None (default): no cap.
         schedule: ``OneShot``, ``Linear`` or ``Cubic``; default ``OneShot(step=0)``.
         include, exclude: globs or ``re:<regex>`` over qualified module names.
         calibration: iterable of model inputs (re-iterable for gradual Wanda: it is run at
@@ -107,6 +119,7 @@ class Pruner:
         strict: bool = False,
         process_group: Any = None,
         criterion_options: Mapping[str, Any] | None = None,
+        max_layer_sparsity: float | None = None,
     ):
         # the DDP wrapper, or its .module once wrapped: masks held here, not parametrizations
         wrapped = D.unwrap(model) is not model or D.ddp_wrapped(model)
@@ -120,7 +133,7 @@ class Pruner:
         self.calibration, self.calibration_fn = calibration, calibration_fn
 
         selected = select_modules(model, include, exclude)
-        meta = [n for n, m in selected.items() if M.original_weight(m).device.type == "meta"]
+        meta = [n for n, m in selected.items() if M.original_weight(m, n).device.type == "meta"]
         if meta:
             raise UsageError(
                 f"layer {meta[0]!r} has its weight on the meta device (no values to score): "
@@ -128,6 +141,8 @@ class Pruner:
                 "or exclude the layer"
             )
         self.levels = self._resolve_levels(sparsity, selected)
+        self.max_layer_sparsity = self._check_cap(max_layer_sparsity, sparsity)
+        self.warned: dict[str, str] = {}
         self._take(selected, strict)
         self._selected = list(selected)
         self._comm = D.comm(process_group)
@@ -161,6 +176,18 @@ class Pruner:
                 "scope='layer'"
             )
         check_calibration(calibration)
+
+    def _check_cap(self, cap: Any, sparsity: Any) -> float | None:
+        if cap is None:
+            return None
+        if self.scope != "global" or self.nm is not None:
+            raise UsageError("max_layer_sparsity caps a global unstructured threshold: use it "
+                             "with scope='global' and pattern='unstructured'")
+        cap = check_fraction("max_layer_sparsity", cap, "the most one layer is pruned")
+        if cap < float(sparsity):
+            raise UsageError(f"max_layer_sparsity={cap:g} is below sparsity={sparsity:g}: the "
+                             "global target could not be reached; allowed: [sparsity, 1)")
+        return cap
 
     def _take(self, selected: dict[str, nn.Module], strict: bool) -> None:
         """``modules``: the selected layers this pattern can prune; ``skipped``: the others,
@@ -277,6 +304,36 @@ class Pruner:
         for name in self.modules:
             self._store.set(name, new[name])
         self._store.verify()
+        if self.scope == "global":
+            self._warn_global(new, progress)
+
+    def _warn_global(self, keeps: Mapping[str, torch.Tensor], progress: float) -> None:
+        """Name the layers a global threshold left (nearly) empty (:data:`NEAR_EMPTY`), and
+        a small first layer it pruned hard (:data:`FIRST_LAYER_LEVEL`), once each."""
+        import warnings
+
+        names = list(self.modules)
+        numel = {k: self.modules[k].weight.numel() for k in names}
+        zeros = dict(zip(names, self._store.allsum([int((~keeps[k]).sum()) for k in names])))
+        total = sum(numel.values())
+        for k in names:
+            level = zeros[k] / numel[k]
+            first = (k == names[0] and progress >= 1.0 and len(names) > 1
+                     and level >= FIRST_LAYER_LEVEL and numel[k] < FIRST_LAYER_SHARE * total)
+            if k in self.warned or not (level >= NEAR_EMPTY or first):
+                continue
+            if level >= NEAR_EMPTY:
+                self.warned[k] = (f"the global threshold pruned layer {k!r} to {level:.1%} "
+                                  "(its output is nearly constant)")
+                fix = "cap it with max_layer_sparsity=, exclude it, or use scope='layer'"
+            else:
+                self.warned[k] = (f"the global threshold pruned layer {k!r}, the first layer "
+                                  f"({numel[k]} weights, {numel[k] / total:.1%} of the pruned "
+                                  f"ones), to {level:.1%}")
+                fix = ("a first layer is the model's only view of its input and saves little: "
+                       f"keep it dense with exclude=[{k!r}] (CLI: prune.exclude=[{k}]) or use "
+                       "scope='layer'")
+            warnings.warn(f"{self.warned[k]}; {fix}", UserWarning, stacklevel=4)
 
     def _scores(self) -> dict[str, torch.Tensor]:
         for n, m in self.modules.items():
@@ -333,16 +390,34 @@ class Pruner:
         numel = {k: self.modules[k].weight.numel() for k in names}  # DTensors: global numel
         if self.scope == "global":
             count = prune_count(sum(numel.values()), self.sparsity * progress)
-            picked = lowest_k_masks(
-                [scores[k] for k in names], count, [keeps[k] for k in names], comm
-            )
-            return dict(zip(names, picked))
+            return self._global_masks(names, scores, keeps, count, numel)
         return {
             k: lowest_k_masks(
                 [scores[k]], prune_count(numel[k], self.levels[k] * progress), [keeps[k]], comm
             )[0]
             for k in names
         }
+
+    def _global_masks(self, names, scores, keeps, count: int, numel) -> dict[str, torch.Tensor]:
+        """One threshold over ``names`` pruning ``count`` weights. With
+        ``max_layer_sparsity``, a layer it would prune beyond the cap is pruned to the cap
+        alone (its lowest scores) and the threshold is searched again over the others for the
+        rest of ``count`` (at most one search per layer)."""
+        comm, fixed = self._store.search_comm, {}
+        while True:
+            free = [k for k in names if k not in fixed]
+            rest = count - sum(prune_count(numel[k], self.max_layer_sparsity) for k in fixed)
+            picked = dict(zip(free, lowest_k_masks(
+                [scores[k] for k in free], max(rest, 0), [keeps[k] for k in free], comm)))
+            if self.max_layer_sparsity is None:
+                return picked
+            zeros = self._store.allsum([int((~picked[k]).sum()) for k in free])
+            caps = {k: prune_count(numel[k], self.max_layer_sparsity) for k in free}
+            over = [k for k, z in zip(free, zeros) if z > caps[k]]
+            if not over:
+                return {k: fixed.get(k, picked.get(k)) for k in names}
+            for k in over:
+                fixed[k] = lowest_k_masks([scores[k]], caps[k], [keeps[k]], comm)[0]
 
     def _update_solver(self, progress: float) -> None:
         # the solver updates weights layer by layer: keep a host copy to undo a failed solve
@@ -367,7 +442,11 @@ class Pruner:
         selected = dict(self.model.named_modules())
         modules = {n: selected[n] for n in self._selected}
         pattern = None if self.nm is None else self.pattern
-        return self._store.report(modules, pattern, self.skipped)
+        report = self._store.report(modules, pattern, self.skipped)
+        for name, why in self.warned.items():
+            if name in report.layers:
+                report.layers[name].warning = why
+        return report
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (tensors, numbers, strings), loadable with torch.load(weights_only=True)."""
@@ -524,6 +603,7 @@ def prune_(
     calibration_fn: CalibrationFn | None = None,
     strict: bool = False,
     criterion_options: Mapping[str, Any] | None = None,
+    max_layer_sparsity: float | None = None,
 ) -> SparsityReport:
     """Prune in one shot and fold the masks (a Pruner with ``OneShot`` then ``finalize``).
     Modifies ``model`` in place and returns its :class:`SparsityReport`.
@@ -548,7 +628,7 @@ def prune_(
     pruner = Pruner(
         model, sparsity, pattern=pattern, criterion=criterion, scope=scope, schedule=OneShot(0),
         include=include, exclude=exclude, calibration=calibration, calibration_fn=calibration_fn,
-        strict=strict, criterion_options=criterion_options,
+        strict=strict, criterion_options=criterion_options, max_layer_sparsity=max_layer_sparsity,
     )
     try:
         pruner.step(0)

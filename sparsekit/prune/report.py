@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from sparsekit.errors import UsageError
 from sparsekit.io.zeros import mask_from_zeros
 from sparsekit.reporting import Report, markdown_table
 from sparsekit.prune.patterns import is_nm, nm_incompatibility, parse_pattern
@@ -16,6 +17,7 @@ from sparsekit.nn.select import PRUNABLE_TYPES, select_modules
 # The layer types the report counts: the prunable ones, and those that higher layers register
 # (sparsekit.quant registers its quantized layers, which keep their zeros too).
 _REPORTED: list[type[nn.Module]] = list(PRUNABLE_TYPES)
+NEAR_EMPTY = 0.99  # a layer with this fraction of zeros or more is flagged in the report
 
 
 def register_reported_types(*types: type[nn.Module]) -> None:
@@ -27,13 +29,15 @@ def register_reported_types(*types: type[nn.Module]) -> None:
 class LayerSparsity:
     """One layer's weight: ``zeros`` of ``numel`` entries; ``pattern`` the N:M pattern it was
     pruned to (or detected), ``nm_ok`` whether every group holds it; ``skipped`` the reason it
-    was left dense, or None."""
+    was left dense, or None; ``warning`` what looks wrong (a layer at 99% zeros or more: its
+    output is nearly constant; a global threshold's choices the Pruner warned about), or None."""
 
     numel: int
     zeros: int
     pattern: str | None = None
     nm_ok: bool | None = None
     skipped: str | None = None
+    warning: str | None = None
 
     @property
     def sparsity(self) -> float:
@@ -79,13 +83,18 @@ class SparsityReport(Report):
         out.update({f"sparsity/{n}": s.sparsity for n, s in self.layers.items()})
         return out
 
+    @property
+    def warnings(self) -> dict[str, str]:
+        """Layer name -> what looks wrong with it (see :class:`LayerSparsity`)."""
+        return {n: s.warning for n, s in self.layers.items() if s.warning}
+
     def _pattern_cell(self, s: LayerSparsity) -> str:
         if s.skipped:
             return f"skipped: {s.skipped}"
         pat = s.pattern or "-"
         if s.nm_ok is not None:
             pat += " ok" if s.nm_ok else " VIOLATED"
-        return pat
+        return pat + (f"  WARNING: {s.warning}" if s.warning else "")
 
     def to_markdown(self) -> str:
         rows = [[n, s.numel, s.zeros, f"{s.sparsity:.2%}", self._pattern_cell(s)]
@@ -146,7 +155,12 @@ def build_report(
     report = SparsityReport()
     for name, module in modules.items():
         w = module.weight
+        if w.device.type == "meta":
+            raise UsageError(f"sparsity_report: layer {name!r} has its weight on the meta device "
+                             "(no values to count): materialize the model first")
         stats = LayerSparsity(numel=w.numel(), zeros=_zeros(w), skipped=skipped.get(name))
+        if stats.numel and stats.sparsity >= NEAR_EMPTY:
+            stats.warning = f"{stats.sparsity:.1%} zeros: the layer's output is nearly constant"
         if nm is not None and not stats.skipped:
             stats.pattern = pattern
             stats.nm_ok = nm_incompatibility(w.shape, nm[1]) is None and is_nm(w, *nm)

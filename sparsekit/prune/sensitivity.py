@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sparsekit.progress import progress
+from sparsekit.checks import check_module
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.nn.calibration import CalibrationFn
 from sparsekit.prune.patterns import parse_pattern
@@ -192,6 +193,7 @@ def sensitivity(
     levels = _levels(pattern, nm, sparsities)
     if calibration is not None and iter(calibration) is calibration:
         calibration = list(calibration)  # an iterator would be used up by the first layer
+    check_module(model, where="sk.sensitivity: ")
     was_training = model.training
     layers = select_modules(model, include, exclude)
     baseline = float(evaluate(model))
@@ -278,6 +280,9 @@ def allocate(
     >>> allocate(t24, dense_layers=1)
     {'a': '2:4', 'b': 'dense'}
     """
+    if not isinstance(table, SensitivityTable):
+        raise ConfigTypeError(f"allocate: table must be the SensitivityTable sk.sensitivity "
+                              f"returns, got {type(table).__name__} {table!r:.60}")
     if table.pattern != "unstructured" or dense_layers is not None or dense_params is not None:
         if target is not None or max_level is not None:
             raise UsageError("an N:M sensitivity table takes dense_layers= or dense_params=, "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit.checks import check_mapping, check_module
 from sparsekit.errors import FileFormatError, UsageError
 from sparsekit.io import checkpoint
 from sparsekit.quant.formats import SCHEMES
@@ -33,6 +34,7 @@ PLAN_VERSION = 1
 def quant_plan(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Qualified layer name -> ``{"version", "scheme", "type", "weight_shape", "bias"}`` for
     every quantized layer of ``model`` (JSON-serialisable; empty for a float model)."""
+    check_module(model, where="quant_plan: ")
     return {
         name: {
             "version": PLAN_VERSION,
@@ -50,6 +52,8 @@ def apply_quant_plan(model: nn.Module, plan: dict[str, dict[str, Any]]) -> None:
     """Turn the layers of a fresh float ``model`` named in ``plan`` (from :func:`quant_plan`)
     into quantized layers with zero-filled storage of the right shapes and dtypes, in place,
     ready for ``load_state_dict``. ValueError naming the layer when the model does not match."""
+    check_module(model, where="apply_quant_plan: ")
+    check_mapping(plan, "apply_quant_plan: plan", "layer name -> spec, from quant_plan(model)")
     for name, spec in plan.items():
         if spec.get("version") != PLAN_VERSION:
             raise UsageError(

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sparsekit.checks import check_module
 from sparsekit.errors import UsageError
 from sparsekit.nn import shards
 from sparsekit.nn.calibration import CalibrationFn
@@ -179,6 +180,7 @@ def convert_(model: nn.Module) -> QuantReport:
     stay exactly zero; call ``pruner.finalize()`` first when a Pruner is running). The converted
     model computes what the fake-quantized one did, up to float32 rounding. ValueError when no
     layer is prepared, or a weight carries a parametrization other than a mask."""
+    check_module(model, where="convert_: ")
     prepared = {n: m for n, m in model.named_modules() if qat_scheme(m) is not None}
     if not prepared:
         raise UsageError(

@@ -744,6 +744,23 @@ class Config(_Checked):
                 f"text to window them: model=hf and data=text (this run: model={m.name}, "
                 f"data={d.name}); or recipe=llm_datafree_24_distill")
 
+    def _check_schedule_in_steps(self) -> None:
+        """Masks that move while fine-tuning reach their target by its last step: a schedule
+        ending at or after ``train.finetune_steps`` would prune the rest at finalize, with no
+        step left to recover (an error, not a silent drop in accuracy)."""
+        p, s, steps = self.prune, self.schedule, self.train.finetune_steps
+        prunes = p.pattern != "none" or p.channel.ratio > 0
+        if not (prunes and p.fine_tune and steps > 0):
+            return
+        key, last = ("schedule.start", s.start) if s.kind == "oneshot" else ("schedule.end",
+                                                                              s.end)
+        if last >= steps:
+            raise ConfigError(
+                f"{key}={last} is not before the last fine-tuning step (train.finetune_steps="
+                f"{steps}: steps 0..{steps - 1}): the masks would reach their target only at "
+                f"the end, with no step to recover; set {key} below {steps} (e.g. "
+                f"{key}={steps // 2}) or train.finetune_steps above {last}")
+
     def check(self) -> None:
         self._check_inputs_used()
         self._check_teacher()
@@ -781,6 +798,7 @@ class Config(_Checked):
                 f"{self.quant.scheme} layers: set accel.precision={own} (the scheme's "
                 "numerics)"
             )
+        self._check_schedule_in_steps()
         if sens.enabled and p.pattern == "none":
             raise ConfigError("sensitivity.enabled=true needs a prune.pattern (not none)")
         if sens.target is not None and not (
