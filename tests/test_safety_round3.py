@@ -66,7 +66,7 @@ def test_recipe_file_form_runs_a_checked_overlay(tmp_path, monkeypatch, capsys):
         "prune:\n  sparsity: 0.7\n")
     monkeypatch.chdir(tmp_path)
     register_configs()
-    check_overrides(["recipe=file:mine.yaml", "train.finetune_steps=10"])  # no exit: valid
+    check_overrides(["recipe=file:mine.yaml", "schedule.end=100"])  # no exit: valid
     main(["recipe=file:mine.yaml", "--cfg", "job"])
     out = capsys.readouterr().out
     assert "pattern: unstructured" in out and "sparsity: 0.7" in out
@@ -478,3 +478,12 @@ def test_a_weight_norm_model_saves_its_effective_weights(tmp_path):
     back = sk.load(tmp_path / "w.safetensors", model=_mlp())
     x = torch.randn(3, 8)
     torch.testing.assert_close(back(x), model(x))
+
+
+def test_resume_true_skips_a_run_made_from_a_recipe_file(tmp_path, capsys):
+    from sparsekit.run.cli import latest_run
+
+    d = plant_run(tmp_path, ["recipe=file:mine.yaml"])
+    assert latest_run(tmp_path / "runs") is None  # a file's contents may have changed since
+    err = capsys.readouterr().err
+    assert f"skipped {d}" in err and "recipe=file:mine.yaml" in err and "resume=DIR" in err
