@@ -438,7 +438,7 @@ API_CASES = {
     "save(path=int)": (lambda: sk.save(_mlp(), 3), "sk.save: path must be a file path"),
     "Distiller(None)": (lambda: sk.Distiller(None), "sk.Distiller: teacher must be a torch.nn"),
     "distill_(teacher=str)": (lambda: sk.distill_(_mlp(), "t", _CAL, steps=1),
-                              "sk.distill_: teacher must be a torch.nn.Module"),
+                              "teacher must be a torch.nn.Module, got str"),
     "sensitivity(str)": (lambda: sk.sensitivity("m", lambda m: 0.0), "sk.sensitivity: model"),
     "quant_plan(None)": (lambda: sk.quant_plan(None), "quant_plan: model must be a torch.nn"),
     "channel_plan(int)": (lambda: sk.channel_plan(3), "channel_plan: model must be a torch.nn"),

@@ -206,13 +206,7 @@ def _handler(section: str, path: str | os.PathLike) -> Callable[[nn.Module, Any]
     return _PLANS[section][1]
 
 
-def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) -> None:
-    """Write ``model`` to ``path`` (one safetensors file, written atomically).
-
-    When ``compress`` is true, tensors holding a 2:4 pattern are stored as kept values plus
-    2.7-bit group codes, and other sparse tensors as non-zeros plus a 1-bit mask where
-    smaller. The rebuild spec ``model._sparsekit_spec`` (set by sparsekit's model builders)
-    and the channel / quantization plans are stored in the JSON metadata."""
+def _check_save_args(model: Any, path: Any) -> None:
     check_module(model, where="sk.save: ")
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigTypeError(f"sk.save: path must be a file path (str or os.PathLike), got "
@@ -222,6 +216,16 @@ def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) ->
             "sk.save got an accelerated model (its GPU kernels' weights are not portable): "
             "save the model before sk.accelerate, and pass accelerate=... to sk.load"
         )
+
+
+def save(model: nn.Module, path: str | os.PathLike, *, compress: bool = True) -> None:
+    """Write ``model`` to ``path`` (one safetensors file, written atomically).
+
+    When ``compress`` is true, tensors holding a 2:4 pattern are stored as kept values plus
+    2.7-bit group codes, and other sparse tensors as non-zeros plus a 1-bit mask where
+    smaller. The rebuild spec ``model._sparsekit_spec`` (set by sparsekit's model builders)
+    and the channel / quantization plans are stored in the JSON metadata."""
+    _check_save_args(model, path)
     sd = plain_state_dict(model)
     tensors: dict[str, torch.Tensor] = {}
     sparse: dict[str, dict] = {}
