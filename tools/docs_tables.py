@@ -131,6 +131,31 @@ def llm_rows(path: Path, command: str) -> list[tuple[str, str]]:
     return rows
 
 
+REAL_LLM = "eval_llm_real_2026-12-08_smollm2_h100.json"
+# (row key in that file, what the README row says)
+REAL_LLM_ROWS = (
+    ("alps+recon@mix", "SmolLM2-135M-Instruct (GGUF), held-out man pages / info manuals: ALPS "
+     "2:4 + block reconstruction, calibrated on code + teacher samples"),
+    ("alps+recon@mix>distill@mix", "same, + 3.5 minutes of recovery distillation (bf16)"),
+    ("gptq4@code", "same model, GPTQ int4 group 64 (no 2:4)"),
+)
+
+
+def real_llm_rows(path: Path) -> list[tuple[str, str]]:
+    """Perplexity on the two held-out domains, dense and compressed (ratio in bold)."""
+    d = json.loads(path.read_text())
+    where = f"{d['device']}, {d['date_utc'][:10]}"
+    dense = " / ".join(f"{d['dense'][k]:.2f}" for k in d["eval_domains"])
+    rows = []
+    for key, what in REAL_LLM_ROWS:
+        r = d["rows"][key]
+        comp = " / ".join(f"{r['perplexity'][k]:.2f}" for k in d["eval_domains"])
+        ratio = " / ".join(f"{r['ratio'][k]:.2f}x" for k in d["eval_domains"])
+        rows.append((f"| {what} | perplexity {dense} | perplexity {comp}, **{ratio}** | "
+                     f"{where} |", r["command"]))
+    return rows
+
+
 def speed_rows(bench_dir: Path) -> list[tuple[str, str]]:
     rows = []
     for file, model, variant, what in SPEED_ROWS:
@@ -214,6 +239,7 @@ def results_table(docs: Path = DOCS) -> str:
     reproduces it, listed below the table."""
     rows = [*mnist_rows(docs / "seed_sweep_cpu.json"),
             *llm_rows(docs / "small_llama_h200.json", SMALL_LLAMA_H200),
+            *real_llm_rows(docs / "bench" / REAL_LLM),
             *speed_rows(docs / "bench"), *generate_rows(docs / "bench")]
     commands = list(dict.fromkeys(command for _, command in rows))
     lines = ["| result | dense | compressed | measured on | command |",

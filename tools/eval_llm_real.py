@@ -333,8 +333,9 @@ class Lab:
                     continue
                 info = self.distill(model, data or self.args.train, key)
                 detail.append({"step": "distill", **info})
-                if not info["finished"]:
-                    return {"unfinished": True, "detail": detail}
+                if not info["finished"]:  # measured as it stands; a later call resumes it
+                    return {"perplexity": self.measure(model), "unfinished": True,
+                            "detail": detail}
                 save_state(model, path)
             elif method == "gptq4":
                 detail.append({"step": "gptq4", **self.gptq4(model, data)})
@@ -426,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             res = lab.run_stage(spec)
         res["seconds"] = round(time.perf_counter() - start, 1)
+        res["setup"] = results["setup"]
         if spec == "dense":
             dense = res["perplexity"]
         if dense and "perplexity" in res:

@@ -27,3 +27,13 @@ def test_smoke_runs_every_kind_of_stage_and_resumes(tmp_path, tool_module):
     again = tool.main(args)["stages"]["sparsegpt+recon@mix>distill@mix>gptq4"]
     assert [d.get("reused") is not None for d in again["detail"]] == [True, True, False]
     assert again["perplexity"] == pytest.approx(row["perplexity"], rel=1e-4)
+
+
+def test_device_script_is_valid_bash_and_names_the_tool():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "tools" / "device_llm_accuracy.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "tools/eval_llm_real.py" in text and "sha256sum -c" in text
