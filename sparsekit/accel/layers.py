@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from sparsekit.accel import ops
-from sparsekit.accel.kernels.cusparselt import op as cslt_op
 from sparsekit.accel.layers_int4 import Int4Dense, Int4Sparse24
 from sparsekit.accel.linear import AccelLinear
 from sparsekit.errors import UsageError
@@ -88,11 +87,7 @@ class _AccelLinear(AccelLinear):
         self.quantized = isinstance(linear, QuantLinear)
         self.tensor_scale = (self.quantized
                              and get_scheme(linear.scheme).weight_granularity == "tensor")
-        self._gemm_setup(w)
         self.start(w.contiguous())
-
-    def _gemm_setup(self, w: torch.Tensor) -> None:
-        pass
 
     def quant(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x2d in the weight's format and its per-row scale (M, 1) float32: bf16 and None for a
@@ -163,10 +158,18 @@ class FP8Sparse24(_AccelLinear):
     uses_alg = True
     fmt = FP8
 
-    def _gemm_setup(self, w: torch.Tensor) -> None:
-        if self.act_scale is not None and one_scale(self.w_scale) and (
-                not w.is_cuda or cslt_op.alpha_path()):
-            self.alpha = float(self.act_scale.reshape(-1)[0]) * float(self.w_scale[0])
+    @property
+    def scalar_scale(self) -> float | None:
+        if self.act_scale is None or not one_scale(self.w_scale):
+            return None
+        return float(self.act_scale.reshape(-1)[0]) * float(self.w_scale[0])
+
+    @property
+    def alpha(self) -> float | None:
+        """The scalar scale where a kernel of its plan applies it inside the GEMM (the
+        cuSPARSELt binding loaded), else None."""
+        return next((w.alpha for w in self.formats.values()
+                     if w.items().get("alpha") is not None), None)
 
     @property
     def path(self) -> str:
@@ -218,10 +221,6 @@ class Int8Sparse24(_AccelLinear):
     sparse = True
     uses_alg = True
     fmt = INT8
-
-    def _gemm_setup(self, w: torch.Tensor) -> None:
-        self.acc_dtype = (cslt_op.int8_acc_dtype(w.device.index or 0) if w.is_cuda
-                          else torch.int32)
 
 
 VARIANTS: Registry[type[nn.Module]] = Registry("accel variant")

@@ -13,7 +13,7 @@ does not hold yet from one it holds (exactly) and dropping the copies no route r
 The numerics (activation quantization, scales, bias) are the subclasses'
 (:mod:`sparsekit.accel.layers`, :mod:`sparsekit.accel.layers_int4`); the kernels read them
 from the layer: ``precision``, ``sparse``, ``fmt``, ``weight_only``, ``bias``, ``w_scale``,
-``quant(x2d)``, ``epilogue(acc, x_scale)``, ``alpha``, ``acc_dtype``, ``alg_id``.
+``quant(x2d)``, ``epilogue(acc, x_scale)``, ``scalar_scale``, ``alg_id``.
 """
 
 from __future__ import annotations
@@ -141,8 +141,9 @@ class AccelLinear(nn.Module):
     weight_only = False
     tune_limit = False  # the planner times up to which M its small-M kernel serves
     uses_alg = False  # its large-M kernel takes a cuSPARSELt algorithm (alg_id)
-    alpha: float | None = None
-    acc_dtype = torch.bfloat16
+    # activation scale x weight scale where each is one number (a static per-tensor fp8
+    # layer): a kernel may apply it inside its GEMM
+    scalar_scale: float | None = None
     bias: torch.Tensor | None
     w_scale: torch.Tensor | None
 

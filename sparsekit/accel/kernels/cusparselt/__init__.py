@@ -14,8 +14,19 @@ from sparsekit.accel.kernels import UNBOUNDED, Format, Kernel, register
 from sparsekit.accel.kernels.cusparselt import ext, op
 
 
-def _pack(layer, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"packed": op.pack_24(layer.gemm_weight(w))}
+def _pack(layer, w) -> dict:
+    """The weight compressed for cuSPARSELt (CPU: as it is), with how this kernel runs the
+    layer's numerics here: ``alpha`` (the layer's one scalar scale, applied in the GEMM's
+    epilogue by sparsekit's binding where it loads; None: scales applied after the GEMM) and
+    ``acc`` (the product's dtype: int32 for int8 where cuSPARSELt writes it exactly, else
+    bf16)."""
+    packed = op.pack_24(layer.gemm_weight(w))
+    alpha = layer.scalar_scale if (layer.scalar_scale is not None
+                                   and (not packed.is_cuda or op.alpha_path())) else None
+    acc = torch.bfloat16
+    if layer.precision == "int8":
+        acc = op.int8_acc_dtype(packed.device.index or 0) if packed.is_cuda else torch.int32
+    return {"packed": packed, "alpha": alpha, "acc": acc}
 
 
 def _bytes(dtype: torch.dtype) -> float:
@@ -31,10 +42,10 @@ def _run(layer, x2d, w, config):
         return op.sparse24_mm(x2d, w.packed, layer.bias, layer.out_features, layer.alg_id,
                               torch.bfloat16)
     q, sx = layer.quant(x2d)
-    if layer.alpha is not None:  # scale and bias inside the GEMM
+    if w.alpha is not None:  # scale and bias inside the GEMM
         return op.sparse24_mm_alpha(q, w.packed, layer.bias, layer.out_features, layer.alg_id,
-                                    layer.alpha, False)
-    acc = op.sparse24_mm(q, w.packed, None, layer.out_features, layer.alg_id, layer.acc_dtype)
+                                    w.alpha, False)
+    acc = op.sparse24_mm(q, w.packed, None, layer.out_features, layer.alg_id, w.acc)
     return layer.epilogue(acc, sx)
 
 
