@@ -80,7 +80,7 @@ from sparsekit.io.runstate import (
     write_run_state,
 )
 from sparsekit.prune.sensitivity import SensitivityTable
-from sparsekit.quant.formats import get_scheme
+from sparsekit.quant.formats import INT4_GROUP_SCHEMES, get_scheme
 from sparsekit.quant.layers import check_layer_groups
 from sparsekit.run.tracking import Tracker, read_overrides, recipe_of, run_logdir, utc_now, versions
 from sparsekit.run.train import eval_batches, fit, get_batch, make_optimizer, task_loss
@@ -631,6 +631,17 @@ def stage_quantize(ctx: RunContext) -> None:
     ctx.tracker.text("quantization", f"```\n{ctx.quant_report}\n```", 0)
 
 
+def quant_label(q: Any) -> str:
+    """The quantization a run applies, as its variants name it: ``quant.scheme``, or with
+    ``quant.group_size`` the int4 scheme of that group (``int4_weight_g64``; ``auto``:
+    ``int4_weight_auto``, each layer's own group)."""
+    if q.group_size is None:
+        return q.scheme
+    if q.group_size == "auto":
+        return f"{q.scheme}_auto"
+    return INT4_GROUP_SCHEMES[q.group_size]
+
+
 def compare_variants(ctx: RunContext, joint: bool) -> None:
     """``quant.compare``: the metric of the dense model, the pruned model before quantization
     (a joint sweep's is SparseGPT alone, on a copy) and the pruned model quantized by rounding
@@ -646,7 +657,7 @@ def compare_variants(ctx: RunContext, joint: bool) -> None:
     ctx.variants[pruned_name] = ctx.evaluate(ref)[metric]
     sk.quantize_(ref, q.scheme, include=list(q.include), exclude=list(q.exclude),
                  group_size=q.group_size)
-    ctx.variants[f"{pruned_name}+{q.scheme}/rtn"] = ctx.evaluate(ref)[metric]
+    ctx.variants[f"{pruned_name}+{quant_label(q)}/rtn"] = ctx.evaluate(ref)[metric]
     del ref
 
 
@@ -661,7 +672,7 @@ def stage_evaluate(ctx: RunContext) -> None:
     if ctx.variants:
         q, p = ctx.cfg.quant, ctx.cfg.prune
         pruned = "dense" if p.pattern == "none" else str(p.pattern)
-        ctx.variants[f"{pruned}+{q.scheme}/{q.method}"] = ctx.comp_eval[m]
+        ctx.variants[f"{pruned}+{quant_label(q)}/{q.method}"] = ctx.comp_eval[m]
         tracker.scalars({f"variants/{m}/{name}": v for name, v in ctx.variants.items()}, step)
 
 

@@ -3,6 +3,8 @@ reference, the one-line refusal of a group that does not divide a layer's input 
 layer, its input size and the sizes that fit), ``group_size="auto"`` per layer, QAT and
 save/load with the chosen groups, and GPTQ at group 64 beating round to nearest."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -132,6 +134,10 @@ def test_cli_group_size_quantizes_each_layer_at_that_group(hf_dirs, tmp_path, ca
                             "quant.group_size=32", *LLM], tmp_path, capsys)
     assert code == 0, err
     (run_dir,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["quant"]["scheme"] == "int4_weight_g32"
+    assert list(s["variants"]) == ["dense", "2:4", "2:4+int4_weight_g32/rtn",
+                                   "2:4+int4_weight_g32/gptq"]
     pruned = sk.load(run_dir / "model.safetensors")
     layers = {n: m for n, m in pruned.named_modules() if isinstance(m, QuantLinear)}
     assert len(layers) == 14
