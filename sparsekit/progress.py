@@ -19,6 +19,9 @@ from tqdm.auto import tqdm
 
 T = TypeVar("T")
 LOG = logging.getLogger("sparsekit")
+#: the run's sparsekit.log alone (the CLI gives it only the file handler): what a quiet run
+#: still records, and the end-of-run table that stdout prints
+FILE_LOG = logging.getLogger("sparsekit.file")
 LINE_EVERY_S = 60.0  # a line at least this often, however many items that is
 QUIET_FIRST_S = 5.0  # no line before this: a loop that ends sooner logs nothing
 

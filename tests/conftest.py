@@ -37,7 +37,7 @@ def _run_log_off():
     """A CLI run in this process (Hydra) leaves the ``sparsekit`` loggers at INFO with handlers
     on that test's captured stderr: silent again after each test."""
     yield
-    for name in ("sparsekit", "sparsekit.table"):
+    for name in ("sparsekit", "sparsekit.file"):
         logging.getLogger(name).setLevel(logging.NOTSET)
 
 

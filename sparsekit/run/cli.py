@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import os
 import re
 import sys
@@ -649,11 +648,12 @@ def _app(cfg: DictConfig) -> None:
         return
     except Exception as e:  # reported here: Hydra would print its own lines first
         report_runtime_error(e)
+    from sparsekit.progress import FILE_LOG
     from sparsekit.run.distributed import is_main
 
     if is_main():
         print(summary["table"])
-        logging.getLogger("sparsekit.table").info(summary["table"])  # sparsekit.log only
+        FILE_LOG.info(summary["table"])  # sparsekit.log only: stdout printed it
 
 
 class SweepFigures(Callback):
