@@ -161,8 +161,58 @@ def test_feature_extraction_on_text_from_the_command_line(hf_dirs, tmp_path, cap
     assert s["metric"] == "cosine" and s["sparsity"] == 0.5
     assert s["dense"]["cosine"] == pytest.approx(1.0)
     assert 0.0 < s["compressed"]["cosine"] < 0.9999
+    # hf/ is a sentence-transformers directory: the run's mean pooling over the attention mask
+    hf_dir = run_dir / "hf"
+    modules = json.loads((hf_dir / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling"]
+    pooling = json.loads((hf_dir / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode_mean_tokens"] and pooling["word_embedding_dimension"] == 32
+    assert not pooling["pooling_mode_cls_token"] and not pooling["pooling_mode_max_tokens"]
+    transformers = pytest.importorskip("transformers")
+    st = pytest.importorskip("sentence_transformers")
+    sentences = ["def main(argv):", "import os, sys", "return the sum of the squares"]
+    loaded = st.SentenceTransformer(str(hf_dir), device="cpu", local_files_only=True)
+    got = loaded.encode(sentences, convert_to_tensor=True)
+    model = sk.load(hf_dir / "sparsekit.safetensors").eval()  # the measured model
+    batch = transformers.AutoTokenizer.from_pretrained(hf_dir)(sentences, padding=True,
+                                                               return_tensors="pt")
+    with torch.no_grad():
+        want = pooled_embedding(model(**batch).last_hidden_state, batch["attention_mask"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     code, _, err = run_cli(args[:-1] + ["prune.options.blocksize=64"], tmp_path, capsys)
     assert code == 2 and "prune.options.blocksize is not an option of prune.criterion=alps" in err
+
+
+def test_sentence_transformers_modules_come_from_the_source_when_it_has_them(tmp_path):
+    """A source model with sentence-transformers modules (pooling, normalization) passes them on
+    to the export; one naming another type (imported when it loads) is ignored for mean
+    pooling."""
+    from sparsekit.run.loading import export_sentence_transformers
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    for d in (src / "1_Pooling", src / "2_Normalize", out):
+        d.mkdir(parents=True)
+    types = ["Transformer", "Pooling", "Normalize"]
+    modules = [{"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{t}"}
+               for i, (p, t) in enumerate(zip(["", "1_Pooling", "2_Normalize"], types))]
+    (src / "modules.json").write_text(json.dumps(modules))
+    (src / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
+    (src / "sentence_bert_config.json").write_text('{"max_seq_length": 256}')
+    assert export_sentence_transformers(out, str(src), 8, 32).endswith(
+        "Transformer, Pooling, Normalize")
+    assert json.loads((out / "modules.json").read_text()) == modules
+    assert (out / "2_Normalize").is_dir()
+    assert json.loads((out / "1_Pooling" / "config.json").read_text()) == {
+        "pooling_mode_cls_token": True}
+    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 256
+    modules[2]["type"] = "os.system"  # not a sentence-transformers module: not copied
+    (src / "modules.json").write_text(json.dumps(modules))
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    assert "mean" in export_sentence_transformers(out2, str(src), 8, 32)
+    assert json.loads((out2 / "1_Pooling" / "config.json").read_text())[
+        "word_embedding_dimension"] == 8
+    assert not (out2 / "2_Normalize").exists()
 
 
 def _tiny_lm(seed: int) -> nn.Module:

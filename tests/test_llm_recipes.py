@@ -80,6 +80,21 @@ def test_llm_recipe(recipe, model, hf_dirs, tmp_path, capsys):
                                            rtol=1e-5, atol=1e-5)
         else:  # the very model the run pruned, evaluated as from_pretrained gives it
             torch.testing.assert_close(got, pruned(ids).logits, rtol=0, atol=0)
+    # what hf/ holds, and how far its outputs are from the measured model's (in the run)
+    hf, weight_only = s["hf"], recipe.endswith(("_24", "distill", "fp8w"))
+    if "fp8" not in recipe:
+        assert hf["holds"] == "the measured weights" and hf["max_abs_diff"] == 0.0
+    elif weight_only:  # float activations on both sides
+        assert hf["holds"] == "dequantized fp8_weight_only weights"
+        assert hf["max_abs_diff"] < 1e-4
+    else:  # W8A8: hf/ leaves the activations in float
+        assert hf["holds"].endswith("weights; no activation quantization (the measured model "
+                                    "quantizes them)") and hf["max_abs_diff"] > 0
+        assert (got - pruned(ids).logits).abs().max() > 0
+    assert f"its outputs differ from the measured model's by up to {hf['max_abs_diff']:.3g}" \
+        in out
+    if "compressed_tensors_dir" in hf:  # the same numerics as the measured model
+        assert hf["compressed_tensors_max_abs_diff"] < 1e-3
 
 
 def test_config_built_model_with_a_tokenizer_dir(hf_dirs, tmp_path, capsys):

@@ -126,7 +126,9 @@ def token_stream(files: list[Path], tokenizer: Any, cache_dir: str | os.PathLike
                 continue
             if ids and sep is not None:
                 ids.append(sep)
-            ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+            # a whole document at once (cut into data.seq_len windows later): longer than the
+            # model's maximum is expected, so no "Token indices sequence length" warning
+            ids.extend(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"])
     arr = np.asarray(ids, dtype=np.int32)
 
     def write(tmp: str) -> None:

@@ -5,6 +5,7 @@ a first forward pass that checks the model takes the data, and the ``<run>/hf/``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -299,12 +300,111 @@ def teacher_data(cfg: Config, model: nn.Module | None, task: str, text: DataBund
     return bundle
 
 
+def export_holds(model: nn.Module) -> str:
+    """What ``hf/`` holds of ``model``: its weights, or its quantized layers' dequantized
+    values, and whether the measured model quantizes activations that ``hf/`` leaves in float
+    (its outputs then differ: :func:`output_gap`)."""
+    from sparsekit.quant.formats import get_scheme
+
+    schemes = sorted({str(m.scheme) for m in model.modules()
+                      if hasattr(m, "dequantized_weight") and hasattr(m, "scheme")})
+    if not schemes:
+        return "the measured weights"
+    acts = any(get_scheme(s).activation is not None for s in schemes)
+    return (f"dequantized {', '.join(schemes)} weights"
+            + ("; no activation quantization (the measured model quantizes them)" if acts
+               else ""))
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    for name in ("logits", "last_hidden_state"):
+        if isinstance(getattr(out, name, None), torch.Tensor):
+            return getattr(out, name)
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def output_gap(model: nn.Module, directory: Path, example: Any, task: str | None,
+               cast: bool = True) -> float:
+    """The largest absolute difference between the outputs (logits; an embedding model's
+    hidden states) of ``model`` and of ``directory`` loaded back with ``from_pretrained``, on
+    ``example``, in float32. ``cast``: the loaded model in ``model``'s dtype first."""
+    from sparsekit.models.hf import load_pretrained
+
+    param = next(model.parameters())
+    back = load_pretrained(directory, task, quiet=True).to(param.device)
+    if cast:
+        back = back.to(model.get_input_embeddings().weight.dtype)
+    with torch.no_grad(), eval_mode(model), eval_mode(back):
+        want = _output_tensor(call_model(model, example)).float()
+        got = _output_tensor(call_model(back, example)).float()
+    return float((got - want).abs().max())
+
+
+#: the sentence-transformers modules an exported embedding model may name (a source model's
+#: modules.json naming any other is not copied: its types are imported when it loads)
+ST_MODULES = ("Transformer", "Pooling", "Normalize")
+ST_FILES = ("sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def _source_modules(source: Path) -> list[dict] | None:
+    """The source model's sentence-transformers modules (``modules.json``), when it has them
+    and they are only :data:`ST_MODULES` in sub-directories of its own; else None."""
+    try:
+        entries = json.loads((source / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and ".." not in e["path"]
+        and not Path(e["path"]).is_absolute()
+        and e.get("type") in {f"sentence_transformers.models.{m}" for m in ST_MODULES}
+        for e in entries)
+    return entries if ok else None
+
+
+def export_sentence_transformers(out: Path, source: str | None, dim: int,
+                                 max_seq_length: int) -> str:
+    """Make ``out`` (an exported encoder) a directory sentence-transformers loads as the model
+    the run measured: the source model's modules (its pooling, its normalization) when its
+    directory has them (:func:`_source_modules`), else the run's mean pooling over the
+    attention mask (``pooled_embedding``). Returns what was written."""
+    entries = _source_modules(Path(source).expanduser()) if source else None
+    if entries is not None:
+        src = Path(source).expanduser()
+        for e in entries:
+            if e["path"]:
+                shutil.copytree(src / e["path"], out / e["path"], dirs_exist_ok=True)
+        for name in ST_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, out / name)
+        (out / "modules.json").write_text(json.dumps(entries, indent=2) + "\n")
+        return "the source model's: " + ", ".join(e["type"].rsplit(".", 1)[1] for e in entries)
+    entries = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{m}"}
+               for i, (path, m) in enumerate((("", "Transformer"), ("1_Pooling", "Pooling")))]
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": dim, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False,
+               "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False,
+               "include_prompt": True}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+    (out / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": max_seq_length, "do_lower_case": False}, indent=2) + "\n")
+    (out / "modules.json").write_text(json.dumps(entries, indent=2) + "\n")
+    return "Transformer, Pooling (mean over the attention mask, as the run measured)"
+
+
 def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
-              quiet: bool = False) -> dict:
+              quiet: bool = False, example: Any = None, task: str | None = None,
+              embedding: dict | None = None) -> dict:
     """``<run>/hf/``: what ``AutoModelFor*.from_pretrained`` and ``AutoTokenizer`` load (the
     compressed weights), plus the sparsekit file (``sparsekit.safetensors``, for ``sk.load``);
     ``<run>/hf-compressed-tensors/`` when compressed-tensors can write the model (the summary
-    says what was written, or why not)."""
+    says what was written, or why not). With an ``example`` batch, each directory is loaded
+    back and its outputs compared with the measured model's (``max_abs_diff``,
+    ``compressed_tensors_max_abs_diff``); ``holds`` says what ``hf/`` holds
+    (:func:`export_holds`). ``embedding`` (``{"source": model.path, "max_seq_length": n}``,
+    for a run that measures pooled embeddings): ``hf/`` is also a sentence-transformers model
+    directory (:func:`export_sentence_transformers`)."""
     from sparsekit.quant.compressed_tensors import CT_DIR, export_compressed_tensors
     from sparsekit.models.hf import export_pretrained
 
@@ -315,7 +415,18 @@ def export_hf(model: nn.Module, tokenizer: Any, run_dir: Path, model_path: Path,
         os.link(model_path, target)
     except OSError:  # another file system: copy
         shutil.copyfile(model_path, target)
-    return {"dir": str(out), **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
+    info = {"dir": str(out), "holds": export_holds(model)}
+    if embedding is not None:
+        info["sentence_transformers"] = export_sentence_transformers(
+            out, embedding["source"], model.config.hidden_size, embedding["max_seq_length"])
+    info = {**info,
+            **export_compressed_tensors(model, run_dir / CT_DIR, tokenizer, quiet)}
+    if example is not None:
+        info["max_abs_diff"] = output_gap(model, out, example, task)
+        if "compressed_tensors_dir" in info:
+            info["compressed_tensors_max_abs_diff"] = output_gap(
+                model, Path(info["compressed_tensors_dir"]), example, task, cast=False)
+    return info
 
 
 __all__ = ["build_run_data", "check_input_paths", "check_model_takes_data", "check_task_fits",

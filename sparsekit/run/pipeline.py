@@ -71,7 +71,7 @@ from sparsekit.errors import (
 from sparsekit.data import DataBundle
 from sparsekit.io.cache import cache_root
 from sparsekit.models import build_model
-from sparsekit.progress import LOG, format_seconds, is_quiet
+from sparsekit.progress import FILE_LOG, LOG, format_seconds, is_quiet
 from sparsekit.io.runstate import (
     load_latest_checkpoint,
     previous_path,
@@ -342,7 +342,8 @@ def summary_table(s: dict[str, Any]) -> str:
     cpu = s.get("device") == "cpu"
     for key, label, fmt in SPEEDS:
         if key in d or key in c or (key == "tokens_per_s" and generation):
-            label = label.replace(")", ", CPU time)", 1) if cpu else label
+            if cpu and (key in d or key in c):  # measured on a CPU: no speed to speak of
+                label = label.replace(")", ", CPU time)", 1)
             rows.append((label, with_spread(d, key, fmt), with_spread(c, key, fmt)))
     lines = ["| | dense | compressed |", "| --- | ---: | ---: |"]
     lines += [f"| {a} | {b} | {c_} |" for a, b, c_ in rows]
@@ -359,6 +360,13 @@ def summary_table(s: dict[str, Any]) -> str:
         lines.append(f"Generation: dense is the faster dense way, "
                      f"{DENSE_GENERATES[generation['dense_way']]} (tokens/s: {ways}); every way "
                      "timed in alternating rounds.")
+    hf = s.get("hf") or {}
+    if "max_abs_diff" in hf:
+        lines.append(f"hf/ holds {hf['holds']}: its outputs differ from the measured model's by "
+                     f"up to {hf['max_abs_diff']:.3g} (max abs, on one evaluation batch row).")
+    if "compressed_tensors_max_abs_diff" in hf:
+        lines.append(f"hf-compressed-tensors/: its outputs differ by up to "
+                     f"{hf['compressed_tensors_max_abs_diff']:.3g} (max abs).")
     lines.append(f"TensorBoard logdir: {s['tensorboard_logdir']}")
     return "\n".join(lines)
 
@@ -798,8 +806,12 @@ def stage_save(ctx: RunContext) -> None:
 def stage_export_hf(ctx: RunContext) -> None:
     """``model=hf``: ``<run_dir>/hf/`` for ``from_pretrained`` (rank 0); see :func:`export_hf`."""
     if ctx.hf_model is not None and D.is_main():
+        example = ctx.example[:1] if isinstance(ctx.example, torch.Tensor) else ctx.example
+        cfg = ctx.cfg
+        embedding = ({"source": cfg.model.path, "max_seq_length": cfg.data.seq_len}
+                     if cfg.data.task == "embedding" else None)
         ctx.hf_export = export_hf(ctx.model, ctx.tokenizer, ctx.run_dir, ctx.model_path,
-                                  ctx.quiet)
+                                  ctx.quiet, example, cfg.model.task, embedding)
 
 
 def stage_summarize(ctx: RunContext) -> None:
@@ -909,14 +921,16 @@ LONG_STAGES = ("dense", "sensitivity", "prune", "fine_tune", "quantize", "evalua
 
 def timed_stage(name: str, stage: Any, ctx: RunContext) -> None:
     """Run ``stage(ctx)`` with a line when a long one starts (:data:`LONG_STAGES`) and one
-    with its time when any stage took a second or more."""
+    with its time when any stage took a second or more: on stderr and in sparsekit.log, or
+    only in sparsekit.log (:data:`FILE_LOG`) when the run is quiet."""
+    log = FILE_LOG if ctx.quiet else LOG
     if name in LONG_STAGES:
-        LOG.info(f"stage {name} ...")
+        log.info(f"stage {name} ...")
     started = time.perf_counter()
     stage(ctx)
     took = time.perf_counter() - started
     if took >= 1:
-        LOG.info(f"stage {name}: done in {format_seconds(took)}")
+        log.info(f"stage {name}: done in {format_seconds(took)}")
 
 
 #: the stages of a run, in order; each reads and fills the :class:`RunContext`
