@@ -445,6 +445,7 @@ def test_generate_equals_hf_generate_and_bounds_compiles(kernel, monkeypatch):
     assert all(fast.report.seconds[k] == v for k, v in spent.items())  # no graph built since
 
 
+@pytest.mark.slow  # a whole generate; the layers' numerics: test_fp8_weight_only_layers_...
 def test_fp8_weight_only_model_generates_the_float64_models_tokens():
     """An fp8_weight_only-quantized 2:4 Llama accelerated as fp8w generates (prefill on the
     widened weight, decode on the small-M kernel's reference here) the greedy tokens of the same
@@ -941,6 +942,26 @@ def test_decode_cost_counts_the_path_each_count_runs():
     assert decode_cost_us(entry, [1]) == 2
 
 
+def test_generate_runs_under_a_raised_recompile_limit(monkeypatch):
+    # the fast sibling of the test below: generate raises dynamo's per-code-object limit while
+    # it runs (so that many models of one class each compile) and restores it after
+    from sparsekit import _compat
+    from sparsekit.accel.generate import Generator
+
+    config = torch._dynamo.config
+    before, seen = config.recompile_limit, []
+    model, _ = _tiny_llama()
+    ids = torch.randint(0, 256, (1, 5))
+    fast = sk.accelerate(model, {"input_ids": ids}, device="cpu", compile=False)
+    loop = Generator._loop
+    monkeypatch.setattr(Generator, "_loop", lambda self, *a: (
+        seen.append(config.recompile_limit), loop(self, *a))[1])
+    fast.generate(ids, max_new_tokens=2)
+    assert seen == [max(_compat.FRAME_COMPILES, before)] and seen[0] > 8
+    assert config.recompile_limit == before
+
+
+@pytest.mark.slow  # five models compiled; the limit it relies on: the test above
 def test_several_models_of_one_class_each_compile():
     # dynamo's recompile limit (8) is per code object, shared by every LlamaForCausalLM in the
     # process: without sparsekit raising it, the fourth model here would run uncompiled
@@ -957,7 +978,7 @@ def test_several_models_of_one_class_each_compile():
         assert fast.report.compiles >= 2, f"model {i} ran uncompiled"
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8w"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8w", marks=pytest.mark.slow)])
 def test_generate_runs_sibling_groups_as_one_decode_gemm(precision):
     """PlanOptions(siblings=True) under inductor: generate's compiled runners take the model's
     inductor options (the MergeSameCalls pass), so each decode step runs q/k/v and gate/up as

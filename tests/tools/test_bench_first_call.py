@@ -3,7 +3,10 @@ process, and the result says how long the first generate's graph-building calls 
 
 import json
 
+import pytest
 
+
+@pytest.mark.slow  # a process per precision; the tool's parsing: the test below
 def test_smoke_times_each_precision_in_its_own_process(tmp_path, run_tool):
     out = tmp_path / "first_call.json"
     run_tool("bench_first_call.py", "--smoke", "--precisions", "dense,fp8w,int4", "--out", out)
