@@ -459,6 +459,16 @@ API_CASES = {
         torch.randn(4, 8, device="meta")]), "holds a tensor on the meta device"),
     "quantize_(meta batch)": (lambda: sk.quantize_(_mlp(), "int8_static", calibration=[
         torch.randn(4, 8, device="meta")]), "holds a tensor on the meta device"),
+    "accelerate(str)": (lambda: sk.accelerate("m", torch.randn(2, 8), device="cpu"),
+                        "sk.accelerate: model must be a torch.nn.Module"),
+    "accelerate(meta)": (lambda: sk.accelerate(_meta(), torch.randn(2, 8), device="cpu"),
+                         "sk.accelerate: '0.weight' is on the meta device"),
+    "accelerate(meta inputs)": (lambda: sk.accelerate(_mlp(), torch.randn(
+        2, 8, device="meta"), device="cpu"), "example_inputs (tensor(2, 8)) holds a tensor on"),
+    "accelerate(wrong shape)": (lambda: sk.accelerate(_mlp(), torch.randn(2, 5), device="cpu"),
+                                "failed in layer '0' (Linear)"),
+    "accelerate(device)": (lambda: sk.accelerate(_mlp(), torch.randn(2, 8), device="tpu9"),
+                           "sk.accelerate: device='tpu9' is not a torch device"),
 }
 
 

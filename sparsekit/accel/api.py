@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekit.checks import check_module
 from sparsekit.accel import graphs
 from sparsekit.accel import siblings as siblings_
 from sparsekit.accel.kernels import switches
@@ -32,7 +33,7 @@ from sparsekit.accel.options import CompileOptions, PlanOptions
 from sparsekit.accel.planner import Planner, own_precision
 from sparsekit.accel.report import AccelReport
 from sparsekit.errors import ConfigTypeError, UsageError
-from sparsekit.nn.calibration import feed, tree_map
+from sparsekit.nn.calibration import check_no_meta, feed, tree_map
 from sparsekit.nn.select import name_filter
 from sparsekit.prune.patterns import is_nm
 from sparsekit.quant.modules import QuantLinear
@@ -84,6 +85,13 @@ def _accelerate(model: nn.Module, example_inputs: Any, precision: str, sparsity:
                 include: Any, exclude: Any, device: Any, options: CompileOptions,
                 compiled: bool, plan: PlanOptions) -> AcceleratedModel:
     """:func:`accelerate` with its options checked and the plan's kernel choices current."""
+    check_module(model, where="sk.accelerate: ")
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta"]
+    if meta:
+        raise UsageError(f"sk.accelerate: {meta[0]!r} is on the meta device (no values): "
+                         "materialize the model first (to_empty and load its weights)")
+    check_no_meta(example_inputs, "sk.accelerate: example_inputs")
     report = _check_options(precision, sparsity, plan)
     device = _device_of(device)
     report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -218,7 +226,11 @@ def _device_of(device: str | torch.device | None) -> torch.device:
             raise RuntimeError("sk.accelerate needs a CUDA GPU (sparse tensor cores); none is "
                                "visible (device='cpu' runs the reference kernels, for tests)")
         device = "cuda"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"sk.accelerate: device={device!r} is not a torch device; use 'cuda', "
+                         "'cuda:0', ... or 'cpu'") from None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cuda", "cpu"):

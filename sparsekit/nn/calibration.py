@@ -158,13 +158,13 @@ class _LayerTrace:
         self._handles.clear()
 
 
-def _check_no_meta(batch: Any) -> None:
+def check_no_meta(batch: Any, what: str = "a calibration batch") -> None:
     """UsageError when a tensor of ``batch`` is on the meta device (a shape, no values)."""
     found: list[torch.Tensor] = []
     tree_map(lambda t: found.append(t) if t.device.type == "meta" else t, batch)
     if found:
-        raise UsageError(f"a calibration batch ({describe(batch)}) holds a tensor on the meta "
-                         "device (a shape without values): pass batches of real tensors")
+        raise UsageError(f"{what} ({describe(batch)}) holds a tensor on the meta device (a "
+                         "shape without values): pass real tensors")
 
 
 def call_model(
@@ -181,7 +181,7 @@ def call_model(
         except StopIteration:
             device = torch.device("cpu")
         if device.type != "meta":
-            _check_no_meta(batch)
+            check_no_meta(batch)
         batch = to_device(batch, device)
         args, kwargs = model_arguments(model, batch, hint)
         call = model
