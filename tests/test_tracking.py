@@ -190,8 +190,15 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
     # only charts for tags that exist (no perplexity here); one tag per chart, which the
     # dense and compressed runs both log, so TensorBoard draws them in two colours
     cats = layout_["category"]
-    assert [c["title"] for c in cats] == ["dense vs compressed", "training"]
+    assert [c["title"] for c in cats] == ["dense vs compressed", "speed spread (median, p10-p90)",
+                                          "training"]
     charts = {c["title"]: c["multiline"]["tag"] for c in cats[0]["chart"]}
+    # the speed figures' spread: a margin chart each (median, p10, p90: exact tags)
+    margins = {c["title"]: c["margin"]["series"] for c in cats[1]["chart"]}
+    assert margins == {f"{name}, p10-p90": [{"value": f"speed/{key}", "lower": f"speed/{key}_p10",
+                                              "upper": f"speed/{key}_p90"}]
+                       for key, name in (("latency_ms", "latency (ms, batch 1)"),
+                                         ("throughput", "throughput (samples/s)"))}
     # exact tags: a chart's tags are regexes, and the median's must not draw its p10/p90
     assert charts == {"accuracy": ["^eval/accuracy$"],
                       "latency (ms, batch 1, median)": ["^speed/latency_ms$"],
@@ -200,7 +207,7 @@ def test_tensorboard_compares_the_runs_of_a_sweep(cli_sweep):
     every_tag = set().union(*(set(t) for t in tags.values()))
     for cat in cats:
         for chart in cat["chart"]:
-            for pattern in chart["multiline"]["tag"]:
+            for pattern in chart.get("multiline", {}).get("tag", []):
                 assert [t for t in every_tag if re.search(pattern, t)] == [
                     pattern.strip("^$").replace("\\", "")], chart
     # hparams: the overridden keys (the swept one among them) first, then the final metrics

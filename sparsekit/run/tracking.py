@@ -51,6 +51,13 @@ LAYOUT = {
         "generation (tokens/s, median)": ["Multiline", ["speed/tokens_per_s"]],
         "size (bytes)": ["Multiline", ["size/bytes"]],
     },
+    # each speed figure's median with its p10-p90 band (a margin chart: value, lower, upper)
+    "speed spread (median, p10-p90)": {
+        f"{name}, p10-p90": ["Margin", [f"speed/{key}", f"speed/{key}_p10", f"speed/{key}_p90"]]
+        for key, name in (("latency_ms", "latency (ms, batch 1)"),
+                          ("throughput", "throughput (samples/s)"),
+                          ("tokens_per_s", "generation (tokens/s)"))
+    },
     "training": {
         "loss": ["Multiline", ["train/loss"]],
         "learning rate": ["Multiline", ["train/lr"]],
@@ -105,13 +112,15 @@ def layout(tags: Iterable[str]) -> dict[str, dict[str, list]]:
 
 
 def anchored(charts: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
-    """A layout whose tags are exact: custom scalars read a chart's tags as regexes, and
-    ``speed/latency_ms`` alone would also draw ``speed/latency_ms_p10`` and ``_p90``.
+    """A layout whose tags are exact: custom scalars read a multiline chart's tags as regexes,
+    and ``speed/latency_ms`` alone would also draw ``speed/latency_ms_p10`` and ``_p90`` (a
+    margin chart's tags are exact already).
 
     >>> anchored({"c": {"latency": ["Multiline", ["speed/latency_ms"]]}})
     {'c': {'latency': ['Multiline', ['^speed/latency_ms$']]}}
     """
-    return {title: {name: [kind, [f"^{re.escape(t)}$" for t in tags]]
+    return {title: {name: [kind, tags if kind == "Margin" else
+                           [f"^{re.escape(t)}$" for t in tags]]
                     for name, (kind, tags) in group.items()} for title, group in charts.items()}
 
 
