@@ -405,6 +405,12 @@ def test_speed_and_pareto_figures_say_when_a_difference_is_within_noise():
     fig = figures.speed_spread(slower, cpu=True)  # a slowdown, labelled so; CPU time
     assert fig.axes[0].get_title() == "compressed 2.00x slower"
     assert fig._suptitle.get_text().startswith("CPU time (speedup not measured on CPU)")
+    fast = {k: {"throughput": v, "throughput_p10": v * 0.9, "throughput_p90": v * 1.1}
+            for k, v in (("dense", 123456.0), ("compressed", 140000.0))}
+    ax = figures.speed_spread(fast).axes[0]  # readable axis: a few ticks, in k
+    ax.figure.canvas.draw()
+    ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert 2 <= len(ticks) <= 6 and all(len(t) <= 4 and t[-1] in "0k" for t in ticks), ticks
     assert figures.speed_spread({"dense": {}, "compressed": {}}) is None
     equal = {"latency_ms": 0.1 + 0.2, "latency_ms_p10": 0.3, "latency_ms_p90": 0.3}
     assert figures.speed_spread({"dense": equal, "compressed": equal}) is not None
