@@ -83,15 +83,13 @@ def quantize_(
     layer's relative output error on the inputs the sweep gave it), and
     ``GPTQ(pattern="2:4", act_order=..., percdamp=...)`` sets its options, a pattern pruning
     N:M in the same sweep (joint SparseGPT + GPTQ, on a model with no pruner attached).
-    ``group_size`` (int4 schemes; None: the scheme's own): 128, 64 or 32 inputs per scale,
-    ``"channel"`` (one per output channel) or ``"auto"`` (per layer the largest of 128, 64,
-    32 dividing its input size, else per channel); a group that does not divide a layer's
-    input size is a one-line ValueError naming the layer, its input size and the group sizes
-    that fit. Each layer then holds the int4 scheme of its group (``int4_weight``,
-    ``int4_weight_g64``, ``int4_weight_g32``, ``int4_weight_channel``).
-    Weights are quantized from their current
-    values, so pruned zeros stay exactly zero: prune (and finalize) first. A layer the scheme
-    cannot take is skipped with the reason in the report; ``strict=True`` raises instead.
+    ``group_size`` (int4; None: the scheme's own): 128, 64 or 32 inputs per scale,
+    ``"channel"`` or ``"auto"`` (per layer the largest of 128, 64, 32 dividing its input
+    size, else per channel); a group that does not divide a layer's input size is a one-line
+    ValueError naming the layer, its input size and the sizes that fit. Weights are quantized
+    from their current values, so pruned zeros stay exactly zero: prune (and finalize) first.
+    A layer the scheme cannot take is skipped with the reason in the report (``strict=True``:
+    raises).
     Dynamic schemes need no calibration: ``calibration`` batches (fed as in
     :func:`sparsekit.nn.calibration.call_model`) then only measure each layer's output error,
     which the report lists. Static schemes (``int8_static``, ``fp8_static``) require them: each
@@ -105,11 +103,7 @@ def quantize_(
     >>> report.quantized, type(model[0]).__name__
     (['0'], 'QuantLinear')
     """
-    scheme = get_scheme(scheme)
-    gptq = as_method(method)
-    if gptq is not None and calibration is None:
-        raise UsageError("quantize_(method='gptq') solves each layer from its calibration "
-                         "inputs: pass calibration=<iterable of batches>")
+    scheme, gptq = get_scheme(scheme), _method(method, calibration)
     chosen = select_float_layers(model, include, exclude, "quantize_")
     _check_no_masks(chosen)
     report, chosen_ok, schemes = plan_layers(model, chosen, scheme, "quantized", "quantize_",
@@ -120,13 +114,21 @@ def quantize_(
                                 strict)
     todo, errors = _quantized_layers(model, schemes, chosen, chosen_ok, scales, gptq,
                                      calibration, calibration_fn)
-    for layer in report.layers:
-        layer.rel_error = errors.get(layer.name)
+    report.set_errors(errors)
     for name, q in todo.items():
         set_module(model, name, q)
     if gptq is None:
         after_swap(model)
     return report
+
+
+def _method(method: str | GPTQ, calibration: Iterable[Any] | None) -> GPTQ | None:
+    """GPTQ's settings (None: round to nearest); GPTQ needs ``calibration``."""
+    gptq = as_method(method)
+    if gptq is not None and calibration is None:
+        raise UsageError("quantize_(method='gptq') solves each layer from its calibration "
+                         "inputs: pass calibration=<iterable of batches>")
+    return gptq
 
 
 def _quantized_layers(

@@ -44,6 +44,12 @@ class QuantReport(Report):
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.scheme, "layers": [asdict(ly) for ly in self.layers]}
 
+    def set_errors(self, errors: dict[str, float]) -> None:
+        """Each layer's ``rel_error`` from ``errors`` (layer name -> relative output error;
+        None for a layer it does not name)."""
+        for ly in self.layers:
+            ly.rel_error = errors.get(ly.name)
+
     def scalars(self) -> dict[str, float]:
         """``quant/quantized`` and ``quant/skipped`` (layer counts) and
         ``quant/rel_error/<layer>`` where it was measured."""

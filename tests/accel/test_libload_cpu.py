@@ -358,10 +358,11 @@ def test_cslt_binding_is_never_compiled_at_run_time_and_checked_when_loaded(
 
 
 def test_the_fallback_is_one_line_in_the_accelerate_report(tmp_path, monkeypatch, fake_cuda):
-    # a GPU machine without the built library: the decode plan's note says the Triton kernel
-    # runs and how to build the library
-    from torch import nn
+    # a GPU machine without the built library: the decode plan's note names the shapes, the
+    # kernel that runs instead, and how to build the library
+    from types import SimpleNamespace
 
+    from sparsekit.accel import kernels
     from sparsekit.accel.options import CompileOptions, PlanOptions
     from sparsekit.accel.planner import Planner
     from sparsekit.accel.report import AccelReport
@@ -369,12 +370,17 @@ def test_the_fallback_is_one_line_in_the_accelerate_report(tmp_path, monkeypatch
     monkeypatch.setattr(libload, "LIB_DIR", tmp_path / "_lib")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     assert sk24_mma.load() is None
+    small = [k for k in kernels.kernels() if k.small_m]
+    mma = next(k.name for k in small if k.name.startswith("mma_sp"))
+    triton = "sk24"  # the 2:4 Triton kernel, after the mma.sp ones in the registry's order
+    assert kernels.get(mma).order < kernels.get(triton).order
+    layer = SimpleNamespace(refused={mma: sk24_mma.reason()}, shape_text=lambda: "64x128",
+                            plan=SimpleNamespace(routes=(SimpleNamespace(kernel=triton),)))
     report = AccelReport("bf16", "2:4", 1.0, "")
     planner = Planner(torch.device("cuda"), "bf16", "2:4", PlanOptions(cache=False),
                       CompileOptions(), False, report)
-    model = nn.Sequential(nn.Linear(4, 4))
-    model[0].dkernel = "triton"  # a 2:4 layer that fell back
-    planner.plan_decode(model)
-    notes = [n for n in report.notes if "mma.sp" in n]
+    planner._refused_notes([layer, layer])
+    notes = [n for n in report.notes if mma in n]
     assert len(notes) == 1 and "\n" not in notes[0]
-    assert "Triton kernel runs" in notes[0] and "python -m sparsekit.accel.build" in notes[0]
+    assert f"run the {triton} kernel" in notes[0] and "64x128" in notes[0]
+    assert "python -m sparsekit.accel.build" in notes[0]
