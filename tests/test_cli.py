@@ -342,7 +342,8 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, cap
         code, _, err = run_cli(args, tmp_path, capsys)
         assert code == 0, err
     runs = sorted((tmp_path / "runs").iterdir())
-    assert [p.name for p in runs] == ["2026-01-01_00-00-00", "2026-01-01_00-00-00_1"]
+    assert [p.name for p in runs] == ["default_2026-01-01_00-00-00",
+                                      "default_2026-01-01_00-00-00_1"]
     for r in runs:
         summary = json.loads((r / "summary.json").read_text())
         assert Path(summary["run_dir"]) == r.resolve()
@@ -354,8 +355,8 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, cap
         firsts = [cli.unique_run_dir(["-m", "prune.sparsity=0.5,0.7"])[-1] for _ in range(2)]
     finally:
         os.chdir(old)
-    assert firsts == ["hydra.sweep.dir='multirun/2026-01-01_00-00-00'",
-                      "hydra.sweep.dir='multirun/2026-01-01_00-00-00_1'"]
+    assert firsts == ["hydra.sweep.dir='multirun/default_2026-01-01_00-00-00'",
+                      "hydra.sweep.dir='multirun/default_2026-01-01_00-00-00_1'"]
     assert cli.unique_run_dir(["--help"]) == ["--help"]
     assert cli.unique_run_dir(["hydra.run.dir=x"]) == ["hydra.run.dir=x"]
 
@@ -453,7 +454,7 @@ def test_hydra_argv_is_the_one_rewrite_of_the_command_line(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli.time, "strftime", lambda fmt, *a: "2026-01-01_00-00-00")
     cli.register_configs()
-    stamp = "2026-01-01_00-00-00"
+    stamp = "default_2026-01-01_00-00-00"  # the run directory: recipe (default), then time
     assert cli.hydra_argv(["prune.sparsity=0.5"]) == [
         "prune.sparsity=0.5", f"hydra.run.dir='runs/{stamp}'"]
     assert cli.hydra_argv(("prune.sparsity=0.5",))[-1] == f"hydra.run.dir='runs/{stamp}_1'"
@@ -545,3 +546,12 @@ def test_a_sweep_composes_the_config_once(monkeypatch):
     with pytest.raises(SystemExit) as e:  # a bad later value is still found before any run
         cli.check_overrides(["prune=unstructured", "prune.sparsity=0.5,0.7,1.5"])
     assert e.value.code == 2
+
+
+def test_run_directories_start_with_the_recipe_so_tensorboard_names_differ():
+    from sparsekit.run.cli import run_dir_label
+
+    assert run_dir_label([]) == "default"
+    assert run_dir_label(["recipe=llm_sparsegpt_24", "prune.sparsity=0.5"]) == "llm_sparsegpt_24"
+    assert run_dir_label(["recipe=file:/tmp/my recipe.yaml"]) == "my_recipe"
+    assert run_dir_label(["recipe=a", "recipe=b"]) == "b"

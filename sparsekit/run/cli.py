@@ -574,13 +574,24 @@ def hydra_quote(text: str) -> str:
     return "'" + text.replace("${", "\\${") + "'"
 
 
+def run_dir_label(argv: Sequence[str]) -> str:
+    """What a run's directory name starts with: its recipe (``recipe=NAME``, or the stem of
+    ``recipe=file:PATH``), else ``default``; so TensorBoard's run names (paths under
+    ``--logdir runs``) start with what differs between runs, not with the date."""
+    recipes = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("recipe=")]
+    if not recipes or not recipes[-1]:
+        return "default"
+    name = Path(recipes[-1].removeprefix("file:")).stem
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "default"
+
+
 def unique_run_dir(argv: list[str]) -> list[str]:
     """Give this run (a sweep: its parent directory) a directory of its own, created now with
-    ``os.mkdir`` (``runs/<date_time>``, then ``_1``, ``_2``, ... when taken), so two runs started
-    in the same second never share one. Under torchrun rank 0 makes it and every rank takes its
-    name (each rank's clock would otherwise name its own; this initializes the process group).
-    Unchanged when argv names the directory already (the user, or :func:`resume_argv` for the
-    run it continues) or asks for help."""
+    ``os.mkdir`` (``runs/<recipe>_<date_time>``, :func:`run_dir_label`; then ``_1``, ``_2``,
+    ... when taken), so two runs started in the same second never share one. Under torchrun rank 0
+    makes it and every rank takes its name (each rank's clock would otherwise name its own;
+    this initializes the process group). Unchanged when argv names the directory already (the
+    user, or :func:`resume_argv` for the run it continues) or asks for help."""
     sweep = any(a in ("-m", "--multirun") for a in argv)
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
     if (any(a.lstrip("+").startswith(key + "=") for a in argv)
@@ -592,7 +603,8 @@ def unique_run_dir(argv: list[str]) -> list[str]:
     parent = Path("multirun") if sweep else RUNS
 
     def make() -> str:
-        return str(unique_dir(parent / time.strftime("%Y-%m-%d_%H-%M-%S")))
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        return str(unique_dir(parent / f"{run_dir_label(argv)}_{stamp}"))
 
     if launched_by_torchrun() and not sweep:
         init()
