@@ -136,7 +136,6 @@ REAL_LLM = "eval_llm_real_2026-12-08_smollm2_h100.json"
 REAL_LLM_ROWS = (
     ("alps+recon@mix", "SmolLM2-135M-Instruct (GGUF), held-out man pages / info manuals: ALPS "
      "2:4 + block reconstruction, calibrated on code + teacher samples"),
-    ("alps+recon@mix>distill@mix", "same, + 3.5 minutes of recovery distillation (bf16)"),
     ("gptq4@code", "same model, GPTQ int4 group 64 (no 2:4)"),
 )
 
