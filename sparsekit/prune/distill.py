@@ -44,6 +44,7 @@ from torch import nn
 from sparsekit.checks import check_int, check_module
 from sparsekit.errors import ConfigTypeError, UsageError
 from sparsekit.nn.calibration import eval_mode, to_device
+from sparsekit.nn.training import autocast, batch_tokens, check_precision, peak_memory_gb
 from sparsekit.prune.schedules import lr_at
 from sparsekit.names import DISTILL_LOSSES as LOSSES
 from sparsekit.names import DISTILL_TARGETS as TARGETS
@@ -214,9 +215,7 @@ def _check_distill(model: nn.Module, batches: Iterable[Any], steps: int, pruner:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigTypeError(f"steps must be an integer >= 0, got {steps!r}")
     check_int("warmup", warmup, 0)
-    if precision not in PRECISIONS:
-        raise UsageError(f"precision={precision!r} is not allowed; choose one of: "
-                         f"{', '.join(PRECISIONS)}")
+    check_precision(precision)
     if max_seconds is not None and not max_seconds > 0:
         raise UsageError(f"max_seconds={max_seconds!r} must be > 0 (or None: no limit)")
     if pruner is None and any(
@@ -248,18 +247,6 @@ class DistillRun(list):
         """The cost figures as a JSON-friendly dict."""
         return {k: getattr(self, k) for k in ("steps_done", "resumed_from", "seconds", "tokens",
                                               "tokens_per_s", "peak_memory_gb", "finished")}
-
-
-PRECISIONS = ("fp32", "bf16")
-
-
-def batch_tokens(batch: Any) -> int:
-    """Tokens (a 2-D integer tensor's or ``input_ids``' elements) or samples of a batch."""
-    ids = batch.get("input_ids") if isinstance(batch, Mapping) else (
-        batch[0] if isinstance(batch, (tuple, list)) and batch else batch)
-    if isinstance(ids, torch.Tensor):
-        return ids.numel() if not ids.dtype.is_floating_point else ids.shape[0]
-    return 1
 
 
 def _save_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -374,10 +361,7 @@ class _Loop:
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer, run: DistillRun,
             path: str | None, checkpoint_every: float) -> None:
         device = next(model.parameters()).device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                                  enabled=self.precision == "bf16")
+        bf16 = autocast(device, self.precision)
         start = saved = time.perf_counter()
         tokens0, seconds0 = run.tokens, run.seconds
         for step in range(run.steps_done, self.steps):
@@ -388,7 +372,7 @@ class _Loop:
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
             batch = to_device(self.batches[step % len(self.batches)], device)
-            with autocast:
+            with bf16:
                 _, loss = self.d(model, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.float().backward()
@@ -410,8 +394,7 @@ class _Loop:
             if path and now - saved >= checkpoint_every:
                 _save_state(path, model, optimizer, run)
                 saved = now
-        if device.type == "cuda":
-            run.peak_memory_gb = torch.cuda.max_memory_allocated(device) / 2**30
+        run.peak_memory_gb = peak_memory_gb(device)
         if path:
             _save_state(path, model, optimizer, run)
 

@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from sparsekit.run import distributed as D
-from sparsekit.prune.distill import Distiller, batch_tokens, embedding_agreement, kl_loss
+from sparsekit.prune.distill import Distiller, embedding_agreement, kl_loss
+from sparsekit.nn.training import autocast, batch_tokens, peak_memory_gb
 from sparsekit.prune.schedules import lr_at
 from sparsekit.nn.calibration import to_device, eval_mode
 from sparsekit.errors import UsageError
@@ -181,7 +182,7 @@ def fit(
     model.train(dropout)
     device = next(model.parameters()).device
     distiller = _distiller(distiller, teacher, distill_alpha, temperature)
-    autocast, start, tokens = _autocast(device, precision), time.perf_counter(), 0
+    bf16, start, tokens = autocast(device, precision), time.perf_counter(), 0
     bar = progress(range(start_step, steps), quiet, desc=desc, initial=start_step, total=steps)
     for step in bar:
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
@@ -190,7 +191,7 @@ def fit(
             group["lr"] = lr_now = lr_at(step, steps, lr, warmup, lr_schedule)
         x, y = _step_batch(dataset, batch_size, seed, step, shard, device)
         tokens += batch_tokens(x)
-        with autocast:
+        with bf16:
             loss = _step_loss(model, x, y, distiller, distill_alpha)
         _optimizer_step(model, optimizer, loss, grad_clip)
         if pruner is not None and pruner.step(step):
@@ -200,14 +201,6 @@ def fit(
             on_step(step, _step_metrics(loss, lr_now, shard, tokens, start, device)
                     if logged else {})
     return steps
-
-
-def _autocast(device: torch.device, precision: str) -> torch.autocast:
-    """bf16 autocast on ``device`` for ``precision="bf16"`` (off for fp32); resets the CUDA
-    peak-memory counter that the logged metrics read."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
@@ -238,7 +231,7 @@ def _step_metrics(loss: torch.Tensor, lr: float, shard: bool, tokens: int, start
     metrics = {"train/loss": loss_value.item(), "train/lr": lr,
                "train/tokens_per_s": tokens / max(time.perf_counter() - start, 1e-9)}
     if device.type == "cuda":
-        metrics["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        metrics["train/peak_memory_gb"] = peak_memory_gb(device)
     return metrics
 
 
