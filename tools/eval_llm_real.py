@@ -164,28 +164,14 @@ def smoke_model(device: torch.device):
 
 
 def save_state(model: nn.Module, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    from sparsekit.io.files import atomic_write
-
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    seen: dict[int, str] = {}
-    for k in list(state):  # tied tensors (embeddings = LM head) once
-        ptr = model.state_dict()[k].data_ptr()
-        if ptr in seen:
-            del state[k]
-        seen.setdefault(ptr, k)
-    atomic_write(path, lambda tmp: save_file(state, tmp))
+    """A stage's weights as sparsekit's portable checkpoint (2:4 stored compactly, atomic)."""
+    sk.save(model, path)
 
 
 def load_state(model: nn.Module, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    state = load_file(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if "lm_head" in k}
-    if set(missing) - tied or unexpected:
-        raise SystemExit(f"{path}: missing {missing}, unexpected {unexpected}")
+    """The weights :func:`save_state` wrote, into ``model`` (same architecture), in place."""
+    device = next(model.parameters()).device
+    sk.load(path, model=model, device=device)
 
 
 # ----------------------------------------------------------------------------- stages
